@@ -1,0 +1,161 @@
+//! Command-line interface (clap only; the work happens in the library).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Declarative, reproducible LLM fine-tuning: one binary, one TOML recipe.
+///
+/// A recipe names a model, a dataset, an adapter, a device policy and stages (download,
+/// tokenize, train, evaluate, …). rtune plans them as a graph of content-addressed artifacts
+/// and runs only what changed.
+#[derive(Debug, Parser)]
+#[command(name = "rtune", version, max_term_width = 100)]
+#[command(after_help = "Exit codes: 0 ok, 1 invalid recipe or input, 2 usage, 3 a stage failed, 4 lock mismatch.\n\
+Environment: RTUNE_CACHE_DIR (cache root), RTUNE_NO_PROGRESS (plain log lines), NO_COLOR,\n\
+RTUNE_<SECTION>__<KEY>=value (recipe settings, e.g. RTUNE_STAGES__TRAIN__EPOCHS=2).")]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct Global {
+    /// Artifact cache root [default: $XDG_CACHE_HOME/rtune or ~/.cache/rtune]
+    #[arg(long, global = true, env = "RTUNE_CACHE_DIR", value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Print only errors and data
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
+    /// Print more detail
+    #[arg(short, long, global = true, conflicts_with = "quiet")]
+    pub verbose: bool,
+    /// Machine-readable JSON on stdout
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args, Clone, Default)]
+pub struct RecipeArgs {
+    /// A recipe file, a built-in recipe name (see `rtune ls`), or a name in ./recipes
+    pub recipe: String,
+    /// Override a setting with a TOML value, e.g. `--set stages.train.learning_rate=3e-4`
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+}
+
+#[derive(Debug, Args, Clone, Default)]
+pub struct SelectArgs {
+    /// Run only this stage (its inputs must already be built)
+    #[arg(long, value_name = "STAGE", conflicts_with = "from")]
+    pub only: Option<String>,
+    /// Re-run this stage and everything downstream of it
+    #[arg(long, value_name = "STAGE")]
+    pub from: Option<String>,
+    /// Re-run this stage even if it is cached (repeatable)
+    #[arg(long, value_name = "STAGE")]
+    pub force: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List built-in recipes and those in ./recipes
+    Ls,
+    /// Copy a built-in recipe to a file to edit
+    Cp {
+        /// Built-in recipe name
+        name: String,
+        /// Destination file (or folder)
+        dest: PathBuf,
+    },
+    /// Print a recipe; with --set, the layered result
+    Cat {
+        #[command(flatten)]
+        recipe: RecipeArgs,
+    },
+    /// Check a recipe and report every problem at once (exit 1 if invalid)
+    Validate {
+        #[command(flatten)]
+        recipe: RecipeArgs,
+    },
+    /// Show the stages, device, fingerprints, and what will run and why
+    Plan {
+        #[command(flatten)]
+        recipe: RecipeArgs,
+        #[command(flatten)]
+        select: SelectArgs,
+        /// Output format
+        #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
+        format: PlanFormat,
+    },
+    /// Run a recipe: build every stage that is not cached
+    Run {
+        #[command(flatten)]
+        recipe: RecipeArgs,
+        #[command(flatten)]
+        select: SelectArgs,
+        /// Fail (exit 4) if any fingerprint differs from rtune.lock
+        #[arg(long)]
+        locked: bool,
+        /// Never use the network (also HF_HUB_OFFLINE=1)
+        #[arg(long)]
+        offline: bool,
+    },
+    /// Show what goes into a stage's fingerprint; --diff compares with the last run
+    Explain {
+        #[command(flatten)]
+        recipe: RecipeArgs,
+        /// Stage name
+        stage: String,
+        /// Compare with the fingerprint recorded in rtune.lock
+        #[arg(long)]
+        diff: bool,
+    },
+    /// Download a repository from the Hugging Face Hub into the shared HF cache
+    Download {
+        /// Repository id, e.g. HuggingFaceTB/SmolLM2-135M
+        repo_id: String,
+        #[arg(long)]
+        revision: Option<String>,
+        #[arg(long, value_name = "GLOB")]
+        include: Vec<String>,
+        #[arg(long, value_enum, default_value_t = RepoType::Model)]
+        repo_type: RepoType,
+    },
+    /// Inspect and maintain the artifact cache
+    Cache {
+        #[command(subcommand)]
+        command: CacheCommand,
+    },
+    /// Print the JSON Schema of recipes
+    Schema,
+    /// Show the devices this build can use, their dtypes and build features
+    Doctor,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CacheCommand {
+    /// List artifacts: fingerprint, kind, stage, size
+    Ls,
+    /// Re-hash every artifact and report damage (exit 1 if any)
+    Verify,
+    /// Remove what no manifest reaches
+    Gc,
+    /// Print the cache root
+    Path,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlanFormat {
+    Text,
+    Json,
+    Dot,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RepoType {
+    Model,
+    Dataset,
+}

@@ -1,0 +1,4 @@
+//! Data (in progress).
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+#[error("{0}")]
+pub struct DataError(pub String);

@@ -1,0 +1,198 @@
+//! Runs a plan: stages in order, cached ones skipped, each built under its fingerprint's lock
+//! and committed atomically; `rtune.lock` is updated after every stage that completes.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::json;
+
+use crate::Error;
+use crate::plan::{self, Action, LockFile, Plan};
+use crate::recipe::LoadedRecipe;
+use crate::stage::{self, StageCtx};
+use crate::store::{Manifest, Store, write_atomic};
+use crate::ui::{Ui, human_bytes};
+
+/// What a run did, stage by stage.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    pub recipe: String,
+    pub stages: Vec<StageReport>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StageReport {
+    pub name: String,
+    pub kind: String,
+    pub fingerprint: String,
+    /// `cached`, `built`, `skipped`, or `reused` (built meanwhile by another rtune run).
+    pub outcome: String,
+    pub artifact: Option<PathBuf>,
+    pub metrics: serde_json::Value,
+    pub seconds: f64,
+}
+
+impl RunReport {
+    pub fn stage(&self, name: &str) -> Option<&StageReport> {
+        self.stages.iter().find(|s| s.name == name)
+    }
+}
+
+/// Where the lock file of a recipe lives.
+pub fn lock_path(loaded: &LoadedRecipe) -> PathBuf {
+    LockFile::path_for(&loaded.source.base_dir())
+}
+
+/// `--locked`: the plan must match the lock file exactly.
+pub fn check_locked(loaded: &LoadedRecipe, plan: &Plan, lock: &LockFile) -> Result<(), Error> {
+    let path = lock_path(loaded);
+    let recorded = lock.recipes.get(&plan.recipe).map(|r| &r.stages);
+    let mut changes = Vec::new();
+    let current = plan::locked_stages(plan);
+    for (name, s) in &current {
+        match recorded.and_then(|r| r.get(name)) {
+            None => changes.push(crate::recipe::Problem::new("rtune::lock::new_stage", format!("stage `{name}` is not in the lock file"))),
+            Some(old) if old.fingerprint != s.fingerprint => {
+                let diffs = crate::fingerprint::diff(&old.inputs, &s.inputs);
+                changes.push(
+                    crate::recipe::Problem::new(
+                        "rtune::lock::changed",
+                        format!("stage `{name}` would change: {}", diffs.iter().take(4).cloned().collect::<Vec<_>>().join(", ")),
+                    ),
+                );
+            }
+            Some(_) => {}
+        }
+    }
+    for name in recorded.into_iter().flat_map(|r| r.keys()) {
+        if !current.contains_key(name) {
+            changes.push(crate::recipe::Problem::new("rtune::lock::removed_stage", format!("stage `{name}` is in the lock file but not in the recipe")));
+        }
+    }
+    if changes.is_empty() { Ok(()) } else { Err(Error::LockMismatch { path: path.display().to_string(), changes }) }
+}
+
+/// Run every stage of `plan` that is not cached.
+pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result<RunReport, Error> {
+    let lock_file = lock_path(loaded);
+    let mut report = RunReport { recipe: plan.recipe.clone(), stages: Vec::new() };
+    for planned in &plan.stages {
+        let started = Instant::now();
+        let fp = &planned.fingerprint;
+        match planned.action {
+            Action::Skip => {
+                report.stages.push(StageReport {
+                    name: planned.name.clone(),
+                    kind: planned.kind.as_str().into(),
+                    fingerprint: fp.clone(),
+                    outcome: "skipped".into(),
+                    artifact: None,
+                    metrics: json!(null),
+                    seconds: 0.0,
+                });
+                continue;
+            }
+            Action::Cached => {
+                let m = store.manifest(fp);
+                ui.status("cached", format!("{} ({})", planned.name, planned.short()));
+                report.stages.push(StageReport {
+                    name: planned.name.clone(),
+                    kind: planned.kind.as_str().into(),
+                    fingerprint: fp.clone(),
+                    outcome: "cached".into(),
+                    artifact: Some(store.artifact_dir(fp)),
+                    metrics: m.map(|m| m.metrics).unwrap_or(json!(null)),
+                    seconds: started.elapsed().as_secs_f64(),
+                });
+                continue;
+            }
+            Action::Run => {}
+        }
+        let _lock = store.lock(fp, || ui.status("waiting", format!("another rtune run is building {} ({})", planned.name, planned.short())))?;
+        let forced = planned.reason.starts_with("forced");
+        if let Some(m) = store.manifest(fp).filter(|m| !forced && store.quick_check(m).is_ok()) {
+            ui.status("reused", format!("{} ({}) was built by another run meanwhile", planned.name, planned.short()));
+            report.stages.push(StageReport {
+                name: planned.name.clone(),
+                kind: planned.kind.as_str().into(),
+                fingerprint: fp.clone(),
+                outcome: "reused".into(),
+                artifact: Some(store.artifact_dir(fp)),
+                metrics: m.metrics,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+            continue;
+        }
+        if planned.reason.starts_with("artifact damaged") || forced {
+            store.evict(fp)?;
+        }
+        ui.status("running", format!("{} ({}) — {}", planned.name, planned.short(), planned.reason));
+        let staging = store.staging()?;
+        let ctx = StageCtx {
+            loaded,
+            plan,
+            stage: planned,
+            store,
+            out: staging.path(),
+            work: store.work_dir(fp),
+            ui,
+            device: &plan.device,
+            threads: plan.threads,
+        };
+        let metrics = stage::run(&ctx).map_err(|source| Error::Stage { stage: planned.name.clone(), source })?;
+        let mut manifest = Manifest::new(fp, planned.kind.as_str(), &planned.name);
+        manifest.inputs = planned.doc.clone();
+        manifest.metrics = metrics.clone();
+        manifest.run = json!({
+            "device": plan.device.device_name(),
+            "dtype": plan.device.dtype.as_str(),
+            "threads": plan.threads,
+            "seconds": started.elapsed().as_secs_f64(),
+            "recipe": loaded.name(),
+        });
+        let manifest = store.commit(staging.path(), manifest)?;
+        drop(staging);
+        let work = store.work_dir(fp);
+        if work.exists() {
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        record_in_lock(&lock_file, plan, &planned.name)?;
+        ui.status(
+            "built",
+            format!("{} in {:.1}s, {}", planned.name, started.elapsed().as_secs_f64(), human_bytes(manifest.total_size())),
+        );
+        report.stages.push(StageReport {
+            name: planned.name.clone(),
+            kind: planned.kind.as_str().into(),
+            fingerprint: fp.clone(),
+            outcome: "built".into(),
+            artifact: Some(store.artifact_dir(fp)),
+            metrics,
+            seconds: started.elapsed().as_secs_f64(),
+        });
+    }
+    // Cached stages are recorded too, so the lock describes the whole recipe.
+    for s in &plan.stages {
+        if s.action == Action::Cached {
+            record_in_lock(&lock_file, plan, &s.name)?;
+        }
+    }
+    Ok(report)
+}
+
+/// Record one stage's fingerprint in the lock file (read-modify-write, atomic).
+fn record_in_lock(path: &std::path::Path, plan: &Plan, stage: &str) -> Result<(), Error> {
+    let mut lock = LockFile::read(path)?;
+    let entry = lock.recipes.entry(plan.recipe.clone()).or_default();
+    let current = plan::locked_stages(plan);
+    entry.stages.retain(|name, _| current.contains_key(name));
+    if let Some(s) = current.get(stage) {
+        if entry.stages.get(stage) == Some(s) {
+            return Ok(());
+        }
+        entry.stages.insert(stage.to_string(), s.clone());
+    }
+    write_atomic(path, lock.to_text().as_bytes())?;
+    Ok(())
+}

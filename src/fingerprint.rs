@@ -1,0 +1,101 @@
+//! Fingerprints: blake3 of the canonical JSON of everything that changes a stage's output.
+//!
+//! Canonical means: object keys sorted (serde_json's map is a BTreeMap here), floats written in
+//! their shortest round-trip form (so `2e-4` and `0.0002` hash the same), settings typed before
+//! hashing (so `1` and `1.0` hash the same where a float is meant), and no paths, mtimes, thread
+//! counts or log levels.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+/// Version of what goes into a fingerprint. Bump it when a stage's output for the same inputs
+/// changes, so old artifacts are not reused.
+/// History: 1 — first version.
+pub const FINGERPRINT_VERSION: u32 = 1;
+
+/// blake3 hex of the canonical form of `doc`.
+pub fn of(doc: &Value) -> String {
+    let text = serde_json::to_string(doc).expect("json values serialise");
+    blake3::hash(text.as_bytes()).to_hex().to_string()
+}
+
+/// Content digest of a file, or of a folder (its sorted relative paths and file digests).
+pub fn digest_path(path: &Path) -> std::io::Result<String> {
+    let md = std::fs::metadata(path)?;
+    if md.is_file() {
+        return Ok(crate::store::hash_file(path)?.0);
+    }
+    let mut h = blake3::Hasher::new();
+    for rel in crate::store::walk(path)? {
+        let name = rel.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/");
+        if name.starts_with('.') || name.contains("/.") {
+            continue;
+        }
+        let (d, size) = crate::store::hash_file(&path.join(&rel))?;
+        h.update(name.as_bytes());
+        h.update(&[0]);
+        h.update(d.as_bytes());
+        h.update(&size.to_le_bytes());
+    }
+    Ok(h.finalize().to_hex().to_string())
+}
+
+/// Readable differences between two JSON documents: `path: old → new`, in key order.
+pub fn diff(old: &Value, new: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    walk_diff("", old, new, &mut out);
+    out
+}
+
+fn walk_diff(path: &str, old: &Value, new: &Value, out: &mut Vec<String>) {
+    match (old, new) {
+        (Value::Object(a), Value::Object(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for k in keys {
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                match (a.get(k), b.get(k)) {
+                    (Some(x), Some(y)) => walk_diff(&p, x, y, out),
+                    (None, Some(y)) => out.push(format!("{p}: (unset) → {}", show(y))),
+                    (Some(x), None) => out.push(format!("{p}: {} → (unset)", show(x))),
+                    (None, None) => {}
+                }
+            }
+        }
+        _ if old != new => out.push(format!("{path}: {} → {}", show(old), show(new))),
+        _ => {}
+    }
+}
+
+/// A value as a recipe would write it (floats in short form: 1e-4 rather than 0.0001).
+pub fn show(v: &Value) -> String {
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or_default();
+            let plain = format!("{f}");
+            let sci = format!("{f:e}");
+            if sci.len() < plain.len() { sci } else { plain }
+        }
+        Value::String(s) => format!("\"{s}\""),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn equal_floats_written_differently_hash_the_same() {
+        let a: Value = serde_json::from_str(r#"{"b": 2e-4, "a": 1}"#).unwrap();
+        let b: Value = serde_json::from_str(r#"{"a": 1, "b": 0.0002}"#).unwrap();
+        assert_eq!(of(&a), of(&b));
+    }
+
+    #[test]
+    fn diff_names_the_changed_setting() {
+        let d = diff(&json!({"train": {"learning_rate": 1e-4, "epochs": 1}}), &json!({"train": {"learning_rate": 3e-4, "epochs": 1}}));
+        assert_eq!(d, ["train.learning_rate: 1e-4 → 3e-4"]);
+    }
+}

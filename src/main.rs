@@ -1,0 +1,327 @@
+//! The `rtune` binary: parses the command line, runs a command, maps errors to exit codes.
+
+mod cli;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use clap::Parser;
+use serde_json::json;
+
+use cli::{CacheCommand, Cli, Command, PlanFormat, RecipeArgs, SelectArgs};
+use rtune::device::Inventory;
+use rtune::plan::{self, LockFile, Selection};
+use rtune::recipe::{self, Overrides, Problem, builtin};
+use rtune::store::Store;
+use rtune::ui::{Ui, human_bytes};
+use rtune::{Error, exec};
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    let ui = Ui::new(cli.global.quiet, cli.global.verbose);
+    match run(cli, &ui) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            report(&e);
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
+fn report(e: &dyn miette::Diagnostic) {
+    let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    if color {
+        let width = terminal_width().unwrap_or(100);
+        let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode()).with_width(width);
+        let mut s = String::new();
+        let _ = handler.render_report(&mut s, e);
+        eprint!("{s}");
+    } else {
+        eprint!("{}", rtune::ui::render_plain(e));
+    }
+}
+
+fn terminal_width() -> Option<usize> {
+    std::env::var("COLUMNS").ok()?.parse().ok()
+}
+
+fn store(cli: &cli::Global) -> Result<Store, Error> {
+    let root = cli.cache_dir.clone().unwrap_or_else(Store::default_root);
+    Ok(Store::open(&root)?)
+}
+
+fn load(args: &RecipeArgs) -> Result<recipe::LoadedRecipe, Error> {
+    Ok(recipe::load(&args.recipe, &Overrides::from_env_and_args(args.sets.clone()))?)
+}
+
+fn selection(s: &SelectArgs) -> Selection {
+    Selection { only: s.only.clone(), from: s.from.clone(), force: s.force.clone() }
+}
+
+fn make_plan(g: &cli::Global, args: &RecipeArgs, sel: &SelectArgs) -> Result<(recipe::LoadedRecipe, Store, LockFile, plan::Plan), Error> {
+    let loaded = load(args)?;
+    let store = store(g)?;
+    let lock = LockFile::read(&exec::lock_path(&loaded))?;
+    let plan = plan::make(&loaded, &store, &lock, &Inventory::probe(), &selection(sel))?;
+    Ok((loaded, store, lock, plan))
+}
+
+fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
+    let g = &cli.global;
+    match cli.command {
+        Command::Ls => {
+            if g.json {
+                let list: Vec<_> = builtin::all().iter().map(|b| json!({"name": b.name, "description": b.description(), "builtin": true})).collect();
+                ui.out(format!("{}\n", serde_json::to_string_pretty(&list).expect("json")));
+                return Ok(0);
+            }
+            let width = builtin::all().iter().map(|b| b.name.len()).max().unwrap_or(0);
+            let mut out = String::from("built-in recipes:\n");
+            for b in builtin::all() {
+                out.push_str(&format!("  {:<width$}  {}\n", b.name, b.description()));
+            }
+            let mut local: Vec<String> = std::fs::read_dir("recipes")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+                .map(|p| p.display().to_string())
+                .collect();
+            local.sort();
+            if !local.is_empty() {
+                out.push_str("\nin ./recipes:\n");
+                for p in local {
+                    out.push_str(&format!("  {p}\n"));
+                }
+            }
+            ui.out(out);
+            Ok(0)
+        }
+        Command::Cp { name, dest } => {
+            let b = builtin::find(&name).ok_or_else(|| {
+                let mut p = Problem::new("rtune::recipe::not_found", format!("no built-in recipe `{name}`"));
+                if let Some(m) = recipe::diag::did_you_mean(&name, builtin::all().iter().map(|b| b.name)) {
+                    p = p.help(format!("did you mean `{m}`?"));
+                }
+                p
+            })?;
+            let target = if dest.is_dir() { dest.join(format!("{}.toml", b.name)) } else { dest.clone() };
+            if target.exists() {
+                return Err(Problem::new("rtune::cp::exists", format!("`{}` already exists", target.display()))
+                    .help("choose another destination or remove the file first")
+                    .into());
+            }
+            std::fs::write(&target, b.text).map_err(Error::io(format!("cannot write `{}`", target.display())))?;
+            let dir = target.parent().map(|p| p.to_path_buf()).unwrap_or_default();
+            for (rel, bytes) in builtin::data_files(b) {
+                let p = dir.join(rel);
+                if !p.exists() {
+                    if let Some(parent) = p.parent() {
+                        std::fs::create_dir_all(parent).map_err(Error::io(format!("cannot create `{}`", parent.display())))?;
+                    }
+                    std::fs::write(&p, bytes).map_err(Error::io(format!("cannot write `{}`", p.display())))?;
+                    ui.status("copied", p.display().to_string());
+                }
+            }
+            ui.status("copied", format!("{} → {}", b.name, target.display()));
+            Ok(0)
+        }
+        Command::Cat { recipe: args } => {
+            if args.sets.is_empty() {
+                let source = recipe::RecipeSource::find(&args.recipe)?;
+                let text = source.text().map_err(Error::io(format!("cannot read `{}`", source.display_name())))?;
+                ui.out(text);
+            } else {
+                let loaded = load(&args)?;
+                let value = serde_json::to_value(&loaded.recipe).expect("recipe serialises");
+                ui.out(toml::to_string_pretty(&value).unwrap_or_default());
+            }
+            Ok(0)
+        }
+        Command::Validate { recipe: args } => {
+            let loaded = load(&args)?;
+            let names: Vec<String> = loaded.stages.list.iter().map(|s| s.name.clone()).collect();
+            if g.json {
+                ui.out(format!("{}\n", json!({"recipe": loaded.recipe.recipe.name, "valid": true, "stages": names})));
+            } else {
+                ui.out(format!("recipe `{}` is valid: {} stages ({})\n", loaded.name(), names.len(), names.join(" → ")));
+            }
+            Ok(0)
+        }
+        Command::Plan { recipe: args, select, format } => {
+            let (_, _, _, plan) = make_plan(g, &args, &select)?;
+            let text = match (format, g.json) {
+                (PlanFormat::Json, _) | (_, true) => format!("{}\n", serde_json::to_string_pretty(&plan).expect("json")),
+                (PlanFormat::Dot, _) => plan::render_dot(&plan),
+                (PlanFormat::Text, _) => plan::render_text(&plan),
+            };
+            ui.out(text);
+            Ok(0)
+        }
+        Command::Run { recipe: args, select, locked, offline: _ } => {
+            let (loaded, store, lock, plan) = make_plan(g, &args, &select)?;
+            if locked {
+                exec::check_locked(&loaded, &plan, &lock)?;
+            }
+            if !g.quiet {
+                eprint!("{}", plan::render_text(&plan));
+                eprintln!();
+            }
+            let report = exec::run(&loaded, &plan, &store, ui)?;
+            if g.json {
+                ui.out(format!("{}\n", serde_json::to_string_pretty(&report).expect("json")));
+            } else {
+                ui.out(summary(&report));
+            }
+            Ok(0)
+        }
+        Command::Explain { recipe: args, stage, diff } => {
+            let (loaded, _store, lock, plan) = make_plan(g, &args, &SelectArgs::default())?;
+            let Some(s) = plan.stage(&stage) else {
+                return Err(Problem::new("rtune::plan::unknown_stage", format!("the recipe has no stage `{stage}`")).into());
+            };
+            let mut out = format!(
+                "stage `{}` ({}) fingerprint {}\nstatus: {}{}\n\nfingerprint inputs:\n{}\n",
+                s.name,
+                s.kind,
+                s.fingerprint,
+                s.action.as_str(),
+                if s.reason.is_empty() { String::new() } else { format!(" — {}", s.reason) },
+                serde_json::to_string_pretty(&s.doc).expect("json")
+            );
+            if diff {
+                match lock.recipes.get(&plan.recipe).and_then(|r| r.stages.get(&stage)) {
+                    None => out.push_str(&format!("\nno earlier run of `{stage}` is recorded in {}\n", exec::lock_path(&loaded).display())),
+                    Some(old) if old.fingerprint == s.fingerprint => out.push_str("\nunchanged since the last run\n"),
+                    Some(old) => {
+                        out.push_str(&format!("\nchanges since the last run ({} → {}):\n", &old.fingerprint[..12], s.short()));
+                        for line in rtune::fingerprint::diff(&old.inputs, &s.doc) {
+                            out.push_str(&format!("  {line}\n"));
+                        }
+                    }
+                }
+            }
+            ui.out(out);
+            Ok(0)
+        }
+        Command::Download { repo_id, .. } => Err(Problem::new(
+            "rtune::hub::not_implemented",
+            format!("downloading `{repo_id}` from the Hugging Face Hub is not implemented yet"),
+        )
+        .help("use a local model folder with `[model] path = \"…\"`")
+        .into()),
+        Command::Cache { command } => {
+            let store = store(g)?;
+            match command {
+                CacheCommand::Path => {
+                    ui.out(format!("{}\n", store.root().display()));
+                    Ok(0)
+                }
+                CacheCommand::Ls => {
+                    let ms = store.manifests();
+                    if g.json {
+                        let list: Vec<_> = ms.iter().map(|m| json!({"fingerprint": m.fingerprint, "kind": m.kind, "stage": m.stage, "bytes": m.total_size(), "path": store.artifact_dir(&m.fingerprint)})).collect();
+                        ui.out(format!("{}\n", serde_json::to_string_pretty(&list).expect("json")));
+                    } else {
+                        let mut out = String::new();
+                        for m in &ms {
+                            out.push_str(&format!("{}  {:<9} {:<12} {:>10}\n", &m.fingerprint[..12], m.kind, m.stage, human_bytes(m.total_size())));
+                        }
+                        out.push_str(&format!("{} artifacts, {}\n", ms.len(), human_bytes(ms.iter().map(|m| m.total_size()).sum())));
+                        ui.out(out);
+                    }
+                    Ok(0)
+                }
+                CacheCommand::Verify => {
+                    let mut bad = 0;
+                    let ms = store.manifests();
+                    for m in &ms {
+                        let problems = store.verify(m);
+                        if !problems.is_empty() {
+                            bad += 1;
+                            ui.out(format!("damaged {} ({} {}): {}\n", &m.fingerprint[..12], m.kind, m.stage, problems.join("; ")));
+                        }
+                    }
+                    ui.out(format!("{} artifacts verified, {bad} damaged\n", ms.len()));
+                    Ok(if bad > 0 { 1 } else { 0 })
+                }
+                CacheCommand::Gc => {
+                    let (n, bytes) = store.gc()?;
+                    ui.out(format!("removed {n} entries, freed {}\n", human_bytes(bytes)));
+                    Ok(0)
+                }
+            }
+        }
+        Command::Schema => {
+            ui.out(schema_text());
+            Ok(0)
+        }
+        Command::Doctor => {
+            let inv = Inventory::probe();
+            if g.json {
+                ui.out(format!("{}\n", serde_json::to_string_pretty(&inv).expect("json")));
+                return Ok(0);
+            }
+            let mut out = format!(
+                "rtune {}\nbuild features: cuda={} metal={}\ncpu threads: {}\n\ndevices:\n",
+                env!("CARGO_PKG_VERSION"),
+                inv.cuda_feature,
+                inv.metal_feature,
+                inv.cpu_threads
+            );
+            for d in &inv.devices {
+                let mem = d.memory_bytes.map(human_bytes).unwrap_or_else(|| "unknown".into());
+                let dtypes = d.dtypes.iter().map(|t| t.as_str()).collect::<Vec<_>>().join(", ");
+                let name = if d.class == rtune::device::DeviceClass::Cpu { "cpu".to_string() } else { d.name.clone() };
+                out.push_str(&format!("  {name:<8} {}  memory {mem}  training dtypes: {dtypes}\n", d.name));
+            }
+            for want in ["cuda", "metal", "rocm"] {
+                if let Err(e) = rtune::device::resolve(&[want.to_string()], &[rtune::recipe::Dtype::F32], &inv) {
+                    out.push_str(&format!("  {want:<8} unavailable: {}\n", e.tried[0].reason));
+                }
+            }
+            ui.out(out);
+            Ok(0)
+        }
+    }
+}
+
+/// The JSON Schema as checked in under schemas/.
+fn schema_text() -> String {
+    format!("{}\n", serde_json::to_string_pretty(&rtune::recipe::Recipe::json_schema()).expect("json"))
+}
+
+/// What `rtune run` prints on stdout at the end: every artifact, and eval losses.
+fn summary(r: &exec::RunReport) -> String {
+    let mut out = format!("\nrecipe `{}` done\n", r.recipe);
+    let w = r.stages.iter().map(|s| s.name.len()).max().unwrap_or(0);
+    for s in &r.stages {
+        let path = s.artifact.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "-".into());
+        out.push_str(&format!("  {:<w$}  {:<7}  {path}\n", s.name, s.outcome));
+    }
+    let evals: Vec<String> = r
+        .stages
+        .iter()
+        .filter(|s| s.kind == "evaluate")
+        .filter_map(|s| {
+            let loss = s.metrics["eval_loss"].as_f64()?;
+            let ppl = s.metrics["perplexity"].as_f64().unwrap_or(f64::NAN);
+            Some(format!("  {:<w$}  {} model: eval loss {loss:.4}, perplexity {ppl:.2}", s.name, s.metrics["model"].as_str().unwrap_or("?")))
+        })
+        .collect();
+    if !evals.is_empty() {
+        out.push_str("\nevaluation:\n");
+        for e in evals {
+            out.push_str(&e);
+            out.push('\n');
+        }
+    }
+    out
+}

@@ -1,0 +1,417 @@
+//! Plans: which stages run, on what device, with which fingerprint, and why.
+//!
+//! Planning reads the recipe, the lock file and the store's manifests; it never loads a model,
+//! so `rtune plan` answers in milliseconds.
+
+pub mod lockfile;
+mod render;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+pub use lockfile::{LockFile, LockedStage};
+pub use render::{render_dot, render_text};
+
+use crate::device::{self, Inventory, Resolution};
+use crate::fingerprint::{self, FINGERPRINT_VERSION};
+use crate::recipe::stages::Port;
+use crate::recipe::{
+    EvaluateSettings, LoadedRecipe, Problem, QuantizeSettings, StageKind, StageSpec, TrainSettings, UploadSettings,
+};
+use crate::store::Store;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// A committed artifact with this fingerprint exists and passes a quick check.
+    Cached,
+    /// The stage will run.
+    Run,
+    /// Not selected by `--only`.
+    Skip,
+}
+
+impl Action {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Cached => "cached",
+            Action::Run => "run",
+            Action::Skip => "skip",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PlannedStage {
+    pub name: String,
+    pub kind: StageKind,
+    pub needs: Vec<String>,
+    pub implicit: bool,
+    /// Whether the stage's numbers depend on the device (then device and dtype are fingerprinted).
+    pub uses_device: bool,
+    /// What was hashed into the fingerprint.
+    pub doc: Value,
+    pub fingerprint: String,
+    pub action: Action,
+    pub reason: String,
+}
+
+impl PlannedStage {
+    pub fn short(&self) -> &str {
+        &self.fingerprint[..12]
+    }
+
+    /// The resolved settings of this stage.
+    pub fn settings(&self) -> &Value {
+        &self.doc["settings"]
+    }
+
+    /// Input fingerprints by port name.
+    pub fn input(&self, port: &str) -> Option<&str> {
+        self.doc["inputs"][port].as_str()
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    pub recipe: String,
+    pub device: Resolution,
+    pub threads: usize,
+    pub stages: Vec<PlannedStage>,
+}
+
+impl Plan {
+    pub fn stage(&self, name: &str) -> Option<&PlannedStage> {
+        self.stages.iter().find(|s| s.name == name)
+    }
+}
+
+/// Stage selection from the command line.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    pub only: Option<String>,
+    pub from: Option<String>,
+    pub force: Vec<String>,
+}
+
+pub fn port_name(p: Port) -> &'static str {
+    match p {
+        Port::Model => "model",
+        Port::Dataset => "dataset",
+        Port::Tokens => "tokens",
+        Port::Weights => "weights",
+        Port::Exports => "exports",
+    }
+}
+
+/// Make the plan of a loaded recipe.
+pub fn make(
+    loaded: &LoadedRecipe,
+    store: &Store,
+    lock: &LockFile,
+    inv: &Inventory,
+    sel: &Selection,
+) -> Result<Plan, Problem> {
+    let recipe = &loaded.recipe;
+    for name in sel.only.iter().chain(&sel.from).chain(&sel.force) {
+        if loaded.stages.get(name).is_none() {
+            let names = loaded.stages.list.iter().map(|s| s.name.as_str());
+            let mut p = Problem::new("rtune::plan::unknown_stage", format!("the recipe has no stage `{name}`"));
+            p = match crate::recipe::diag::did_you_mean(name, names.clone()) {
+                Some(m) => p.help(format!("did you mean `{m}`?")),
+                None => p.help(format!("stages: {}", names.collect::<Vec<_>>().join(", "))),
+            };
+            return Err(p);
+        }
+    }
+    let device = device::resolve(&recipe.device.prefer, &recipe.device.dtype, inv).map_err(|e| {
+        Problem::new("rtune::device::none", e.to_string())
+            .at(loaded.origin(&["device", "prefer"]), "none of these is usable")
+            .help("add `\"cpu\"` at the end of `device.prefer` as a last resort")
+    })?;
+    let threads = recipe.device.threads.unwrap_or(inv.cpu_threads);
+    let forced: BTreeSet<String> = match &sel.from {
+        Some(f) => loaded.stages.downstream(f),
+        None => BTreeSet::new(),
+    }
+    .into_iter()
+    .chain(sel.force.iter().cloned())
+    .collect();
+    let only_set = sel.only.as_ref().map(|o| BTreeSet::from([o.clone()]));
+    let previous = lock.recipes.get(&recipe.recipe.name);
+
+    let mut planned: Vec<PlannedStage> = Vec::new();
+    for spec in &loaded.stages.list {
+        support::check(spec, loaded)?;
+        let settings = resolve_settings(spec, loaded, &device).map_err(|e| {
+            Problem::new("rtune::plan::settings", format!("stage `{}`: {e}", spec.name))
+                .at(loaded.origin(&["stages", &spec.name]), "in this stage")
+        })?;
+        let uses_device = matches!(spec.kind, StageKind::Train | StageKind::Evaluate | StageKind::Quantize);
+        let mut inputs = serde_json::Map::new();
+        for (port, producer) in spec.inputs(&loaded.stages) {
+            let fp = planned.iter().find(|p| p.name == producer.name).map(|p| p.fingerprint.clone());
+            inputs.insert(port_name(port).into(), json!(fp));
+        }
+        let mut doc = json!({
+            "fingerprint_version": FINGERPRINT_VERSION,
+            "kind": spec.kind.as_str(),
+            "settings": settings,
+            "inputs": inputs,
+        });
+        if uses_device {
+            doc["device"] = json!({ "class": device.class.as_str(), "dtype": device.dtype.as_str() });
+        }
+        if spec.kind == StageKind::Download {
+            doc["sources"] = source_digests(loaded)?;
+        }
+        let fp = fingerprint::of(&doc);
+        let cached = store.manifest(&fp).map(|m| store.quick_check(&m));
+        let old = previous.and_then(|r| r.stages.get(&spec.name));
+        let (mut action, mut reason) = match (&cached, forced.contains(&spec.name)) {
+            (_, true) => (Action::Run, if sel.from.is_some() && !sel.force.contains(&spec.name) {
+                format!("forced (--from {})", sel.from.as_deref().unwrap_or_default())
+            } else {
+                "forced (--force)".to_string()
+            }),
+            (Some(Ok(())), false) => (Action::Cached, String::new()),
+            (Some(Err(why)), false) => (Action::Run, format!("artifact damaged ({why}); rebuilding")),
+            (None, false) => (Action::Run, why_run(old, &doc, &fp, spec, &planned)),
+        };
+        if let Some(only) = &only_set {
+            if !only.contains(&spec.name) && action == Action::Run {
+                let upstream_of_only = loaded.stages.upstream(sel.only.as_deref().unwrap_or_default());
+                if upstream_of_only.contains(&spec.name) {
+                    return Err(Problem::new(
+                        "rtune::plan::input_not_built",
+                        format!("`--only {}` needs stage `{}`, which is not built", sel.only.as_deref().unwrap_or_default(), spec.name),
+                    )
+                    .help(format!("run `rtune run {} --only {}` first, or drop `--only`", loaded.name(), spec.name)));
+                }
+                action = Action::Skip;
+                reason = "not selected (--only)".into();
+            }
+        }
+        planned.push(PlannedStage {
+            name: spec.name.clone(),
+            kind: spec.kind,
+            needs: spec.needs.clone(),
+            implicit: spec.implicit,
+            uses_device,
+            doc,
+            fingerprint: fp,
+            action,
+            reason,
+        });
+    }
+    Ok(Plan { recipe: recipe.recipe.name.clone(), device, threads, stages: planned })
+}
+
+/// Why a stage with no cached artifact runs, compared with the last recorded run.
+fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, planned: &[PlannedStage]) -> String {
+    let Some(old) = old else { return "new".into() };
+    if old.fingerprint == fp {
+        return "not in the cache".into();
+    }
+    if old.kind != spec.kind.as_str() {
+        return format!("kind changed: {} → {}", old.kind, spec.kind);
+    }
+    let mut parts = Vec::new();
+    if old.inputs["fingerprint_version"] != doc["fingerprint_version"] {
+        parts.push("rtune's output format for this stage changed".to_string());
+    }
+    let settings = fingerprint::diff(&old.inputs["settings"], &doc["settings"]);
+    if !settings.is_empty() {
+        let shown: Vec<String> = settings.iter().take(3).cloned().collect();
+        let more = if settings.len() > 3 { format!(" (+{} more)", settings.len() - 3) } else { String::new() };
+        parts.push(format!("settings changed: {}{more}", shown.join(", ")));
+    }
+    if old.inputs["device"] != doc["device"] {
+        let d = |v: &Value| format!("{}/{}", v["class"].as_str().unwrap_or("-"), v["dtype"].as_str().unwrap_or("-"));
+        parts.push(format!("device changed: {} → {}", d(&old.inputs["device"]), d(&doc["device"])));
+    }
+    if old.inputs["sources"] != doc["sources"] {
+        let changed: Vec<String> = fingerprint::diff(&old.inputs["sources"], &doc["sources"])
+            .iter()
+            .filter_map(|l| l.split(':').next().map(String::from))
+            .collect();
+        parts.push(format!("source changed: {}", changed.join(", ")));
+    }
+    let mut changed_inputs = Vec::new();
+    if let Some(ins) = doc["inputs"].as_object() {
+        for (port, fp) in ins {
+            if old.inputs["inputs"][port] != *fp {
+                let producer = planned
+                    .iter()
+                    .find(|p| Some(p.fingerprint.as_str()) == fp.as_str())
+                    .map(|p| p.name.clone())
+                    .unwrap_or_else(|| port.clone());
+                if !changed_inputs.contains(&producer) {
+                    changed_inputs.push(producer);
+                }
+            }
+        }
+    }
+    if !changed_inputs.is_empty() {
+        parts.push(format!("input changed: {}", changed_inputs.join(", ")));
+    }
+    if parts.is_empty() { "fingerprint changed".into() } else { parts.join("; ") }
+}
+
+/// The settings of a stage with defaults applied and `[device.<name>]` overrides merged.
+fn resolve_settings(spec: &StageSpec, loaded: &LoadedRecipe, device: &Resolution) -> Result<Value, serde_json::Error> {
+    let recipe = &loaded.recipe;
+    let mut table = Value::Object(spec.settings.clone());
+    for dev in device.override_names() {
+        if let Some(over) = recipe.device.overrides.get(&dev).and_then(|o| o.get(&spec.name)) {
+            merge(&mut table, over);
+        }
+    }
+    let seed = recipe.recipe.seed;
+    Ok(match spec.kind {
+        StageKind::Download => {
+            let model = &recipe.model;
+            let model = match (&model.scratch, &model.path, &model.repo) {
+                (Some(s), _, _) => json!({ "scratch": s, "seed": seed, "vocab_from": "dataset" }),
+                (_, Some(_), _) => json!({ "path": "(by content)" }),
+                (_, _, Some(r)) => json!({ "repo": r, "revision": model.revision.clone().unwrap_or_else(|| "main".into()) }),
+                _ => Value::Null,
+            };
+            let dataset = match (&recipe.dataset.repo, &recipe.dataset.path) {
+                (Some(r), _) => json!({ "repo": r }),
+                _ => json!({ "path": "(by content)" }),
+            };
+            json!({ "model": model, "dataset": dataset })
+        }
+        StageKind::Tokenize => {
+            let d = &recipe.dataset;
+            json!({
+                "format": d.format, "eval_fraction": d.eval_fraction, "max_seq_len": d.max_seq_len,
+                "truncate": d.truncate, "packing": d.packing, "train_on_prompt": d.train_on_prompt,
+                "skip_bad_rows": d.skip_bad_rows, "column_map": d.column_map, "seed": seed,
+            })
+        }
+        StageKind::Train => {
+            let t: TrainSettings = serde_json::from_value(table)?;
+            json!({ "train": t, "adapter": recipe.adapter, "seed": seed })
+        }
+        StageKind::Evaluate => {
+            let e: EvaluateSettings = serde_json::from_value(table)?;
+            json!({ "evaluate": e, "seed": seed })
+        }
+        StageKind::Quantize => {
+            let q: QuantizeSettings = serde_json::from_value(table)?;
+            json!({ "quantize": q, "adapter": recipe.adapter })
+        }
+        StageKind::Upload => {
+            let u: UploadSettings = serde_json::from_value(table)?;
+            json!({ "upload": u })
+        }
+    })
+}
+
+fn merge(base: &mut Value, over: &Value) {
+    match (base, over) {
+        (Value::Object(b), Value::Object(o)) => {
+            for (k, v) in o {
+                merge(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, o) => *b = o.clone(),
+    }
+}
+
+/// Content digests of local sources (model folder, dataset file or folder).
+fn source_digests(loaded: &LoadedRecipe) -> Result<Value, Problem> {
+    let recipe = &loaded.recipe;
+    let mut out = serde_json::Map::new();
+    let mut add = |key: &str, rel: &str, at: [&str; 2]| -> Result<(), Problem> {
+        let path = loaded.resolve_path(rel);
+        let digest = fingerprint::digest_path(&path).map_err(|e| {
+            Problem::new("rtune::source::unreadable", format!("cannot read {key} `{}`: {e}", path.display()))
+                .at(loaded.origin(&at), "this path")
+                .help("paths are relative to the recipe's folder")
+        })?;
+        out.insert(key.into(), json!(digest));
+        Ok(())
+    };
+    if let Some(p) = &recipe.model.path {
+        add("model", p, ["model", "path"])?;
+    }
+    if let Some(p) = &recipe.dataset.path {
+        add("dataset", p, ["dataset", "path"])?;
+    }
+    Ok(Value::Object(out))
+}
+
+/// Which stage kinds and sources this build implements, checked at plan time so nothing
+/// pretends to run.
+mod support {
+    use super::*;
+
+    pub fn check(spec: &StageSpec, loaded: &LoadedRecipe) -> Result<(), Problem> {
+        let recipe = &loaded.recipe;
+        let not_yet = |what: String, at: &[&str], help: &str| {
+            Problem::new("rtune::plan::not_implemented", format!("{what} is not implemented yet"))
+                .at(loaded.origin(at), "not implemented")
+                .help(help.to_string())
+        };
+        match spec.kind {
+            StageKind::Download => {
+                if recipe.model.repo.is_some() {
+                    return Err(not_yet(
+                        "downloading models from the Hugging Face Hub".into(),
+                        &["model", "repo"],
+                        "use `path = \"…\"` with a local model folder, or `scratch = { … }`",
+                    ));
+                }
+                if recipe.dataset.repo.is_some() {
+                    return Err(not_yet(
+                        "downloading datasets from the Hugging Face Hub".into(),
+                        &["dataset", "repo"],
+                        "use `path = \"…\"` with a local file",
+                    ));
+                }
+            }
+            StageKind::Tokenize => {
+                if recipe.dataset.format == crate::recipe::DataFormat::Chat {
+                    return Err(not_yet("the `chat` dataset format".into(), &["dataset", "format"], "use `alpaca` or `text`"));
+                }
+            }
+            StageKind::Train | StageKind::Evaluate => {}
+            StageKind::Quantize | StageKind::Upload => {
+                return Err(not_yet(
+                    format!("the `{}` stage", spec.kind),
+                    &["stages", &spec.name],
+                    "remove this stage for now",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Names of stages in `plan` whose output depends on `name` (for messages).
+pub fn dependents(plan: &Plan, name: &str) -> Vec<String> {
+    let mut set = BTreeSet::from([name.to_string()]);
+    let mut out = Vec::new();
+    for s in &plan.stages {
+        if s.needs.iter().any(|n| set.contains(n)) {
+            set.insert(s.name.clone());
+            out.push(s.name.clone());
+        }
+    }
+    out
+}
+
+/// Per-stage fingerprints, for `rtune.lock`.
+pub fn locked_stages(plan: &Plan) -> BTreeMap<String, LockedStage> {
+    plan.stages
+        .iter()
+        .map(|s| {
+            (s.name.clone(), LockedStage { kind: s.kind.as_str().into(), fingerprint: s.fingerprint.clone(), inputs: s.doc.clone() })
+        })
+        .collect()
+}

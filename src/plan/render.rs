@@ -1,0 +1,84 @@
+//! Text and DOT renderings of a plan (JSON is the plan's own serialisation).
+
+use std::fmt::Write;
+
+use super::{Action, Plan};
+
+/// The table `rtune plan` prints.
+pub fn render_text(plan: &Plan) -> String {
+    let mut out = String::new();
+    let d = &plan.device;
+    let _ = writeln!(out, "plan for recipe `{}` on {} ({})", plan.recipe, d.device_name(), d.dtype.as_str());
+    for s in &d.skipped {
+        let _ = writeln!(out, "  skipped {}: {}", s.device, s.reason);
+    }
+    for n in &d.dtype_notes {
+        let _ = writeln!(out, "  dtype {n}");
+    }
+    out.push('\n');
+    let rows: Vec<[String; 7]> = plan
+        .stages
+        .iter()
+        .map(|s| {
+            [
+                s.name.clone() + if s.implicit { "*" } else { "" },
+                s.kind.as_str().to_string(),
+                if s.needs.is_empty() { "-".into() } else { s.needs.join(",") },
+                if s.uses_device { format!("{}/{}", d.device_name(), d.dtype.as_str()) } else { "-".into() },
+                s.short().to_string(),
+                s.action.as_str().to_string(),
+                s.reason.clone(),
+            ]
+        })
+        .collect();
+    let header = ["STAGE", "KIND", "NEEDS", "DEVICE", "FINGERPRINT", "STATUS", "REASON"].map(String::from);
+    let mut widths = header.clone().map(|h| h.chars().count());
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    for r in std::iter::once(&header).chain(rows.iter()) {
+        let mut line = String::new();
+        for (i, c) in r.iter().enumerate() {
+            if i + 1 == r.len() {
+                line.push_str(c);
+            } else {
+                let _ = write!(line, "{c:<w$}  ", w = widths[i]);
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    let runs = plan.stages.iter().filter(|s| s.action == Action::Run).count();
+    let cached = plan.stages.iter().filter(|s| s.action == Action::Cached).count();
+    let _ = writeln!(out, "\n{runs} to run, {cached} cached");
+    if plan.stages.iter().any(|s| s.implicit) {
+        out.push_str("* added by rtune because another stage needs it\n");
+    }
+    out
+}
+
+/// Graphviz DOT of the stage graph, coloured by action.
+pub fn render_dot(plan: &Plan) -> String {
+    let mut out = String::from("digraph plan {\n  rankdir=LR;\n  node [shape=box, style=rounded];\n");
+    for s in &plan.stages {
+        let color = match s.action {
+            Action::Cached => "gray",
+            Action::Run => "black",
+            Action::Skip => "lightgray",
+        };
+        let _ = writeln!(
+            out,
+            "  \"{}\" [label=\"{}\\n{} {}\", color={color}];",
+            s.name, s.name, s.kind, s.action.as_str()
+        );
+    }
+    for s in &plan.stages {
+        for n in &s.needs {
+            let _ = writeln!(out, "  \"{n}\" -> \"{}\";", s.name);
+        }
+    }
+    out.push_str("}\n");
+    out
+}

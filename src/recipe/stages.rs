@@ -1,0 +1,463 @@
+//! The stage graph of a recipe: kinds, default `needs`, implicit stages, cycles.
+//!
+//! Each kind reads and produces named kinds of artifact ([`Port`]). A stage's `needs` defaults
+//! to the producers of what its kind reads; `download` and `tokenize` are added implicitly when
+//! something needs them and the recipe does not list them.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use petgraph::graph::DiGraph;
+use serde_json::Value as J;
+
+use super::check::{Checker, unknown_key};
+use super::diag::{Problem, did_you_mean};
+use super::tree::{Node, Value};
+use super::types::{StageKind, TrainSettings};
+
+/// A kind of artifact that flows between stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Port {
+    Model,
+    Dataset,
+    Tokens,
+    Weights,
+    Exports,
+}
+
+impl Port {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Port::Model => "the base model",
+            Port::Dataset => "the dataset",
+            Port::Tokens => "tokenized data",
+            Port::Weights => "trained weights",
+            Port::Exports => "exported models",
+        }
+    }
+}
+
+pub fn produces(kind: StageKind) -> &'static [Port] {
+    match kind {
+        StageKind::Download => &[Port::Model, Port::Dataset],
+        StageKind::Tokenize => &[Port::Tokens],
+        StageKind::Train => &[Port::Weights],
+        StageKind::Evaluate => &[],
+        StageKind::Quantize => &[Port::Exports],
+        StageKind::Upload => &[],
+    }
+}
+
+/// What a stage reads; `evaluate` with `model = "base"` needs no trained weights.
+pub fn reads(kind: StageKind, settings: &serde_json::Map<String, J>) -> Vec<Port> {
+    match kind {
+        StageKind::Download => vec![],
+        StageKind::Tokenize => vec![Port::Model, Port::Dataset],
+        StageKind::Train => vec![Port::Model, Port::Tokens],
+        StageKind::Evaluate => {
+            if settings.get("model").and_then(J::as_str) == Some("base") {
+                vec![Port::Model, Port::Tokens]
+            } else {
+                vec![Port::Model, Port::Tokens, Port::Weights]
+            }
+        }
+        StageKind::Quantize => vec![Port::Model, Port::Weights],
+        StageKind::Upload => vec![Port::Exports],
+    }
+}
+
+fn default_producer(port: Port) -> Option<StageKind> {
+    match port {
+        Port::Model | Port::Dataset => Some(StageKind::Download),
+        Port::Tokens => Some(StageKind::Tokenize),
+        _ => None,
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct StageSpec {
+    pub name: String,
+    pub kind: StageKind,
+    pub needs: Vec<String>,
+    /// The stage table without `kind` and `needs` (defaults are applied when planning).
+    pub settings: serde_json::Map<String, J>,
+    /// Added by rtune because another stage needs it.
+    pub implicit: bool,
+}
+
+impl StageSpec {
+    /// The port → producing stage map for this stage's needs.
+    pub fn inputs<'a>(&self, stages: &'a Stages) -> BTreeMap<Port, &'a StageSpec> {
+        let mut out = BTreeMap::new();
+        for n in &self.needs {
+            if let Some(s) = stages.get(n) {
+                for p in produces(s.kind) {
+                    out.insert(*p, s);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The stages of a recipe, in a stable topological order.
+#[derive(Debug, Clone)]
+pub struct Stages {
+    pub list: Vec<StageSpec>,
+}
+
+impl Stages {
+    pub fn get(&self, name: &str) -> Option<&StageSpec> {
+        self.list.iter().find(|s| s.name == name)
+    }
+
+    /// Names of `name` and every stage downstream of it.
+    pub fn downstream(&self, name: &str) -> BTreeSet<String> {
+        let mut out = BTreeSet::from([name.to_string()]);
+        for s in &self.list {
+            if s.needs.iter().any(|n| out.contains(n)) {
+                out.insert(s.name.clone());
+            }
+        }
+        out
+    }
+
+    /// Names of `name` and every stage it depends on.
+    pub fn upstream(&self, name: &str) -> BTreeSet<String> {
+        let mut out = BTreeSet::from([name.to_string()]);
+        for s in self.list.iter().rev() {
+            if out.contains(&s.name) {
+                out.extend(s.needs.iter().cloned());
+            }
+        }
+        out
+    }
+}
+
+/// Build and check the stage graph. Problems go to `problems`; `None` if no graph could be made.
+pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Stages> {
+    let before = problems.len();
+    let mut specs: Vec<StageSpec> = Vec::new();
+    let mut needs_origin: BTreeMap<String, Vec<(String, Option<super::Origin>)>> = BTreeMap::new();
+    let empty = BTreeMap::new();
+    let table = match tree.get(&["stages"]) {
+        None => &empty,
+        Some(n) => match n.as_table() {
+            Some(t) => t,
+            None => {
+                problems.push(
+                    Problem::new("rtune::recipe::wrong_type", format!("`stages` must be a table, found {}", n.type_name()))
+                        .at(n.origin.as_ref(), "expected a table"),
+                );
+                return None;
+            }
+        },
+    };
+    if table.is_empty() {
+        problems.push(
+            Problem::new("rtune::recipe::no_stages", "the recipe has no stages")
+                .at(tree.origin.as_ref(), "in this recipe")
+                .help("add at least `[stages.train]`; `download` and `tokenize` are added when needed"),
+        );
+        return None;
+    }
+    let kind_names: Vec<&str> = StageKind::ALL.iter().map(|k| k.as_str()).collect();
+    for (name, entry) in table {
+        let path = format!("stages.{name}");
+        let Some(st) = entry.node.as_table() else {
+            problems.push(
+                Problem::new("rtune::recipe::wrong_type", format!("`{path}` must be a table, found {}", entry.node.type_name()))
+                    .at(entry.node.origin.as_ref(), "expected a table")
+                    .help(format!("write `[stages.{name}]` on its own line")),
+            );
+            continue;
+        };
+        let kind = match st.get("kind") {
+            Some(k) => match k.node.as_str().and_then(StageKind::parse) {
+                Some(kind) => kind,
+                None => {
+                    let shown = k.node.as_str().map(|s| format!("`{s}`")).unwrap_or_else(|| k.node.type_name().into());
+                    let mut p = Problem::new("rtune::recipe::unknown_kind", format!("`{path}.kind` is {shown}, not a stage kind"))
+                        .at(k.node.origin.as_ref(), "unknown stage kind");
+                    p = match k.node.as_str().and_then(|s| did_you_mean(s, kind_names.iter().copied())) {
+                        Some(m) => p.help(format!("did you mean `{m}`?")),
+                        None => p.help(format!("stage kinds: {}", kind_names.join(", "))),
+                    };
+                    problems.push(p);
+                    continue;
+                }
+            },
+            None => match StageKind::parse(name) {
+                Some(kind) => kind,
+                None => {
+                    let mut p = Problem::new("rtune::recipe::unknown_kind", format!("stage `{name}` has no kind"))
+                        .at(entry.key.as_ref(), "kind unknown");
+                    p = match did_you_mean(name, kind_names.iter().copied()) {
+                        Some(m) => p.help(format!("did you mean `[stages.{m}]`? or add `kind = \"…\"`")),
+                        None => p.help(format!("add `kind = \"…\"`, one of {}", kind_names.join(", "))),
+                    };
+                    problems.push(p);
+                    continue;
+                }
+            },
+        };
+        let mut checker = Checker::new(schema);
+        let kind_schema = stage_schema(kind);
+        checker.check_table(&entry.node, &kind_schema, &path, &["kind", "needs"]);
+        let needs = match st.get("needs") {
+            None => None,
+            Some(n) => match &n.node.value {
+                Value::Array(items) if items.iter().all(|i| i.as_str().is_some()) => {
+                    let list: Vec<(String, Option<super::Origin>)> =
+                        items.iter().map(|i| (i.as_str().unwrap_or_default().to_string(), i.origin.clone())).collect();
+                    Some(list)
+                }
+                _ => {
+                    checker.problems.push(
+                        Problem::new("rtune::recipe::wrong_type", format!("`{path}.needs` must be an array of stage names"))
+                            .at(n.node.origin.as_ref(), "expected [\"stage\", …]"),
+                    );
+                    None
+                }
+            },
+        };
+        problems.append(&mut checker.problems);
+        let settings = match entry.node.to_json() {
+            J::Object(mut m) => {
+                m.remove("kind");
+                m.remove("needs");
+                m
+            }
+            _ => serde_json::Map::new(),
+        };
+        if let Some(n) = &needs {
+            needs_origin.insert(name.clone(), n.clone());
+        }
+        specs.push(StageSpec {
+            name: name.clone(),
+            kind,
+            needs: needs.map(|n| n.into_iter().map(|(s, _)| s).collect()).unwrap_or_default(),
+            settings,
+            implicit: false,
+        });
+    }
+    // Stages whose kind is unknown were reported above; keep checking the rest, treating
+    // their names as existing so they cause no second error.
+    let broken: Vec<String> = table.keys().filter(|k| !specs.iter().any(|s| &s.name == *k)).cloned().collect();
+
+    // Implicit upstream stages, then default needs.
+    for port in [Port::Tokens, Port::Model] {
+        let needed = specs.iter().any(|s| {
+            !needs_origin.contains_key(&s.name) && reads(s.kind, &s.settings).contains(&port)
+                || (port == Port::Model && s.kind == StageKind::Tokenize)
+        });
+        let producer = default_producer(port).expect("has a default producer");
+        if needed && !specs.iter().any(|s| s.kind == producer) {
+            let name = producer.as_str().to_string();
+            specs.push(StageSpec { name, kind: producer, needs: vec![], settings: serde_json::Map::new(), implicit: true });
+        }
+    }
+    let names: BTreeSet<String> = specs.iter().map(|s| s.name.clone()).chain(broken.iter().cloned()).collect();
+    let snapshot = specs.clone();
+    for spec in &mut specs {
+        let wanted = reads(spec.kind, &spec.settings);
+        if let Some(explicit) = needs_origin.get(&spec.name) {
+            let mut ok = true;
+            for (n, origin) in explicit {
+                if !names.contains(n) {
+                    ok = false;
+                    let mut p = Problem::new(
+                        "rtune::recipe::unknown_stage",
+                        format!("stage `{}` needs `{n}`, but there is no such stage", spec.name),
+                    )
+                    .at(origin.as_ref(), "unknown stage");
+                    p = match did_you_mean(n, names.iter().map(String::as_str)) {
+                        Some(m) => p.help(format!("did you mean `{m}`?")),
+                        None => p.help(format!("stages: {}", names.iter().cloned().collect::<Vec<_>>().join(", "))),
+                    };
+                    problems.push(p);
+                }
+            }
+            if ok {
+                let have: BTreeSet<Port> = explicit
+                    .iter()
+                    .filter_map(|(n, _)| snapshot.iter().find(|s| &s.name == n))
+                    .flat_map(|s| produces(s.kind).iter().copied())
+                    .collect();
+                for port in wanted.iter().filter(|p| !have.contains(p)) {
+                    let at = tree.get(&["stages", &spec.name, "needs"]).and_then(|n| n.origin.clone());
+                    problems.push(
+                        Problem::new(
+                            "rtune::recipe::missing_input",
+                            format!("stage `{}` reads {}, but none of its `needs` produce it", spec.name, port.describe()),
+                        )
+                        .at(at.as_ref(), "add the producing stage here"),
+                    );
+                }
+            }
+            continue;
+        }
+        let mut needs = Vec::new();
+        for port in wanted {
+            let producers: Vec<&StageSpec> = snapshot.iter().filter(|s| produces(s.kind).contains(&port)).collect();
+            match producers.as_slice() {
+                [one] => {
+                    if !needs.contains(&one.name) {
+                        needs.push(one.name.clone());
+                    }
+                }
+                [] => {
+                    let at = tree.entry(&["stages", &spec.name]).and_then(|e| e.key.clone());
+                    let hint = match port {
+                        Port::Weights => "add a `[stages.train]` stage",
+                        Port::Exports => "add a `[stages.quantize]` stage",
+                        _ => "add the stage that produces it",
+                    };
+                    problems.push(
+                        Problem::new(
+                            "rtune::recipe::missing_input",
+                            format!("stage `{}` reads {}, but no stage produces it", spec.name, port.describe()),
+                        )
+                        .at(at.as_ref(), "needs an input nobody produces")
+                        .help(hint),
+                    );
+                }
+                many => {
+                    let at = tree.entry(&["stages", &spec.name]).and_then(|e| e.key.clone());
+                    let list = many.iter().map(|s| format!("`{}`", s.name)).collect::<Vec<_>>().join(", ");
+                    problems.push(
+                        Problem::new(
+                            "rtune::recipe::ambiguous_input",
+                            format!("stage `{}` reads {}, which {list} all produce", spec.name, port.describe()),
+                        )
+                        .at(at.as_ref(), "which one?")
+                        .help(format!("say which with `needs = [\"{}\"]`", many[0].name)),
+                    );
+                }
+            }
+        }
+        spec.needs = needs;
+    }
+    if problems.len() > before {
+        return None;
+    }
+    check_device_overrides(tree, schema, &specs, problems);
+
+    // Cycles: report each strongly connected component once, with its path.
+    let mut graph = DiGraph::<&str, ()>::new();
+    let idx: BTreeMap<&str, _> = specs.iter().map(|s| (s.name.as_str(), graph.add_node(s.name.as_str()))).collect();
+    for s in &specs {
+        for n in &s.needs {
+            graph.add_edge(idx[n.as_str()], idx[s.name.as_str()], ());
+        }
+    }
+    for scc in petgraph::algo::tarjan_scc(&graph) {
+        let self_loop = scc.len() == 1 && graph.contains_edge(scc[0], scc[0]);
+        if scc.len() > 1 || self_loop {
+            let mut members: Vec<&str> = scc.iter().map(|i| graph[*i]).collect();
+            members.sort();
+            let cycle = cycle_path(&specs, &members);
+            let first = cycle[0].clone();
+            let at = tree.get(&["stages", &first, "needs"]).and_then(|n| n.origin.clone());
+            problems.push(
+                Problem::new("rtune::recipe::cycle", format!("stages depend on each other in a cycle: {}", cycle.join(" → ")))
+                    .at(at.as_ref(), "part of the cycle")
+                    .help("remove one of these `needs` so the stages form a chain"),
+            );
+        }
+    }
+    if problems.len() > before {
+        return None;
+    }
+    Some(Stages { list: topo_order(specs) })
+}
+
+/// The stage schema of a kind, as used for checking a `[stages.*]` table.
+pub fn stage_schema(kind: StageKind) -> J {
+    serde_json::to_value(kind.settings_schema()).expect("schema serialises")
+}
+
+/// A readable cycle through `members`: a → b → … → a.
+fn cycle_path(specs: &[StageSpec], members: &[&str]) -> Vec<String> {
+    let start = members[0];
+    let mut path = vec![start.to_string()];
+    let mut cur = start;
+    for _ in 0..members.len() {
+        // Follow a `needs` edge backwards (cur needs next) that stays in the component.
+        let next = specs
+            .iter()
+            .find(|s| s.name == cur)
+            .and_then(|s| s.needs.iter().find(|n| members.contains(&n.as_str())));
+        match next {
+            Some(n) => {
+                path.push(n.clone());
+                if n == start {
+                    break;
+                }
+                cur = n;
+            }
+            None => break,
+        }
+    }
+    path
+}
+
+/// Kahn's algorithm with a stable tie-break: kind order, then name.
+fn topo_order(specs: Vec<StageSpec>) -> Vec<StageSpec> {
+    let mut remaining = specs;
+    let mut done: BTreeSet<String> = BTreeSet::new();
+    let mut out = Vec::new();
+    while !remaining.is_empty() {
+        let pos = remaining
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.needs.iter().all(|n| done.contains(n)))
+            .min_by_key(|(_, s)| (s.kind, s.name.clone()))
+            .map(|(i, _)| i)
+            .expect("no cycles remain");
+        let s = remaining.remove(pos);
+        done.insert(s.name.clone());
+        out.push(s);
+    }
+    out
+}
+
+/// `[device.<name>.<stage>]` tables: the stage must exist and the keys must fit its kind.
+fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems: &mut Vec<Problem>) {
+    let Some(device) = tree.get(&["device"]).and_then(Node::as_table) else { return };
+    for (dev, entry) in device.iter().filter(|(k, _)| super::is_device_name(k)) {
+        let Some(stages) = entry.node.as_table() else {
+            problems.push(
+                Problem::new("rtune::recipe::wrong_type", format!("`device.{dev}` must be a table of stage overrides"))
+                    .at(entry.node.origin.as_ref(), "expected a table")
+                    .help(format!("for example `[device.{dev}]` then `train.batch_size = 1`")),
+            );
+            continue;
+        };
+        for (stage, st) in stages {
+            let path = format!("device.{dev}.{stage}");
+            match specs.iter().find(|s| &s.name == stage) {
+                None => problems.push(unknown_key(stage, &format!("device.{dev}"), st.key.as_ref(), specs.iter().map(|s| s.name.as_str()))
+                    .with_message(format!("`device.{dev}` overrides `{stage}`, but there is no such stage"))),
+                Some(spec) => {
+                    let mut s = stage_schema(spec.kind);
+                    s.as_object_mut().map(|o| o.remove("required"));
+                    let mut checker = Checker::new(schema);
+                    checker.check_table(&st.node, &s, &path, &[]);
+                    problems.append(&mut checker.problems);
+                }
+            }
+        }
+    }
+}
+
+impl Problem {
+    fn with_message(mut self, m: String) -> Problem {
+        self.message = m;
+        self
+    }
+}
+
+/// Resolved train settings of a stage spec (defaults applied), for callers that need them.
+pub fn train_settings(spec: &StageSpec) -> Result<TrainSettings, serde_json::Error> {
+    serde_json::from_value(J::Object(spec.settings.clone()))
+}

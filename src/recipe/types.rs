@@ -1,0 +1,736 @@
+//! The typed recipe: what a recipe file means once it has been checked.
+//!
+//! These types are the single source of truth for the recipe format: the JSON Schema in
+//! `schemas/recipe.schema.json`, the structural checks in [`super::check`] and the reference in
+//! `docs/recipe-reference.md` are all generated from them. Defaults live here, as serde defaults.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A whole recipe, after layering (file < `RTUNE_*` env < `--set`).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// Name, description and seed of the recipe.
+    pub recipe: RecipeMeta,
+    /// Where the base model comes from: exactly one of `repo`, `path` or `scratch`.
+    pub model: ModelSource,
+    /// Where the training data comes from and how it is turned into tokens.
+    pub dataset: Dataset,
+    /// What is trained: a LoRA adapter or the full model.
+    #[serde(default)]
+    pub adapter: Adapter,
+    /// Ordered device and dtype preferences, with per-device stage overrides.
+    #[serde(default)]
+    pub device: DevicePolicy,
+    /// The stages to run, by name. A stage's kind is its name unless `kind` says otherwise.
+    #[serde(default)]
+    #[schemars(skip)]
+    pub stages: BTreeMap<String, StageTable>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RecipeMeta {
+    /// A short identifier, e.g. `smollm2-135m-lora`.
+    #[schemars(length(min = 1))]
+    pub name: String,
+    /// One line saying what the recipe is for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Seed for every random choice: scratch weights, data split, shuffling, LoRA init, dropout.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+}
+
+fn default_seed() -> u64 {
+    42
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSource {
+    /// A Hugging Face Hub model id, e.g. `HuggingFaceTB/SmolLM2-135M`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repo: Option<String>,
+    /// Branch, tag or commit of `repo`; resolved to a commit id and recorded in `rtune.lock`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// A local Hugging Face model folder (config.json, safetensors, tokenizer.json).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// A randomly initialised model of the given shape, with a tokenizer trained on the dataset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scratch: Option<ScratchModel>,
+}
+
+/// The shape of a randomly initialised model (seeded by `recipe.seed`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ScratchModel {
+    /// Architecture family of the model.
+    #[serde(default)]
+    pub arch: Arch,
+    #[schemars(range(min = 8, max = 16384))]
+    pub hidden_size: usize,
+    #[schemars(range(min = 1, max = 256))]
+    pub num_layers: usize,
+    #[schemars(range(min = 1, max = 256))]
+    pub num_heads: usize,
+    /// Key/value heads (grouped-query attention); defaults to `num_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 256))]
+    pub num_kv_heads: Option<usize>,
+    #[schemars(range(min = 1, max = 65536))]
+    pub intermediate_size: usize,
+    /// Size of the byte-level BPE tokenizer trained on the dataset (special tokens included).
+    #[schemars(range(min = 300, max = 262144))]
+    pub vocab_size: usize,
+    #[serde(default = "default_max_positions")]
+    #[schemars(range(min = 16, max = 1048576))]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_rope_theta")]
+    #[schemars(range(min = 1.0))]
+    pub rope_theta: f64,
+    #[serde(default = "default_rms_eps")]
+    #[schemars(extend("exclusiveMinimum" = 0.0), range(max = 0.1))]
+    pub rms_norm_eps: f64,
+    /// Share the input embedding with the LM head.
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
+    /// Standard deviation of the normal initialisation, as transformers' `initializer_range`.
+    #[serde(default = "default_init_range")]
+    #[schemars(extend("exclusiveMinimum" = 0.0), range(max = 1.0))]
+    pub initializer_range: f64,
+}
+
+fn default_max_positions() -> usize {
+    2048
+}
+fn default_rope_theta() -> f64 {
+    10000.0
+}
+fn default_rms_eps() -> f64 {
+    1e-5
+}
+fn default_init_range() -> f64 {
+    0.02
+}
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// `LlamaForCausalLM`: Llama 2/3, SmolLM, TinyLlama, Mistral-style.
+    #[default]
+    Llama,
+    /// `Qwen2ForCausalLM`: Qwen2 and Qwen2.5 (q/k/v biases).
+    Qwen2,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Dataset {
+    /// A Hugging Face Hub dataset id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repo: Option<String>,
+    /// A local file (jsonl, json, csv, parquet, txt) or folder, relative to the recipe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// How rows become training text.
+    pub format: DataFormat,
+    /// Share of rows held out for evaluation (deterministic by seed).
+    #[serde(default = "default_eval_fraction")]
+    #[schemars(range(min = 0.0), extend("exclusiveMaximum" = 1.0))]
+    pub eval_fraction: f64,
+    /// Longest sequence in tokens; longer rows are truncated (or rejected, see `truncate`).
+    #[serde(default = "default_max_seq_len")]
+    #[schemars(range(min = 8, max = 1048576))]
+    pub max_seq_len: usize,
+    /// Truncate rows longer than `max_seq_len`; when false such a row is a bad row.
+    #[serde(default = "yes")]
+    pub truncate: bool,
+    /// Pack several rows into one sequence of `max_seq_len` tokens.
+    #[serde(default)]
+    pub packing: bool,
+    /// Count prompt tokens in the loss too (alpaca and chat formats).
+    #[serde(default)]
+    pub train_on_prompt: bool,
+    /// Skip malformed rows (they are counted and reported) instead of failing.
+    #[serde(default)]
+    pub skip_bad_rows: bool,
+    /// Rename source columns to the names the format expects, e.g. `{ output = "response" }`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub column_map: BTreeMap<String, String>,
+}
+
+fn default_eval_fraction() -> f64 {
+    0.05
+}
+fn default_max_seq_len() -> usize {
+    1024
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    /// instruction / input / output, rendered with the Stanford Alpaca prompt.
+    Alpaca,
+    /// a `messages` list of {role, content}, rendered with the model's chat template.
+    Chat,
+    /// a `text` column; every token counts in the loss.
+    Text,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Adapter {
+    /// `lora` trains low-rank adapters on a frozen base; `none` trains every weight.
+    #[serde(default)]
+    pub kind: AdapterKind,
+    /// LoRA rank r.
+    #[serde(default = "default_rank")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub rank: usize,
+    /// LoRA alpha; the adapter output is scaled by alpha / rank.
+    #[serde(default = "default_alpha")]
+    #[schemars(extend("exclusiveMinimum" = 0.0))]
+    pub alpha: f64,
+    /// Dropout on the adapter input during training.
+    #[serde(default)]
+    #[schemars(range(min = 0.0), extend("exclusiveMaximum" = 1.0))]
+    pub dropout: f64,
+    /// Modules that get an adapter.
+    #[serde(default = "default_targets")]
+    #[schemars(length(min = 1))]
+    pub targets: Vec<LoraTarget>,
+}
+
+impl Default for Adapter {
+    fn default() -> Self {
+        Adapter {
+            kind: AdapterKind::default(),
+            rank: default_rank(),
+            alpha: default_alpha(),
+            dropout: 0.0,
+            targets: default_targets(),
+        }
+    }
+}
+
+fn default_rank() -> usize {
+    8
+}
+fn default_alpha() -> f64 {
+    16.0
+}
+fn default_targets() -> Vec<LoraTarget> {
+    use LoraTarget::*;
+    vec![QProj, KProj, VProj, OProj]
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum AdapterKind {
+    #[default]
+    Lora,
+    /// Full fine-tuning: every weight trains.
+    None,
+}
+
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum LoraTarget {
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    GateProj,
+    UpProj,
+    DownProj,
+    LmHead,
+}
+
+impl LoraTarget {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoraTarget::QProj => "q_proj",
+            LoraTarget::KProj => "k_proj",
+            LoraTarget::VProj => "v_proj",
+            LoraTarget::OProj => "o_proj",
+            LoraTarget::GateProj => "gate_proj",
+            LoraTarget::UpProj => "up_proj",
+            LoraTarget::DownProj => "down_proj",
+            LoraTarget::LmHead => "lm_head",
+        }
+    }
+}
+
+/// Device policy. Besides the keys below, `[device.<name>]` tables (`cpu`, `cuda`, `cuda:N`,
+/// `metal`, `rocm`) hold stage overrides applied only when that device is chosen, e.g.
+/// `[device.cpu] train.batch_size = 1`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct DevicePolicy {
+    /// Devices in order of preference; the first one available wins.
+    #[serde(default = "default_prefer")]
+    #[schemars(length(min = 1))]
+    pub prefer: Vec<String>,
+    /// Dtypes in order of preference; the first one the chosen device supports wins.
+    #[serde(default = "default_dtypes")]
+    #[schemars(length(min = 1))]
+    pub dtype: Vec<Dtype>,
+    /// CPU threads (default: all cores). Recorded, never part of a fingerprint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub threads: Option<usize>,
+    /// Per-device stage overrides (`[device.<name>.<stage>]`), checked against each stage.
+    #[serde(flatten, default)]
+    #[schemars(skip)]
+    pub overrides: BTreeMap<String, serde_json::Value>,
+}
+
+impl Default for DevicePolicy {
+    fn default() -> Self {
+        DevicePolicy {
+            prefer: default_prefer(),
+            dtype: default_dtypes(),
+            threads: None,
+            overrides: BTreeMap::new(),
+        }
+    }
+}
+
+fn default_prefer() -> Vec<String> {
+    vec!["cuda".into(), "metal".into(), "cpu".into()]
+}
+fn default_dtypes() -> Vec<Dtype> {
+    vec![Dtype::Bf16, Dtype::F32]
+}
+
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// One `[stages.<name>]` table: the common keys, then the settings of its kind.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StageTable {
+    /// The stage kind; defaults to the stage's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<StageKind>,
+    /// Stages whose artifacts this one reads; defaults by kind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub needs: Option<Vec<String>>,
+    /// The kind's settings, checked against that kind's schema.
+    #[serde(flatten)]
+    pub settings: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Keys every stage table may hold besides its kind's settings.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StageCommon {
+    /// The stage kind; defaults to the stage's name.
+    #[serde(default)]
+    pub kind: Option<StageKind>,
+    /// Stages whose artifacts this one reads; defaults by kind.
+    #[serde(default)]
+    pub needs: Option<Vec<String>>,
+}
+
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum StageKind {
+    Download,
+    Tokenize,
+    Train,
+    Evaluate,
+    Quantize,
+    Upload,
+}
+
+impl StageKind {
+    pub const ALL: [StageKind; 6] = [
+        StageKind::Download,
+        StageKind::Tokenize,
+        StageKind::Train,
+        StageKind::Evaluate,
+        StageKind::Quantize,
+        StageKind::Upload,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageKind::Download => "download",
+            StageKind::Tokenize => "tokenize",
+            StageKind::Train => "train",
+            StageKind::Evaluate => "evaluate",
+            StageKind::Quantize => "quantize",
+            StageKind::Upload => "upload",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<StageKind> {
+        StageKind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+
+    /// The JSON Schema of this kind's settings table.
+    pub fn settings_schema(self) -> schemars::Schema {
+        match self {
+            StageKind::Download => schemars::schema_for!(DownloadSettings),
+            StageKind::Tokenize => schemars::schema_for!(TokenizeSettings),
+            StageKind::Train => schemars::schema_for!(TrainSettings),
+            StageKind::Evaluate => schemars::schema_for!(EvaluateSettings),
+            StageKind::Quantize => schemars::schema_for!(QuantizeSettings),
+            StageKind::Upload => schemars::schema_for!(UploadSettings),
+        }
+    }
+}
+
+impl std::fmt::Display for StageKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `download`: materialises the model and dataset (Hub, local path or scratch).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DownloadSettings {}
+
+/// `tokenize`: takes its settings from `[dataset]`; the table itself has none.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeSettings {}
+
+/// `train`: the optimisation loop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSettings {
+    /// Passes over the training split (ignored when `max_steps` is set).
+    #[serde(default = "one_u32")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub epochs: u32,
+    /// Stop after this many optimizer steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_steps: Option<u64>,
+    /// Sequences per micro-batch.
+    #[serde(default = "default_batch")]
+    #[schemars(range(min = 1, max = 65536))]
+    pub batch_size: u32,
+    /// Micro-batches per optimizer step.
+    #[serde(default = "one_u32")]
+    #[schemars(range(min = 1, max = 65536))]
+    pub grad_accum: u32,
+    /// Peak learning rate.
+    #[serde(default = "default_lr")]
+    #[schemars(extend("exclusiveMinimum" = 0.0), range(max = 10.0))]
+    pub learning_rate: f64,
+    /// Decoupled (AdamW) weight decay.
+    #[serde(default)]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub weight_decay: f64,
+    /// AdamW beta1 and beta2.
+    #[serde(default = "default_betas")]
+    pub betas: [f64; 2],
+    /// AdamW epsilon.
+    #[serde(default = "default_adam_eps")]
+    #[schemars(extend("exclusiveMinimum" = 0.0))]
+    pub adam_eps: f64,
+    /// Learning-rate schedule.
+    #[serde(default)]
+    pub schedule: Schedule,
+    /// Clip the global gradient norm to this value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0.0))]
+    pub clip_grad_norm: Option<f64>,
+    /// Evaluate on the eval split every N optimizer steps (0: only at the start and end).
+    #[serde(default)]
+    pub eval_every: u64,
+    /// Stop when eval loss has not improved by `min_delta` for `patience` evaluations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<EarlyStopping>,
+    /// Save a resumable checkpoint every N optimizer steps (0: never).
+    #[serde(default = "default_checkpoint_every")]
+    pub checkpoint_every: u64,
+    /// Checkpoints kept in the work directory.
+    #[serde(default = "default_keep")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub keep_checkpoints: u32,
+    /// Keep an exponential moving average of the trained weights and export it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ema: Option<Ema>,
+    /// What to do when the loss is NaN/inf or spikes.
+    #[serde(default)]
+    pub loss_guard: LossGuard,
+    /// Which parameters train: `["adapter"]` (the default with LoRA), `["all"]`, or name
+    /// patterns such as `["layers.10.*", "lm_head"]` (selective layer training).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub trainable: Option<Vec<String>>,
+    /// Eval batches used for each periodic evaluation (0: the whole eval split).
+    #[serde(default)]
+    pub eval_batches: u64,
+}
+
+fn one_u32() -> u32 {
+    1
+}
+fn default_batch() -> u32 {
+    4
+}
+fn default_lr() -> f64 {
+    1e-4
+}
+fn default_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn default_adam_eps() -> f64 {
+    1e-8
+}
+fn default_checkpoint_every() -> u64 {
+    100
+}
+fn default_keep() -> u32 {
+    2
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Schedule {
+    #[serde(default)]
+    pub kind: ScheduleKind,
+    /// Linear warm-up steps from 0 to the peak learning rate.
+    #[serde(default)]
+    pub warmup_steps: u64,
+    /// Warm-up as a share of all steps (instead of `warmup_steps`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0), extend("exclusiveMaximum" = 1.0))]
+    pub warmup_ratio: Option<f64>,
+    /// Floor of the decaying schedules, as a learning rate.
+    #[serde(default)]
+    #[schemars(range(min = 0.0))]
+    pub min_lr: f64,
+}
+
+impl Default for Schedule {
+    fn default() -> Self {
+        Schedule { kind: ScheduleKind::Cosine, warmup_steps: 0, warmup_ratio: None, min_lr: 0.0 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    Constant,
+    Linear,
+    #[default]
+    Cosine,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStopping {
+    #[schemars(range(min = 1))]
+    pub patience: u32,
+    #[serde(default)]
+    #[schemars(range(min = 0.0))]
+    pub min_delta: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Ema {
+    #[schemars(extend("exclusiveMinimum" = 0.0, "exclusiveMaximum" = 1.0))]
+    pub decay: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LossGuard {
+    /// A loss above this multiple of the running mean counts as a spike.
+    #[serde(default = "default_spike")]
+    #[schemars(extend("exclusiveMinimum" = 1.0))]
+    pub spike_factor: f64,
+    /// Learning-rate multiplier applied after a bad step.
+    #[serde(default = "default_backoff")]
+    #[schemars(extend("exclusiveMinimum" = 0.0), range(max = 1.0))]
+    pub lr_backoff: f64,
+    /// Stop the stage (and fail) after this many bad steps.
+    #[serde(default = "default_bad_steps")]
+    #[schemars(range(min = 1))]
+    pub max_bad_steps: u32,
+}
+
+impl Default for LossGuard {
+    fn default() -> Self {
+        LossGuard {
+            spike_factor: default_spike(),
+            lr_backoff: default_backoff(),
+            max_bad_steps: default_bad_steps(),
+        }
+    }
+}
+
+fn default_spike() -> f64 {
+    5.0
+}
+fn default_backoff() -> f64 {
+    0.5
+}
+fn default_bad_steps() -> u32 {
+    5
+}
+
+/// `evaluate`: loss and perplexity on the eval split, and sample generations.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EvaluateSettings {
+    /// Which model to measure: the tuned one (needs a train stage) or the base model.
+    #[serde(default)]
+    pub model: EvalModel,
+    /// Sequences per batch.
+    #[serde(default = "default_batch")]
+    #[schemars(range(min = 1, max = 65536))]
+    pub batch_size: u32,
+    /// Prompts to generate from (greedy unless `temperature` > 0).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompts: Vec<String>,
+    #[serde(default = "default_new_tokens")]
+    #[schemars(range(min = 1, max = 65536))]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 means greedy.
+    #[serde(default)]
+    #[schemars(range(min = 0.0, max = 100.0))]
+    pub temperature: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub top_k: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0.0), range(max = 1.0))]
+    pub top_p: Option<f64>,
+}
+
+fn default_new_tokens() -> usize {
+    32
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalModel {
+    #[default]
+    Tuned,
+    Base,
+    /// Both, side by side.
+    Both,
+}
+
+/// `quantize`: merge and export the trained model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct QuantizeSettings {
+    #[serde(default = "default_formats")]
+    #[schemars(length(min = 1))]
+    pub formats: Vec<ExportFormat>,
+}
+
+fn default_formats() -> Vec<ExportFormat> {
+    vec![ExportFormat::PeftAdapter, ExportFormat::SafetensorsMerged, ExportFormat::GgufQ8_0]
+}
+
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+pub enum ExportFormat {
+    #[serde(rename = "peft-adapter")]
+    PeftAdapter,
+    #[serde(rename = "safetensors-merged")]
+    SafetensorsMerged,
+    #[serde(rename = "gguf-f32")]
+    GgufF32,
+    #[serde(rename = "gguf-f16")]
+    GgufF16,
+    #[serde(rename = "gguf-q8_0")]
+    GgufQ8_0,
+    #[serde(rename = "gguf-q4_0")]
+    GgufQ4_0,
+    #[serde(rename = "gguf-q4_k")]
+    GgufQ4K,
+}
+
+/// `upload`: publish the exported artifacts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UploadSettings {
+    /// `dir://path` (relative to the recipe) or `hf://owner/name[@revision]`.
+    #[schemars(length(min = 1))]
+    pub to: String,
+}
+
+impl Recipe {
+    /// The JSON Schema of a recipe file, with the per-kind stage schemas under `$defs`.
+    pub fn json_schema() -> serde_json::Value {
+        let mut root = serde_json::to_value(schemars::schema_for!(Recipe)).expect("schema");
+        let defs = root
+            .as_object_mut()
+            .expect("object schema")
+            .entry("$defs")
+            .or_insert_with(|| serde_json::json!({}));
+        let mut kinds = Vec::new();
+        for kind in StageKind::ALL {
+            let mut s = serde_json::to_value(kind.settings_schema()).expect("schema");
+            let obj = s.as_object_mut().expect("object schema");
+            if let Some(serde_json::Value::Object(sub)) = obj.remove("$defs") {
+                for (k, v) in sub {
+                    defs[k] = v;
+                }
+            }
+            obj.remove("$schema");
+            let props = obj.entry("properties").or_insert_with(|| serde_json::json!({}));
+            props["kind"] = serde_json::json!({ "const": kind.as_str() });
+            props["needs"] = serde_json::json!({ "type": "array", "items": { "type": "string" } });
+            defs[format!("{}Stage", capitalise(kind.as_str()))] = s;
+            kinds.push(serde_json::json!({ "$ref": format!("#/$defs/{}Stage", capitalise(kind.as_str())) }));
+        }
+        root["properties"]["stages"] = serde_json::json!({
+            "description": "The stages to run, by name. A stage's kind is its name unless `kind` says otherwise.",
+            "type": "object",
+            "additionalProperties": { "anyOf": kinds }
+        });
+        root["properties"]["device"]["additionalProperties"] = serde_json::json!({
+            "description": "Stage overrides applied when this device is chosen: `[device.cpu] train.batch_size = 1`.",
+            "type": "object",
+            "additionalProperties": { "type": "object" }
+        });
+        root
+    }
+}
+
+fn capitalise(s: &str) -> String {
+    let mut c = s.chars();
+    c.next().map(|f| f.to_ascii_uppercase().to_string() + c.as_str()).unwrap_or_default()
+}

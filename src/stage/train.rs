@@ -1,0 +1,4 @@
+use super::{StageCtx, StageError};
+pub fn run(_ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
+    Err(StageError::Internal("train: in progress".into()))
+}

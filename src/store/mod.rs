@@ -1,0 +1,428 @@
+//! The content-addressed artifact store.
+//!
+//! Layout under the cache root (the layout version is part of the path, so an incompatible
+//! rtune never misreads an older cache):
+//!
+//! ```text
+//! CACHEDIR.TAG
+//! store-v1/objects/ab/cdef…       file contents by blake3 digest (read-only)
+//! store-v1/artifacts/<fp>/…       one folder per stage run, hard links into objects/
+//! store-v1/manifests/<fp>.json    written last: an artifact exists iff its manifest does
+//! store-v1/locks/<fp>.lock        one builder per fingerprint at a time
+//! store-v1/work/<fp>/             resumable state of a stage (training checkpoints)
+//! store-v1/tmp/                   staging; never read as an artifact
+//! ```
+//!
+//! Every write goes to a temporary path first and is renamed into place, so a crash leaves
+//! either nothing or a complete artifact; the manifest rename is the commit point.
+
+mod manifest;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+pub use manifest::{FileEntry, MANIFEST_VERSION, Manifest};
+
+pub const LAYOUT: &str = "store-v1";
+
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum StoreError {
+    #[error("cannot {action} `{path}`")]
+    #[diagnostic(code(rtune::store::io), help("check that the cache directory is writable and the disk is not full"))]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
+    move |source| StoreError::Io { action, path: path.to_path_buf(), source }
+}
+
+#[derive(Debug, Clone)]
+pub struct Store {
+    root: PathBuf,
+    base: PathBuf,
+}
+
+/// Holds the build lock of one fingerprint until dropped.
+#[derive(Debug)]
+pub struct BuildLock {
+    _file: File,
+}
+
+impl Store {
+    /// Open (creating if needed) a store under `root`.
+    pub fn open(root: &Path) -> Result<Store> {
+        let base = root.join(LAYOUT);
+        for sub in ["objects", "artifacts", "manifests", "locks", "work", "tmp"] {
+            let p = base.join(sub);
+            fs::create_dir_all(&p).map_err(io_err("create", &p))?;
+        }
+        let tag = root.join("CACHEDIR.TAG");
+        if !tag.exists() {
+            write_atomic(
+                &tag,
+                b"Signature: 8a477f597d28d172789f06886806bc55\n# This directory is a cache created by rtune.\n# For information about cache directory tags see https://bford.info/cachedir/\n",
+            )?;
+        }
+        Ok(Store { root: root.to_path_buf(), base })
+    }
+
+    /// The default cache root: `$RTUNE_CACHE_DIR`, else `$XDG_CACHE_HOME/rtune`, else
+    /// `~/.cache/rtune`.
+    pub fn default_root() -> PathBuf {
+        if let Some(d) = std::env::var_os("RTUNE_CACHE_DIR").filter(|d| !d.is_empty()) {
+            return PathBuf::from(d);
+        }
+        if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+            return PathBuf::from(d).join("rtune");
+        }
+        match std::env::var_os("HOME") {
+            Some(h) => PathBuf::from(h).join(".cache").join("rtune"),
+            None => PathBuf::from(".rtune-cache"),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn artifact_dir(&self, fp: &str) -> PathBuf {
+        self.base.join("artifacts").join(fp)
+    }
+
+    pub fn work_dir(&self, fp: &str) -> PathBuf {
+        self.base.join("work").join(fp)
+    }
+
+    fn manifest_path(&self, fp: &str) -> PathBuf {
+        self.base.join("manifests").join(format!("{fp}.json"))
+    }
+
+    fn object_path(&self, digest: &str) -> PathBuf {
+        self.base.join("objects").join(&digest[..2]).join(&digest[2..])
+    }
+
+    /// The manifest of `fp`, if the artifact was committed and the manifest parses.
+    pub fn manifest(&self, fp: &str) -> Option<Manifest> {
+        let text = fs::read_to_string(self.manifest_path(fp)).ok()?;
+        serde_json::from_str::<Manifest>(&text).ok().filter(|m| m.format == MANIFEST_VERSION && m.fingerprint == fp)
+    }
+
+    /// Cheap check that every file of an artifact is present with the recorded size.
+    pub fn quick_check(&self, m: &Manifest) -> std::result::Result<(), String> {
+        let dir = self.artifact_dir(&m.fingerprint);
+        for (rel, f) in &m.files {
+            match fs::metadata(dir.join(rel)) {
+                Ok(md) if md.len() == f.size => {}
+                Ok(md) => return Err(format!("`{rel}` has {} bytes, expected {}", md.len(), f.size)),
+                Err(_) => return Err(format!("`{rel}` is missing")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Re-hash every file of an artifact. Returns the problems found.
+    pub fn verify(&self, m: &Manifest) -> Vec<String> {
+        let dir = self.artifact_dir(&m.fingerprint);
+        let mut problems = Vec::new();
+        for (rel, f) in &m.files {
+            match hash_file(&dir.join(rel)) {
+                Ok((d, size)) if d == f.digest && size == f.size => {}
+                Ok(_) => problems.push(format!("`{rel}` does not match its digest")),
+                Err(e) => problems.push(format!("`{rel}` cannot be read: {e}")),
+            }
+        }
+        problems
+    }
+
+    /// Remove a damaged artifact (manifest first, so it stops counting at once).
+    pub fn evict(&self, fp: &str) -> Result<()> {
+        let m = self.manifest_path(fp);
+        match fs::remove_file(&m) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("remove", &m)(e)),
+        }
+        let dir = self.artifact_dir(fp);
+        if dir.exists() {
+            make_writable(&dir);
+            fs::remove_dir_all(&dir).map_err(io_err("remove", &dir))?;
+        }
+        Ok(())
+    }
+
+    /// Wait for, then hold, the build lock of `fp`. `on_wait` is called once if another
+    /// process holds it.
+    pub fn lock(&self, fp: &str, on_wait: impl FnOnce()) -> Result<BuildLock> {
+        let path = self.base.join("locks").join(format!("{fp}.lock"));
+        let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io_err("open", &path))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                on_wait();
+                file.lock().map_err(io_err("lock", &path))?;
+            }
+            Err(fs::TryLockError::Error(e)) => return Err(io_err("lock", &path)(e)),
+        }
+        Ok(BuildLock { _file: file })
+    }
+
+    /// A fresh staging folder inside the store (same filesystem, so commits are renames).
+    pub fn staging(&self) -> Result<tempfile::TempDir> {
+        let tmp = self.base.join("tmp");
+        tempfile::Builder::new().prefix("stage-").tempdir_in(&tmp).map_err(io_err("create a staging folder in", &tmp))
+    }
+
+    /// Move the files of `staged` into the store and commit `manifest` (whose `files` are
+    /// filled in here). The caller holds the build lock of the fingerprint.
+    pub fn commit(&self, staged: &Path, mut manifest: Manifest) -> Result<Manifest> {
+        let fp = manifest.fingerprint.clone();
+        let mut files = BTreeMap::new();
+        let tmp_view = self.staging()?;
+        for rel in walk(staged).map_err(io_err("read", staged))? {
+            let src = staged.join(&rel);
+            let (digest, size) = hash_file(&src).map_err(io_err("read", &src))?;
+            let obj = self.object_path(&digest);
+            if !obj.exists() {
+                let parent = obj.parent().expect("objects have a parent");
+                fs::create_dir_all(parent).map_err(io_err("create", parent))?;
+                set_readonly(&src).map_err(io_err("protect", &src))?;
+                fs::rename(&src, &obj).map_err(io_err("store", &obj))?;
+            }
+            let view = tmp_view.path().join(&rel);
+            if let Some(parent) = view.parent() {
+                fs::create_dir_all(parent).map_err(io_err("create", parent))?;
+            }
+            if fs::hard_link(&obj, &view).is_err() {
+                fs::copy(&obj, &view).map_err(io_err("copy", &obj))?;
+                set_readonly(&view).map_err(io_err("protect", &view))?;
+            }
+            files.insert(rel_string(&rel), FileEntry { digest, size });
+        }
+        let dir = self.artifact_dir(&fp);
+        if dir.exists() {
+            // A folder without a manifest is left over from a crash; we hold the lock.
+            make_writable(&dir);
+            fs::remove_dir_all(&dir).map_err(io_err("remove", &dir))?;
+        }
+        let view = tmp_view.keep();
+        fs::rename(&view, &dir).map_err(io_err("commit", &dir))?;
+        manifest.files = files;
+        let text = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
+        write_atomic(&self.manifest_path(&fp), &text)?;
+        Ok(manifest)
+    }
+
+    /// Every committed manifest, sorted by fingerprint.
+    pub fn manifests(&self) -> Vec<Manifest> {
+        let dir = self.base.join("manifests");
+        let mut out: Vec<Manifest> = fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                name.strip_suffix(".json").and_then(|fp| self.manifest(fp))
+            })
+            .collect();
+        out.sort_by(|a, b| a.fingerprint.cmp(&b.fingerprint));
+        out
+    }
+
+    /// Remove what no manifest reaches: orphan artifact folders, objects, stale staging and the
+    /// work folders of stages that finished. Returns (files removed, bytes freed).
+    pub fn gc(&self) -> Result<(u64, u64)> {
+        let manifests = self.manifests();
+        let live_fps: BTreeSet<String> = manifests.iter().map(|m| m.fingerprint.clone()).collect();
+        let live_objects: BTreeSet<String> =
+            manifests.iter().flat_map(|m| m.files.values().map(|f| f.digest.clone())).collect();
+        let (mut files, mut bytes) = (0u64, 0u64);
+        let mut remove = |p: &Path| -> Result<()> {
+            let size = dir_size(p);
+            make_writable(p);
+            if p.is_dir() {
+                fs::remove_dir_all(p).map_err(io_err("remove", p))?;
+            } else {
+                fs::remove_file(p).map_err(io_err("remove", p))?;
+            }
+            files += 1;
+            bytes += size;
+            Ok(())
+        };
+        for sub in ["artifacts", "work"] {
+            let dir = self.base.join(sub);
+            for e in fs::read_dir(&dir).map_err(io_err("read", &dir))?.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                let orphan = if sub == "artifacts" { !live_fps.contains(&name) } else { live_fps.contains(&name) };
+                if orphan && self.is_unlocked(&name) {
+                    remove(&e.path())?;
+                }
+            }
+        }
+        let objects = self.base.join("objects");
+        for shard in fs::read_dir(&objects).map_err(io_err("read", &objects))?.flatten() {
+            for obj in fs::read_dir(shard.path()).into_iter().flatten().flatten() {
+                let digest = format!("{}{}", shard.file_name().to_string_lossy(), obj.file_name().to_string_lossy());
+                if !live_objects.contains(&digest) {
+                    remove(&obj.path())?;
+                }
+            }
+        }
+        let tmp = self.base.join("tmp");
+        for e in fs::read_dir(&tmp).map_err(io_err("read", &tmp))?.flatten() {
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age.as_secs() > 24 * 3600);
+            if old {
+                remove(&e.path())?;
+            }
+        }
+        Ok((files, bytes))
+    }
+
+    fn is_unlocked(&self, fp: &str) -> bool {
+        let path = self.base.join("locks").join(format!("{fp}.lock"));
+        match File::options().write(true).open(&path) {
+            Ok(f) => f.try_lock().is_ok(),
+            Err(_) => true,
+        }
+    }
+}
+
+/// blake3 hex digest and size of a file.
+pub fn hash_file(path: &Path) -> io::Result<(String, u64)> {
+    let mut f = File::open(path)?;
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        size += n as u64;
+        h.update(&buf[..n]);
+    }
+    Ok((h.finalize().to_hex().to_string(), size))
+}
+
+/// Write `bytes` to `path` atomically: a temp file beside it, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut tmp = tempfile::Builder::new().prefix(".rtune-").tempfile_in(dir).map_err(io_err("write", path))?;
+    tmp.write_all(bytes).map_err(io_err("write", path))?;
+    tmp.as_file().sync_all().map_err(io_err("write", path))?;
+    tmp.persist(path).map_err(|e| io_err("write", path)(e.error))?;
+    Ok(())
+}
+
+/// Relative paths of every file under `dir`, sorted.
+pub fn walk(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        for e in fs::read_dir(dir.join(&rel))? {
+            let e = e?;
+            let r = rel.join(e.file_name());
+            if e.file_type()?.is_dir() {
+                stack.push(r);
+            } else {
+                out.push(r);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn rel_string(p: &Path) -> String {
+    p.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/")
+}
+
+fn set_readonly(p: &Path) -> io::Result<()> {
+    let mut perm = fs::metadata(p)?.permissions();
+    perm.set_readonly(true);
+    fs::set_permissions(p, perm)
+}
+
+/// Folders need write permission for their entries to be removed.
+fn make_writable(p: &Path) {
+    if p.is_dir() {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let _ = fs::set_permissions(p, fs::Permissions::from_mode(0o755));
+        }
+        for e in fs::read_dir(p).into_iter().flatten().flatten() {
+            make_writable(&e.path());
+        }
+    }
+}
+
+fn dir_size(p: &Path) -> u64 {
+    if p.is_dir() {
+        fs::read_dir(p).into_iter().flatten().flatten().map(|e| dir_size(&e.path())).sum()
+    } else {
+        fs::metadata(p).map(|m| m.len()).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_then_verify_then_detect_corruption() {
+        let root = tempfile::tempdir().unwrap();
+        let store = Store::open(root.path()).unwrap();
+        assert!(root.path().join("CACHEDIR.TAG").exists());
+        let staged = store.staging().unwrap();
+        fs::create_dir_all(staged.path().join("sub")).unwrap();
+        fs::write(staged.path().join("a.txt"), b"hello").unwrap();
+        fs::write(staged.path().join("sub/b.bin"), b"world").unwrap();
+        let m = store.commit(staged.path(), Manifest::new("fp1", "train", "train")).unwrap();
+        assert_eq!(m.files.keys().collect::<Vec<_>>(), ["a.txt", "sub/b.bin"]);
+        let loaded = store.manifest("fp1").unwrap();
+        assert!(store.verify(&loaded).is_empty());
+        assert!(store.quick_check(&loaded).is_ok());
+
+        // Corrupt the object behind the hard link.
+        let obj = store.object_path(&loaded.files["a.txt"].digest);
+        let mut perm = fs::metadata(&obj).unwrap().permissions();
+        #[allow(clippy::permissions_set_readonly_false)]
+        perm.set_readonly(false);
+        fs::set_permissions(&obj, perm).unwrap();
+        fs::write(&obj, b"hellO").unwrap();
+        assert_eq!(store.verify(&loaded), ["`a.txt` does not match its digest"]);
+
+        store.evict("fp1").unwrap();
+        assert!(store.manifest("fp1").is_none());
+        let (removed, _) = store.gc().unwrap();
+        assert_eq!(removed, 2, "both objects are unreachable now");
+    }
+
+    #[test]
+    fn gc_keeps_live_objects_and_removes_orphans() {
+        let root = tempfile::tempdir().unwrap();
+        let store = Store::open(root.path()).unwrap();
+        let staged = store.staging().unwrap();
+        fs::write(staged.path().join("x"), b"live").unwrap();
+        store.commit(staged.path(), Manifest::new("live", "train", "train")).unwrap();
+        fs::create_dir_all(store.artifact_dir("orphan")).unwrap();
+        fs::write(store.artifact_dir("orphan").join("y"), b"junk").unwrap();
+        let (removed, _) = store.gc().unwrap();
+        assert_eq!(removed, 1);
+        assert!(store.verify(&store.manifest("live").unwrap()).is_empty());
+    }
+}
