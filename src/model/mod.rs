@@ -1,4 +1,82 @@
-//! Model engine (in progress).
+//! The model engine: Hugging Face model folders in and out, the transformer with LoRA, scratch
+//! models and tokenizers made in code.
+
+pub mod config;
+pub mod folder;
+pub mod lora;
+pub mod peft;
+pub mod scratch;
+pub mod transformer;
+
+pub use config::{ModelConfig, RawConfig};
+pub use folder::ModelFolder;
+pub use lora::{Linear, LoraSpec};
+pub use transformer::{Batch, KvCache, Param, Trainable, Transformer};
+
+/// Why a model could not be loaded, built or saved.
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
-#[error("{0}")]
-pub struct ModelError(pub String);
+pub enum ModelError {
+    #[error("model folder `{dir}` has no `{file}`")]
+    #[diagnostic(code(rtune::model::missing_file), help("a Hugging Face model folder holds config.json, *.safetensors and tokenizer.json"))]
+    MissingFile { dir: String, file: String },
+    #[error("cannot read `{path}`")]
+    #[diagnostic(code(rtune::model::bad_file))]
+    BadFile {
+        path: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("architecture `{name}` is not supported")]
+    #[diagnostic(code(rtune::model::architecture), help("rtune trains LlamaForCausalLM (Llama, SmolLM, TinyLlama, Mistral-style) and Qwen2ForCausalLM"))]
+    UnsupportedArchitecture { name: String },
+    #[error("{what} is not supported")]
+    #[diagnostic(code(rtune::model::unsupported))]
+    Unsupported { what: String },
+    #[error("the checkpoint has no tensor `{name}`")]
+    #[diagnostic(code(rtune::model::missing_tensor), help("is config.json from the same model as the safetensors files?"))]
+    MissingTensor { name: String },
+    #[error("tensor `{name}` has shape {found:?}, but config.json implies {expected:?}")]
+    #[diagnostic(code(rtune::model::shape_mismatch))]
+    ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize> },
+    #[error("tensor `{name}` has dtype {dtype}, which rtune cannot load")]
+    #[diagnostic(code(rtune::model::dtype), help("supported checkpoint dtypes: F32, F16, BF16"))]
+    UnsupportedDtype { name: String, dtype: String },
+    #[error("{context}")]
+    #[diagnostic(code(rtune::model::compute))]
+    Candle {
+        context: String,
+        #[source]
+        source: candle_core::Error,
+    },
+    #[error("{context}")]
+    #[diagnostic(code(rtune::model::tokenizer))]
+    Tokenizer {
+        context: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("{context}")]
+    #[diagnostic(code(rtune::model::io))]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl ModelError {
+    pub fn candle(context: impl Into<String>) -> impl FnOnce(candle_core::Error) -> ModelError {
+        let context = context.into();
+        move |source| ModelError::Candle { context, source }
+    }
+
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ModelError {
+        let context = context.into();
+        move |source| ModelError::Io { context, source }
+    }
+
+    pub fn tokenizer(context: impl Into<String>) -> impl FnOnce(tokenizers::Error) -> ModelError {
+        let context = context.into();
+        move |source| ModelError::Tokenizer { context, source }
+    }
+}

@@ -1,0 +1,247 @@
+//! Hugging Face `config.json`: the raw form as transformers writes it, and the resolved form
+//! the model code uses (defaults applied, architecture decided, head size computed).
+
+use serde::{Deserialize, Serialize};
+
+use super::ModelError;
+use crate::recipe::{Arch, ScratchModel};
+
+/// The fields of `config.json` rtune reads, as transformers writes them.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    #[serde(default)]
+    pub model_type: Option<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// transformers ≥ 5 writes `rope_theta` and the scaling here instead.
+    #[serde(default)]
+    pub rope_parameters: Option<RopeParameters>,
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    #[serde(default)]
+    pub mlp_bias: Option<bool>,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<TokenIds>,
+    #[serde(default)]
+    pub pad_token_id: Option<u32>,
+    #[serde(default)]
+    pub torch_dtype: Option<String>,
+    #[serde(default)]
+    pub initializer_range: Option<f64>,
+    #[serde(default)]
+    pub sliding_window: Option<serde_json::Value>,
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
+}
+
+fn default_max_pos() -> usize {
+    2048
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+
+/// `eos_token_id` is an integer or a list in the wild.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            TokenIds::One(x) => vec![*x],
+            TokenIds::Many(v) => v.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+pub struct RopeScaling {
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    #[serde(default)]
+    pub factor: Option<f64>,
+    #[serde(default)]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+pub struct RopeParameters {
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_type: Option<String>,
+    #[serde(default)]
+    pub factor: Option<f64>,
+    #[serde(default)]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+/// The resolved configuration the model code uses.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry a bias (Qwen2, or Llama with `attention_bias`).
+    pub qkv_bias: bool,
+    /// o_proj carries a bias (Llama with `attention_bias`).
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub pad_token_id: Option<u32>,
+}
+
+impl ModelConfig {
+    pub fn from_raw(raw: &RawConfig) -> Result<ModelConfig, ModelError> {
+        let arch_name = raw.architectures.first().cloned().or_else(|| raw.model_type.clone()).unwrap_or_default();
+        let arch = match arch_name.as_str() {
+            "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => Arch::Llama,
+            "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
+            other => {
+                return Err(ModelError::UnsupportedArchitecture { name: other.to_string() });
+            }
+        };
+        if let Some(act) = &raw.hidden_act {
+            if act != "silu" {
+                return Err(ModelError::Unsupported { what: format!("activation `{act}` (only `silu`)") });
+            }
+        }
+        let mut rope_theta = raw.rope_theta;
+        let mut rope_scaling = raw.rope_scaling.clone();
+        if let Some(rp) = &raw.rope_parameters {
+            rope_theta = rp.rope_theta.unwrap_or(rope_theta);
+            if let Some(kind) = rp.rope_type.clone() {
+                rope_scaling = Some(RopeScaling {
+                    rope_type: kind,
+                    factor: rp.factor,
+                    low_freq_factor: rp.low_freq_factor,
+                    high_freq_factor: rp.high_freq_factor,
+                    original_max_position_embeddings: rp.original_max_position_embeddings,
+                });
+            }
+        }
+        if let Some(rs) = &rope_scaling {
+            if rs.rope_type != "llama3" && rs.rope_type != "default" {
+                return Err(ModelError::Unsupported { what: format!("rope scaling `{}`", rs.rope_type) });
+            }
+        }
+        if raw.use_sliding_window == Some(true) {
+            return Err(ModelError::Unsupported { what: "sliding-window attention".into() });
+        }
+        let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        if raw.num_attention_heads == 0 || num_kv_heads == 0 || raw.num_attention_heads % num_kv_heads != 0 {
+            return Err(ModelError::Unsupported {
+                what: format!("{} attention heads with {} key/value heads", raw.num_attention_heads, num_kv_heads),
+            });
+        }
+        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        let attention_bias = raw.attention_bias.unwrap_or(false);
+        Ok(ModelConfig {
+            arch,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_layers: raw.num_hidden_layers,
+            num_heads: raw.num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: raw.vocab_size,
+            max_position_embeddings: raw.max_position_embeddings,
+            rms_norm_eps: raw.rms_norm_eps,
+            rope_theta,
+            rope_scaling: rope_scaling.filter(|r| r.rope_type == "llama3"),
+            // LlamaConfig and Qwen2Config both default to untied embeddings.
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2 || attention_bias,
+            o_bias: arch == Arch::Llama && attention_bias,
+            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            bos_token_id: raw.bos_token_id,
+            eos_token_ids: raw.eos_token_id.as_ref().map(TokenIds::to_vec).unwrap_or_default(),
+            pad_token_id: raw.pad_token_id,
+        })
+    }
+
+    /// The `config.json` transformers would write for a scratch model.
+    pub fn scratch_raw(s: &ScratchModel, bos: u32, eos: u32, pad: u32) -> serde_json::Value {
+        let (architectures, model_type) = match s.arch {
+            Arch::Llama => ("LlamaForCausalLM", "llama"),
+            Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+        };
+        let mut v = serde_json::json!({
+            "architectures": [architectures],
+            "model_type": model_type,
+            "hidden_size": s.hidden_size,
+            "intermediate_size": s.intermediate_size,
+            "num_hidden_layers": s.num_layers,
+            "num_attention_heads": s.num_heads,
+            "num_key_value_heads": s.num_kv_heads.unwrap_or(s.num_heads),
+            "vocab_size": s.vocab_size,
+            "max_position_embeddings": s.max_position_embeddings,
+            "rms_norm_eps": s.rms_norm_eps,
+            "rope_theta": s.rope_theta,
+            "tie_word_embeddings": s.tie_word_embeddings,
+            "hidden_act": "silu",
+            "initializer_range": s.initializer_range,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "torch_dtype": "float32",
+            "use_cache": true,
+        });
+        if s.arch == Arch::Llama {
+            v["attention_bias"] = false.into();
+            v["mlp_bias"] = false.into();
+        } else {
+            v["use_sliding_window"] = false.into();
+        }
+        v
+    }
+}

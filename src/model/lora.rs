@@ -1,0 +1,119 @@
+//! Linear layers with optional LoRA adapters (Hu et al. 2021, as PEFT implements them):
+//! `y = x Wᵀ + b + (alpha / r) · dropout(x) Aᵀ Bᵀ`, A `[r, in]` Kaiming-uniform, B `[out, r]` zero.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+use super::transformer::Param;
+use crate::rng::Rng;
+
+/// Where adapters go and how they are shaped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Module names: `q_proj`, …, `lm_head`.
+    pub targets: Vec<String>,
+}
+
+impl LoraSpec {
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+
+    /// A fresh adapter for the linear layer `prefix` (HF name without `.weight`), named as PEFT
+    /// names it in `adapter_model.safetensors`.
+    pub fn create(
+        &self,
+        prefix: &str,
+        inp: usize,
+        out: usize,
+        dtype: DType,
+        device: &Device,
+        rng: &mut Rng,
+    ) -> Result<(Lora, Vec<Param>)> {
+        // kaiming_uniform_(a=sqrt(5)) on [r, in]: bound = 1/sqrt(in).
+        let bound = 1.0 / (inp as f64).sqrt();
+        let a: Vec<f32> = (0..self.rank * inp).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect();
+        let a = Var::from_tensor(&Tensor::from_vec(a, (self.rank, inp), device)?.to_dtype(dtype)?)?;
+        let b = Var::from_tensor(&Tensor::zeros((out, self.rank), dtype, device)?)?;
+        let base = format!("base_model.model.{prefix}");
+        let params = vec![
+            Param { name: format!("{base}.lora_A.weight"), var: a.clone() },
+            Param { name: format!("{base}.lora_B.weight"), var: b.clone() },
+        ];
+        Ok((Lora { a: a.as_tensor().clone(), b: b.as_tensor().clone(), scale: self.scale(), dropout: self.dropout }, params))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Lora {
+    pub a: Tensor,
+    pub b: Tensor,
+    pub scale: f64,
+    pub dropout: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    pub lora: Option<Lora>,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Linear {
+        Linear { weight, bias, lora: None }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Forward over `[..., in]`; `dropout` is the training RNG (None: evaluation).
+    pub fn forward_t(&self, x: &Tensor, dropout: Option<&mut Rng>) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let inp = *dims.last().expect("input has a feature dimension");
+        let x2 = x.reshape(((), inp))?;
+        let mut y = x2.matmul(&self.weight.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some(l) = &self.lora {
+            let xin = match dropout {
+                Some(rng) if l.dropout > 0.0 => dropout_mask(&x2, l.dropout, rng)?,
+                _ => x2.clone(),
+            };
+            let delta = xin.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
+            y = (y + (delta * l.scale)?)?;
+        }
+        let mut out_dims = dims;
+        *out_dims.last_mut().expect("non-empty") = y.dim(1)?;
+        y.reshape(out_dims)
+    }
+
+    /// `W + scale · B A` (the merged weight), computed in f32.
+    pub fn merged_weight(&self) -> Result<Tensor> {
+        match &self.lora {
+            None => Ok(self.weight.clone()),
+            Some(l) => {
+                let w = self.weight.to_dtype(DType::F32)?;
+                let ba = l.b.to_dtype(DType::F32)?.matmul(&l.a.to_dtype(DType::F32)?)?;
+                (w + (ba * l.scale)?)?.to_dtype(self.weight.dtype())
+            }
+        }
+    }
+}
+
+/// Inverted dropout with a mask drawn from rtune's own RNG (reproducible on every device).
+fn dropout_mask(x: &Tensor, p: f64, rng: &mut Rng) -> Result<Tensor> {
+    let n = x.elem_count();
+    let keep = 1.0 / (1.0 - p);
+    let mask: Vec<f32> = (0..n).map(|_| if rng.next_f64() < p { 0.0 } else { keep as f32 }).collect();
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    x * mask
+}

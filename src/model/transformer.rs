@@ -1,0 +1,503 @@
+//! Decoder-only transformers of the Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral without
+//! sliding window) and Qwen2/Qwen2.5, with LoRA adapters on any linear projection.
+//!
+//! Follows transformers' `modeling_llama.py` and `modeling_qwen2.py` (RMSNorm, rotary embeddings
+//! with `rotate_half`, grouped-query attention, SiLU-gated MLP), so that logits and losses match
+//! transformers for the same weights. Every op on the training path is one with a backward pass
+//! in candle: candle's fused `rms_norm`, `softmax_last_dim` and `rope` kernels have none and
+//! would silently drop gradients.
+
+use std::collections::BTreeMap;
+
+use candle_core::{D, DType, Device, IndexOp, Module, Result, Tensor, Var};
+
+use super::config::ModelConfig;
+use super::lora::{Linear, LoraSpec};
+use crate::rng::Rng;
+
+/// A large negative number for masked attention scores; finite so rows with nothing to attend to
+/// give a uniform distribution instead of NaN.
+const MASKED: f32 = -1e9;
+
+/// Which weights train.
+#[derive(Debug, Clone)]
+pub enum Trainable {
+    /// Nothing trains (evaluation, generation).
+    Nothing,
+    /// LoRA adapters train; the base is frozen.
+    Lora(LoraSpec),
+    /// Base weights whose HF names match any of these patterns train (`*` is a wildcard;
+    /// `["*"]` is a full fine-tune).
+    Weights(Vec<String>),
+}
+
+/// A trained parameter: its name in the checkpoint format and its variable.
+#[derive(Debug, Clone)]
+pub struct Param {
+    pub name: String,
+    pub var: Var,
+}
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Layer {
+    input_norm: Tensor,
+    attn: Attention,
+    post_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// Cached keys and values of earlier positions, one pair per layer (generation).
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    pub fn len(&self) -> usize {
+        self.layers.first().and_then(|l| l.as_ref()).map(|(k, _)| k.dim(2).unwrap_or(0)).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Token ids plus the attention structure of a batch.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// `[b, t]` u32.
+    pub ids: Tensor,
+    /// `[b, t]` u32 positions for rotary embeddings.
+    pub positions: Tensor,
+    /// `[b, 1, t, t]` additive attention mask.
+    pub mask: Tensor,
+}
+
+impl Batch {
+    /// Build a batch from rows of tokens. `lens[i]` tokens of row i are real (the rest padding);
+    /// `segments[i][j]` is the packed-document index of token j (attention and positions never
+    /// cross documents).
+    pub fn new(rows: &[Vec<u32>], lens: &[usize], segments: Option<&[Vec<u16>]>, device: &Device) -> Result<Batch> {
+        let b = rows.len();
+        let t = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ids = vec![0u32; b * t];
+        let mut pos = vec![0u32; b * t];
+        let mut mask = vec![MASKED; b * t * t];
+        for (r, row) in rows.iter().enumerate() {
+            ids[r * t..r * t + row.len()].copy_from_slice(row);
+            let seg = |j: usize| segments.map(|s| s[r].get(j).copied().unwrap_or(0)).unwrap_or(0);
+            let mut start = 0;
+            for j in 0..t {
+                if j > 0 && seg(j) != seg(j - 1) {
+                    start = j;
+                }
+                pos[r * t + j] = (j - start) as u32;
+            }
+            for q in 0..t {
+                for k in 0..=q {
+                    if k < lens[r] && seg(k) == seg(q) {
+                        mask[(r * t + q) * t + k] = 0.0;
+                    }
+                }
+            }
+        }
+        Ok(Batch {
+            ids: Tensor::from_vec(ids, (b, t), device)?,
+            positions: Tensor::from_vec(pos, (b, t), device)?,
+            mask: Tensor::from_vec(mask, (b, 1, t, t), device)?,
+        })
+    }
+}
+
+pub struct Transformer {
+    pub cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    cos: Tensor,
+    sin: Tensor,
+    pub params: Vec<Param>,
+    dtype: DType,
+}
+
+impl Transformer {
+    /// Build the model from HF-named weights. Trainable weights become variables (in `params`);
+    /// LoRA adapters are created with `rng` as PEFT initialises them.
+    pub fn new(
+        cfg: &ModelConfig,
+        weights: &BTreeMap<String, Tensor>,
+        trainable: &Trainable,
+        rng: &mut Rng,
+    ) -> std::result::Result<Transformer, super::ModelError> {
+        let mut b = Builder { weights, trainable, rng, params: Vec::new() };
+        let h = cfg.hidden_size;
+        let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let embed = b.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let attn = Attention {
+                q: b.linear(&format!("{p}.self_attn.q_proj"), h, qd, cfg.qkv_bias)?,
+                k: b.linear(&format!("{p}.self_attn.k_proj"), h, kvd, cfg.qkv_bias)?,
+                v: b.linear(&format!("{p}.self_attn.v_proj"), h, kvd, cfg.qkv_bias)?,
+                o: b.linear(&format!("{p}.self_attn.o_proj"), qd, h, cfg.o_bias)?,
+                heads: cfg.num_heads,
+                kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+            };
+            let mlp = Mlp {
+                gate: b.linear(&format!("{p}.mlp.gate_proj"), h, cfg.intermediate_size, cfg.mlp_bias)?,
+                up: b.linear(&format!("{p}.mlp.up_proj"), h, cfg.intermediate_size, cfg.mlp_bias)?,
+                down: b.linear(&format!("{p}.mlp.down_proj"), cfg.intermediate_size, h, cfg.mlp_bias)?,
+            };
+            layers.push(Layer {
+                input_norm: b.weight(&format!("{p}.input_layernorm.weight"), &[h])?,
+                attn,
+                post_norm: b.weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                mlp,
+            });
+        }
+        let norm = b.weight("model.norm.weight", &[h])?;
+        let lm_head = if cfg.tie_word_embeddings || !weights.contains_key("lm_head.weight") {
+            if !cfg.tie_word_embeddings {
+                return Err(super::ModelError::MissingTensor { name: "lm_head.weight".into() });
+            }
+            b.linear_with("lm_head", embed.clone(), None, h, cfg.vocab_size)?
+        } else {
+            b.linear("lm_head", h, cfg.vocab_size, false)?
+        };
+        let params = std::mem::take(&mut b.params);
+        let dtype = embed.dtype();
+        let (cos, sin) = rope_tables(cfg, embed.device(), dtype).map_err(super::ModelError::candle("rotary tables"))?;
+        Ok(Transformer { cfg: cfg.clone(), embed, layers, norm, lm_head, cos, sin, params, dtype })
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    /// Hidden states after the final norm: `[b, t, hidden]`.
+    pub fn hidden(&self, batch: &Batch, mut dropout: Option<&mut Rng>, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let (b, t) = batch.ids.dims2()?;
+        let mut x = self.embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        let pos = batch.positions.flatten_all()?;
+        let cos = self.cos.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
+        let sin = self.sin.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
+        let mask = batch.mask.to_dtype(self.dtype)?;
+        if let Some(c) = cache.as_deref_mut() {
+            if c.layers.len() != self.layers.len() {
+                c.layers = vec![None; self.layers.len()];
+            }
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            let residual = &x;
+            let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps)?;
+            let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let h = layer.attn.forward(&h, &cos, &sin, &mask, dropout.as_deref_mut(), slot)?;
+            x = (residual + h)?;
+            let residual = &x;
+            let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps)?;
+            let gate = layer.mlp.gate.forward_t(&h, dropout.as_deref_mut())?.silu()?;
+            let up = layer.mlp.up.forward_t(&h, dropout.as_deref_mut())?;
+            let h = layer.mlp.down.forward_t(&(gate * up)?, dropout.as_deref_mut())?;
+            x = (residual + h)?;
+        }
+        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+    }
+
+    /// Logits for every position: `[b, t, vocab]` (f32).
+    pub fn logits(&self, batch: &Batch) -> Result<Tensor> {
+        let h = self.hidden(batch, None, None)?;
+        self.lm_head.forward_t(&h, None)?.to_dtype(DType::F32)
+    }
+
+    /// Mean cross-entropy of `targets` at the flattened positions `select` (indices into
+    /// `b * t`): the LM head runs only where the loss counts. Equals transformers' loss with
+    /// `labels` (shifted, -100 ignored) when `select`/`targets` come from those labels.
+    pub fn loss(&self, batch: &Batch, select: &Tensor, targets: &Tensor, dropout: Option<&mut Rng>) -> Result<Tensor> {
+        let mut dropout = dropout;
+        let h = self.hidden(batch, dropout.as_deref_mut(), None)?;
+        let h = h.flatten_to(1)?.index_select(select, 0)?;
+        let logits = self.lm_head.forward_t(&h, dropout)?.to_dtype(DType::F32)?;
+        cross_entropy(&logits, targets)
+    }
+
+    /// Next-token logits `[vocab]` after feeding `ids` at position `cache.len()` onwards.
+    pub fn step(&self, ids: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        let start = cache.len();
+        let t = ids.len();
+        let total = start + t;
+        let device = self.device();
+        let positions: Vec<u32> = (start as u32..total as u32).collect();
+        let mut mask = vec![MASKED; t * total];
+        for q in 0..t {
+            for k in 0..=(start + q) {
+                mask[q * total + k] = 0.0;
+            }
+        }
+        let batch = Batch {
+            ids: Tensor::from_slice(ids, (1, t), device)?,
+            positions: Tensor::from_vec(positions, (1, t), device)?,
+            mask: Tensor::from_vec(mask, (1, 1, t, total), device)?,
+        };
+        let h = self.hidden(&batch, None, Some(cache))?;
+        let last = h.i((0, t - 1))?.unsqueeze(0)?;
+        self.lm_head.forward_t(&last, None)?.to_dtype(DType::F32)?.squeeze(0)
+    }
+
+    /// Every named linear layer (HF prefix without `.weight`), for merging and export.
+    pub fn linears(&self) -> Vec<(String, &Linear)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            for (n, lin) in [
+                ("self_attn.q_proj", &l.attn.q),
+                ("self_attn.k_proj", &l.attn.k),
+                ("self_attn.v_proj", &l.attn.v),
+                ("self_attn.o_proj", &l.attn.o),
+                ("mlp.gate_proj", &l.mlp.gate),
+                ("mlp.up_proj", &l.mlp.up),
+                ("mlp.down_proj", &l.mlp.down),
+            ] {
+                out.push((format!("{p}.{n}"), lin));
+            }
+        }
+        out.push(("lm_head".into(), &self.lm_head));
+        out
+    }
+}
+
+impl Attention {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        mut dropout: Option<&mut Rng>,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let d = self.head_dim;
+        // [b, t, heads*d] → [b, heads, t, d]
+        let q = self.q.forward_t(x, dropout.as_deref_mut())?.reshape((b, t, self.heads, d))?.transpose(1, 2)?;
+        let k = self.k.forward_t(x, dropout.as_deref_mut())?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
+        let v = self.v.forward_t(x, dropout.as_deref_mut())?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
+        let q = apply_rope(&q.contiguous()?, cos, sin)?;
+        let mut k = apply_rope(&k.contiguous()?, cos, sin)?;
+        let mut v = v.contiguous()?;
+        if let Some(slot) = cache {
+            if let Some((pk, pv)) = slot.as_ref() {
+                k = Tensor::cat(&[pk, &k], 2)?;
+                v = Tensor::cat(&[pv, &v], 2)?;
+            }
+            *slot = Some((k.clone(), v.clone()));
+        }
+        let k = repeat_kv(&k, self.heads / self.kv_heads)?;
+        let v = repeat_kv(&v, self.heads / self.kv_heads)?;
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+        let scores = scores.broadcast_add(mask)?;
+        let probs = softmax_last(&scores)?;
+        // [b, heads, t, d] → [b, t, heads*d]
+        let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, self.heads * d))?;
+        self.o.forward_t(&out, dropout)
+    }
+}
+
+/// Keys/values for grouped-query attention: each kv head serves `n` query heads.
+fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kvh, t, d) = x.dims4()?;
+    x.unsqueeze(2)?.broadcast_as((b, kvh, n, t, d))?.reshape((b, kvh * n, t, d))
+}
+
+/// RMSNorm as transformers computes it: in f32, then cast back, then scaled.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv = (var + eps)?.sqrt()?.recip()?;
+    xf.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(weight)
+}
+
+/// Softmax over the last dimension from differentiable ops (in f32 as transformers does).
+fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(dtype)
+}
+
+/// `x * cos + rotate_half(x) * sin`, where rotate_half(x) = cat(-x2, x1).
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
+}
+
+/// Mean cross-entropy of `[n, vocab]` logits against `[n]` targets.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let picked = shifted.gather(&targets.unsqueeze(1)?, 1)?;
+    (lse - picked)?.mean_all()
+}
+
+/// cos/sin tables `[max_positions, head_dim]`, with llama3 frequency scaling when configured.
+fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
+    let d = cfg.head_dim;
+    let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32)).collect();
+    if let Some(rs) = &cfg.rope_scaling {
+        let factor = rs.factor.unwrap_or(8.0) as f32;
+        let low = rs.low_freq_factor.unwrap_or(1.0) as f32;
+        let high = rs.high_freq_factor.unwrap_or(4.0) as f32;
+        let old = rs.original_max_position_embeddings.unwrap_or(8192) as f32;
+        let (low_wavelen, high_wavelen) = (old / low, old / high);
+        for f in inv.iter_mut() {
+            let wavelen = 2.0 * std::f32::consts::PI / *f;
+            let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
+            let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+            *f = if medium {
+                let smooth = (old / wavelen - low) / (high - low);
+                (1.0 - smooth) * scaled / factor + smooth * scaled
+            } else {
+                scaled
+            };
+        }
+    }
+    let n = cfg.max_position_embeddings;
+    let mut cos = Vec::with_capacity(n * d);
+    let mut sin = Vec::with_capacity(n * d);
+    for p in 0..n {
+        for half in 0..2 {
+            let _ = half;
+            for f in &inv {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+    }
+    let cos = Tensor::from_vec(cos, (n, d), device)?.to_dtype(dtype)?;
+    let sin = Tensor::from_vec(sin, (n, d), device)?.to_dtype(dtype)?;
+    Ok((cos, sin))
+}
+
+/// Collects weights and trainable parameters while the model is built.
+struct Builder<'a> {
+    weights: &'a BTreeMap<String, Tensor>,
+    trainable: &'a Trainable,
+    rng: &'a mut Rng,
+    params: Vec<Param>,
+}
+
+impl Builder<'_> {
+    fn weight(&mut self, name: &str, shape: &[usize]) -> std::result::Result<Tensor, super::ModelError> {
+        let t = self.weights.get(name).ok_or_else(|| super::ModelError::MissingTensor { name: name.into() })?;
+        if t.dims() != shape {
+            return Err(super::ModelError::ShapeMismatch { name: name.into(), expected: shape.to_vec(), found: t.dims().to_vec() });
+        }
+        if let Trainable::Weights(patterns) = self.trainable {
+            if patterns.iter().any(|p| glob_match(p, name)) {
+                let var = Var::from_tensor(t).map_err(super::ModelError::candle(format!("make `{name}` trainable")))?;
+                let out = var.as_tensor().clone();
+                self.params.push(Param { name: name.to_string(), var });
+                return Ok(out);
+            }
+        }
+        Ok(t.clone())
+    }
+
+    fn linear(&mut self, prefix: &str, inp: usize, out: usize, bias: bool) -> std::result::Result<Linear, super::ModelError> {
+        let w = self.weight(&format!("{prefix}.weight"), &[out, inp])?;
+        let b = if bias { Some(self.weight(&format!("{prefix}.bias"), &[out])?) } else { None };
+        self.linear_with(prefix, w, b, inp, out)
+    }
+
+    fn linear_with(
+        &mut self,
+        prefix: &str,
+        w: Tensor,
+        b: Option<Tensor>,
+        inp: usize,
+        out: usize,
+    ) -> std::result::Result<Linear, super::ModelError> {
+        let mut lin = Linear::new(w, b);
+        if let Trainable::Lora(spec) = self.trainable {
+            let module = prefix.rsplit('.').next().unwrap_or(prefix);
+            if spec.targets.iter().any(|t| t == module) {
+                let (lora, params) = spec
+                    .create(prefix, inp, out, lin.weight().dtype(), lin.weight().device(), self.rng)
+                    .map_err(super::ModelError::candle(format!("create LoRA adapter for `{prefix}`")))?;
+                lin.lora = Some(lora);
+                self.params.extend(params);
+            }
+        }
+        Ok(lin)
+    }
+}
+
+/// `*` matches any run of characters; everything else literally.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    fn go(p: &[u8], n: &[u8]) -> bool {
+        match (p.first(), n.first()) {
+            (None, None) => true,
+            (Some(b'*'), _) => go(&p[1..], n) || (!n.is_empty() && go(p, &n[1..])),
+            (Some(a), Some(b)) if a == b => go(&p[1..], &n[1..]),
+            _ => false,
+        }
+    }
+    go(pattern.as_bytes(), name.as_bytes())
+}
+
+impl Module for Transformer {
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let rows: Vec<Vec<u32>> = ids.to_vec2()?;
+        let batch = Batch::new(&rows, &vec![t; b], None, ids.device())?;
+        self.logits(&batch)
+    }
+}
+
+impl Transformer {
+    /// Overwrite trained parameters with saved values (a PEFT adapter, a checkpoint). Every
+    /// parameter must be present with its shape.
+    pub fn load_params(&self, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<(), super::ModelError> {
+        for p in &self.params {
+            let t = tensors.get(&p.name).ok_or_else(|| super::ModelError::MissingTensor { name: p.name.clone() })?;
+            if t.dims() != p.var.dims() {
+                return Err(super::ModelError::ShapeMismatch { name: p.name.clone(), expected: p.var.dims().to_vec(), found: t.dims().to_vec() });
+            }
+            let t = t.to_dtype(p.var.dtype()).and_then(|t| t.to_device(p.var.device())).map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
+            p.var.set(&t).map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
+        }
+        Ok(())
+    }
+
+    /// Current values of the trained parameters, by name.
+    pub fn param_values(&self) -> BTreeMap<String, Tensor> {
+        self.params.iter().map(|p| (p.name.clone(), p.var.as_tensor().detach())).collect()
+    }
+}
