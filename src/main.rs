@@ -25,6 +25,13 @@ fn main() -> ExitCode {
         }
     };
     let ui = Ui::new(cli.global.quiet, cli.global.verbose);
+    // First Ctrl-C: the training loop checkpoints and stops. Second: exit at once.
+    let _ = ctrlc::set_handler(|| {
+        if rtune::train::INTERRUPTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\ninterrupted: saving a checkpoint (press Ctrl-C again to quit at once)");
+    });
     match run(cli, &ui) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -173,6 +180,11 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             if !g.quiet {
                 eprint!("{}", plan::render_text(&plan));
                 eprintln!();
+            }
+            if let Some(n) = loaded.recipe.device.threads {
+                // Before any thread pool starts (the first parallel work happens in a stage).
+                // SAFETY: no other thread is running yet.
+                unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
             }
             let report = exec::run(&loaded, &plan, &store, ui)?;
             if g.json {

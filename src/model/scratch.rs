@@ -39,7 +39,9 @@ pub fn train_tokenizer(texts: &[String], vocab_size: usize) -> Result<Tokenizer,
     tokenizer
         .train(&mut trainer, texts.iter().map(String::as_str))
         .map_err(ModelError::tokenizer("cannot train the scratch tokenizer"))?;
-    tokenizer.add_special_tokens(&specials);
+    tokenizer
+        .add_special_tokens(specials.clone())
+        .map_err(ModelError::tokenizer("cannot add special tokens"))?;
     let bos_id = tokenizer.token_to_id(BOS).unwrap_or(1);
     let post = TemplateProcessing::builder()
         .try_single(format!("{BOS} $A"))

@@ -1,4 +1,90 @@
+//! `download`: materialises the base model and the dataset as an artifact.
+//!
+//! Local files are copied in (so later stages read exactly the bytes that were fingerprinted);
+//! a scratch model is created here: a tokenizer trained on the dataset and seeded random
+//! weights. Hub sources are rejected at plan time until the hub layer lands.
+
+use std::path::Path;
+
+use serde_json::json;
+
 use super::{StageCtx, StageError};
-pub fn run(_ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
-    Err(StageError::Internal("download: in progress".into()))
+use crate::data::{format::alpaca_prompt, read_rows};
+use crate::recipe::{DataFormat, Problem};
+
+pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
+    let recipe = &ctx.loaded.recipe;
+    let sources = &ctx.stage.doc["sources"];
+    let ds_rel = recipe.dataset.path.as_deref().ok_or_else(|| StageError::Internal("dataset has no path".into()))?;
+    let ds_src = ctx.loaded.resolve_path(ds_rel);
+    let ds_out = ctx.out.join("dataset");
+    copy_source(&ds_src, &ds_out)?;
+    check_digest(ctx, &ds_out, &ds_src, sources["dataset"].as_str(), &["dataset", "path"])?;
+    let model_out = ctx.out.join("model");
+    std::fs::create_dir_all(&model_out).map_err(StageError::io("cannot create the model folder"))?;
+    let model = if let Some(spec) = &recipe.model.scratch {
+        let (rows, _) = read_rows(&ds_out, true)?;
+        let texts: Vec<String> = rows
+            .iter()
+            .filter_map(|r| {
+                let get = |k: &str| {
+                    let col = recipe.dataset.column_map.get(k).map(String::as_str).unwrap_or(k);
+                    r.fields.get(col).and_then(|v| v.as_str()).unwrap_or_default().to_string()
+                };
+                match recipe.dataset.format {
+                    DataFormat::Alpaca => Some(format!("{}{}", alpaca_prompt(&get("instruction"), &get("input")), get("output"))),
+                    DataFormat::Text | DataFormat::Chat => Some(get("text")).filter(|t| !t.is_empty()),
+                }
+            })
+            .collect();
+        ctx.ui.status("scratch", format!("training a {}-token tokenizer on {} rows, initialising {:?} weights", spec.vocab_size, texts.len(), spec.arch));
+        let cfg = crate::model::scratch::create(&model_out, spec, &texts, ctx.seed())?;
+        json!({ "source": "scratch", "arch": cfg.arch, "vocab_size": cfg.vocab_size, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size })
+    } else if let Some(p) = &recipe.model.path {
+        let src = ctx.loaded.resolve_path(p);
+        copy_source(&src, &model_out)?;
+        check_digest(ctx, &model_out, &src, sources["model"].as_str(), &["model", "path"])?;
+        let folder = crate::model::ModelFolder::open(&model_out)?;
+        json!({ "source": "path", "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
+    } else {
+        return Err(StageError::Internal("model source is checked at plan time".into()));
+    };
+    let files = crate::store::walk(&ds_out).map_err(StageError::io("cannot list the dataset"))?;
+    Ok(json!({ "model": model, "dataset": { "files": files.len() } }))
+}
+
+/// Copy a file (into `dest/<name>`) or a folder's files (into `dest/`), skipping hidden files.
+fn copy_source(src: &Path, dest: &Path) -> Result<(), StageError> {
+    std::fs::create_dir_all(dest).map_err(StageError::io(format!("cannot create `{}`", dest.display())))?;
+    let pairs: Vec<(std::path::PathBuf, std::path::PathBuf)> = if src.is_dir() {
+        crate::store::walk(src)
+            .map_err(StageError::io(format!("cannot list `{}`", src.display())))?
+            .into_iter()
+            .filter(|rel| !rel.components().any(|c| c.as_os_str().to_string_lossy().starts_with('.')))
+            .map(|rel| (src.join(&rel), dest.join(&rel)))
+            .collect()
+    } else {
+        let name = src.file_name().ok_or_else(|| StageError::Internal(format!("`{}` has no file name", src.display())))?;
+        vec![(src.to_path_buf(), dest.join(name))]
+    };
+    for (from, to) in pairs {
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent).map_err(StageError::io(format!("cannot create `{}`", parent.display())))?;
+        }
+        std::fs::copy(&from, &to).map_err(StageError::io(format!("cannot copy `{}`", from.display())))?;
+    }
+    Ok(())
+}
+
+/// The copy must have the digest the plan fingerprinted; otherwise the source changed meanwhile.
+fn check_digest(ctx: &StageCtx<'_>, copy: &Path, src: &Path, planned: Option<&str>, at: &[&str]) -> Result<(), StageError> {
+    let target = if src.is_dir() { copy.to_path_buf() } else { copy.join(src.file_name().unwrap_or_default()) };
+    let digest = crate::fingerprint::digest_path(&target).map_err(StageError::io(format!("cannot hash `{}`", target.display())))?;
+    if Some(digest.as_str()) != planned {
+        return Err(Problem::new("rtune::source::changed", format!("`{}` changed while rtune was running", src.display()))
+            .at(ctx.loaded.origin(at), "this source")
+            .help("run again; the plan will fingerprint the new content")
+            .into());
+    }
+    Ok(())
 }

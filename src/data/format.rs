@@ -1,0 +1,184 @@
+//! Dataset formats: rows → token ids and loss masks.
+//!
+//! - `alpaca`: the Stanford Alpaca prompt (with or without `### Input:`), encoded as
+//!   `[bos] + encode(prompt) + encode(output) + [eos]` without the tokenizer's special tokens;
+//!   bos and prompt are masked from the loss unless `train_on_prompt`.
+//! - `text`: the `text` column encoded with the tokenizer's post-processor; every token counts.
+//!
+//! `mask[j] = 1` means token j is a training target (predicted from position j − 1).
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+use super::{DataError, Row};
+use crate::recipe::DataFormat;
+
+pub const ALPACA_WITH_INPUT: &str = "Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
+pub const ALPACA_NO_INPUT: &str = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n";
+
+/// The Alpaca prompt for an instruction and (possibly empty) input.
+pub fn alpaca_prompt(instruction: &str, input: &str) -> String {
+    if input.trim().is_empty() {
+        ALPACA_NO_INPUT.replace("{instruction}", instruction)
+    } else {
+        ALPACA_WITH_INPUT.replace("{instruction}", instruction).replace("{input}", input)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded {
+    pub ids: Vec<u32>,
+    pub mask: Vec<u8>,
+    pub prompt_tokens: usize,
+    pub response_tokens: usize,
+    pub truncated: bool,
+}
+
+pub struct Renderer<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub format: DataFormat,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub max_seq_len: usize,
+    pub truncate: bool,
+    pub train_on_prompt: bool,
+    /// format field → source column.
+    pub column_map: &'a BTreeMap<String, String>,
+}
+
+impl Renderer<'_> {
+    fn field<'r>(&self, row: &'r Row, name: &str, required: bool) -> Result<Option<&'r str>, DataError> {
+        let col = self.column_map.get(name).map(String::as_str).unwrap_or(name);
+        match row.fields.get(col) {
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(Value::Null) | None if !required => Ok(None),
+            None | Some(Value::Null) => {
+                let mut cols: Vec<&String> = row.fields.keys().collect();
+                cols.sort();
+                Err(DataError::bad_row(
+                    &row.file,
+                    row.line,
+                    &Value::Object(row.fields.clone()).to_string(),
+                    None,
+                    format!("row has no `{col}` column"),
+                    Some(format!(
+                        "the row has {}; map a column with `[dataset] column_map = {{ {name} = \"…\" }}`",
+                        cols.iter().map(|c| format!("`{c}`")).collect::<Vec<_>>().join(", ")
+                    )),
+                ))
+            }
+            Some(other) => Err(DataError::bad_row(
+                &row.file,
+                row.line,
+                &other.to_string(),
+                None,
+                format!("`{col}` must be a string, found {}", super::source::kind(other)),
+                None,
+            )),
+        }
+    }
+
+    /// Encode rows in parallel (the tokenizer's batch API). One result per row.
+    pub fn encode(&self, rows: &[Row]) -> Result<Vec<Result<Encoded, DataError>>, DataError> {
+        match self.format {
+            DataFormat::Alpaca => self.encode_alpaca(rows),
+            DataFormat::Text => self.encode_text(rows),
+            DataFormat::Chat => Err(DataError::Invalid { message: "the `chat` format is not implemented yet".into(), help: None }),
+        }
+    }
+
+    fn encode_alpaca(&self, rows: &[Row]) -> Result<Vec<Result<Encoded, DataError>>, DataError> {
+        let mut texts: Vec<Result<(String, String), DataError>> = Vec::with_capacity(rows.len());
+        for row in rows {
+            let r = (|| {
+                let instruction = self.field(row, "instruction", true)?.unwrap_or_default();
+                let input = self.field(row, "input", false)?.unwrap_or_default();
+                let output = self.field(row, "output", true)?.unwrap_or_default();
+                Ok((alpaca_prompt(instruction, input), output.to_string()))
+            })();
+            texts.push(r);
+        }
+        let ok: Vec<&(String, String)> = texts.iter().filter_map(|t| t.as_ref().ok()).collect();
+        let prompts = self.batch(ok.iter().map(|(p, _)| p.as_str()).collect(), false)?;
+        let outputs = self.batch(ok.iter().map(|(_, o)| o.as_str()).collect(), false)?;
+        let mut enc = prompts.into_iter().zip(outputs);
+        let mut out = Vec::with_capacity(rows.len());
+        for (row, t) in rows.iter().zip(texts) {
+            let r = t.and_then(|_| {
+                let (p, o) = enc.next().expect("one encoding per valid row");
+                let mut ids = Vec::with_capacity(p.len() + o.len() + 2);
+                ids.extend(self.bos);
+                ids.extend(&p);
+                let prompt_len = ids.len();
+                ids.extend(&o);
+                ids.extend(self.eos);
+                let mut mask = vec![u8::from(self.train_on_prompt); prompt_len];
+                mask.resize(ids.len(), 1);
+                self.finish(row, ids, mask, prompt_len)
+            });
+            out.push(r);
+        }
+        Ok(out)
+    }
+
+    fn encode_text(&self, rows: &[Row]) -> Result<Vec<Result<Encoded, DataError>>, DataError> {
+        let texts: Vec<Result<&str, DataError>> =
+            rows.iter().map(|r| self.field(r, "text", true).map(|t| t.unwrap_or_default())).collect();
+        let ok: Vec<&str> = texts.iter().filter_map(|t| t.as_ref().ok().copied()).collect();
+        let mut enc = self.batch(ok, true)?.into_iter();
+        Ok(rows
+            .iter()
+            .zip(texts)
+            .map(|(row, t)| {
+                t.and_then(|_| {
+                    let ids = enc.next().expect("one encoding per valid row");
+                    let mask = vec![1u8; ids.len()];
+                    self.finish(row, ids, mask, 0)
+                })
+            })
+            .collect())
+    }
+
+    fn batch(&self, texts: Vec<&str>, special: bool) -> Result<Vec<Vec<u32>>, DataError> {
+        let enc = self
+            .tokenizer
+            .encode_batch(texts, special)
+            .map_err(|e| DataError::Tokenizer { context: "encoding rows".into(), source: e })?;
+        Ok(enc.into_iter().map(|e| e.get_ids().to_vec()).collect())
+    }
+
+    fn finish(&self, row: &Row, mut ids: Vec<u32>, mut mask: Vec<u8>, prompt_len: usize) -> Result<Encoded, DataError> {
+        let mut truncated = false;
+        if ids.len() > self.max_seq_len {
+            if !self.truncate {
+                return Err(DataError::bad_row(
+                    &row.file,
+                    row.line,
+                    "",
+                    None,
+                    format!("row has {} tokens, more than `max_seq_len` = {}", ids.len(), self.max_seq_len),
+                    Some("raise `dataset.max_seq_len`, or set `dataset.truncate = true`".into()),
+                ));
+            }
+            ids.truncate(self.max_seq_len);
+            mask.truncate(self.max_seq_len);
+            truncated = true;
+        }
+        // Position 0 is never predicted; a row needs a target after it.
+        let response = mask.iter().skip(1).filter(|m| **m == 1).count();
+        if response == 0 {
+            return Err(DataError::bad_row(
+                &row.file,
+                row.line,
+                "",
+                None,
+                "row has no tokens to learn from within `max_seq_len`".into(),
+                Some("the prompt fills the whole sequence; raise `dataset.max_seq_len`".into()),
+            ));
+        }
+        let prompt_tokens = prompt_len.min(ids.len());
+        Ok(Encoded { response_tokens: ids.len() - prompt_tokens, prompt_tokens, ids, mask, truncated })
+    }
+}

@@ -1,0 +1,159 @@
+//! The token store: a split (`train`, `eval`) as four flat little-endian files —
+//! `<split>.ids` (u32 token ids), `<split>.mask` (u8 loss mask), `<split>.seg` (u16 packed
+//! document index) and `<split>.offsets` (u64 row starts, rows + 1 entries) — memory-mapped when
+//! read, so training never holds the whole dataset in memory.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use memmap2::Mmap;
+
+use super::DataError;
+
+/// Version of the token store layout. History: 1 — first version.
+pub const TOKENS_VERSION: u32 = 1;
+
+pub struct TokenWriter {
+    ids: BufWriter<File>,
+    mask: BufWriter<File>,
+    seg: BufWriter<File>,
+    offsets: Vec<u64>,
+    path: String,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
+    move |e| DataError::Io { path: path.display().to_string(), source: e }
+}
+
+impl TokenWriter {
+    pub fn create(dir: &Path, split: &str) -> Result<TokenWriter, DataError> {
+        let open = |ext: &str| -> Result<BufWriter<File>, DataError> {
+            let p = dir.join(format!("{split}.{ext}"));
+            Ok(BufWriter::new(File::create(&p).map_err(io(&p))?))
+        };
+        Ok(TokenWriter {
+            ids: open("ids")?,
+            mask: open("mask")?,
+            seg: open("seg")?,
+            offsets: vec![0],
+            path: dir.join(split).display().to_string(),
+        })
+    }
+
+    /// Append one row (a sequence the model sees as a whole).
+    pub fn push(&mut self, ids: &[u32], mask: &[u8], seg: &[u16]) -> Result<(), DataError> {
+        let err = |e| DataError::Io { path: self.path.clone(), source: e };
+        for id in ids {
+            self.ids.write_all(&id.to_le_bytes()).map_err(err)?;
+        }
+        self.mask.write_all(mask).map_err(err)?;
+        for s in seg {
+            self.seg.write_all(&s.to_le_bytes()).map_err(err)?;
+        }
+        let last = *self.offsets.last().expect("starts with 0");
+        self.offsets.push(last + ids.len() as u64);
+        Ok(())
+    }
+
+    pub fn finish(mut self, dir: &Path, split: &str) -> Result<usize, DataError> {
+        let err = |e| DataError::Io { path: self.path.clone(), source: e };
+        self.ids.flush().map_err(err)?;
+        self.mask.flush().map_err(err)?;
+        self.seg.flush().map_err(err)?;
+        let p = dir.join(format!("{split}.offsets"));
+        let bytes: Vec<u8> = self.offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+        std::fs::write(&p, bytes).map_err(io(&p))?;
+        Ok(self.offsets.len() - 1)
+    }
+}
+
+/// A memory-mapped split.
+pub struct TokenStore {
+    ids: Mmap,
+    mask: Mmap,
+    seg: Mmap,
+    offsets: Vec<u64>,
+}
+
+/// One row as training reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenRow {
+    pub ids: Vec<u32>,
+    pub mask: Vec<u8>,
+    pub seg: Vec<u16>,
+}
+
+impl TokenStore {
+    pub fn open(dir: &Path, split: &str) -> Result<TokenStore, DataError> {
+        let map = |ext: &str| -> Result<Mmap, DataError> {
+            let p = dir.join(format!("{split}.{ext}"));
+            let f = File::open(&p).map_err(io(&p))?;
+            // SAFETY: artifact files are read-only and never modified in place (the store
+            // replaces whole folders by rename), so the mapping cannot change under us.
+            unsafe { Mmap::map(&f) }.map_err(io(&p))
+        };
+        let off_path = dir.join(format!("{split}.offsets"));
+        let raw = std::fs::read(&off_path).map_err(io(&off_path))?;
+        let offsets: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        let store = TokenStore { ids: map("ids")?, mask: map("mask")?, seg: map("seg")?, offsets };
+        let n = *store.offsets.last().unwrap_or(&0) as usize;
+        let consistent = !store.offsets.is_empty()
+            && store.offsets.windows(2).all(|w| w[0] <= w[1])
+            && store.ids.len() == n * 4
+            && store.mask.len() == n
+            && store.seg.len() == n * 2;
+        if !consistent {
+            return Err(DataError::Invalid {
+                message: format!("token store `{}` is inconsistent", dir.join(split).display()),
+                help: Some("run `rtune cache verify`; the tokenize stage will be rebuilt".into()),
+            });
+        }
+        Ok(store)
+    }
+
+    pub fn len(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn row_len(&self, i: usize) -> usize {
+        (self.offsets[i + 1] - self.offsets[i]) as usize
+    }
+
+    pub fn row(&self, i: usize) -> TokenRow {
+        let (a, b) = (self.offsets[i] as usize, self.offsets[i + 1] as usize);
+        TokenRow {
+            ids: self.ids[a * 4..b * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
+            mask: self.mask[a..b].to_vec(),
+            seg: self.seg[a * 2..b * 2].chunks_exact(2).map(|c| u16::from_le_bytes(c.try_into().expect("2 bytes"))).collect(),
+        }
+    }
+
+    /// Tokens that count in the loss (targets after position 0 of each document).
+    pub fn target_count(&self) -> usize {
+        (0..self.len()).map(|i| self.row(i).mask.iter().skip(1).filter(|m| **m == 1).count()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_then_map() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = TokenWriter::create(dir.path(), "train").unwrap();
+        w.push(&[1, 2, 3], &[0, 1, 1], &[0, 0, 0]).unwrap();
+        w.push(&[7, 8], &[1, 1], &[0, 1]).unwrap();
+        assert_eq!(w.finish(dir.path(), "train").unwrap(), 2);
+        let s = TokenStore::open(dir.path(), "train").unwrap();
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.row(1), TokenRow { ids: vec![7, 8], mask: vec![1, 1], seg: vec![0, 1] });
+        std::fs::write(dir.path().join("train.mask"), [0u8]).unwrap();
+        assert!(TokenStore::open(dir.path(), "train").is_err());
+    }
+}
