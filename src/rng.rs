@@ -68,7 +68,8 @@ impl Rng {
 mod tests {
     use super::*;
 
-    const GOLDEN_FIRST: u64 = 0;
+    // Computed independently (Python) from the xoshiro256** reference with SplitMix64 seeding.
+    const GOLDEN_FIRST: u64 = 1_546_998_764_402_558_742;
 
     #[test]
     fn same_seed_same_stream_and_golden_values() {

@@ -168,7 +168,7 @@ impl<'a> Checker<'a> {
                     "rtune::recipe::wrong_length",
                     format!("`{path}` must have {want} items, found {len}"),
                 )
-                .at(node.origin.as_ref(), format!("{len} items")),
+                .at(node.origin.as_ref(), format!("{len} item{}", if len == 1 { "" } else { "s" })),
             );
         }
         if let Some(item_schema) = schema.get("items") {
@@ -336,7 +336,7 @@ fn show(x: f64) -> String {
 fn show_num(node: &Node) -> String {
     match node.value {
         Value::Int(i) => i.to_string(),
-        Value::Float(f) => format!("{f}"),
+        Value::Float(f) => crate::fingerprint::show(&serde_json::json!(f)),
         _ => String::new(),
     }
 }

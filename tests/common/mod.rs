@@ -1,0 +1,88 @@
+//! Helpers shared by the integration tests: run the real binary, compare snapshots.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Run `rtune` in `cwd` with its own cache, no colour and no progress bars.
+pub fn rtune(cwd: &Path, cache: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rtune"))
+        .args(args)
+        .current_dir(cwd)
+        .env("RTUNE_CACHE_DIR", cache)
+        .env("NO_COLOR", "1")
+        .env("RTUNE_NO_PROGRESS", "1")
+        .env_remove("HF_HUB_OFFLINE")
+        .output()
+        .expect("rtune runs")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Compare `actual` with `tests/snapshots/<name>`; `RTUNE_BLESS=1` rewrites the snapshot.
+pub fn snapshot(name: &str, actual: &str) {
+    let path = root().join("tests/snapshots").join(name);
+    if std::env::var_os("RTUNE_BLESS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("no snapshot {} (run with RTUNE_BLESS=1)", path.display()));
+    assert_eq!(expected, actual, "snapshot {name} differs (RTUNE_BLESS=1 rewrites it)");
+}
+
+/// A temporary project: the tiny-offline recipe and its data, and a cache folder.
+pub struct Project {
+    pub dir: tempfile::TempDir,
+}
+
+impl Project {
+    pub fn tiny_offline() -> Project {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("data")).unwrap();
+        std::fs::copy(root().join("recipes/tiny-offline.toml"), dir.path().join("tiny.toml")).unwrap();
+        std::fs::copy(root().join("recipes/data/synthetic-alpaca.jsonl"), dir.path().join("data/synthetic-alpaca.jsonl")).unwrap();
+        Project { dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn cache(&self) -> PathBuf {
+        self.dir.path().join("cache")
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        rtune(self.path(), &self.cache(), args)
+    }
+
+    /// `rtune run … --json`, returning stage name → outcome, asserting success.
+    pub fn run_json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = vec!["run"];
+        all.extend_from_slice(args);
+        all.push("--json");
+        let o = self.run(&all);
+        assert!(o.status.success(), "rtune {all:?} failed:\n{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+}
+
+pub fn outcomes(report: &serde_json::Value) -> Vec<(String, String)> {
+    report["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap().to_string(), s["outcome"].as_str().unwrap().to_string()))
+        .collect()
+}

@@ -1,0 +1,128 @@
+//! The recipe engine through the real binary: every kind of mistake rendered as a located
+//! diagnostic (snapshots), the shipped recipes, plan rendering, and a pinned fingerprint.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::*;
+
+fn validate(file: &str, extra: &[&str]) -> (i32, String) {
+    let dir = root().join("tests/fixtures/invalid");
+    let cache = tempfile::tempdir().unwrap();
+    let mut args = vec!["validate", file];
+    args.extend_from_slice(extra);
+    let o = rtune(&dir, cache.path(), &args);
+    (o.status.code().unwrap_or(-1), stderr(&o))
+}
+
+#[test]
+fn every_mistake_is_a_located_snapshot_tested_diagnostic() {
+    let mut files: Vec<String> = std::fs::read_dir(root().join("tests/fixtures/invalid"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    files.sort();
+    let mut codes = BTreeSet::new();
+    for f in &files {
+        let extra: &[&str] = if f == "bad_set.toml" { &["--set", "stages.train.epochs=[1,"] } else { &[] };
+        let (code, err) = validate(f, extra);
+        assert_eq!(code, 1, "{f} should be invalid:\n{err}");
+        assert!(!err.contains("panicked"), "{f}: {err}");
+        for line in err.lines() {
+            if let Some(c) = line.trim().strip_prefix("Error: ") {
+                codes.insert(c.to_string());
+            }
+        }
+        snapshot(&format!("invalid/{}.txt", f.trim_end_matches(".toml")), &err);
+    }
+    assert!(codes.len() >= 12, "only {} distinct diagnostics: {codes:?}", codes.len());
+}
+
+#[test]
+fn a_bad_set_says_it_came_from_the_command_line() {
+    let (code, err) = validate("bad_set.toml", &["--set", "stages.train.batch_size=lots", "--set", "stages.train.epohcs=2"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("╭─[--set:1:"), "{err}");
+    assert!(err.contains("`stages.train.batch_size` must be an integer, found a string"), "{err}");
+    assert!(err.contains("did you mean `epochs`?"), "{err}");
+}
+
+#[test]
+fn env_layers_sit_between_the_file_and_set() {
+    let dir = root().join("tests/fixtures/invalid");
+    let cache = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+        .args(["validate", "bad_set.toml"])
+        .current_dir(&dir)
+        .env("RTUNE_CACHE_DIR", cache.path())
+        .env("NO_COLOR", "1")
+        .env("RTUNE_STAGES__TRAIN__EPOCHS", "zero")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(err.contains("[env RTUNE_STAGES__TRAIN__EPOCHS:1:"), "{err}");
+}
+
+#[test]
+fn shipped_recipes_validate_and_the_offline_one_plans() {
+    let cache = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(root().join("recipes")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|e| e == "toml") {
+            let o = rtune(&root(), cache.path(), &["validate", p.to_str().unwrap()]);
+            assert!(o.status.success(), "{}: {}", p.display(), stderr(&o));
+        }
+    }
+    let ls = stdout(&rtune(&root(), cache.path(), &["ls"]));
+    for name in ["tiny-offline", "qwen2.5-3b-lora-rocm", "smollm2-135m-lora", "smollm2-360m-lora"] {
+        assert!(ls.contains(name), "{ls}");
+    }
+    let p = Project::tiny_offline();
+    let o = p.run(&["plan", "tiny.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.starts_with("plan for recipe `tiny-offline` on cpu (f32)\n"), "{text}");
+    assert!(text.contains("5 to run, 0 cached"), "{text}");
+    let dot = stdout(&p.run(&["plan", "tiny.toml", "--format", "dot"]));
+    assert!(dot.contains("\"tokenize\" -> \"train\";"), "{dot}");
+}
+
+#[test]
+fn hub_recipes_say_clearly_what_is_not_implemented() {
+    let cache = tempfile::tempdir().unwrap();
+    let o = rtune(&root(), cache.path(), &["plan", "recipes/qwen2.5-3b-lora-rocm.toml"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("rtune::plan::not_implemented"), "{err}");
+    assert!(err.contains("downloading models from the Hugging Face Hub is not implemented yet"), "{err}");
+}
+
+/// Changing this fingerprint invalidates every user's cache: do it on purpose, with a
+/// FINGERPRINT_VERSION bump, never by accident.
+#[test]
+fn golden_fingerprint() {
+    let p = Project::tiny_offline();
+    let o = p.run(&["plan", "tiny.toml", "--format", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let fp = |name: &str| {
+        plan["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap()["fingerprint"].as_str().unwrap().to_string()
+    };
+    assert_eq!(fp("download"), "82f46b894445dde7ef16d2cbad5d06353e80bb73e15fbb79498419ebb9c71460");
+    assert_eq!(fp("train"), "ec8f6de61032cd1f915cc6ab6e9e58be1eee724e79fb025c33a58484e58ccdc4");
+}
+
+#[test]
+fn equivalent_spellings_share_a_fingerprint() {
+    let p = Project::tiny_offline();
+    let fp = |set: &str| {
+        let o = p.run(&["plan", "tiny.toml", "--format", "json", "--set", set]);
+        let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        plan["stages"][2]["fingerprint"].as_str().unwrap().to_string()
+    };
+    assert_eq!(fp("stages.train.learning_rate=1e-2"), fp("stages.train.learning_rate=0.01"));
+    assert_eq!(fp("stages.train.weight_decay=0"), fp("stages.train.weight_decay=0.0"));
+    assert_ne!(fp("stages.train.learning_rate=1e-2"), fp("stages.train.learning_rate=2e-2"));
+}
