@@ -24,7 +24,7 @@ pub struct Cli {
 #[derive(Debug, Args)]
 pub struct Global {
     /// Artifact cache root [default: $XDG_CACHE_HOME/rtune or ~/.cache/rtune]
-    #[arg(long, global = true, env = "RTUNE_CACHE_DIR", value_name = "DIR")]
+    #[arg(long, global = true, env = "RTUNE_CACHE_DIR", hide_env_values = true, value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
     /// Print only errors and data
     #[arg(short, long, global = true)]

@@ -89,12 +89,7 @@ impl Inventory {
                 });
             }
         }
-        Inventory {
-            cuda_feature: cfg!(feature = "cuda"),
-            metal_feature: cfg!(feature = "metal"),
-            devices,
-            cpu_threads,
-        }
+        Inventory { cuda_feature: cfg!(feature = "cuda"), metal_feature: cfg!(feature = "metal"), devices, cpu_threads }
     }
 
     /// A CPU-only inventory (tests, and planning that must not depend on the machine).
@@ -220,21 +215,16 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
             match cudas.iter().find(|d| d.ordinal == n) {
                 Some(d) => Ok(d),
                 None if cudas.is_empty() => Err("no CUDA device found (driver missing or no GPU)".into()),
-                None => Err(format!(
-                    "only {} CUDA device{} present",
-                    cudas.len(),
-                    if cudas.len() == 1 { "" } else { "s" }
-                )),
+                None => {
+                    Err(format!("only {} CUDA device{} present", cudas.len(), if cudas.len() == 1 { "" } else { "s" }))
+                }
             }
         }
         "metal" => {
             if !inv.metal_feature {
                 return Err("this build has no Metal support (build with `--features metal` on macOS)".into());
             }
-            inv.devices
-                .iter()
-                .find(|d| d.class == DeviceClass::Metal)
-                .ok_or_else(|| "no Metal device found".into())
+            inv.devices.iter().find(|d| d.class == DeviceClass::Metal).ok_or_else(|| "no Metal device found".into())
         }
         "rocm" => Err("candle has no ROCm backend, so no build of rtune can use AMD GPUs directly yet".into()),
         "vulkan" | "wgpu" => Err(format!("candle has no {base} backend")),
@@ -287,7 +277,8 @@ mod tests {
 
     #[test]
     fn falls_back_to_cpu_with_reasons() {
-        let r = resolve(&s(&["rocm", "cuda", "metal", "cpu"]), &[Dtype::Bf16, Dtype::F32], &Inventory::cpu_only(2)).unwrap();
+        let r = resolve(&s(&["rocm", "cuda", "metal", "cpu"]), &[Dtype::Bf16, Dtype::F32], &Inventory::cpu_only(2))
+            .unwrap();
         assert_eq!(r.device_name(), "cpu");
         assert_eq!(r.dtype, Dtype::F32);
         let reasons: Vec<&str> = r.skipped.iter().map(|s| s.device.as_str()).collect();

@@ -29,7 +29,11 @@ pub enum Error {
     },
     #[error("`{path}` does not match this plan (`--locked`)")]
     #[diagnostic(code(rtune::lock::mismatch), help("run without `--locked` to update the lock file, and commit it"))]
-    LockMismatch { path: String, #[related] changes: Vec<Problem> },
+    LockMismatch {
+        path: String,
+        #[related]
+        changes: Vec<Problem>,
+    },
     #[error("{message}")]
     #[diagnostic(code(rtune::io))]
     Io {

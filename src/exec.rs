@@ -52,22 +52,29 @@ pub fn check_locked(loaded: &LoadedRecipe, plan: &Plan, lock: &LockFile) -> Resu
     let current = plan::locked_stages(plan);
     for (name, s) in &current {
         match recorded.and_then(|r| r.get(name)) {
-            None => changes.push(crate::recipe::Problem::new("rtune::lock::new_stage", format!("stage `{name}` is not in the lock file"))),
+            None => changes.push(crate::recipe::Problem::new(
+                "rtune::lock::new_stage",
+                format!("stage `{name}` is not in the lock file"),
+            )),
             Some(old) if old.fingerprint != s.fingerprint => {
                 let diffs = crate::fingerprint::diff(&old.inputs, &s.inputs);
-                changes.push(
-                    crate::recipe::Problem::new(
-                        "rtune::lock::changed",
-                        format!("stage `{name}` would change: {}", diffs.iter().take(4).cloned().collect::<Vec<_>>().join(", ")),
+                changes.push(crate::recipe::Problem::new(
+                    "rtune::lock::changed",
+                    format!(
+                        "stage `{name}` would change: {}",
+                        diffs.iter().take(4).cloned().collect::<Vec<_>>().join(", ")
                     ),
-                );
+                ));
             }
             Some(_) => {}
         }
     }
     for name in recorded.into_iter().flat_map(|r| r.keys()) {
         if !current.contains_key(name) {
-            changes.push(crate::recipe::Problem::new("rtune::lock::removed_stage", format!("stage `{name}` is in the lock file but not in the recipe")));
+            changes.push(crate::recipe::Problem::new(
+                "rtune::lock::removed_stage",
+                format!("stage `{name}` is in the lock file but not in the recipe"),
+            ));
         }
     }
     if changes.is_empty() { Ok(()) } else { Err(Error::LockMismatch { path: path.display().to_string(), changes }) }
@@ -109,7 +116,9 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
             }
             Action::Run => {}
         }
-        let _lock = store.lock(fp, || ui.status("waiting", format!("another rtune run is building {} ({})", planned.name, planned.short())))?;
+        let _lock = store.lock(fp, || {
+            ui.status("waiting", format!("another rtune run is building {} ({})", planned.name, planned.short()))
+        })?;
         let forced = planned.reason.starts_with("forced");
         if let Some(m) = store.manifest(fp).filter(|m| !forced && store.quick_check(m).is_ok()) {
             ui.status("reused", format!("{} ({}) was built by another run meanwhile", planned.name, planned.short()));
@@ -160,7 +169,12 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         record_in_lock(&lock_file, plan, &planned.name)?;
         ui.status(
             "built",
-            format!("{} in {:.1}s, {}", planned.name, started.elapsed().as_secs_f64(), human_bytes(manifest.total_size())),
+            format!(
+                "{} in {:.1}s, {}",
+                planned.name,
+                started.elapsed().as_secs_f64(),
+                human_bytes(manifest.total_size())
+            ),
         );
         report.stages.push(StageReport {
             name: planned.name.clone(),

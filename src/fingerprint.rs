@@ -95,7 +95,10 @@ mod tests {
 
     #[test]
     fn diff_names_the_changed_setting() {
-        let d = diff(&json!({"train": {"learning_rate": 1e-4, "epochs": 1}}), &json!({"train": {"learning_rate": 3e-4, "epochs": 1}}));
+        let d = diff(
+            &json!({"train": {"learning_rate": 1e-4, "epochs": 1}}),
+            &json!({"train": {"learning_rate": 3e-4, "epochs": 1}}),
+        );
         assert_eq!(d, ["train.learning_rate: 1e-4 → 3e-4"]);
     }
 }

@@ -1,5 +1,7 @@
 //! The `rtune` binary: parses the command line, runs a command, maps errors to exit codes.
 
+#![allow(clippy::result_large_err)] // see lib.rs
+
 mod cli;
 
 use std::io::IsTerminal;
@@ -71,7 +73,11 @@ fn selection(s: &SelectArgs) -> Selection {
     Selection { only: s.only.clone(), from: s.from.clone(), force: s.force.clone() }
 }
 
-fn make_plan(g: &cli::Global, args: &RecipeArgs, sel: &SelectArgs) -> Result<(recipe::LoadedRecipe, Store, LockFile, plan::Plan), Error> {
+fn make_plan(
+    g: &cli::Global,
+    args: &RecipeArgs,
+    sel: &SelectArgs,
+) -> Result<(recipe::LoadedRecipe, Store, LockFile, plan::Plan), Error> {
     let loaded = load(args)?;
     let store = store(g)?;
     let lock = LockFile::read(&exec::lock_path(&loaded))?;
@@ -84,7 +90,10 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
     match cli.command {
         Command::Ls => {
             if g.json {
-                let list: Vec<_> = builtin::all().iter().map(|b| json!({"name": b.name, "description": b.description(), "builtin": true})).collect();
+                let list: Vec<_> = builtin::all()
+                    .iter()
+                    .map(|b| json!({"name": b.name, "description": b.description(), "builtin": true}))
+                    .collect();
                 ui.out(format!("{}\n", serde_json::to_string_pretty(&list).expect("json")));
                 return Ok(0);
             }
@@ -131,7 +140,8 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                 let p = dir.join(rel);
                 if !p.exists() {
                     if let Some(parent) = p.parent() {
-                        std::fs::create_dir_all(parent).map_err(Error::io(format!("cannot create `{}`", parent.display())))?;
+                        std::fs::create_dir_all(parent)
+                            .map_err(Error::io(format!("cannot create `{}`", parent.display())))?;
                     }
                     std::fs::write(&p, bytes).map_err(Error::io(format!("cannot write `{}`", p.display())))?;
                     ui.status("copied", p.display().to_string());
@@ -158,14 +168,21 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             if g.json {
                 ui.out(format!("{}\n", json!({"recipe": loaded.recipe.recipe.name, "valid": true, "stages": names})));
             } else {
-                ui.out(format!("recipe `{}` is valid: {} stages ({})\n", loaded.name(), names.len(), names.join(" → ")));
+                ui.out(format!(
+                    "recipe `{}` is valid: {} stages ({})\n",
+                    loaded.name(),
+                    names.len(),
+                    names.join(" → ")
+                ));
             }
             Ok(0)
         }
         Command::Plan { recipe: args, select, format } => {
             let (_, _, _, plan) = make_plan(g, &args, &select)?;
             let text = match (format, g.json) {
-                (PlanFormat::Json, _) | (_, true) => format!("{}\n", serde_json::to_string_pretty(&plan).expect("json")),
+                (PlanFormat::Json, _) | (_, true) => {
+                    format!("{}\n", serde_json::to_string_pretty(&plan).expect("json"))
+                }
                 (PlanFormat::Dot, _) => plan::render_dot(&plan),
                 (PlanFormat::Text, _) => plan::render_text(&plan),
             };
@@ -197,7 +214,9 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
         Command::Explain { recipe: args, stage, diff } => {
             let (loaded, _store, lock, plan) = make_plan(g, &args, &SelectArgs::default())?;
             let Some(s) = plan.stage(&stage) else {
-                return Err(Problem::new("rtune::plan::unknown_stage", format!("the recipe has no stage `{stage}`")).into());
+                return Err(
+                    Problem::new("rtune::plan::unknown_stage", format!("the recipe has no stage `{stage}`")).into()
+                );
             };
             let mut out = format!(
                 "stage `{}` ({}) fingerprint {}\nstatus: {}{}\n\nfingerprint inputs:\n{}\n",
@@ -210,10 +229,17 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             );
             if diff {
                 match lock.recipes.get(&plan.recipe).and_then(|r| r.stages.get(&stage)) {
-                    None => out.push_str(&format!("\nno earlier run of `{stage}` is recorded in {}\n", exec::lock_path(&loaded).display())),
+                    None => out.push_str(&format!(
+                        "\nno earlier run of `{stage}` is recorded in {}\n",
+                        exec::lock_path(&loaded).display()
+                    )),
                     Some(old) if old.fingerprint == s.fingerprint => out.push_str("\nunchanged since the last run\n"),
                     Some(old) => {
-                        out.push_str(&format!("\nchanges since the last run ({} → {}):\n", &old.fingerprint[..12], s.short()));
+                        out.push_str(&format!(
+                            "\nchanges since the last run ({} → {}):\n",
+                            &old.fingerprint[..12],
+                            s.short()
+                        ));
                         for line in rtune::fingerprint::diff(&old.inputs, &s.doc) {
                             out.push_str(&format!("  {line}\n"));
                         }
@@ -244,9 +270,19 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                     } else {
                         let mut out = String::new();
                         for m in &ms {
-                            out.push_str(&format!("{}  {:<9} {:<12} {:>10}\n", &m.fingerprint[..12], m.kind, m.stage, human_bytes(m.total_size())));
+                            out.push_str(&format!(
+                                "{}  {:<9} {:<12} {:>10}\n",
+                                &m.fingerprint[..12],
+                                m.kind,
+                                m.stage,
+                                human_bytes(m.total_size())
+                            ));
                         }
-                        out.push_str(&format!("{} artifacts, {}\n", ms.len(), human_bytes(ms.iter().map(|m| m.total_size()).sum())));
+                        out.push_str(&format!(
+                            "{} artifacts, {}\n",
+                            ms.len(),
+                            human_bytes(ms.iter().map(|m| m.total_size()).sum())
+                        ));
                         ui.out(out);
                     }
                     Ok(0)
@@ -258,7 +294,13 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                         let problems = store.verify(m);
                         if !problems.is_empty() {
                             bad += 1;
-                            ui.out(format!("damaged {} ({} {}): {}\n", &m.fingerprint[..12], m.kind, m.stage, problems.join("; ")));
+                            ui.out(format!(
+                                "damaged {} ({} {}): {}\n",
+                                &m.fingerprint[..12],
+                                m.kind,
+                                m.stage,
+                                problems.join("; ")
+                            ));
                         }
                     }
                     ui.out(format!("{} artifacts verified, {bad} damaged\n", ms.len()));
@@ -325,7 +367,11 @@ fn summary(r: &exec::RunReport) -> String {
         .filter_map(|s| {
             let loss = s.metrics["eval_loss"].as_f64()?;
             let ppl = s.metrics["perplexity"].as_f64().unwrap_or(f64::NAN);
-            Some(format!("  {:<w$}  {} model: eval loss {loss:.4}, perplexity {ppl:.2}", s.name, s.metrics["model"].as_str().unwrap_or("?")))
+            Some(format!(
+                "  {:<w$}  {} model: eval loss {loss:.4}, perplexity {ppl:.2}",
+                s.name,
+                s.metrics["model"].as_str().unwrap_or("?")
+            ))
         })
         .collect();
     if !evals.is_empty() {

@@ -5,9 +5,39 @@ use proptest::prelude::*;
 use rtune::recipe::{Overrides, RecipeSource, builtin, load_text};
 
 const KEYS: &[&str] = &[
-    "recipe", "name", "seed", "model", "scratch", "path", "repo", "revision", "dataset", "format", "eval_fraction",
-    "max_seq_len", "adapter", "rank", "alpha", "targets", "device", "prefer", "dtype", "cpu", "cuda:1", "stages",
-    "train", "evaluate", "tokenize", "kind", "needs", "learning_rate", "schedule", "betas", "epochs", "x", "",
+    "recipe",
+    "name",
+    "seed",
+    "model",
+    "scratch",
+    "path",
+    "repo",
+    "revision",
+    "dataset",
+    "format",
+    "eval_fraction",
+    "max_seq_len",
+    "adapter",
+    "rank",
+    "alpha",
+    "targets",
+    "device",
+    "prefer",
+    "dtype",
+    "cpu",
+    "cuda:1",
+    "stages",
+    "train",
+    "evaluate",
+    "tokenize",
+    "kind",
+    "needs",
+    "learning_rate",
+    "schedule",
+    "betas",
+    "epochs",
+    "x",
+    "",
 ];
 
 fn value() -> impl Strategy<Value = String> {
@@ -23,15 +53,20 @@ fn value() -> impl Strategy<Value = String> {
     leaf.prop_recursive(3, 16, 4, |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..4).prop_map(|v| format!("[{}]", v.join(", "))),
-            prop::collection::vec((prop::sample::select(KEYS), inner), 0..4)
-                .prop_map(|kv| format!("{{ {} }}", kv.iter().map(|(k, v)| format!("\"{k}\" = {v}")).collect::<Vec<_>>().join(", "))),
+            prop::collection::vec((prop::sample::select(KEYS), inner), 0..4).prop_map(|kv| format!(
+                "{{ {} }}",
+                kv.iter().map(|(k, v)| format!("\"{k}\" = {v}")).collect::<Vec<_>>().join(", ")
+            )),
         ]
     })
 }
 
 fn document() -> impl Strategy<Value = String> {
     prop::collection::vec(
-        (prop::collection::vec(prop::sample::select(KEYS), 1..3), prop::collection::vec((prop::sample::select(KEYS), value()), 0..5)),
+        (
+            prop::collection::vec(prop::sample::select(KEYS), 1..3),
+            prop::collection::vec((prop::sample::select(KEYS), value()), 0..5),
+        ),
         0..6,
     )
     .prop_map(|tables| {

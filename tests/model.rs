@@ -109,7 +109,13 @@ fn lora_gradients_match_finite_differences() {
     let grads = loss_of(&model).backward().unwrap();
     let mut checked = 0;
     for p in model.params.iter().filter(|p| p.name.contains("layers.0") || p.name.contains("layers.1.mlp.down")) {
-        let grad: Vec<f32> = grads.get(p.var.as_tensor()).expect("every LoRA parameter gets a gradient").flatten_all().unwrap().to_vec1().unwrap();
+        let grad: Vec<f32> = grads
+            .get(p.var.as_tensor())
+            .expect("every LoRA parameter gets a gradient")
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let orig: Vec<f32> = p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         for idx in [0usize, orig.len() / 2, orig.len() - 1] {
             let eps = 1e-2f32;
@@ -124,7 +130,11 @@ fn lora_gradients_match_finite_differences() {
             p.var.set(&Tensor::from_vec(orig.clone(), p.var.shape(), &Device::Cpu).unwrap()).unwrap();
             let fd = (lp - lm) / (2.0 * eps as f64);
             let ad = grad[idx] as f64;
-            assert!((fd - ad).abs() < 2e-3 + 2e-2 * ad.abs(), "{} [{idx}]: finite difference {fd} vs autograd {ad}", p.name);
+            assert!(
+                (fd - ad).abs() < 2e-3 + 2e-2 * ad.abs(),
+                "{} [{idx}]: finite difference {fd} vs autograd {ad}",
+                p.name
+            );
             checked += 1;
         }
     }
@@ -161,7 +171,8 @@ fn saved_folder_round_trips_bit_exactly() {
     assert_eq!(weights.keys().collect::<Vec<_>>(), again.keys().collect::<Vec<_>>());
     for (k, a) in &weights {
         let a: Vec<u32> = a.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
-        let b: Vec<u32> = again[k].flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+        let b: Vec<u32> =
+            again[k].flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
         assert_eq!(a, b, "{k} changed");
     }
     let _: BTreeMap<String, Tensor> = again;

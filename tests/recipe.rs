@@ -41,7 +41,8 @@ fn every_mistake_is_a_located_snapshot_tested_diagnostic() {
 
 #[test]
 fn a_bad_set_says_it_came_from_the_command_line() {
-    let (code, err) = validate("bad_set.toml", &["--set", "stages.train.batch_size=lots", "--set", "stages.train.epohcs=2"]);
+    let (code, err) =
+        validate("bad_set.toml", &["--set", "stages.train.batch_size=lots", "--set", "stages.train.epohcs=2"]);
     assert_eq!(code, 1);
     assert!(err.contains("╭─[--set:1:"), "{err}");
     assert!(err.contains("`stages.train.batch_size` must be an integer, found a string"), "{err}");
@@ -108,10 +109,13 @@ fn golden_fingerprint() {
     assert!(o.status.success(), "{}", stderr(&o));
     let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let fp = |name: &str| {
-        plan["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap()["fingerprint"].as_str().unwrap().to_string()
+        plan["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap()["fingerprint"]
+            .as_str()
+            .unwrap()
+            .to_string()
     };
     assert_eq!(fp("download"), "82f46b894445dde7ef16d2cbad5d06353e80bb73e15fbb79498419ebb9c71460");
-    assert_eq!(fp("train"), "ec8f6de61032cd1f915cc6ab6e9e58be1eee724e79fb025c33a58484e58ccdc4");
+    assert_eq!(fp("train"), "683dc5083719dd7c67f2b0a8456eb21371b2c2c573f08705ef34f7bebfb052da");
 }
 
 #[test]

@@ -85,7 +85,9 @@ impl Renderer<'_> {
         match self.format {
             DataFormat::Alpaca => self.encode_alpaca(rows),
             DataFormat::Text => self.encode_text(rows),
-            DataFormat::Chat => Err(DataError::Invalid { message: "the `chat` format is not implemented yet".into(), help: None }),
+            DataFormat::Chat => {
+                Err(DataError::Invalid { message: "the `chat` format is not implemented yet".into(), help: None })
+            }
         }
     }
 

@@ -82,7 +82,14 @@ impl Diagnostic for DataError {
 
 impl DataError {
     /// A bad row, showing (at most 200 characters of) the line it is on.
-    pub fn bad_row(file: &str, line: usize, text: &str, span: Option<std::ops::Range<usize>>, message: String, help: Option<String>) -> DataError {
+    pub fn bad_row(
+        file: &str,
+        line: usize,
+        text: &str,
+        span: Option<std::ops::Range<usize>>,
+        message: String,
+        help: Option<String>,
+    ) -> DataError {
         let shown: String = text.chars().take(200).collect();
         let snippet = span.map(|s| {
             let end = s.end.min(shown.len());

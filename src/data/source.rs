@@ -21,7 +21,9 @@ pub struct Row {
 pub fn read_rows(path: &Path, skip_bad: bool) -> Result<(Vec<Row>, Vec<DataError>), DataError> {
     let mut files = Vec::new();
     if path.is_dir() {
-        for rel in crate::store::walk(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })? {
+        for rel in
+            crate::store::walk(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })?
+        {
             let name = rel.to_string_lossy().to_string();
             if !name.starts_with('.') && supported(&name) {
                 files.push(path.join(rel));
@@ -90,7 +92,14 @@ fn read_file(path: &Path, skip_bad: bool, rows: &mut Vec<Row>, bad: &mut Vec<Dat
             for (i, item) in items.into_iter().enumerate() {
                 match item {
                     Value::Object(fields) => push(Ok(Row { fields, file: name.clone(), line: i + 1 }))?,
-                    other => push(Err(DataError::bad_row(&name, i + 1, &other.to_string(), None, format!("item {} is not an object", i + 1), None)))?,
+                    other => push(Err(DataError::bad_row(
+                        &name,
+                        i + 1,
+                        &other.to_string(),
+                        None,
+                        format!("item {} is not an object", i + 1),
+                        None,
+                    )))?,
                 }
             }
         }

@@ -95,7 +95,8 @@ impl TokenStore {
         };
         let off_path = dir.join(format!("{split}.offsets"));
         let raw = std::fs::read(&off_path).map_err(io(&off_path))?;
-        let offsets: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        let offsets: Vec<u64> =
+            raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
         let store = TokenStore { ids: map("ids")?, mask: map("mask")?, seg: map("seg")?, offsets };
         let n = *store.offsets.last().unwrap_or(&0) as usize;
         let consistent = !store.offsets.is_empty()
@@ -127,9 +128,15 @@ impl TokenStore {
     pub fn row(&self, i: usize) -> TokenRow {
         let (a, b) = (self.offsets[i] as usize, self.offsets[i + 1] as usize);
         TokenRow {
-            ids: self.ids[a * 4..b * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
+            ids: self.ids[a * 4..b * 4]
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect(),
             mask: self.mask[a..b].to_vec(),
-            seg: self.seg[a * 2..b * 2].chunks_exact(2).map(|c| u16::from_le_bytes(c.try_into().expect("2 bytes"))).collect(),
+            seg: self.seg[a * 2..b * 2]
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes(c.try_into().expect("2 bytes")))
+                .collect(),
         }
     }
 

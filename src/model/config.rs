@@ -150,10 +150,10 @@ impl ModelConfig {
                 return Err(ModelError::UnsupportedArchitecture { name: other.to_string() });
             }
         };
-        if let Some(act) = &raw.hidden_act {
-            if act != "silu" {
-                return Err(ModelError::Unsupported { what: format!("activation `{act}` (only `silu`)") });
-            }
+        if let Some(act) = &raw.hidden_act
+            && act != "silu"
+        {
+            return Err(ModelError::Unsupported { what: format!("activation `{act}` (only `silu`)") });
         }
         let mut rope_theta = raw.rope_theta;
         let mut rope_scaling = raw.rope_scaling.clone();
@@ -169,16 +169,17 @@ impl ModelConfig {
                 });
             }
         }
-        if let Some(rs) = &rope_scaling {
-            if rs.rope_type != "llama3" && rs.rope_type != "default" {
-                return Err(ModelError::Unsupported { what: format!("rope scaling `{}`", rs.rope_type) });
-            }
+        if let Some(rs) = &rope_scaling
+            && rs.rope_type != "llama3"
+            && rs.rope_type != "default"
+        {
+            return Err(ModelError::Unsupported { what: format!("rope scaling `{}`", rs.rope_type) });
         }
         if raw.use_sliding_window == Some(true) {
             return Err(ModelError::Unsupported { what: "sliding-window attention".into() });
         }
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if raw.num_attention_heads == 0 || num_kv_heads == 0 || raw.num_attention_heads % num_kv_heads != 0 {
+        if raw.num_attention_heads == 0 || num_kv_heads == 0 || !raw.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(ModelError::Unsupported {
                 what: format!("{} attention heads with {} key/value heads", raw.num_attention_heads, num_kv_heads),
             });

@@ -23,9 +23,10 @@ impl ModelFolder {
         if !path.is_file() {
             return Err(ModelError::MissingFile { dir: dir.display().to_string(), file: "config.json".into() });
         }
-        let text = std::fs::read_to_string(&path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
-        let raw_config: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
+        let text =
+            std::fs::read_to_string(&path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
+        let raw_config: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
         let raw: RawConfig = serde_json::from_value(raw_config.clone())
             .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
         let config = ModelConfig::from_raw(&raw)?;
@@ -36,9 +37,10 @@ impl ModelFolder {
     pub fn weight_files(&self) -> Result<Vec<PathBuf>, ModelError> {
         let index = self.dir.join("model.safetensors.index.json");
         if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(ModelError::io(format!("cannot read `{}`", index.display())))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| ModelError::BadFile { path: index.display().to_string(), source: Box::new(e) })?;
+            let text = std::fs::read_to_string(&index)
+                .map_err(ModelError::io(format!("cannot read `{}`", index.display())))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::BadFile { path: index.display().to_string(), source: Box::new(e) })?;
             let files: BTreeSet<String> = v["weight_map"]
                 .as_object()
                 .ok_or_else(|| ModelError::BadFile {
@@ -51,7 +53,10 @@ impl ModelFolder {
             let mut out = Vec::new();
             for f in files {
                 if f.contains("..") || f.contains('/') || f.contains('\\') {
-                    return Err(ModelError::BadFile { path: index.display().to_string(), source: format!("shard name `{f}` leaves the folder").into() });
+                    return Err(ModelError::BadFile {
+                        path: index.display().to_string(),
+                        source: format!("shard name `{f}` leaves the folder").into(),
+                    });
                 }
                 let p = self.dir.join(&f);
                 if !p.is_file() {
@@ -89,7 +94,8 @@ impl ModelFolder {
         if !path.is_file() {
             return Err(ModelError::MissingFile { dir: self.dir.display().to_string(), file: "tokenizer.json".into() });
         }
-        tokenizers::Tokenizer::from_file(&path).map_err(ModelError::tokenizer(format!("cannot load `{}`", path.display())))
+        tokenizers::Tokenizer::from_file(&path)
+            .map_err(ModelError::tokenizer(format!("cannot load `{}`", path.display())))
     }
 
     /// tokenizer_config.json, if present.
@@ -99,7 +105,11 @@ impl ModelFolder {
     }
 }
 
-fn tensor_from_view(name: &str, view: &safetensors::tensor::TensorView<'_>, device: &Device) -> Result<Tensor, ModelError> {
+fn tensor_from_view(
+    name: &str,
+    view: &safetensors::tensor::TensorView<'_>,
+    device: &Device,
+) -> Result<Tensor, ModelError> {
     use safetensors::Dtype as S;
     let shape = view.shape().to_vec();
     let data = view.data();
@@ -127,7 +137,8 @@ pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Resu
         })
         .collect();
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
+    let bytes = safetensors::serialize(views, Some(meta))
+        .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
     std::fs::write(path, bytes).map_err(ModelError::io(format!("cannot write `{}`", path.display())))
 }
 
@@ -135,8 +146,15 @@ pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Resu
 pub fn tensor_bytes(t: &Tensor) -> candle_core::Result<(safetensors::Dtype, Vec<u8>)> {
     let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
     Ok(match t.dtype() {
-        DType::F16 => (safetensors::Dtype::F16, flat.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        DType::BF16 => (safetensors::Dtype::BF16, flat.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        _ => (safetensors::Dtype::F32, flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        DType::F16 => {
+            (safetensors::Dtype::F16, flat.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+        }
+        DType::BF16 => {
+            (safetensors::Dtype::BF16, flat.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+        }
+        _ => (
+            safetensors::Dtype::F32,
+            flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ),
     })
 }

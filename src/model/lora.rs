@@ -42,7 +42,10 @@ impl LoraSpec {
             Param { name: format!("{base}.lora_A.weight"), var: a.clone() },
             Param { name: format!("{base}.lora_B.weight"), var: b.clone() },
         ];
-        Ok((Lora { a: a.as_tensor().clone(), b: b.as_tensor().clone(), scale: self.scale(), dropout: self.dropout }, params))
+        Ok((
+            Lora { a: a.as_tensor().clone(), b: b.as_tensor().clone(), scale: self.scale(), dropout: self.dropout },
+            params,
+        ))
     }
 }
 

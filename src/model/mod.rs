@@ -17,7 +17,10 @@ pub use transformer::{Batch, KvCache, Param, Trainable, Transformer};
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum ModelError {
     #[error("model folder `{dir}` has no `{file}`")]
-    #[diagnostic(code(rtune::model::missing_file), help("a Hugging Face model folder holds config.json, *.safetensors and tokenizer.json"))]
+    #[diagnostic(
+        code(rtune::model::missing_file),
+        help("a Hugging Face model folder holds config.json, *.safetensors and tokenizer.json")
+    )]
     MissingFile { dir: String, file: String },
     #[error("cannot read `{path}`")]
     #[diagnostic(code(rtune::model::bad_file))]
@@ -27,13 +30,19 @@ pub enum ModelError {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     #[error("architecture `{name}` is not supported")]
-    #[diagnostic(code(rtune::model::architecture), help("rtune trains LlamaForCausalLM (Llama, SmolLM, TinyLlama, Mistral-style) and Qwen2ForCausalLM"))]
+    #[diagnostic(
+        code(rtune::model::architecture),
+        help("rtune trains LlamaForCausalLM (Llama, SmolLM, TinyLlama, Mistral-style) and Qwen2ForCausalLM")
+    )]
     UnsupportedArchitecture { name: String },
     #[error("{what} is not supported")]
     #[diagnostic(code(rtune::model::unsupported))]
     Unsupported { what: String },
     #[error("the checkpoint has no tensor `{name}`")]
-    #[diagnostic(code(rtune::model::missing_tensor), help("is config.json from the same model as the safetensors files?"))]
+    #[diagnostic(
+        code(rtune::model::missing_tensor),
+        help("is config.json from the same model as the safetensors files?")
+    )]
     MissingTensor { name: String },
     #[error("tensor `{name}` has shape {found:?}, but config.json implies {expected:?}")]
     #[diagnostic(code(rtune::model::shape_mismatch))]

@@ -13,8 +13,8 @@ use super::{LoraSpec, ModelError};
 pub fn read_config(dir: &Path) -> Result<LoraSpec, ModelError> {
     let path = dir.join("adapter_config.json");
     let text = std::fs::read_to_string(&path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
     let bad = |what: &str| ModelError::BadFile { path: path.display().to_string(), source: what.to_string().into() };
     if v["peft_type"].as_str() != Some("LORA") {
         return Err(bad("`peft_type` is not \"LORA\""));
@@ -35,7 +35,8 @@ pub fn read_config(dir: &Path) -> Result<LoraSpec, ModelError> {
 /// Load the adapter tensors (names as PEFT saves them).
 pub fn read_weights(dir: &Path, device: &Device) -> Result<BTreeMap<String, Tensor>, ModelError> {
     let path = dir.join("adapter_model.safetensors");
-    let tensors = candle_core::safetensors::load(&path, device).map_err(ModelError::candle(format!("cannot read `{}`", path.display())))?;
+    let tensors = candle_core::safetensors::load(&path, device)
+        .map_err(ModelError::candle(format!("cannot read `{}`", path.display())))?;
     let mut out = BTreeMap::new();
     for (k, t) in tensors {
         out.insert(k, t.to_dtype(DType::F32).map_err(ModelError::candle("convert adapter"))?);
@@ -44,7 +45,12 @@ pub fn read_weights(dir: &Path, device: &Device) -> Result<BTreeMap<String, Tens
 }
 
 /// Write a PEFT adapter folder for `spec` with `weights` named as PEFT names them.
-pub fn write(dir: &Path, spec: &LoraSpec, weights: &BTreeMap<String, Tensor>, base_model: &str) -> Result<(), ModelError> {
+pub fn write(
+    dir: &Path,
+    spec: &LoraSpec,
+    weights: &BTreeMap<String, Tensor>,
+    base_model: &str,
+) -> Result<(), ModelError> {
     let config = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

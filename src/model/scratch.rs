@@ -39,9 +39,7 @@ pub fn train_tokenizer(texts: &[String], vocab_size: usize) -> Result<Tokenizer,
     tokenizer
         .train(&mut trainer, texts.iter().map(String::as_str))
         .map_err(ModelError::tokenizer("cannot train the scratch tokenizer"))?;
-    tokenizer
-        .add_special_tokens(specials.clone())
-        .map_err(ModelError::tokenizer("cannot add special tokens"))?;
+    tokenizer.add_special_tokens(specials.clone()).map_err(ModelError::tokenizer("cannot add special tokens"))?;
     let bos_id = tokenizer.token_to_id(BOS).unwrap_or(1);
     let post = TemplateProcessing::builder()
         .try_single(format!("{BOS} $A"))
@@ -55,7 +53,12 @@ pub fn train_tokenizer(texts: &[String], vocab_size: usize) -> Result<Tokenizer,
 }
 
 /// Random weights for `cfg`, named as transformers names them.
-pub fn init_weights(cfg: &ModelConfig, init_range: f64, seed: u64, device: &Device) -> Result<BTreeMap<String, Tensor>, ModelError> {
+pub fn init_weights(
+    cfg: &ModelConfig,
+    init_range: f64,
+    seed: u64,
+    device: &Device,
+) -> Result<BTreeMap<String, Tensor>, ModelError> {
     let mut out = BTreeMap::new();
     let h = cfg.hidden_size;
     let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
@@ -65,8 +68,11 @@ pub fn init_weights(cfg: &ModelConfig, init_range: f64, seed: u64, device: &Devi
         let v: Vec<f32> = (0..n).map(|_| (rng.normal() * init_range) as f32).collect();
         Tensor::from_vec(v, shape, device).map_err(ModelError::candle(format!("init `{name}`")))
     };
-    let ones = |shape: &[usize]| Tensor::ones(shape, candle_core::DType::F32, device).map_err(ModelError::candle("init norm"));
-    let zeros = |shape: &[usize]| Tensor::zeros(shape, candle_core::DType::F32, device).map_err(ModelError::candle("init bias"));
+    let ones =
+        |shape: &[usize]| Tensor::ones(shape, candle_core::DType::F32, device).map_err(ModelError::candle("init norm"));
+    let zeros = |shape: &[usize]| {
+        Tensor::zeros(shape, candle_core::DType::F32, device).map_err(ModelError::candle("init bias"))
+    };
     let mut embed = normal("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
     if let Some(pad) = cfg.pad_token_id {
         // nn.Embedding(padding_idx=pad) keeps the padding row at zero.

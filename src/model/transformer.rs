@@ -193,17 +193,22 @@ impl Transformer {
     }
 
     /// Hidden states after the final norm: `[b, t, hidden]`.
-    pub fn hidden(&self, batch: &Batch, mut dropout: Option<&mut Rng>, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+    pub fn hidden(
+        &self,
+        batch: &Batch,
+        mut dropout: Option<&mut Rng>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
         let (b, t) = batch.ids.dims2()?;
         let mut x = self.embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
         let pos = batch.positions.flatten_all()?;
         let cos = self.cos.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
         let sin = self.sin.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
         let mask = batch.mask.to_dtype(self.dtype)?;
-        if let Some(c) = cache.as_deref_mut() {
-            if c.layers.len() != self.layers.len() {
-                c.layers = vec![None; self.layers.len()];
-            }
+        if let Some(c) = cache.as_deref_mut()
+            && c.layers.len() != self.layers.len()
+        {
+            c.layers = vec![None; self.layers.len()];
         }
         for (i, layer) in self.layers.iter().enumerate() {
             let residual = &x;
@@ -378,7 +383,8 @@ fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tens
         for f in inv.iter_mut() {
             let wavelen = 2.0 * std::f32::consts::PI / *f;
             let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
-            let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+            // wavelengths are finite here, so `>=`/`<=` are the negations transformers writes
+            let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
             *f = if medium {
                 let smooth = (old / wavelen - low) / (high - low);
                 (1.0 - smooth) * scaled / factor + smooth * scaled
@@ -391,8 +397,8 @@ fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tens
     let mut cos = Vec::with_capacity(n * d);
     let mut sin = Vec::with_capacity(n * d);
     for p in 0..n {
-        for half in 0..2 {
-            let _ = half;
+        // emb = cat(freqs, freqs): the table repeats each frequency in both halves.
+        for _ in 0..2 {
             for f in &inv {
                 let a = p as f32 * f;
                 cos.push(a.cos());
@@ -417,20 +423,30 @@ impl Builder<'_> {
     fn weight(&mut self, name: &str, shape: &[usize]) -> std::result::Result<Tensor, super::ModelError> {
         let t = self.weights.get(name).ok_or_else(|| super::ModelError::MissingTensor { name: name.into() })?;
         if t.dims() != shape {
-            return Err(super::ModelError::ShapeMismatch { name: name.into(), expected: shape.to_vec(), found: t.dims().to_vec() });
+            return Err(super::ModelError::ShapeMismatch {
+                name: name.into(),
+                expected: shape.to_vec(),
+                found: t.dims().to_vec(),
+            });
         }
-        if let Trainable::Weights(patterns) = self.trainable {
-            if patterns.iter().any(|p| glob_match(p, name)) {
-                let var = Var::from_tensor(t).map_err(super::ModelError::candle(format!("make `{name}` trainable")))?;
-                let out = var.as_tensor().clone();
-                self.params.push(Param { name: name.to_string(), var });
-                return Ok(out);
-            }
+        if let Trainable::Weights(patterns) = self.trainable
+            && patterns.iter().any(|p| glob_match(p, name))
+        {
+            let var = Var::from_tensor(t).map_err(super::ModelError::candle(format!("make `{name}` trainable")))?;
+            let out = var.as_tensor().clone();
+            self.params.push(Param { name: name.to_string(), var });
+            return Ok(out);
         }
         Ok(t.clone())
     }
 
-    fn linear(&mut self, prefix: &str, inp: usize, out: usize, bias: bool) -> std::result::Result<Linear, super::ModelError> {
+    fn linear(
+        &mut self,
+        prefix: &str,
+        inp: usize,
+        out: usize,
+        bias: bool,
+    ) -> std::result::Result<Linear, super::ModelError> {
         let w = self.weight(&format!("{prefix}.weight"), &[out, inp])?;
         let b = if bias { Some(self.weight(&format!("{prefix}.bias"), &[out])?) } else { None };
         self.linear_with(prefix, w, b, inp, out)
@@ -488,9 +504,16 @@ impl Transformer {
         for p in &self.params {
             let t = tensors.get(&p.name).ok_or_else(|| super::ModelError::MissingTensor { name: p.name.clone() })?;
             if t.dims() != p.var.dims() {
-                return Err(super::ModelError::ShapeMismatch { name: p.name.clone(), expected: p.var.dims().to_vec(), found: t.dims().to_vec() });
+                return Err(super::ModelError::ShapeMismatch {
+                    name: p.name.clone(),
+                    expected: p.var.dims().to_vec(),
+                    found: t.dims().to_vec(),
+                });
             }
-            let t = t.to_dtype(p.var.dtype()).and_then(|t| t.to_device(p.var.device())).map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
+            let t = t
+                .to_dtype(p.var.dtype())
+                .and_then(|t| t.to_device(p.var.device()))
+                .map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
             p.var.set(&t).map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
         }
         Ok(())

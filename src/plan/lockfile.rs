@@ -33,7 +33,10 @@ pub struct LockedStage {
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
 #[error("cannot read lock file `{path}`: {reason}")]
-#[diagnostic(code(rtune::lock::unreadable), help("delete it to start afresh; it is rewritten after the next successful run"))]
+#[diagnostic(
+    code(rtune::lock::unreadable),
+    help("delete it to start afresh; it is rewritten after the next successful run")
+)]
 pub struct LockError {
     pub path: String,
     pub reason: String,
@@ -58,7 +61,9 @@ impl LockFile {
                 }
                 Ok(lock)
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(LockFile { version: LOCK_VERSION, ..Default::default() }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(LockFile { version: LOCK_VERSION, ..Default::default() })
+            }
             Err(e) => Err(LockError { path: path.display().to_string(), reason: e.to_string() }),
         }
     }

@@ -171,28 +171,40 @@ pub fn make(
         let cached = store.manifest(&fp).map(|m| store.quick_check(&m));
         let old = previous.and_then(|r| r.stages.get(&spec.name));
         let (mut action, mut reason) = match (&cached, forced.contains(&spec.name)) {
-            (_, true) => (Action::Run, if sel.from.is_some() && !sel.force.contains(&spec.name) {
-                format!("forced (--from {})", sel.from.as_deref().unwrap_or_default())
-            } else {
-                "forced (--force)".to_string()
-            }),
+            (_, true) => (
+                Action::Run,
+                if sel.from.is_some() && !sel.force.contains(&spec.name) {
+                    format!("forced (--from {})", sel.from.as_deref().unwrap_or_default())
+                } else {
+                    "forced (--force)".to_string()
+                },
+            ),
             (Some(Ok(())), false) => (Action::Cached, String::new()),
             (Some(Err(why)), false) => (Action::Run, format!("artifact damaged ({why}); rebuilding")),
             (None, false) => (Action::Run, why_run(old, &doc, &fp, spec, &planned)),
         };
-        if let Some(only) = &only_set {
-            if !only.contains(&spec.name) && action == Action::Run {
-                let upstream_of_only = loaded.stages.upstream(sel.only.as_deref().unwrap_or_default());
-                if upstream_of_only.contains(&spec.name) {
-                    return Err(Problem::new(
-                        "rtune::plan::input_not_built",
-                        format!("`--only {}` needs stage `{}`, which is not built", sel.only.as_deref().unwrap_or_default(), spec.name),
-                    )
-                    .help(format!("run `rtune run {} --only {}` first, or drop `--only`", loaded.name(), spec.name)));
-                }
-                action = Action::Skip;
-                reason = "not selected (--only)".into();
+        if let Some(only) = &only_set
+            && !only.contains(&spec.name)
+            && action == Action::Run
+        {
+            let upstream_of_only = loaded.stages.upstream(sel.only.as_deref().unwrap_or_default());
+            if upstream_of_only.contains(&spec.name) {
+                return Err(Problem::new(
+                    "rtune::plan::input_not_built",
+                    format!(
+                        "`--only {}` needs stage `{}`, which is not built",
+                        sel.only.as_deref().unwrap_or_default(),
+                        spec.name
+                    ),
+                )
+                .help(format!(
+                    "run `rtune run {} --only {}` first, or drop `--only`",
+                    loaded.name(),
+                    spec.name
+                )));
             }
+            action = Action::Skip;
+            reason = "not selected (--only)".into();
         }
         planned.push(PlannedStage {
             name: spec.name.clone(),
@@ -276,7 +288,9 @@ fn resolve_settings(spec: &StageSpec, loaded: &LoadedRecipe, device: &Resolution
             let model = match (&model.scratch, &model.path, &model.repo) {
                 (Some(s), _, _) => json!({ "scratch": s, "seed": seed, "vocab_from": "dataset" }),
                 (_, Some(_), _) => json!({ "path": "(by content)" }),
-                (_, _, Some(r)) => json!({ "repo": r, "revision": model.revision.clone().unwrap_or_else(|| "main".into()) }),
+                (_, _, Some(r)) => {
+                    json!({ "repo": r, "revision": model.revision.clone().unwrap_or_else(|| "main".into()) })
+                }
                 _ => Value::Null,
             };
             let dataset = match (&recipe.dataset.repo, &recipe.dataset.path) {
@@ -377,7 +391,11 @@ mod support {
             }
             StageKind::Tokenize => {
                 if recipe.dataset.format == crate::recipe::DataFormat::Chat {
-                    return Err(not_yet("the `chat` dataset format".into(), &["dataset", "format"], "use `alpaca` or `text`"));
+                    return Err(not_yet(
+                        "the `chat` dataset format".into(),
+                        &["dataset", "format"],
+                        "use `alpaca` or `text`",
+                    ));
                 }
             }
             StageKind::Train | StageKind::Evaluate => {}
@@ -411,7 +429,10 @@ pub fn locked_stages(plan: &Plan) -> BTreeMap<String, LockedStage> {
     plan.stages
         .iter()
         .map(|s| {
-            (s.name.clone(), LockedStage { kind: s.kind.as_str().into(), fingerprint: s.fingerprint.clone(), inputs: s.doc.clone() })
+            (
+                s.name.clone(),
+                LockedStage { kind: s.kind.as_str().into(), fingerprint: s.fingerprint.clone(), inputs: s.doc.clone() },
+            )
         })
         .collect()
 }

@@ -68,11 +68,8 @@ pub fn render_dot(plan: &Plan) -> String {
             Action::Run => "black",
             Action::Skip => "lightgray",
         };
-        let _ = writeln!(
-            out,
-            "  \"{}\" [label=\"{}\\n{} {}\", color={color}];",
-            s.name, s.name, s.kind, s.action.as_str()
-        );
+        let _ =
+            writeln!(out, "  \"{}\" [label=\"{}\\n{} {}\", color={color}];", s.name, s.name, s.kind, s.action.as_str());
     }
     for s in &plan.stages {
         for n in &s.needs {

@@ -89,13 +89,13 @@ impl<'a> Checker<'a> {
                 }
             }
             Value::Str(s) => {
-                if let Some(min) = schema.get("minLength").and_then(J::as_u64) {
-                    if (s.chars().count() as u64) < min {
-                        self.problems.push(
-                            Problem::new("rtune::recipe::empty", format!("`{path}` must not be empty"))
-                                .at(node.origin.as_ref(), "empty"),
-                        );
-                    }
+                if let Some(min) = schema.get("minLength").and_then(J::as_u64)
+                    && (s.chars().count() as u64) < min
+                {
+                    self.problems.push(
+                        Problem::new("rtune::recipe::empty", format!("`{path}` must not be empty"))
+                            .at(node.origin.as_ref(), "empty"),
+                    );
                 }
             }
             Value::Array(items) => self.check_array(node, items, schema, path),
@@ -119,11 +119,9 @@ impl<'a> Checker<'a> {
         if values.iter().any(|v| v == s) {
             return;
         }
-        let mut p = Problem::new(
-            "rtune::recipe::invalid_value",
-            format!("`{path}` must be one of {listed}, found `{s}`"),
-        )
-        .at(node.origin.as_ref(), "not a known value");
+        let mut p =
+            Problem::new("rtune::recipe::invalid_value", format!("`{path}` must be one of {listed}, found `{s}`"))
+                .at(node.origin.as_ref(), "not a known value");
         if let Some(m) = did_you_mean(s, values.iter().map(String::as_str)) {
             p = p.help(format!("did you mean `{m}`?"));
         }
@@ -164,11 +162,8 @@ impl<'a> Checker<'a> {
                 _ => String::from("a different number of"),
             };
             self.problems.push(
-                Problem::new(
-                    "rtune::recipe::wrong_length",
-                    format!("`{path}` must have {want} items, found {len}"),
-                )
-                .at(node.origin.as_ref(), format!("{len} item{}", if len == 1 { "" } else { "s" })),
+                Problem::new("rtune::recipe::wrong_length", format!("`{path}` must have {want} items, found {len}"))
+                    .at(node.origin.as_ref(), format!("{len} item{}", if len == 1 { "" } else { "s" })),
             );
         }
         if let Some(item_schema) = schema.get("items") {
@@ -301,14 +296,16 @@ fn type_matches(node: &Node, schema: &J) -> bool {
     if types.is_empty() {
         return true;
     }
-    types.iter().any(|t| match (*t, &node.value) {
-        ("string", Value::Str(_)) => true,
-        ("integer", Value::Int(_)) => true,
-        ("number", Value::Int(_) | Value::Float(_)) => true,
-        ("boolean", Value::Bool(_)) => true,
-        ("array", Value::Array(_)) => true,
-        ("object", Value::Table(_)) => true,
-        _ => false,
+    types.iter().any(|t| {
+        matches!(
+            (*t, &node.value),
+            ("string", Value::Str(_))
+                | ("integer", Value::Int(_))
+                | ("number", Value::Int(_) | Value::Float(_))
+                | ("boolean", Value::Bool(_))
+                | ("array", Value::Array(_))
+                | ("object", Value::Table(_))
+        )
     })
 }
 

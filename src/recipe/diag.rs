@@ -60,9 +60,8 @@ impl Problem {
 
     pub fn at(mut self, origin: Option<&Origin>, label: impl Into<String>) -> Problem {
         if let Some(o) = origin {
-            self.src = Some(Arc::new(
-                NamedSource::new(o.source.name.clone(), o.source.text.clone()).with_language("toml"),
-            ));
+            self.src =
+                Some(Arc::new(NamedSource::new(o.source.name.clone(), o.source.text.clone()).with_language("toml")));
             self.at = Some(o.clone());
             self.label = Some(label.into());
         }
@@ -107,11 +106,7 @@ impl Diagnostic for Problem {
     fn labels(&self) -> Option<Box<dyn Iterator<Item = LabeledSpan> + '_>> {
         let at = self.at.as_ref()?;
         let len = at.span.end.saturating_sub(at.span.start);
-        Some(Box::new(std::iter::once(LabeledSpan::new(
-            self.label.clone(),
-            at.span.start,
-            len,
-        ))))
+        Some(Box::new(std::iter::once(LabeledSpan::new(self.label.clone(), at.span.start, len))))
     }
 }
 
@@ -133,13 +128,7 @@ impl Problems {
 impl fmt::Display for Problems {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let n = self.problems.len();
-        write!(
-            f,
-            "recipe `{}` has {} problem{}",
-            self.recipe,
-            n,
-            if n == 1 { "" } else { "s" }
-        )
+        write!(f, "recipe `{}` has {} problem{}", self.recipe, n, if n == 1 { "" } else { "s" })
     }
 }
 
@@ -173,8 +162,8 @@ fn levenshtein(a: &str, b: &str) -> usize {
     for (i, row) in d.iter_mut().enumerate() {
         row[0] = i;
     }
-    for j in 0..=b.len() {
-        d[0][j] = j;
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
     }
     for i in 1..=a.len() {
         for j in 1..=b.len() {

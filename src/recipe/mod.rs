@@ -8,6 +8,7 @@
 pub mod builtin;
 pub mod check;
 pub mod diag;
+pub mod reference;
 pub mod stages;
 pub mod tree;
 pub mod types;
@@ -91,9 +92,7 @@ pub struct Overrides {
 impl Overrides {
     /// `--set` arguments plus the recipe-setting variables of this process's environment.
     pub fn from_env_and_args(sets: Vec<String>) -> Overrides {
-        let env = std::env::vars()
-            .filter(|(k, _)| env_key_path(k).is_some())
-            .collect::<Vec<_>>();
+        let env = std::env::vars().filter(|(k, _)| env_key_path(k).is_some()).collect::<Vec<_>>();
         Overrides { sets, env }
     }
 }
@@ -121,10 +120,10 @@ impl LoadedRecipe {
 
     /// A path from the recipe, resolved against the recipe's folder.
     pub fn resolve_path(&self, p: &str) -> PathBuf {
-        if let RecipeSource::Builtin(_) = self.source {
-            if let Some(extracted) = builtin::extract(p) {
-                return extracted;
-            }
+        if let RecipeSource::Builtin(_) = self.source
+            && let Some(extracted) = builtin::extract(p)
+        {
+            return extracted;
         }
         let p = Path::new(p);
         if p.is_absolute() { p.to_path_buf() } else { self.source.base_dir().join(p) }
@@ -207,9 +206,7 @@ pub fn load_text(source: RecipeSource, text: String, overrides: &Overrides) -> R
         None
     };
     match (recipe, stages) {
-        (Some(recipe), Some(stages)) if problems.is_empty() => {
-            Ok(LoadedRecipe { recipe, stages, tree, source, text })
-        }
+        (Some(recipe), Some(stages)) if problems.is_empty() => Ok(LoadedRecipe { recipe, stages, tree, source, text }),
         _ => Err(LoadError::Invalid(Problems::new(name, problems))),
     }
 }
@@ -236,10 +233,10 @@ fn apply_layer(tree: &mut Node, path: &[String], value: &str, source_name: &str,
             let layer = tree::from_toml(&doc, &src);
             // The parsed layer is a one-key-path table; take its leaf value.
             let refs: Vec<&str> = path.iter().map(String::as_str).collect();
-            if let Some(leaf) = layer.get(&refs) {
-                if let Err(p) = tree.set_path(path, leaf.clone(), &key_origin) {
-                    problems.push(p);
-                }
+            if let Some(leaf) = layer.get(&refs)
+                && let Err(p) = tree.set_path(path, leaf.clone(), &key_origin)
+            {
+                problems.push(p);
             }
         }
         Err(e) => {
@@ -340,21 +337,25 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
                     problems.push(
                         Problem::new(
                             "rtune::recipe::bad_shape",
-                            format!("head size {} (`hidden_size / num_heads`) must be even for rotary embeddings", d / h),
+                            format!(
+                                "head size {} (`hidden_size / num_heads`) must be even for rotary embeddings",
+                                d / h
+                            ),
                         )
                         .at(s.get(&["hidden_size"]).and_then(|n| n.origin.as_ref()), "odd head size"),
                     );
                 }
-                if let Some(kv) = kv {
-                    if kv > 0 && h % kv != 0 {
-                        problems.push(
-                            Problem::new(
-                                "rtune::recipe::bad_shape",
-                                format!("`model.scratch.num_heads` ({h}) must be a multiple of `num_kv_heads` ({kv})"),
-                            )
-                            .at(s.get(&["num_kv_heads"]).and_then(|n| n.origin.as_ref()), "does not divide num_heads"),
-                        );
-                    }
+                if let Some(kv) = kv
+                    && kv > 0
+                    && h % kv != 0
+                {
+                    problems.push(
+                        Problem::new(
+                            "rtune::recipe::bad_shape",
+                            format!("`model.scratch.num_heads` ({h}) must be a multiple of `num_kv_heads` ({kv})"),
+                        )
+                        .at(s.get(&["num_kv_heads"]).and_then(|n| n.origin.as_ref()), "does not divide num_heads"),
+                    );
                 }
             }
         }
@@ -364,32 +365,32 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
     }
     if let Some(Node { value: tree::Value::Array(items), .. }) = tree.get(&["device", "prefer"]) {
         for item in items {
-            if let Some(name) = item.as_str() {
-                if !is_device_name(name) {
-                    let mut p = Problem::new("rtune::recipe::unknown_device", format!("unknown device `{name}`"))
-                        .at(item.origin.as_ref(), "not a device rtune knows");
-                    p = match diag::did_you_mean(name, DEVICE_NAMES) {
-                        Some(m) => p.help(format!("did you mean `{m}`?")),
-                        None => p.help(format!(
-                            "known devices: {} (and `cuda:N` for the N-th CUDA device)",
-                            DEVICE_NAMES.map(|d| format!("`{d}`")).join(", ")
-                        )),
-                    };
-                    problems.push(p);
-                }
+            if let Some(name) = item.as_str()
+                && !is_device_name(name)
+            {
+                let mut p = Problem::new("rtune::recipe::unknown_device", format!("unknown device `{name}`"))
+                    .at(item.origin.as_ref(), "not a device rtune knows");
+                p = match diag::did_you_mean(name, DEVICE_NAMES) {
+                    Some(m) => p.help(format!("did you mean `{m}`?")),
+                    None => p.help(format!(
+                        "known devices: {} (and `cuda:N` for the N-th CUDA device)",
+                        DEVICE_NAMES.map(|d| format!("`{d}`")).join(", ")
+                    )),
+                };
+                problems.push(p);
             }
         }
     }
     if let Some(Node { value: tree::Value::Array(items), .. }) = tree.get(&["adapter", "targets"]) {
         let mut seen = std::collections::BTreeSet::new();
         for item in items {
-            if let Some(t) = item.as_str() {
-                if !seen.insert(t) {
-                    problems.push(
-                        Problem::new("rtune::recipe::duplicate", format!("`adapter.targets` lists `{t}` twice"))
-                            .at(item.origin.as_ref(), "listed again here"),
-                    );
-                }
+            if let Some(t) = item.as_str()
+                && !seen.insert(t)
+            {
+                problems.push(
+                    Problem::new("rtune::recipe::duplicate", format!("`adapter.targets` lists `{t}` twice"))
+                        .at(item.origin.as_ref(), "listed again here"),
+                );
             }
         }
     }

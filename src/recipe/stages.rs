@@ -145,8 +145,11 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
             Some(t) => t,
             None => {
                 problems.push(
-                    Problem::new("rtune::recipe::wrong_type", format!("`stages` must be a table, found {}", n.type_name()))
-                        .at(n.origin.as_ref(), "expected a table"),
+                    Problem::new(
+                        "rtune::recipe::wrong_type",
+                        format!("`stages` must be a table, found {}", n.type_name()),
+                    )
+                    .at(n.origin.as_ref(), "expected a table"),
                 );
                 return None;
             }
@@ -165,9 +168,12 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
         let path = format!("stages.{name}");
         let Some(st) = entry.node.as_table() else {
             problems.push(
-                Problem::new("rtune::recipe::wrong_type", format!("`{path}` must be a table, found {}", entry.node.type_name()))
-                    .at(entry.node.origin.as_ref(), "expected a table")
-                    .help(format!("write `[stages.{name}]` on its own line")),
+                Problem::new(
+                    "rtune::recipe::wrong_type",
+                    format!("`{path}` must be a table, found {}", entry.node.type_name()),
+                )
+                .at(entry.node.origin.as_ref(), "expected a table")
+                .help(format!("write `[stages.{name}]` on its own line")),
             );
             continue;
         };
@@ -176,8 +182,11 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
                 Some(kind) => kind,
                 None => {
                     let shown = k.node.as_str().map(|s| format!("`{s}`")).unwrap_or_else(|| k.node.type_name().into());
-                    let mut p = Problem::new("rtune::recipe::unknown_kind", format!("`{path}.kind` is {shown}, not a stage kind"))
-                        .at(k.node.origin.as_ref(), "unknown stage kind");
+                    let mut p = Problem::new(
+                        "rtune::recipe::unknown_kind",
+                        format!("`{path}.kind` is {shown}, not a stage kind"),
+                    )
+                    .at(k.node.origin.as_ref(), "unknown stage kind");
                     p = match k.node.as_str().and_then(|s| did_you_mean(s, kind_names.iter().copied())) {
                         Some(m) => p.help(format!("did you mean `{m}`?")),
                         None => p.help(format!("stage kinds: {}", kind_names.join(", "))),
@@ -213,8 +222,11 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
                 }
                 _ => {
                     checker.problems.push(
-                        Problem::new("rtune::recipe::wrong_type", format!("`{path}.needs` must be an array of stage names"))
-                            .at(n.node.origin.as_ref(), "expected [\"stage\", …]"),
+                        Problem::new(
+                            "rtune::recipe::wrong_type",
+                            format!("`{path}.needs` must be an array of stage names"),
+                        )
+                        .at(n.node.origin.as_ref(), "expected [\"stage\", …]"),
                     );
                     None
                 }
@@ -253,7 +265,13 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
         let producer = default_producer(port).expect("has a default producer");
         if needed && !specs.iter().any(|s| s.kind == producer) {
             let name = producer.as_str().to_string();
-            specs.push(StageSpec { name, kind: producer, needs: vec![], settings: serde_json::Map::new(), implicit: true });
+            specs.push(StageSpec {
+                name,
+                kind: producer,
+                needs: vec![],
+                settings: serde_json::Map::new(),
+                implicit: true,
+            });
         }
     }
     let names: BTreeSet<String> = specs.iter().map(|s| s.name.clone()).chain(broken.iter().cloned()).collect();
@@ -288,7 +306,11 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
                     problems.push(
                         Problem::new(
                             "rtune::recipe::missing_input",
-                            format!("stage `{}` reads {}, but none of its `needs` produce it", spec.name, port.describe()),
+                            format!(
+                                "stage `{}` reads {}, but none of its `needs` produce it",
+                                spec.name,
+                                port.describe()
+                            ),
                         )
                         .at(at.as_ref(), "add the producing stage here"),
                     );
@@ -359,9 +381,12 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
             let first = cycle[0].clone();
             let at = tree.get(&["stages", &first, "needs"]).and_then(|n| n.origin.clone());
             problems.push(
-                Problem::new("rtune::recipe::cycle", format!("stages depend on each other in a cycle: {}", cycle.join(" → ")))
-                    .at(at.as_ref(), "part of the cycle")
-                    .help("remove one of these `needs` so the stages form a chain"),
+                Problem::new(
+                    "rtune::recipe::cycle",
+                    format!("stages depend on each other in a cycle: {}", cycle.join(" → ")),
+                )
+                .at(at.as_ref(), "part of the cycle")
+                .help("remove one of these `needs` so the stages form a chain"),
             );
         }
     }
@@ -383,10 +408,8 @@ fn cycle_path(specs: &[StageSpec], members: &[&str]) -> Vec<String> {
     let mut cur = start;
     for _ in 0..members.len() {
         // Follow a `needs` edge backwards (cur needs next) that stays in the component.
-        let next = specs
-            .iter()
-            .find(|s| s.name == cur)
-            .and_then(|s| s.needs.iter().find(|n| members.contains(&n.as_str())));
+        let next =
+            specs.iter().find(|s| s.name == cur).and_then(|s| s.needs.iter().find(|n| members.contains(&n.as_str())));
         match next {
             Some(n) => {
                 path.push(n.clone());
@@ -436,8 +459,15 @@ fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems
         for (stage, st) in stages {
             let path = format!("device.{dev}.{stage}");
             match specs.iter().find(|s| &s.name == stage) {
-                None => problems.push(unknown_key(stage, &format!("device.{dev}"), st.key.as_ref(), specs.iter().map(|s| s.name.as_str()))
-                    .with_message(format!("`device.{dev}` overrides `{stage}`, but there is no such stage"))),
+                None => problems.push(
+                    unknown_key(
+                        stage,
+                        &format!("device.{dev}"),
+                        st.key.as_ref(),
+                        specs.iter().map(|s| s.name.as_str()),
+                    )
+                    .with_message(format!("`device.{dev}` overrides `{stage}`, but there is no such stage")),
+                ),
                 Some(spec) => {
                     let mut s = stage_schema(spec.kind);
                     s.as_object_mut().map(|o| o.remove("required"));

@@ -134,10 +134,9 @@ impl Node {
                 .at(Some(origin), "this key"));
             };
             let last = i + 1 == path.len();
-            let entry = table.entry(key.clone()).or_insert_with(|| Entry {
-                key: Some(origin.clone()),
-                node: Node::table(Some(origin.clone())),
-            });
+            let entry = table
+                .entry(key.clone())
+                .or_insert_with(|| Entry { key: Some(origin.clone()), node: Node::table(Some(origin.clone())) });
             if last {
                 entry.node.merge(value);
                 return Ok(());

@@ -73,27 +73,34 @@ pub struct ScratchModel {
     /// Architecture family of the model.
     #[serde(default)]
     pub arch: Arch,
+    /// Width of the residual stream.
     #[schemars(range(min = 8, max = 16384))]
     pub hidden_size: usize,
+    /// Decoder layers.
     #[schemars(range(min = 1, max = 256))]
     pub num_layers: usize,
+    /// Attention heads (query heads).
     #[schemars(range(min = 1, max = 256))]
     pub num_heads: usize,
     /// Key/value heads (grouped-query attention); defaults to `num_heads`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 256))]
     pub num_kv_heads: Option<usize>,
+    /// Width of the SiLU-gated MLP.
     #[schemars(range(min = 1, max = 65536))]
     pub intermediate_size: usize,
     /// Size of the byte-level BPE tokenizer trained on the dataset (special tokens included).
     #[schemars(range(min = 300, max = 262144))]
     pub vocab_size: usize,
+    /// Longest position the rotary tables cover.
     #[serde(default = "default_max_positions")]
     #[schemars(range(min = 16, max = 1048576))]
     pub max_position_embeddings: usize,
+    /// Rotary embedding base.
     #[serde(default = "default_rope_theta")]
     #[schemars(range(min = 1.0))]
     pub rope_theta: f64,
+    /// RMSNorm epsilon.
     #[serde(default = "default_rms_eps")]
     #[schemars(extend("exclusiveMinimum" = 0.0), range(max = 0.1))]
     pub rms_norm_eps: f64,
@@ -242,9 +249,7 @@ pub enum AdapterKind {
     None,
 }
 
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LoraTarget {
     QProj,
@@ -297,12 +302,7 @@ pub struct DevicePolicy {
 
 impl Default for DevicePolicy {
     fn default() -> Self {
-        DevicePolicy {
-            prefer: default_prefer(),
-            dtype: default_dtypes(),
-            threads: None,
-            overrides: BTreeMap::new(),
-        }
+        DevicePolicy { prefer: default_prefer(), dtype: default_dtypes(), threads: None, overrides: BTreeMap::new() }
     }
 }
 
@@ -313,9 +313,7 @@ fn default_dtypes() -> Vec<Dtype> {
     vec![Dtype::Bf16, Dtype::F32]
 }
 
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     F32,
@@ -359,9 +357,7 @@ pub struct StageCommon {
     pub needs: Option<Vec<String>>,
 }
 
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum StageKind {
     Download,
@@ -588,11 +584,7 @@ pub struct LossGuard {
 
 impl Default for LossGuard {
     fn default() -> Self {
-        LossGuard {
-            spike_factor: default_spike(),
-            lr_backoff: default_backoff(),
-            max_bad_steps: default_bad_steps(),
-        }
+        LossGuard { spike_factor: default_spike(), lr_backoff: default_backoff(), max_bad_steps: default_bad_steps() }
     }
 }
 
@@ -662,9 +654,7 @@ fn default_formats() -> Vec<ExportFormat> {
     vec![ExportFormat::PeftAdapter, ExportFormat::SafetensorsMerged, ExportFormat::GgufQ8_0]
 }
 
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
 pub enum ExportFormat {
     #[serde(rename = "peft-adapter")]
     PeftAdapter,
@@ -695,11 +685,7 @@ impl Recipe {
     /// The JSON Schema of a recipe file, with the per-kind stage schemas under `$defs`.
     pub fn json_schema() -> serde_json::Value {
         let mut root = serde_json::to_value(schemars::schema_for!(Recipe)).expect("schema");
-        let defs = root
-            .as_object_mut()
-            .expect("object schema")
-            .entry("$defs")
-            .or_insert_with(|| serde_json::json!({}));
+        let defs = root.as_object_mut().expect("object schema").entry("$defs").or_insert_with(|| serde_json::json!({}));
         let mut kinds = Vec::new();
         for kind in StageKind::ALL {
             let mut s = serde_json::to_value(kind.settings_schema()).expect("schema");

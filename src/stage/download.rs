@@ -32,12 +32,22 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                     r.fields.get(col).and_then(|v| v.as_str()).unwrap_or_default().to_string()
                 };
                 match recipe.dataset.format {
-                    DataFormat::Alpaca => Some(format!("{}{}", alpaca_prompt(&get("instruction"), &get("input")), get("output"))),
+                    DataFormat::Alpaca => {
+                        Some(format!("{}{}", alpaca_prompt(&get("instruction"), &get("input")), get("output")))
+                    }
                     DataFormat::Text | DataFormat::Chat => Some(get("text")).filter(|t| !t.is_empty()),
                 }
             })
             .collect();
-        ctx.ui.status("scratch", format!("training a {}-token tokenizer on {} rows, initialising {:?} weights", spec.vocab_size, texts.len(), spec.arch));
+        ctx.ui.status(
+            "scratch",
+            format!(
+                "training a {}-token tokenizer on {} rows, initialising {:?} weights",
+                spec.vocab_size,
+                texts.len(),
+                spec.arch
+            ),
+        );
         let cfg = crate::model::scratch::create(&model_out, spec, &texts, ctx.seed())?;
         json!({ "source": "scratch", "arch": cfg.arch, "vocab_size": cfg.vocab_size, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size })
     } else if let Some(p) = &recipe.model.path {
@@ -64,7 +74,8 @@ fn copy_source(src: &Path, dest: &Path) -> Result<(), StageError> {
             .map(|rel| (src.join(&rel), dest.join(&rel)))
             .collect()
     } else {
-        let name = src.file_name().ok_or_else(|| StageError::Internal(format!("`{}` has no file name", src.display())))?;
+        let name =
+            src.file_name().ok_or_else(|| StageError::Internal(format!("`{}` has no file name", src.display())))?;
         vec![(src.to_path_buf(), dest.join(name))]
     };
     for (from, to) in pairs {
@@ -77,14 +88,24 @@ fn copy_source(src: &Path, dest: &Path) -> Result<(), StageError> {
 }
 
 /// The copy must have the digest the plan fingerprinted; otherwise the source changed meanwhile.
-fn check_digest(ctx: &StageCtx<'_>, copy: &Path, src: &Path, planned: Option<&str>, at: &[&str]) -> Result<(), StageError> {
+fn check_digest(
+    ctx: &StageCtx<'_>,
+    copy: &Path,
+    src: &Path,
+    planned: Option<&str>,
+    at: &[&str],
+) -> Result<(), StageError> {
     let target = if src.is_dir() { copy.to_path_buf() } else { copy.join(src.file_name().unwrap_or_default()) };
-    let digest = crate::fingerprint::digest_path(&target).map_err(StageError::io(format!("cannot hash `{}`", target.display())))?;
+    let digest = crate::fingerprint::digest_path(&target)
+        .map_err(StageError::io(format!("cannot hash `{}`", target.display())))?;
     if Some(digest.as_str()) != planned {
-        return Err(Problem::new("rtune::source::changed", format!("`{}` changed while rtune was running", src.display()))
-            .at(ctx.loaded.origin(at), "this source")
-            .help("run again; the plan will fingerprint the new content")
-            .into());
+        return Err(Problem::new(
+            "rtune::source::changed",
+            format!("`{}` changed while rtune was running", src.display()),
+        )
+        .at(ctx.loaded.origin(at), "this source")
+        .help("run again; the plan will fingerprint the new content")
+        .into());
     }
     Ok(())
 }

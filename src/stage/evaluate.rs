@@ -40,19 +40,32 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
                 DataFormat::Alpaca => alpaca_prompt(prompt, ""),
                 _ => prompt.clone(),
             };
-            let enc = tokenizer.encode(text.as_str(), false).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
+            let enc =
+                tokenizer.encode(text.as_str(), false).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
             let mut ids: Vec<u32> = folder.config.bos_token_id.into_iter().collect();
             ids.extend(enc.get_ids());
             let mut rng = Rng::derive(ctx.seed(), &format!("sample:{i}"));
-            let out = generate(&model, &ids, &s, &folder.config.eos_token_ids, &mut rng).map_err(StageError::candle("generate"))?;
-            let completion = tokenizer.decode(&out, true).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
+            let out = generate(&model, &ids, &s, &folder.config.eos_token_ids, &mut rng)
+                .map_err(StageError::candle("generate"))?;
+            let completion =
+                tokenizer.decode(&out, true).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
             samples.push(json!({ "prompt": prompt, "completion": completion, "tokens": out.len() }));
         }
-        ctx.ui.status("evaluate", format!("{w} model: eval loss {loss:.4}, perplexity {:.2} over {n} tokens", loss.exp()));
+        ctx.ui.status(
+            "evaluate",
+            format!("{w} model: eval loss {loss:.4}, perplexity {:.2} over {n} tokens", loss.exp()),
+        );
         for smp in &samples {
-            ctx.ui.detail(format!("{:?} → {:?}", smp["prompt"].as_str().unwrap_or_default(), smp["completion"].as_str().unwrap_or_default()));
+            ctx.ui.detail(format!(
+                "{:?} → {:?}",
+                smp["prompt"].as_str().unwrap_or_default(),
+                smp["completion"].as_str().unwrap_or_default()
+            ));
         }
-        results.insert(w.to_string(), json!({ "eval_loss": loss, "perplexity": loss.exp(), "eval_tokens": n, "samples": samples }));
+        results.insert(
+            w.to_string(),
+            json!({ "eval_loss": loss, "perplexity": loss.exp(), "eval_tokens": n, "samples": samples }),
+        );
     }
     let primary = results.get(*which.last().expect("one model")).cloned().unwrap_or(Value::Null);
     let metrics = json!({
@@ -67,7 +80,12 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
 }
 
 /// The base model with the train stage's result applied (a PEFT adapter or trained weights).
-pub fn tuned_model(folder: &ModelFolder, weights_dir: &std::path::Path, device: &Device, dtype: DType) -> Result<Transformer, StageError> {
+pub fn tuned_model(
+    folder: &ModelFolder,
+    weights_dir: &std::path::Path,
+    device: &Device,
+    dtype: DType,
+) -> Result<Transformer, StageError> {
     let mut weights = folder.load_weights(device, dtype)?;
     if weights_dir.join("adapter_config.json").is_file() {
         let spec = peft::read_config(weights_dir)?;
@@ -85,7 +103,13 @@ pub fn tuned_model(folder: &ModelFolder, weights_dir: &std::path::Path, device: 
 }
 
 /// Greedy (temperature 0) or seeded top-k/top-p sampling with a KV cache; stops at eos.
-pub fn generate(model: &Transformer, prompt: &[u32], s: &EvaluateSettings, eos: &[u32], rng: &mut Rng) -> candle_core::Result<Vec<u32>> {
+pub fn generate(
+    model: &Transformer,
+    prompt: &[u32],
+    s: &EvaluateSettings,
+    eos: &[u32],
+    rng: &mut Rng,
+) -> candle_core::Result<Vec<u32>> {
     let mut cache = KvCache::default();
     let mut logits = model.step(prompt, &mut cache)?;
     let mut out = Vec::new();

@@ -17,7 +17,11 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let data_dir = ctx.input("dataset")?.join("dataset");
     let (rows, mut bad) = read_rows(&data_dir, d.skip_bad_rows)?;
     if rows.is_empty() {
-        return Err(DataError::Invalid { message: "the dataset has no rows".into(), help: Some("check `dataset.path`".into()) }.into());
+        return Err(DataError::Invalid {
+            message: "the dataset has no rows".into(),
+            help: Some("check `dataset.path`".into()),
+        }
+        .into());
     }
     let renderer = Renderer {
         tokenizer: &tokenizer,
@@ -43,7 +47,11 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     }
     bar.finish();
     if encoded.is_empty() {
-        return Err(DataError::Invalid { message: format!("every row was dropped ({} bad rows)", bad.len()), help: bad.first().map(|b| b.to_string()) }.into());
+        return Err(DataError::Invalid {
+            message: format!("every row was dropped ({} bad rows)", bad.len()),
+            help: bad.first().map(|b| b.to_string()),
+        }
+        .into());
     }
     // Seeded split by row.
     let mut order: Vec<usize> = (0..encoded.len()).collect();

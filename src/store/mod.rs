@@ -163,7 +163,8 @@ impl Store {
     /// process holds it.
     pub fn lock(&self, fp: &str, on_wait: impl FnOnce()) -> Result<BuildLock> {
         let path = self.base.join("locks").join(format!("{fp}.lock"));
-        let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io_err("open", &path))?;
+        let file =
+            File::options().create(true).truncate(false).write(true).open(&path).map_err(io_err("open", &path))?;
         match file.try_lock() {
             Ok(()) => {}
             Err(fs::TryLockError::WouldBlock) => {

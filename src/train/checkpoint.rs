@@ -27,7 +27,10 @@ pub fn save(
     state: &LoopState,
     keep: usize,
 ) -> Result<PathBuf, TrainError> {
-    let tmp = tempfile::Builder::new().prefix(".tmp-ckpt-").tempdir_in(work).map_err(ioerr(format!("cannot write a checkpoint in `{}`", work.display())))?;
+    let tmp = tempfile::Builder::new()
+        .prefix(".tmp-ckpt-")
+        .tempdir_in(work)
+        .map_err(ioerr(format!("cannot write a checkpoint in `{}`", work.display())))?;
     save_safetensors(&tmp.path().join("params.safetensors"), &model.param_values())?;
     let mut moments = BTreeMap::new();
     for (k, v) in &opt.m {
@@ -41,7 +44,8 @@ pub fn save(
         save_safetensors(&tmp.path().join("ema.safetensors"), e)?;
     }
     let saved = Saved { state: state.clone(), optimizer_step: opt.step };
-    std::fs::write(tmp.path().join("state.json"), serde_json::to_vec_pretty(&saved).expect("json")).map_err(ioerr("cannot write checkpoint state".into()))?;
+    std::fs::write(tmp.path().join("state.json"), serde_json::to_vec_pretty(&saved).expect("json"))
+        .map_err(ioerr("cannot write checkpoint state".into()))?;
     let dir = work.join(format!("ckpt-{:08}", state.step));
     if dir.exists() {
         std::fs::remove_dir_all(&dir).map_err(ioerr(format!("cannot replace `{}`", dir.display())))?;
@@ -63,7 +67,9 @@ fn list(work: &Path) -> Vec<PathBuf> {
         .flatten()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("ckpt-")) && p.join("state.json").is_file())
+        .filter(|p| {
+            p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("ckpt-")) && p.join("state.json").is_file()
+        })
         .collect();
     v.sort();
     v
@@ -73,8 +79,14 @@ pub fn latest(work: &Path) -> Option<PathBuf> {
     list(work).pop()
 }
 
-pub fn load(dir: &Path, model: &Transformer, opt: &mut AdamW, ema: Option<&mut BTreeMap<String, Tensor>>) -> Result<LoopState, TrainError> {
-    let text = std::fs::read_to_string(dir.join("state.json")).map_err(ioerr(format!("cannot read `{}`", dir.display())))?;
+pub fn load(
+    dir: &Path,
+    model: &Transformer,
+    opt: &mut AdamW,
+    ema: Option<&mut BTreeMap<String, Tensor>>,
+) -> Result<LoopState, TrainError> {
+    let text =
+        std::fs::read_to_string(dir.join("state.json")).map_err(ioerr(format!("cannot read `{}`", dir.display())))?;
     let saved: Saved = serde_json::from_str(&text).map_err(|e| TrainError::Io {
         context: format!("checkpoint `{}` is damaged", dir.display()),
         source: std::io::Error::other(e),
@@ -87,10 +99,20 @@ pub fn load(dir: &Path, model: &Transformer, opt: &mut AdamW, ema: Option<&mut B
     model.load_params(&load("params.safetensors")?)?;
     let moments = load("optimizer.safetensors")?;
     for (k, v) in opt.m.iter_mut() {
-        *v = moments.get(&format!("m/{k}")).cloned().ok_or_else(|| missing(dir, k))?.to_dtype(DType::F32).map_err(cerr("read checkpoint"))?;
+        *v = moments
+            .get(&format!("m/{k}"))
+            .cloned()
+            .ok_or_else(|| missing(dir, k))?
+            .to_dtype(DType::F32)
+            .map_err(cerr("read checkpoint"))?;
     }
     for (k, v) in opt.v.iter_mut() {
-        *v = moments.get(&format!("v/{k}")).cloned().ok_or_else(|| missing(dir, k))?.to_dtype(DType::F32).map_err(cerr("read checkpoint"))?;
+        *v = moments
+            .get(&format!("v/{k}"))
+            .cloned()
+            .ok_or_else(|| missing(dir, k))?
+            .to_dtype(DType::F32)
+            .map_err(cerr("read checkpoint"))?;
     }
     opt.step = saved.optimizer_step;
     if let Some(e) = ema {
@@ -100,7 +122,10 @@ pub fn load(dir: &Path, model: &Transformer, opt: &mut AdamW, ema: Option<&mut B
 }
 
 fn missing(dir: &Path, k: &str) -> TrainError {
-    TrainError::Io { context: format!("checkpoint `{}` has no optimizer state for `{k}`", dir.display()), source: std::io::Error::other("incomplete checkpoint") }
+    TrainError::Io {
+        context: format!("checkpoint `{}` has no optimizer state for `{k}`", dir.display()),
+        source: std::io::Error::other("incomplete checkpoint"),
+    }
 }
 
 /// Drop metric records after `step` (they belong to work the checkpoint does not include).
@@ -112,7 +137,13 @@ pub fn truncate_metrics(path: &Path, step: u64) -> std::io::Result<()> {
     };
     let kept: String = text
         .lines()
-        .filter(|l| step > 0 && serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s <= step))
+        .filter(|l| {
+            step > 0
+                && serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s <= step)
+        })
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(path, kept)

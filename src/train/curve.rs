@@ -19,7 +19,13 @@ pub fn svg(train: &[(f64, f64)], eval: &[(f64, f64)]) -> String {
     }
     let sx = |x: f64| pad + x / x1 * (w - 2.0 * pad);
     let sy = |y: f64| h - pad - (y - y0) / (y1 - y0) * (h - 2.0 * pad);
-    let line = |pts: &[(f64, f64)]| pts.iter().filter(|p| p.1.is_finite()).map(|(x, y)| format!("{:.1},{:.1}", sx(*x), sy(*y))).collect::<Vec<_>>().join(" ");
+    let line = |pts: &[(f64, f64)]| {
+        pts.iter()
+            .filter(|p| p.1.is_finite())
+            .map(|(x, y)| format!("{:.1},{:.1}", sx(*x), sy(*y)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     let mut s = String::new();
     let _ = write!(
         s,

@@ -36,7 +36,9 @@ pub enum TrainError {
     #[error("training stopped by the loss guard after {bad_steps} bad steps (last loss {last_loss})")]
     #[diagnostic(
         code(rtune::train::loss_guard),
-        help("the learning rate is probably too high: lower `stages.train.learning_rate`, add warm-up, or set `clip_grad_norm`; nothing was written to the cache")
+        help(
+            "the learning rate is probably too high: lower `stages.train.learning_rate`, add warm-up, or set `clip_grad_norm`; nothing was written to the cache"
+        )
     )]
     LossGuard { bad_steps: u32, last_loss: f64, report: Vec<String> },
     #[error("training interrupted at step {step}; checkpoint saved in `{checkpoint}`")]
@@ -126,7 +128,13 @@ pub fn trainable(settings: &TrainSettings, adapter: &Adapter) -> Trainable {
 }
 
 /// Build the model for training or evaluation from a model folder.
-pub fn build_model(model_dir: &Path, which: &Trainable, seed: u64, device: &Device, dtype: DType) -> Result<Transformer, TrainError> {
+pub fn build_model(
+    model_dir: &Path,
+    which: &Trainable,
+    seed: u64,
+    device: &Device,
+    dtype: DType,
+) -> Result<Transformer, TrainError> {
     let folder = ModelFolder::open(model_dir)?;
     let weights = folder.load_weights(device, dtype)?;
     let mut rng = Rng::derive(seed, "lora-init");
@@ -169,7 +177,12 @@ pub fn micro_batch(rows: &[TokenRow], device: &Device) -> Result<MicroBatch, Tra
 }
 
 /// Token-weighted mean loss over (at most `max_batches` batches of) a split.
-pub fn evaluate(model: &Transformer, store: &TokenStore, batch_size: usize, max_batches: u64) -> Result<(f64, usize), TrainError> {
+pub fn evaluate(
+    model: &Transformer,
+    store: &TokenStore,
+    batch_size: usize,
+    max_batches: u64,
+) -> Result<(f64, usize), TrainError> {
     let (mut sum, mut n) = (0f64, 0usize);
     let idx: Vec<usize> = (0..store.len()).collect();
     for (b, chunk) in idx.chunks(batch_size.max(1)).enumerate() {
@@ -181,7 +194,10 @@ pub fn evaluate(model: &Transformer, store: &TokenStore, batch_size: usize, max_
         if mb.targets_count == 0 {
             continue;
         }
-        let loss = model.loss(&mb.batch, &mb.select, &mb.targets, None).and_then(|l| l.to_scalar::<f32>()).map_err(cerr("evaluate"))?;
+        let loss = model
+            .loss(&mb.batch, &mb.select, &mb.targets, None)
+            .and_then(|l| l.to_scalar::<f32>())
+            .map_err(cerr("evaluate"))?;
         sum += loss as f64 * mb.targets_count as f64;
         n += mb.targets_count;
     }
@@ -288,7 +304,7 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         let rate = (t.state.tokens_seen - tokens_at_start) as f64 / started.elapsed().as_secs_f64().max(1e-9);
         bar.set(step, &format!("loss {loss:.4} lr {lr:.2e} {rate:.0} tok/s"));
         let last = step == total_steps;
-        if (s.eval_every > 0 && step % s.eval_every == 0) || last {
+        if (s.eval_every > 0 && step.is_multiple_of(s.eval_every)) || last {
             let (ev, _) = evaluate(&t.model, &t.eval, s.batch_size as usize, s.eval_batches)?;
             t.log(json!({"step": step, "eval_loss": ev}))?;
             job.ui.detail(format!("step {step}: eval loss {ev:.4}"));
@@ -307,7 +323,7 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
                 }
             }
         }
-        if s.checkpoint_every > 0 && step % s.checkpoint_every == 0 && !last {
+        if s.checkpoint_every > 0 && step.is_multiple_of(s.checkpoint_every) && !last {
             t.save_checkpoint()?;
         }
     }
@@ -367,7 +383,9 @@ impl Trainer<'_> {
         // Gradients are ready: a data-parallel run would all-reduce `grads` here.
         let mut norm_sq = 0f64;
         for g in grads.values() {
-            norm_sq += g.sqr().and_then(|x| x.sum_all()).and_then(|x| x.to_scalar::<f32>()).map_err(cerr("gradient norm"))? as f64;
+            norm_sq +=
+                g.sqr().and_then(|x| x.sum_all()).and_then(|x| x.to_scalar::<f32>()).map_err(cerr("gradient norm"))?
+                    as f64;
         }
         let norm = norm_sq.sqrt();
         let mean = if self.state.recent_losses.is_empty() {
@@ -379,7 +397,11 @@ impl Trainer<'_> {
         if !loss_sum.is_finite() || !norm.is_finite() || spike {
             self.state.bad_steps += 1;
             self.state.lr_scale *= s.loss_guard.lr_backoff;
-            let why = if spike { format!("loss {loss_sum:.4} is over {}× the running mean {mean:.4}", s.loss_guard.spike_factor) } else { format!("loss {loss_sum} / gradient norm {norm} is not finite") };
+            let why = if spike {
+                format!("loss {loss_sum:.4} is over {}× the running mean {mean:.4}", s.loss_guard.spike_factor)
+            } else {
+                format!("loss {loss_sum} / gradient norm {norm} is not finite")
+            };
             self.job.ui.warn(format!("step {}: {why}; skipped, learning rate × {}", step + 1, s.loss_guard.lr_backoff));
             self.log(json!({"step": step + 1, "bad_step": why, "lr_scale": self.state.lr_scale}))?;
             self.state.step += 1;
@@ -419,17 +441,30 @@ impl Trainer<'_> {
 
     fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
         self.metrics.flush().map_err(ioerr("cannot write metrics".into()))?;
-        checkpoint::save(&self.job.work, &self.model, &self.opt, self.ema.as_ref(), &self.state, self.job.settings.keep_checkpoints as usize)
+        checkpoint::save(
+            &self.job.work,
+            &self.model,
+            &self.opt,
+            self.ema.as_ref(),
+            &self.state,
+            self.job.settings.keep_checkpoints as usize,
+        )
     }
 
     fn restore(&mut self, dir: &Path) -> Result<u64, TrainError> {
         let state = checkpoint::load(dir, &self.model, &mut self.opt, self.ema.as_mut())?;
         self.state = state;
-        checkpoint::truncate_metrics(&self.job.work.join("metrics.jsonl"), self.state.step).map_err(ioerr("cannot rewind metrics".into()))?;
+        checkpoint::truncate_metrics(&self.job.work.join("metrics.jsonl"), self.state.step)
+            .map_err(ioerr("cannot rewind metrics".into()))?;
         Ok(self.state.step)
     }
 
-    fn finish(mut self, seconds: f64, stopped_early: bool, metrics_path: &Path) -> Result<serde_json::Value, TrainError> {
+    fn finish(
+        mut self,
+        seconds: f64,
+        stopped_early: bool,
+        metrics_path: &Path,
+    ) -> Result<serde_json::Value, TrainError> {
         self.metrics.flush().map_err(ioerr("cannot write metrics".into()))?;
         let out = self.job.out;
         let values = match &self.ema {
@@ -443,9 +478,12 @@ impl Trainer<'_> {
         std::fs::copy(metrics_path, out.join("metrics.jsonl")).map_err(ioerr("cannot copy metrics".into()))?;
         let text = std::fs::read_to_string(metrics_path).map_err(ioerr("cannot read metrics".into()))?;
         let records: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-        let evals: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r["step"].as_f64()?, r["eval_loss"].as_f64()?))).collect();
-        let losses: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r["step"].as_f64()?, r["loss"].as_f64()?))).collect();
-        std::fs::write(out.join("loss_curve.svg"), curve::svg(&losses, &evals)).map_err(ioerr("cannot write the loss curve".into()))?;
+        let evals: Vec<(f64, f64)> =
+            records.iter().filter_map(|r| Some((r["step"].as_f64()?, r["eval_loss"].as_f64()?))).collect();
+        let losses: Vec<(f64, f64)> =
+            records.iter().filter_map(|r| Some((r["step"].as_f64()?, r["loss"].as_f64()?))).collect();
+        std::fs::write(out.join("loss_curve.svg"), curve::svg(&losses, &evals))
+            .map_err(ioerr("cannot write the loss curve".into()))?;
         let first = evals.first().map(|e| e.1).unwrap_or(f64::NAN);
         let last = evals.last().map(|e| e.1).unwrap_or(f64::NAN);
         let summary = json!({
@@ -464,7 +502,9 @@ impl Trainer<'_> {
         let mut s = serde_json::to_string_pretty(&summary).expect("json");
         s.push('\n');
         std::fs::write(out.join("metrics.json"), s).map_err(ioerr("cannot write metrics.json".into()))?;
-        self.job.ui.status("train", format!("eval loss {first:.4} → {last:.4} in {} steps ({seconds:.1}s)", self.state.step));
+        self.job
+            .ui
+            .status("train", format!("eval loss {first:.4} → {last:.4} in {} steps ({seconds:.1}s)", self.state.step));
         Ok(summary)
     }
 }

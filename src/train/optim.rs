@@ -77,7 +77,7 @@ mod tests {
             opt.step(&params, &grads, 0.1).unwrap();
         }
         let w: Vec<f32> = var.as_tensor().to_vec1().unwrap();
-        let torch = [0.80079597f32, -1.81009734];
+        let torch = [0.800_796_f32, -1.810_097_3];
         for (a, b) in w.iter().zip(torch) {
             assert!((a - b).abs() < 1e-6, "{w:?} vs torch {torch:?}");
         }

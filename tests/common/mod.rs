@@ -37,7 +37,8 @@ pub fn snapshot(name: &str, actual: &str) {
         std::fs::write(&path, actual).unwrap();
         return;
     }
-    let expected = std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("no snapshot {} (run with RTUNE_BLESS=1)", path.display()));
+    let expected = std::fs::read_to_string(&path)
+        .unwrap_or_else(|_| panic!("no snapshot {} (run with RTUNE_BLESS=1)", path.display()));
     assert_eq!(expected, actual, "snapshot {name} differs (RTUNE_BLESS=1 rewrites it)");
 }
 
@@ -51,7 +52,11 @@ impl Project {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("data")).unwrap();
         std::fs::copy(root().join("recipes/tiny-offline.toml"), dir.path().join("tiny.toml")).unwrap();
-        std::fs::copy(root().join("recipes/data/synthetic-alpaca.jsonl"), dir.path().join("data/synthetic-alpaca.jsonl")).unwrap();
+        std::fs::copy(
+            root().join("recipes/data/synthetic-alpaca.jsonl"),
+            dir.path().join("data/synthetic-alpaca.jsonl"),
+        )
+        .unwrap();
         Project { dir }
     }
 

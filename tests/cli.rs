@@ -1,0 +1,110 @@
+//! The command line itself: help texts, the checked-in schema and generated docs are fresh,
+//! `ls`/`cp`/`cat`, cache commands, and the library example.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn help_texts_are_complete_and_snapshot_tested() {
+    let cache = tempfile::tempdir().unwrap();
+    let top = rtune(&root(), cache.path(), &["--help"]);
+    assert!(top.status.success());
+    snapshot("help/rtune.txt", &stdout(&top));
+    for cmd in ["ls", "cp", "cat", "validate", "plan", "run", "explain", "download", "cache", "schema", "doctor"] {
+        let o = rtune(&root(), cache.path(), &[cmd, "--help"]);
+        assert!(o.status.success(), "{cmd}");
+        snapshot(&format!("help/{cmd}.txt"), &stdout(&o));
+    }
+    let bad = rtune(&root(), cache.path(), &["frobnicate"]);
+    assert_eq!(bad.status.code(), Some(2), "usage errors exit 2");
+}
+
+#[test]
+fn checked_in_schema_and_reference_are_fresh() {
+    let cache = tempfile::tempdir().unwrap();
+    let schema = stdout(&rtune(&root(), cache.path(), &["schema"]));
+    let path = root().join("schemas/recipe.schema.json");
+    let reference = rtune::recipe::reference::markdown();
+    let ref_path = root().join("docs/recipe-reference.md");
+    if std::env::var_os("RTUNE_BLESS").is_some() {
+        std::fs::write(&path, &schema).unwrap();
+        std::fs::write(&ref_path, &reference).unwrap();
+    }
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap(),
+        schema,
+        "schemas/recipe.schema.json is stale (RTUNE_BLESS=1 rewrites it)"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&ref_path).unwrap(),
+        reference,
+        "docs/recipe-reference.md is stale (RTUNE_BLESS=1 rewrites it)"
+    );
+    for key in ["learning_rate", "eval_fraction", "warmup_ratio", "`[device]`"] {
+        assert!(reference.contains(key), "reference lacks {key}");
+    }
+}
+
+#[test]
+fn cp_copies_a_builtin_recipe_with_its_data_and_it_validates() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let o = rtune(dir.path(), &cache, &["cp", "tiny-offline", "mine.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(dir.path().join("data/synthetic-alpaca.jsonl").is_file());
+    assert!(rtune(dir.path(), &cache, &["validate", "mine.toml"]).status.success());
+    let again = rtune(dir.path(), &cache, &["cp", "tiny-offline", "mine.toml"]);
+    assert_eq!(again.status.code(), Some(1), "never overwrites");
+    let typo = rtune(dir.path(), &cache, &["cp", "tiny-ofline", "x.toml"]);
+    assert!(stderr(&typo).contains("did you mean `tiny-offline`?"), "{}", stderr(&typo));
+    let cat = rtune(dir.path(), &cache, &["cat", "tiny-offline", "--set", "stages.train.epochs=3"]);
+    assert!(stdout(&cat).contains("epochs = 3"), "{}", stdout(&cat));
+}
+
+#[test]
+fn builtin_recipe_runs_by_name_from_anywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let o = rtune(dir.path(), &cache, &["plan", "tiny-offline"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("5 to run"), "{}", stdout(&o));
+}
+
+#[test]
+fn cache_path_and_doctor() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("c");
+    assert_eq!(stdout(&rtune(dir.path(), &cache, &["cache", "path"])).trim(), cache.display().to_string());
+    assert!(cache.join("CACHEDIR.TAG").is_file());
+    let doc = stdout(&rtune(dir.path(), &cache, &["doctor"]));
+    assert!(doc.contains("build features: cuda=false metal=false"), "{doc}");
+    assert!(doc.contains("rocm     unavailable: candle has no ROCm backend"), "{doc}");
+}
+
+#[test]
+fn explain_shows_fingerprint_inputs() {
+    let p = Project::tiny_offline();
+    let o = p.run(&["explain", "tiny.toml", "train", "--diff"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("\"learning_rate\": 0.01"), "{text}");
+    assert!(text.contains("no earlier run of `train` is recorded"), "{text}");
+}
+
+/// README promises two commands; CI must run the same test command.
+#[test]
+fn readme_commands_are_the_ones_ci_runs() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    assert!(readme.contains("cargo run --release -- run recipes/tiny-offline.toml"));
+    assert!(readme.contains("\ncargo test "), "README gives `cargo test` as the test command");
+    let ci = std::fs::read_to_string(root().join(".ci/run")).unwrap();
+    assert!(ci.lines().any(|l| l.trim() == "cargo test"), ".ci/run runs the README's test command");
+    assert!(root().join("recipes/tiny-offline.toml").is_file());
+    // Every doc the README links to exists.
+    for link in readme.split("](").skip(1).filter_map(|s| s.split(')').next()) {
+        if !link.starts_with("http") {
+            assert!(root().join(link).exists(), "README links to missing {link}");
+        }
+    }
+}
