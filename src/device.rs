@@ -185,7 +185,7 @@ pub fn resolve(prefer: &[String], dtypes: &[Dtype], inv: &Inventory) -> Result<R
                             dtype_notes: notes,
                         });
                     }
-                    notes.push(format!("{}: {} does not train in {}", d.as_str(), dev.name, d.as_str()));
+                    notes.push(format!("{}: {} does not train in {}", d.as_str(), dev.class.as_str(), d.as_str()));
                 }
                 let supported = dev.dtypes.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(", ");
                 skipped.push(Skip {

@@ -108,3 +108,39 @@ fn readme_commands_are_the_ones_ci_runs() {
         }
     }
 }
+
+/// `[device.<name>]` overrides merge into stage settings only when that device is chosen, and
+/// the plan explains every skipped preference (snapshot).
+#[test]
+fn device_overrides_and_plan_explanation() {
+    let p = Project::tiny_offline();
+    let plan = |extra: &[&str]| {
+        let mut a = vec!["plan", "tiny.toml", "--format", "json"];
+        a.extend_from_slice(extra);
+        let o = p.run(&a);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let batch = |v: &serde_json::Value| v["stages"][2]["doc"]["settings"]["train"]["batch_size"].as_u64().unwrap();
+    assert_eq!(batch(&plan(&[])), 16);
+    assert_eq!(batch(&plan(&["--set", "device.cpu.train.batch_size=2"])), 2, "cpu override applies on the CPU");
+    assert_eq!(batch(&plan(&["--set", "device.cuda.train.batch_size=2"])), 16, "cuda override does not");
+    let text = p.run(&[
+        "plan",
+        "tiny.toml",
+        "--set",
+        "device.prefer=[\"rocm\", \"directml\", \"cuda:1\", \"metal\", \"cpu\"]",
+        "--set",
+        "device.dtype=[\"bf16\", \"f32\"]",
+    ]);
+    let out = stdout(&text);
+    let head: String = out.lines().take(7).map(|l| format!("{l}\n")).collect();
+    snapshot("plan/device-fallback.txt", &head);
+    let none = p.run(&["plan", "tiny.toml", "--set", "device.prefer=[\"rocm\", \"metal\"]"]);
+    assert_eq!(none.status.code(), Some(1));
+    assert!(
+        stderr(&none).contains("no preferred device is usable: rocm: candle has no ROCm backend"),
+        "{}",
+        stderr(&none)
+    );
+}

@@ -177,3 +177,148 @@ fn saved_folder_round_trips_bit_exactly() {
     }
     let _: BTreeMap<String, Tensor> = again;
 }
+
+/// Merged weights are base + scale·B·A, and the merged model computes what the adapter does.
+#[test]
+fn merged_weights_equal_base_plus_scaled_delta() {
+    let model = with_adapter("tiny-llama");
+    let merged = model.merged_weights().unwrap();
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let base = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let adapter = peft::read_weights(&fixture("tiny-llama").join("adapter"), &Device::Cpu).unwrap();
+    let name = "model.layers.1.self_attn.v_proj";
+    let a = &adapter[&format!("base_model.model.{name}.lora_A.weight")];
+    let b = &adapter[&format!("base_model.model.{name}.lora_B.weight")];
+    let want = (&base[&format!("{name}.weight")] + (b.matmul(a).unwrap() * 2.0).unwrap()).unwrap();
+    let diff = (&merged[&format!("{name}.weight")] - want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-6, "{diff}");
+    assert_eq!(merged.keys().collect::<Vec<_>>(), base.keys().collect::<Vec<_>>(), "same tensor names as the base");
+    let plain = Transformer::new(&folder.config, &merged, &Trainable::Nothing, &mut Rng::new(0)).unwrap();
+    check(&plain, &golden("tiny-llama"), "lora");
+}
+
+/// Generation with the KV cache gives the logits a full forward pass gives.
+#[test]
+fn kv_cache_steps_match_full_forward() {
+    let model = load("tiny-qwen2", &Trainable::Nothing);
+    let ids = [1u32, 17, 45, 99, 3, 64];
+    let full: Vec<Vec<f32>> = model
+        .logits(&Batch::new(&[ids.to_vec()], &[ids.len()], None, &Device::Cpu).unwrap())
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    let mut cache = rtune::model::KvCache::default();
+    let mut got = vec![model.step(&ids[..3], &mut cache).unwrap().to_vec1::<f32>().unwrap()];
+    for id in &ids[3..] {
+        got.push(model.step(&[*id], &mut cache).unwrap().to_vec1::<f32>().unwrap());
+    }
+    for (k, g) in got.iter().enumerate() {
+        let row = &full[2 + k];
+        let d = g.iter().zip(row).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-5, "position {}: {d}", 2 + k);
+    }
+}
+
+/// A sharded checkpoint (index + two files) loads to the same tensors.
+#[test]
+fn sharded_checkpoints_load() {
+    let src = fixture("tiny-llama").join("model");
+    let weights = ModelFolder::open(&src).unwrap().load_weights(&Device::Cpu, DType::F32).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let (first, second): (BTreeMap<_, _>, BTreeMap<_, _>) =
+        weights.clone().into_iter().partition(|(k, _)| k.contains("layers.0"));
+    rtune::model::folder::save_safetensors(&dir.path().join("model-00001-of-00002.safetensors"), &first).unwrap();
+    rtune::model::folder::save_safetensors(&dir.path().join("model-00002-of-00002.safetensors"), &second).unwrap();
+    let map: serde_json::Map<String, serde_json::Value> = first
+        .keys()
+        .map(|k| (k.clone(), "model-00001-of-00002.safetensors".into()))
+        .chain(second.keys().map(|k| (k.clone(), "model-00002-of-00002.safetensors".into())))
+        .collect();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
+    let again = ModelFolder::open(dir.path()).unwrap().load_weights(&Device::Cpu, DType::F32).unwrap();
+    assert_eq!(again.len(), weights.len());
+}
+
+/// Bad model folders give errors that name the problem.
+#[test]
+fn bad_model_folders_are_clear_errors() {
+    let src = fixture("tiny-llama").join("model");
+    let dir = tempfile::tempdir().unwrap();
+    let err = ModelFolder::open(dir.path()).unwrap_err().to_string();
+    assert_eq!(err, format!("model folder `{}` has no `config.json`", dir.path().display()));
+
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    std::fs::write(dir.path().join("config.json"), cfg.replace("LlamaForCausalLM", "GPT2LMHeadModel")).unwrap();
+    assert_eq!(
+        ModelFolder::open(dir.path()).unwrap_err().to_string(),
+        "architecture `GPT2LMHeadModel` is not supported"
+    );
+
+    std::fs::write(
+        dir.path().join("config.json"),
+        cfg.replace("\"intermediate_size\": 64", "\"intermediate_size\": 65"),
+    )
+    .unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+    let folder = ModelFolder::open(dir.path()).unwrap();
+    let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let err =
+        Transformer::new(&folder.config, &weights, &Trainable::Nothing, &mut Rng::new(0)).err().unwrap().to_string();
+    assert_eq!(
+        err,
+        "tensor `model.layers.0.mlp.gate_proj.weight` has shape [64, 32], but config.json implies [65, 32]"
+    );
+
+    std::fs::write(dir.path().join("config.json"), &cfg).unwrap();
+    let bytes: Vec<u8> = [1u32, 2].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![2], &bytes).unwrap();
+    let file = safetensors::serialize(vec![("model.norm.weight".to_string(), view)], None).unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), file).unwrap();
+    let err = ModelFolder::open(dir.path()).unwrap().load_weights(&Device::Cpu, DType::F32).unwrap_err().to_string();
+    assert_eq!(err, "tensor `model.norm.weight` has dtype U32, which rtune cannot load");
+
+    std::fs::write(dir.path().join("model.safetensors"), b"not a safetensors file").unwrap();
+    let err = ModelFolder::open(dir.path()).unwrap().load_weights(&Device::Cpu, DType::F32).unwrap_err().to_string();
+    assert!(err.starts_with("cannot read `"), "{err}");
+}
+
+/// bf16 compute with f32 master weights: the loss stays close to f32's, and every LoRA
+/// parameter is an f32 variable that receives an f32 gradient.
+#[test]
+fn bf16_compute_keeps_f32_master_weights() {
+    let g = golden("tiny-llama");
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let dir = fixture("tiny-llama").join("adapter");
+    let spec = peft::read_config(&dir).unwrap();
+    let model =
+        Transformer::with_dtype(&folder.config, &weights, &Trainable::Lora(spec), &mut Rng::new(0), DType::BF16)
+            .unwrap();
+    model.load_params(&peft::read_weights(&dir, &Device::Cpu).unwrap()).unwrap();
+    let batch = Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap();
+    let select = Tensor::new(g.select.as_slice(), &Device::Cpu).unwrap();
+    let targets = Tensor::new(g.targets.as_slice(), &Device::Cpu).unwrap();
+    let loss = model.loss(&batch, &select, &targets, None).unwrap();
+    let value = loss.to_scalar::<f32>().unwrap() as f64;
+    let want = g.expected["lora"]["loss"].as_f64().unwrap();
+    assert!(((value - want) / want).abs() < 2e-2, "bf16 loss {value} vs f32 {want}");
+    let grads = loss.backward().unwrap();
+    for p in &model.params {
+        assert_eq!(p.var.dtype(), DType::F32, "{} master weight", p.name);
+        assert_eq!(grads.get(p.var.as_tensor()).unwrap().dtype(), DType::F32);
+    }
+}

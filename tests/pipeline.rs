@@ -213,3 +213,56 @@ fn gradient_accumulation_matches_a_large_batch() {
     assert!(moved > 1e-4, "the step did not move the adapter");
     assert!(max < 1e-5, "max difference {max}");
 }
+
+/// `--force` rebuilds one stage, `--from` a stage and its dependents, `--only` one stage whose
+/// inputs are built (and refuses when they are not).
+#[test]
+fn only_from_and_force_select_stages() {
+    let p = Project::tiny_offline();
+    let only = p.run(&args(&["run", "tiny.toml", "--only", "train"], FAST));
+    assert_eq!(only.status.code(), Some(1), "inputs not built yet");
+    assert!(stderr(&only).contains("`--only train` needs stage `download`, which is not built"), "{}", stderr(&only));
+    p.run_json(&args(&["tiny.toml", "--only", "download"], FAST));
+    let r = p.run_json(&args(&["tiny.toml", "--only", "tokenize"], FAST));
+    let o = outcomes(&r);
+    assert_eq!(o[0], ("download".into(), "cached".into()));
+    assert_eq!(o[1], ("tokenize".into(), "built".into()));
+    assert!(o[2..].iter().all(|(_, x)| x == "skipped"), "{o:?}");
+    p.run_json(&args(&["tiny.toml"], FAST));
+
+    let forced = p.run_json(&args(&["tiny.toml", "--force", "eval_base"], FAST));
+    let built: Vec<String> = outcomes(&forced).into_iter().filter(|(_, x)| x == "built").map(|(n, _)| n).collect();
+    assert_eq!(built, ["eval_base"]);
+    let from = p.run_json(&args(&["tiny.toml", "--from", "train"], FAST));
+    let built: Vec<String> = outcomes(&from).into_iter().filter(|(_, x)| x == "built").map(|(n, _)| n).collect();
+    assert_eq!(built, ["train", "evaluate"]);
+    let typo = p.run(&args(&["plan", "tiny.toml", "--force", "trian"], FAST));
+    assert!(stderr(&typo).contains("did you mean `train`?"), "{}", stderr(&typo));
+}
+
+/// Two runs of one recipe at once on one cache: each stage is built once; the other run waits
+/// for the build lock and reuses the artifact.
+#[test]
+fn concurrent_runs_build_each_stage_once() {
+    let p = Project::tiny_offline();
+    let spawn = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+            .args(args(&["run", "tiny.toml", "--json"], FAST))
+            .current_dir(p.path())
+            .env("RTUNE_CACHE_DIR", p.cache())
+            .env("RTUNE_NO_PROGRESS", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn(), spawn());
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(a.status.success() && b.status.success(), "{}\n{}", stderr(&a), stderr(&b));
+    let ra: serde_json::Value = serde_json::from_slice(&a.stdout).unwrap();
+    let rb: serde_json::Value = serde_json::from_slice(&b.stdout).unwrap();
+    for ((name, x), (_, y)) in outcomes(&ra).into_iter().zip(outcomes(&rb)) {
+        let built = [x.as_str(), y.as_str()].iter().filter(|o| **o == "built").count();
+        assert_eq!(built, 1, "stage {name} built {built} times ({x}, {y})");
+    }
+}

@@ -82,16 +82,22 @@ impl Linear {
         let dims = x.dims().to_vec();
         let inp = *dims.last().expect("input has a feature dimension");
         let x2 = x.reshape(((), inp))?;
-        let mut y = x2.matmul(&self.weight.t()?)?;
+        let frozen_op = FROZEN_MATMUL.load(std::sync::atomic::Ordering::Relaxed);
+        let mut y = if frozen_op && !self.weight.is_variable() && x2.device().is_cpu() {
+            x2.apply_op1(FrozenMatmul { wt: self.weight.t()? })?
+        } else {
+            x2.matmul(&self.weight.to_dtype(x2.dtype())?.t()?)?
+        };
         if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
+            y = y.broadcast_add(&b.to_dtype(y.dtype())?)?;
         }
         if let Some(l) = &self.lora {
             let xin = match dropout {
                 Some(rng) if l.dropout > 0.0 => dropout_mask(&x2, l.dropout, rng)?,
                 _ => x2.clone(),
             };
-            let delta = xin.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
+            let dt = xin.dtype();
+            let delta = xin.matmul(&l.a.to_dtype(dt)?.t()?)?.matmul(&l.b.to_dtype(dt)?.t()?)?;
             y = (y + (delta * l.scale)?)?;
         }
         let mut out_dims = dims;
@@ -119,4 +125,52 @@ fn dropout_mask(x: &Tensor, p: f64, rng: &mut Rng) -> Result<Tensor> {
     let mask: Vec<f32> = (0..n).map(|_| if rng.next_f64() < p { 0.0 } else { keep as f32 }).collect();
     let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
     x * mask
+}
+
+/// Use [`FrozenMatmul`] for frozen weights (on by default; the train-step benchmark turns it
+/// off to measure what it saves).
+pub static FROZEN_MATMUL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `x Wᵀ` for a frozen `W`: the backward pass returns only the input gradient `g W`.
+///
+/// candle's `matmul` backward also computes `xᵀ g`, a weight-shaped gradient, for every frozen
+/// linear layer of a LoRA model — the same cost again as the forward matmul, plus the memory, for a
+/// result nobody reads. This op keeps `W` out of the graph. (CPU only; on other devices the
+/// plain matmul is used.)
+struct FrozenMatmul {
+    /// `Wᵀ`, `[in, out]` (a transposed view; the CPU matmul takes strided operands).
+    wt: Tensor,
+}
+
+impl candle_core::CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &candle_core::CpuStorage,
+        xl: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (m, k) = xl.shape().dims2()?;
+        let (storage, wl) = self.wt.storage_and_layout();
+        let candle_core::Storage::Cpu(w) = &*storage else {
+            candle_core::bail!("frozen-matmul: the weight is not on the CPU")
+        };
+        let (k2, n) = wl.shape().dims2()?;
+        if k != k2 {
+            candle_core::bail!("frozen-matmul: input has {k} features, the weight expects {k2}")
+        }
+        if x.dtype() != w.dtype() {
+            candle_core::bail!("frozen-matmul: input is {:?}, the weight {:?}", x.dtype(), w.dtype())
+        }
+        let out = x.matmul(w, (1, m, n, k), xl, wl)?;
+        Ok((out, candle_core::Shape::from((m, n))))
+    }
+
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // d(x Wᵀ)/dx · g = g W, with W = (Wᵀ)ᵀ.
+        Ok(Some(grad.matmul(&self.wt.t()?)?))
+    }
 }

@@ -145,7 +145,21 @@ impl Transformer {
         trainable: &Trainable,
         rng: &mut Rng,
     ) -> std::result::Result<Transformer, super::ModelError> {
-        let mut b = Builder { weights, trainable, rng, params: Vec::new() };
+        let dtype = weights.get("model.embed_tokens.weight").map(|t| t.dtype()).unwrap_or(DType::F32);
+        Self::with_dtype(cfg, weights, trainable, rng, dtype)
+    }
+
+    /// Build the model computing in `dtype`. Frozen weights are converted to it; trained ones
+    /// (LoRA adapters, trainable base weights) are kept in f32 as master weights and converted
+    /// on use, so bf16/f16 training still accumulates its updates in f32.
+    pub fn with_dtype(
+        cfg: &ModelConfig,
+        weights: &BTreeMap<String, Tensor>,
+        trainable: &Trainable,
+        rng: &mut Rng,
+        dtype: DType,
+    ) -> std::result::Result<Transformer, super::ModelError> {
+        let mut b = Builder { weights, trainable, rng, params: Vec::new(), dtype };
         let h = cfg.hidden_size;
         let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let embed = b.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
@@ -183,7 +197,6 @@ impl Transformer {
             b.linear("lm_head", h, cfg.vocab_size, false)?
         };
         let params = std::mem::take(&mut b.params);
-        let dtype = embed.dtype();
         let (cos, sin) = rope_tables(cfg, embed.device(), dtype).map_err(super::ModelError::candle("rotary tables"))?;
         Ok(Transformer { cfg: cfg.clone(), embed, layers, norm, lm_head, cos, sin, params, dtype })
     }
@@ -200,7 +213,8 @@ impl Transformer {
         mut cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let (b, t) = batch.ids.dims2()?;
-        let mut x = self.embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        let embed = self.embed.to_dtype(self.dtype)?;
+        let mut x = embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
         let pos = batch.positions.flatten_all()?;
         let cos = self.cos.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
         let sin = self.sin.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
@@ -340,7 +354,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let xf = x.to_dtype(DType::F32)?;
     let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (var + eps)?.sqrt()?.recip()?;
-    xf.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(weight)
+    xf.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(&weight.to_dtype(dtype)?)
 }
 
 /// Softmax over the last dimension from differentiable ops (in f32 as transformers does).
@@ -417,6 +431,8 @@ struct Builder<'a> {
     trainable: &'a Trainable,
     rng: &'a mut Rng,
     params: Vec<Param>,
+    /// Compute dtype; trained weights stay f32.
+    dtype: DType,
 }
 
 impl Builder<'_> {
@@ -432,12 +448,14 @@ impl Builder<'_> {
         if let Trainable::Weights(patterns) = self.trainable
             && patterns.iter().any(|p| glob_match(p, name))
         {
-            let var = Var::from_tensor(t).map_err(super::ModelError::candle(format!("make `{name}` trainable")))?;
+            let master = t.to_dtype(DType::F32).map_err(super::ModelError::candle(format!("convert `{name}`")))?;
+            let var =
+                Var::from_tensor(&master).map_err(super::ModelError::candle(format!("make `{name}` trainable")))?;
             let out = var.as_tensor().clone();
             self.params.push(Param { name: name.to_string(), var });
             return Ok(out);
         }
-        Ok(t.clone())
+        t.to_dtype(self.dtype).map_err(super::ModelError::candle(format!("convert `{name}`")))
     }
 
     fn linear(
@@ -465,7 +483,7 @@ impl Builder<'_> {
             let module = prefix.rsplit('.').next().unwrap_or(prefix);
             if spec.targets.iter().any(|t| t == module) {
                 let (lora, params) = spec
-                    .create(prefix, inp, out, lin.weight().dtype(), lin.weight().device(), self.rng)
+                    .create(prefix, inp, out, DType::F32, lin.weight().device(), self.rng)
                     .map_err(super::ModelError::candle(format!("create LoRA adapter for `{prefix}`")))?;
                 lin.lora = Some(lora);
                 self.params.extend(params);
@@ -522,5 +540,30 @@ impl Transformer {
     /// Current values of the trained parameters, by name.
     pub fn param_values(&self) -> BTreeMap<String, Tensor> {
         self.params.iter().map(|p| (p.name.clone(), p.var.as_tensor().detach())).collect()
+    }
+}
+
+impl Transformer {
+    /// Every weight under its HF name with LoRA adapters merged in (`W + scale·B·A`), ready to
+    /// save as a plain model folder. Tied embeddings stay tied (an adapter on a tied `lm_head`
+    /// would untie them and is written as its own `lm_head.weight`).
+    pub fn merged_weights(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        out.insert("model.embed_tokens.weight".to_string(), self.embed.detach());
+        for (i, l) in self.layers.iter().enumerate() {
+            out.insert(format!("model.layers.{i}.input_layernorm.weight"), l.input_norm.detach());
+            out.insert(format!("model.layers.{i}.post_attention_layernorm.weight"), l.post_norm.detach());
+        }
+        out.insert("model.norm.weight".to_string(), self.norm.detach());
+        for (name, lin) in self.linears() {
+            if name == "lm_head" && self.cfg.tie_word_embeddings && lin.lora.is_none() {
+                continue;
+            }
+            out.insert(format!("{name}.weight"), lin.merged_weight()?.detach());
+            if let Some(b) = lin.bias() {
+                out.insert(format!("{name}.bias"), b.detach());
+            }
+        }
+        Ok(out)
     }
 }

@@ -127,7 +127,8 @@ pub fn trainable(settings: &TrainSettings, adapter: &Adapter) -> Trainable {
     }
 }
 
-/// Build the model for training or evaluation from a model folder.
+/// Build the model for training from a model folder. Weights are read in f32 (so trained
+/// master weights start exact); frozen ones are converted to the compute `dtype`.
 pub fn build_model(
     model_dir: &Path,
     which: &Trainable,
@@ -136,9 +137,9 @@ pub fn build_model(
     dtype: DType,
 ) -> Result<Transformer, TrainError> {
     let folder = ModelFolder::open(model_dir)?;
-    let weights = folder.load_weights(device, dtype)?;
+    let weights = folder.load_weights(device, DType::F32)?;
     let mut rng = Rng::derive(seed, "lora-init");
-    Ok(Transformer::new(&folder.config, &weights, which, &mut rng)?)
+    Ok(Transformer::with_dtype(&folder.config, &weights, which, &mut rng, dtype)?)
 }
 
 /// One micro-batch: the batch tensors and where the loss counts.
@@ -204,6 +205,46 @@ pub fn evaluate(
     Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n))
 }
 
+/// Peak resident memory of this process, where the OS tells it (Linux).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Prepare micro-batches from number `start` on, in order, on a background thread; it stops
+/// when the receiver is dropped. The bounded channel keeps it at most four batches ahead.
+fn prefetch(
+    train: std::sync::Arc<TokenStore>,
+    seed: u64,
+    batch_size: usize,
+    micro_per_epoch: u64,
+    start: u64,
+    device: Device,
+) -> std::sync::mpsc::Receiver<Result<MicroBatch, TrainError>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(4);
+    std::thread::spawn(move || {
+        let mut epoch = u64::MAX;
+        let mut order = Vec::new();
+        for micro in start.. {
+            let e = micro / micro_per_epoch;
+            if e != epoch {
+                order = epoch_order(train.len(), seed, e);
+                epoch = e;
+            }
+            let index = (micro % micro_per_epoch) as usize;
+            let rows: Vec<TokenRow> = order[index * batch_size..((index + 1) * batch_size).min(order.len())]
+                .iter()
+                .map(|&i| train.row(i))
+                .collect();
+            if tx.send(micro_batch(&rows, &device)).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
 /// The order of training rows in `epoch`.
 fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
@@ -217,8 +258,10 @@ struct Trainer<'a> {
     opt: AdamW,
     ema: Option<BTreeMap<String, Tensor>>,
     state: LoopState,
-    train: TokenStore,
+    train: std::sync::Arc<TokenStore>,
     eval: TokenStore,
+    /// Micro-batches prepared ahead on a background thread.
+    prefetch: Option<std::sync::mpsc::Receiver<Result<MicroBatch, TrainError>>>,
     micro_per_epoch: u64,
     total_steps: u64,
     metrics: std::fs::File,
@@ -260,8 +303,9 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         opt,
         ema,
         state,
-        train,
+        train: std::sync::Arc::new(train),
         eval,
+        prefetch: None,
         micro_per_epoch,
         total_steps,
         metrics: std::fs::OpenOptions::new()
@@ -302,7 +346,8 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         let (loss, lr) = t.step()?;
         let step = t.state.step;
         let rate = (t.state.tokens_seen - tokens_at_start) as f64 / started.elapsed().as_secs_f64().max(1e-9);
-        bar.set(step, &format!("loss {loss:.4} lr {lr:.2e} {rate:.0} tok/s"));
+        let mem = peak_rss_bytes().map(|b| format!(" peak {}", crate::ui::human_bytes(b))).unwrap_or_default();
+        bar.set(step, &format!("loss {loss:.4} lr {lr:.2e} {rate:.0} tok/s{mem}"));
         let last = step == total_steps;
         if (s.eval_every > 0 && step.is_multiple_of(s.eval_every)) || last {
             let (ev, _) = evaluate(&t.model, &t.eval, s.batch_size as usize, s.eval_batches)?;
@@ -336,13 +381,23 @@ impl Trainer<'_> {
         writeln!(self.metrics, "{v}").map_err(ioerr("cannot write metrics".into()))
     }
 
-    /// Rows of micro-batch number `micro` (counted from the start of training).
-    fn micro_rows(&self, micro: u64) -> Vec<TokenRow> {
-        let epoch = micro / self.micro_per_epoch;
-        let index = (micro % self.micro_per_epoch) as usize;
-        let order = epoch_order(self.train.len(), self.job.seed, epoch);
-        let bs = self.job.settings.batch_size as usize;
-        order[index * bs..((index + 1) * bs).min(order.len())].iter().map(|&i| self.train.row(i)).collect()
+    /// The next micro-batch, prepared by a background thread that runs a few batches ahead.
+    fn next_micro(&mut self) -> Result<MicroBatch, TrainError> {
+        if self.prefetch.is_none() {
+            self.prefetch = Some(prefetch(
+                self.train.clone(),
+                self.job.seed,
+                self.job.settings.batch_size as usize,
+                self.micro_per_epoch,
+                self.state.micro,
+                self.job.device.clone(),
+            ));
+        }
+        let rx = self.prefetch.as_ref().expect("started above");
+        rx.recv().map_err(|_| TrainError::Io {
+            context: "the data loader stopped".into(),
+            source: std::io::Error::other("prefetch thread ended"),
+        })?
     }
 
     /// One optimizer step over `grad_accum` micro-batches (fewer at the end of an epoch).
@@ -350,9 +405,7 @@ impl Trainer<'_> {
         let s = self.job.settings;
         let epoch_end = (self.state.micro / self.micro_per_epoch + 1) * self.micro_per_epoch;
         let n_micro = (s.grad_accum as u64).min(epoch_end - self.state.micro);
-        let micros: Vec<MicroBatch> = (0..n_micro)
-            .map(|i| micro_batch(&self.micro_rows(self.state.micro + i), &self.job.device))
-            .collect::<Result<_, _>>()?;
+        let micros: Vec<MicroBatch> = (0..n_micro).map(|_| self.next_micro()).collect::<Result<_, _>>()?;
         let total: usize = micros.iter().map(|m| m.targets_count).sum();
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut loss_sum = 0f64;
@@ -498,7 +551,12 @@ impl Trainer<'_> {
             "seconds": seconds,
             "trainable": match trainable(self.job.settings, self.job.adapter) { Trainable::Lora(_) => "lora", _ => "weights" },
             "ema": self.ema.is_some(),
+            "peak_rss_bytes": peak_rss_bytes(),
         });
+        let settings = json!({ "train": self.job.settings, "adapter": self.job.adapter, "seed": self.job.seed, "dtype": format!("{:?}", self.job.dtype) });
+        let mut text = serde_json::to_string_pretty(&settings).expect("json");
+        text.push('\n');
+        std::fs::write(out.join("settings.json"), text).map_err(ioerr("cannot write settings.json".into()))?;
         let mut s = serde_json::to_string_pretty(&summary).expect("json");
         s.push('\n');
         std::fs::write(out.join("metrics.json"), s).map_err(ioerr("cannot write metrics.json".into()))?;
