@@ -96,12 +96,5 @@ fn main() {
 }
 
 fn peak_rss() -> String {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM"))
-                .map(|l| l.split_whitespace().nth(1).unwrap_or("?").to_string() + " kB")
-        })
-        .unwrap_or_else(|| "unknown".into())
+    rtune::train::peak_rss_bytes().map(rtune::ui::human_bytes).unwrap_or_else(|| "unknown".into())
 }

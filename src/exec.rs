@@ -33,6 +33,26 @@ pub struct StageReport {
     pub seconds: f64,
 }
 
+impl StageReport {
+    fn new(
+        planned: &crate::plan::PlannedStage,
+        outcome: &str,
+        artifact: Option<PathBuf>,
+        metrics: serde_json::Value,
+        seconds: f64,
+    ) -> StageReport {
+        StageReport {
+            name: planned.name.clone(),
+            kind: planned.kind.as_str().into(),
+            fingerprint: planned.fingerprint.clone(),
+            outcome: outcome.into(),
+            artifact,
+            metrics,
+            seconds,
+        }
+    }
+}
+
 impl RunReport {
     pub fn stage(&self, name: &str) -> Option<&StageReport> {
         self.stages.iter().find(|s| s.name == name)
@@ -89,29 +109,15 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         let fp = &planned.fingerprint;
         match planned.action {
             Action::Skip => {
-                report.stages.push(StageReport {
-                    name: planned.name.clone(),
-                    kind: planned.kind.as_str().into(),
-                    fingerprint: fp.clone(),
-                    outcome: "skipped".into(),
-                    artifact: None,
-                    metrics: json!(null),
-                    seconds: 0.0,
-                });
+                report.stages.push(StageReport::new(planned, "skipped", None, json!(null), 0.0));
                 continue;
             }
             Action::Cached => {
                 let m = store.manifest(fp);
                 ui.status("cached", format!("{} ({})", planned.name, planned.short()));
-                report.stages.push(StageReport {
-                    name: planned.name.clone(),
-                    kind: planned.kind.as_str().into(),
-                    fingerprint: fp.clone(),
-                    outcome: "cached".into(),
-                    artifact: Some(store.artifact_dir(fp)),
-                    metrics: m.map(|m| m.metrics).unwrap_or(json!(null)),
-                    seconds: started.elapsed().as_secs_f64(),
-                });
+                let metrics = m.map(|m| m.metrics).unwrap_or(json!(null));
+                let seconds = started.elapsed().as_secs_f64();
+                report.stages.push(StageReport::new(planned, "cached", Some(store.artifact_dir(fp)), metrics, seconds));
                 continue;
             }
             Action::Run => {}
@@ -122,15 +128,8 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         let forced = planned.reason.starts_with("forced");
         if let Some(m) = store.manifest(fp).filter(|m| !forced && store.quick_check(m).is_ok()) {
             ui.status("reused", format!("{} ({}) was built by another run meanwhile", planned.name, planned.short()));
-            report.stages.push(StageReport {
-                name: planned.name.clone(),
-                kind: planned.kind.as_str().into(),
-                fingerprint: fp.clone(),
-                outcome: "reused".into(),
-                artifact: Some(store.artifact_dir(fp)),
-                metrics: m.metrics,
-                seconds: started.elapsed().as_secs_f64(),
-            });
+            let seconds = started.elapsed().as_secs_f64();
+            report.stages.push(StageReport::new(planned, "reused", Some(store.artifact_dir(fp)), m.metrics, seconds));
             continue;
         }
         if planned.reason.starts_with("artifact damaged") || forced {
@@ -176,15 +175,8 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
                 human_bytes(manifest.total_size())
             ),
         );
-        report.stages.push(StageReport {
-            name: planned.name.clone(),
-            kind: planned.kind.as_str().into(),
-            fingerprint: fp.clone(),
-            outcome: "built".into(),
-            artifact: Some(store.artifact_dir(fp)),
-            metrics,
-            seconds: started.elapsed().as_secs_f64(),
-        });
+        let seconds = started.elapsed().as_secs_f64();
+        report.stages.push(StageReport::new(planned, "built", Some(store.artifact_dir(fp)), metrics, seconds));
     }
     // Cached stages are recorded too, so the lock describes the whole recipe.
     for s in &plan.stages {

@@ -29,7 +29,7 @@ pub struct RawConfig {
     #[serde(default = "default_theta")]
     pub rope_theta: f64,
     #[serde(default)]
-    pub rope_scaling: Option<RopeScaling>,
+    pub rope_scaling: Option<RopeParameters>,
     /// transformers ≥ 5 writes `rope_theta` and the scaling here instead.
     #[serde(default)]
     pub rope_parameters: Option<RopeParameters>,
@@ -84,25 +84,12 @@ impl TokenIds {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-pub struct RopeScaling {
-    #[serde(alias = "type")]
-    pub rope_type: String,
-    #[serde(default)]
-    pub factor: Option<f64>,
-    #[serde(default)]
-    pub low_freq_factor: Option<f64>,
-    #[serde(default)]
-    pub high_freq_factor: Option<f64>,
-    #[serde(default)]
-    pub original_max_position_embeddings: Option<usize>,
-}
-
+/// `rope_scaling` (transformers < 5) or `rope_parameters` (≥ 5, which also carries the theta).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 pub struct RopeParameters {
     #[serde(default)]
     pub rope_theta: Option<f64>,
-    #[serde(default)]
+    #[serde(default, alias = "type")]
     pub rope_type: Option<String>,
     #[serde(default)]
     pub factor: Option<f64>,
@@ -128,7 +115,8 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
-    pub rope_scaling: Option<RopeScaling>,
+    /// llama3 frequency scaling, when configured.
+    pub rope_scaling: Option<RopeParameters>,
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (Qwen2, or Llama with `attention_bias`).
     pub qkv_bias: bool,
@@ -155,26 +143,14 @@ impl ModelConfig {
         {
             return Err(ModelError::Unsupported { what: format!("activation `{act}` (only `silu`)") });
         }
-        let mut rope_theta = raw.rope_theta;
-        let mut rope_scaling = raw.rope_scaling.clone();
-        if let Some(rp) = &raw.rope_parameters {
-            rope_theta = rp.rope_theta.unwrap_or(rope_theta);
-            if let Some(kind) = rp.rope_type.clone() {
-                rope_scaling = Some(RopeScaling {
-                    rope_type: kind,
-                    factor: rp.factor,
-                    low_freq_factor: rp.low_freq_factor,
-                    high_freq_factor: rp.high_freq_factor,
-                    original_max_position_embeddings: rp.original_max_position_embeddings,
-                });
-            }
+        // transformers ≥ 5 moved the theta and the scaling into `rope_parameters`.
+        let rope = raw.rope_parameters.clone().or_else(|| raw.rope_scaling.clone());
+        let rope_theta = raw.rope_parameters.as_ref().and_then(|r| r.rope_theta).unwrap_or(raw.rope_theta);
+        let rope_type = rope.as_ref().and_then(|r| r.rope_type.clone()).unwrap_or_else(|| "default".into());
+        if rope_type != "llama3" && rope_type != "default" {
+            return Err(ModelError::Unsupported { what: format!("rope scaling `{rope_type}`") });
         }
-        if let Some(rs) = &rope_scaling
-            && rs.rope_type != "llama3"
-            && rs.rope_type != "default"
-        {
-            return Err(ModelError::Unsupported { what: format!("rope scaling `{}`", rs.rope_type) });
-        }
+        let rope_scaling = rope.filter(|_| rope_type == "llama3");
         if raw.use_sliding_window == Some(true) {
             return Err(ModelError::Unsupported { what: "sliding-window attention".into() });
         }
@@ -198,7 +174,7 @@ impl ModelConfig {
             max_position_embeddings: raw.max_position_embeddings,
             rms_norm_eps: raw.rms_norm_eps,
             rope_theta,
-            rope_scaling: rope_scaling.filter(|r| r.rope_type == "llama3"),
+            rope_scaling,
             // LlamaConfig and Qwen2Config both default to untied embeddings.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: arch == Arch::Qwen2 || attention_bias,
@@ -244,5 +220,52 @@ impl ModelConfig {
             v["use_sliding_window"] = false.into();
         }
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: serde_json::Value) -> Result<ModelConfig, ModelError> {
+        ModelConfig::from_raw(&serde_json::from_value(v).unwrap())
+    }
+
+    fn base() -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        })
+    }
+
+    #[test]
+    fn rope_settings_in_both_transformers_layouts() {
+        let mut old = base();
+        old["rope_theta"] = 500000.0.into();
+        old["rope_scaling"] =
+            serde_json::json!({"type": "llama3", "factor": 32.0, "original_max_position_embeddings": 8192});
+        let c = parse(old).unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert_eq!(c.rope_scaling.unwrap().factor, Some(32.0));
+        let mut new = base();
+        new["rope_parameters"] = serde_json::json!({"rope_theta": 1e6, "rope_type": "default"});
+        let c = parse(new).unwrap();
+        assert_eq!((c.rope_theta, c.rope_scaling), (1e6, None));
+        let mut yarn = base();
+        yarn["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
+        assert_eq!(parse(yarn).unwrap_err().to_string(), "rope scaling `yarn` is not supported");
+    }
+
+    #[test]
+    fn defaults_and_eos_lists() {
+        let mut v = base();
+        v["eos_token_id"] = serde_json::json!([2, 7]);
+        let c = parse(v).unwrap();
+        assert_eq!(c.eos_token_ids, [2, 7]);
+        assert!(!c.tie_word_embeddings, "LlamaConfig defaults to untied embeddings");
+        assert_eq!(c.head_dim, 8);
+        let mut bad = base();
+        bad["num_key_value_heads"] = 3.into();
+        assert!(parse(bad).unwrap_err().to_string().contains("4 attention heads with 3 key/value heads"));
     }
 }
