@@ -9,10 +9,19 @@ use std::path::Path;
 
 use serde_json::Value;
 
-/// Version of what goes into a fingerprint. Bump it when a stage's output for the same inputs
-/// changes, so old artifacts are not reused.
-/// History: 1 — first version.
+/// Version of the fingerprint document's layout. Bump it when what goes into every fingerprint
+/// changes. History: 1 — first version.
 pub const FINGERPRINT_VERSION: u32 = 1;
+
+/// Version of each stage kind's output. Bump a kind's number when its output for the same
+/// inputs changes, so artifacts built by an older rtune are not reused.
+/// History: all 1 — first version.
+pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
+    use crate::recipe::StageKind::*;
+    match kind {
+        Download | Tokenize | Train | Evaluate | Quantize | Upload => 1,
+    }
+}
 
 /// blake3 hex of the canonical form of `doc`.
 pub fn of(doc: &Value) -> String {

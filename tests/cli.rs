@@ -68,7 +68,7 @@ fn builtin_recipe_runs_by_name_from_anywhere() {
     let cache = dir.path().join("cache");
     let o = rtune(dir.path(), &cache, &["plan", "tiny-offline"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("5 to run"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("7 to run"), "{}", stdout(&o));
 }
 
 #[test]

@@ -28,11 +28,11 @@ fn second_run_is_cached_and_a_change_reruns_exactly_its_dependents() {
     let plan = stdout(&p.run(&args(&["plan"], &changed)));
     assert!(plan.contains("settings changed: train.learning_rate: 0.01 → 5e-3"), "{plan}");
     assert!(plan.contains("input changed: train"), "{plan}");
-    assert!(plan.contains("2 to run, 3 cached"), "{plan}");
+    assert!(plan.contains("4 to run, 3 cached"), "{plan}");
     let third = p.run_json(&changed);
     let o = outcomes(&third);
     let built: Vec<&str> = o.iter().filter(|(_, x)| x == "built").map(|(n, _)| n.as_str()).collect();
-    assert_eq!(built, ["train", "evaluate"], "{o:?}");
+    assert_eq!(built, ["train", "evaluate", "quantize", "upload"], "{o:?}");
 
     // The dataset edited by one byte changes the download fingerprint and everything after.
     let data = p.path().join("data/synthetic-alpaca.jsonl");
@@ -42,7 +42,7 @@ fn second_run_is_cached_and_a_change_reruns_exactly_its_dependents() {
     std::fs::write(&data, bytes).unwrap();
     let plan = stdout(&p.run(&args(&["plan"], &changed)));
     assert!(plan.contains("source changed: dataset"), "{plan}");
-    assert!(plan.contains("5 to run, 0 cached"), "{plan}");
+    assert!(plan.contains("7 to run, 0 cached"), "{plan}");
 }
 
 #[test]
@@ -85,8 +85,24 @@ fn default_recipe_end_to_end() {
             .unwrap()
     };
     assert!(loss("evaluate") < loss("eval_base"), "tuned {} vs base {}", loss("evaluate"), loss("eval_base"));
+    // Exports: a PEFT folder, a merged HF folder that loads and computes what the adapter does,
+    // and their copies in the upload destination.
+    let exports = artifact(&report, "quantize");
+    assert_eq!(rtune::model::peft::read_config(&exports.join("peft-adapter")).unwrap().rank, 8);
+    let merged = rtune::model::ModelFolder::open(&exports.join("merged")).unwrap();
+    merged.tokenizer().unwrap();
+    assert!(
+        merged
+            .load_weights(&candle_core::Device::Cpu, candle_core::DType::F32)
+            .unwrap()
+            .contains_key("model.embed_tokens.weight")
+    );
+    let q = &report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "quantize").unwrap()["metrics"];
+    assert!(q["formats"]["safetensors-merged"]["max_logit_diff"].as_f64().unwrap() < 1e-3, "{q}");
+    let out = p.path().join("out/tiny-offline");
+    assert!(out.join("merged/model.safetensors").is_file() && out.join("peft-adapter/adapter_config.json").is_file());
     let again = p.run(&["run", "tiny.toml"]);
-    assert!(stderr(&again).matches("    cached  ").count() == 5, "{}", stderr(&again));
+    assert!(stderr(&again).matches("    cached  ").count() == 7, "{}", stderr(&again));
 }
 
 fn wait_for_checkpoint(work_root: &Path, min_step: u64, child: &mut std::process::Child) -> bool {
@@ -235,7 +251,7 @@ fn only_from_and_force_select_stages() {
     assert_eq!(built, ["eval_base"]);
     let from = p.run_json(&args(&["tiny.toml", "--from", "train"], FAST));
     let built: Vec<String> = outcomes(&from).into_iter().filter(|(_, x)| x == "built").map(|(n, _)| n).collect();
-    assert_eq!(built, ["train", "evaluate"]);
+    assert_eq!(built, ["train", "evaluate", "quantize", "upload"]);
     let typo = p.run(&args(&["plan", "tiny.toml", "--force", "trian"], FAST));
     assert!(stderr(&typo).contains("did you mean `train`?"), "{}", stderr(&typo));
 }

@@ -85,7 +85,7 @@ fn shipped_recipes_validate_and_the_offline_one_plans() {
     assert!(o.status.success(), "{}", stderr(&o));
     let text = stdout(&o);
     assert!(text.starts_with("plan for recipe `tiny-offline` on cpu (f32)\n"), "{text}");
-    assert!(text.contains("5 to run, 0 cached"), "{text}");
+    assert!(text.contains("7 to run, 0 cached"), "{text}");
     let dot = stdout(&p.run(&["plan", "tiny.toml", "--format", "dot"]));
     assert!(dot.contains("\"tokenize\" -> \"train\";"), "{dot}");
 }
@@ -114,8 +114,8 @@ fn golden_fingerprint() {
             .unwrap()
             .to_string()
     };
-    assert_eq!(fp("download"), "82f46b894445dde7ef16d2cbad5d06353e80bb73e15fbb79498419ebb9c71460");
-    assert_eq!(fp("train"), "683dc5083719dd7c67f2b0a8456eb21371b2c2c573f08705ef34f7bebfb052da");
+    assert_eq!(fp("download"), "3d5f8e2aa5602ef9d1e475918d3897fcdda98adb906e400ee454ae0f7ef452d3");
+    assert_eq!(fp("train"), "df0084daef0daafb7a6d1d2a02c37ca3043d325d1f7a89cc7799b728af47aaa8");
 }
 
 #[test]

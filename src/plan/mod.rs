@@ -157,6 +157,7 @@ pub fn make(
         }
         let mut doc = json!({
             "fingerprint_version": FINGERPRINT_VERSION,
+            "stage_version": fingerprint::stage_version(spec.kind),
             "kind": spec.kind.as_str(),
             "settings": settings,
             "inputs": inputs,
@@ -231,7 +232,9 @@ fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, p
         return format!("kind changed: {} → {}", old.kind, spec.kind);
     }
     let mut parts = Vec::new();
-    if old.inputs["fingerprint_version"] != doc["fingerprint_version"] {
+    if old.inputs["fingerprint_version"] != doc["fingerprint_version"]
+        || old.inputs["stage_version"] != doc["stage_version"]
+    {
         parts.push("rtune's output format for this stage changed".to_string());
     }
     let settings = fingerprint::diff(&old.inputs["settings"], &doc["settings"]);
@@ -399,12 +402,68 @@ mod support {
                 }
             }
             StageKind::Train | StageKind::Evaluate => {}
-            StageKind::Quantize | StageKind::Upload => {
-                return Err(not_yet(
-                    format!("the `{}` stage", spec.kind),
-                    &["stages", &spec.name],
-                    "remove this stage for now",
-                ));
+            StageKind::Quantize => {
+                let formats = spec.settings.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
+                let listed: Vec<&str> = formats.iter().filter_map(|f| f.as_str()).collect();
+                let defaults = listed.is_empty();
+                for (i, f) in listed.iter().enumerate() {
+                    if f.starts_with("gguf-") {
+                        let origin = loaded.tree.get(&["stages", &spec.name, "formats"]).and_then(|n| match &n.value {
+                            crate::recipe::tree::Value::Array(items) => items.get(i).and_then(|x| x.origin.as_ref()),
+                            _ => None,
+                        });
+                        return Err(Problem::new(
+                            "rtune::plan::not_implemented",
+                            format!("exporting `{f}` is not implemented yet"),
+                        )
+                        .at(origin, "not implemented")
+                        .help("use `peft-adapter` and `safetensors-merged` for now"));
+                    }
+                    if *f == "peft-adapter" && recipe.adapter.kind == crate::recipe::AdapterKind::None {
+                        return Err(Problem::new(
+                            "rtune::plan::no_adapter",
+                            "`peft-adapter` needs a LoRA adapter, but `adapter.kind = \"none\"`",
+                        )
+                        .at(loaded.origin(&["stages", &spec.name, "formats"]), "no adapter to export")
+                        .help("export `safetensors-merged` for a full fine-tune"));
+                    }
+                }
+                if defaults {
+                    return Err(not_yet(
+                        "the default export list (it includes `gguf-q8_0`)".into(),
+                        &["stages", &spec.name],
+                        "list the formats: `formats = [\"peft-adapter\", \"safetensors-merged\"]`",
+                    ));
+                }
+            }
+            StageKind::Upload => {
+                let to = spec.settings.get("to").and_then(|t| t.as_str()).unwrap_or_default();
+                let at = loaded.origin(&["stages", &spec.name, "to"]);
+                if to.starts_with("hf://") {
+                    return Err(not_yet(
+                        "uploading to the Hugging Face Hub".into(),
+                        &["stages", &spec.name, "to"],
+                        "use `to = \"dir://out/NAME\"` for now",
+                    ));
+                }
+                let Some(path) = to.strip_prefix("dir://") else {
+                    return Err(Problem::new(
+                        "rtune::plan::bad_destination",
+                        format!("`{to}` is not an upload destination"),
+                    )
+                    .at(at, "expected dir://… or hf://…")
+                    .help("`dir://out/my-model` (relative to the recipe) or `hf://owner/name`"));
+                };
+                if path.is_empty()
+                    || std::path::Path::new(path).components().any(|c| matches!(c, std::path::Component::ParentDir))
+                {
+                    return Err(Problem::new(
+                        "rtune::plan::bad_destination",
+                        format!("`{to}` must name a folder without `..`"),
+                    )
+                    .at(at, "escapes the recipe's folder")
+                    .help("write below the recipe's folder, or give an absolute path"));
+                }
             }
         }
         Ok(())

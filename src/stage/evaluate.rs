@@ -80,7 +80,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
 }
 
 /// The base model with the train stage's result applied (a PEFT adapter or trained weights).
-pub fn tuned_model(
+pub(super) fn tuned_model(
     folder: &ModelFolder,
     weights_dir: &std::path::Path,
     device: &Device,

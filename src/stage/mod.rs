@@ -3,8 +3,10 @@
 
 mod download;
 mod evaluate;
+mod quantize;
 mod tokenize;
 mod train;
+mod upload;
 
 use std::path::{Path, PathBuf};
 
@@ -95,9 +97,8 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         StageKind::Train => train::run(ctx),
         StageKind::Evaluate => evaluate::run(ctx),
         // The planner rejects these before anything runs.
-        k @ (StageKind::Quantize | StageKind::Upload) => {
-            Err(StageError::Internal(format!("the `{k}` stage is not implemented")))
-        }
+        StageKind::Quantize => quantize::run(ctx),
+        StageKind::Upload => upload::run(ctx),
     }
 }
 
