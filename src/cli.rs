@@ -139,7 +139,7 @@ pub enum Command {
 pub enum CacheCommand {
     /// List artifacts: fingerprint, kind, stage, size
     Ls,
-    /// Re-hash every artifact and report damage (exit 1 if any)
+    /// Re-hash every artifact, report damage (exit 1 if any) and mark it for rebuilding
     Verify,
     /// Remove what no manifest reaches
     Gc,

@@ -294,6 +294,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                         let problems = store.verify(m);
                         if !problems.is_empty() {
                             bad += 1;
+                            store.mark_damaged(&m.fingerprint, &problems)?;
                             ui.out(format!(
                                 "damaged {} ({} {}): {}\n",
                                 &m.fingerprint[..12],
@@ -304,6 +305,9 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                         }
                     }
                     ui.out(format!("{} artifacts verified, {bad} damaged\n", ms.len()));
+                    if bad > 0 {
+                        ui.status("verify", "damaged artifacts are rebuilt by the next run that needs them");
+                    }
                     Ok(if bad > 0 { 1 } else { 0 })
                 }
                 CacheCommand::Gc => {

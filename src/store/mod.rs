@@ -116,8 +116,21 @@ impl Store {
         serde_json::from_str::<Manifest>(&text).ok().filter(|m| m.format == MANIFEST_VERSION && m.fingerprint == fp)
     }
 
-    /// Cheap check that every file of an artifact is present with the recorded size.
+    fn damage_marker(&self, fp: &str) -> PathBuf {
+        self.base.join("manifests").join(format!("{fp}.damaged"))
+    }
+
+    /// Record that `rtune cache verify` found an artifact damaged; the next run rebuilds it.
+    pub fn mark_damaged(&self, fp: &str, problems: &[String]) -> Result<()> {
+        write_atomic(&self.damage_marker(fp), problems.join("\n").as_bytes())
+    }
+
+    /// Cheap check that every file of an artifact is present with the recorded size and that
+    /// `cache verify` has not found it damaged.
     pub fn quick_check(&self, m: &Manifest) -> std::result::Result<(), String> {
+        if self.damage_marker(&m.fingerprint).exists() {
+            return Err("found damaged by `rtune cache verify`".into());
+        }
         let dir = self.artifact_dir(&m.fingerprint);
         for (rel, f) in &m.files {
             match fs::metadata(dir.join(rel)) {
@@ -143,8 +156,18 @@ impl Store {
         problems
     }
 
-    /// Remove a damaged artifact (manifest first, so it stops counting at once).
+    /// Remove an artifact (manifest first, so it stops counting at once), and any of its objects
+    /// whose content no longer matches its digest, so a rebuild writes them afresh.
     pub fn evict(&self, fp: &str) -> Result<()> {
+        if let Some(manifest) = self.manifest(fp) {
+            for f in manifest.files.values() {
+                let obj = self.object_path(&f.digest);
+                if hash_file(&obj).map(|(d, _)| d != f.digest).unwrap_or(false) {
+                    make_writable(&obj);
+                    fs::remove_file(&obj).map_err(io_err("remove", &obj))?;
+                }
+            }
+        }
         let m = self.manifest_path(fp);
         match fs::remove_file(&m) {
             Ok(()) => {}
@@ -155,6 +178,10 @@ impl Store {
         if dir.exists() {
             make_writable(&dir);
             fs::remove_dir_all(&dir).map_err(io_err("remove", &dir))?;
+        }
+        let marker = self.damage_marker(fp);
+        if marker.exists() {
+            fs::remove_file(&marker).map_err(io_err("remove", &marker))?;
         }
         Ok(())
     }
