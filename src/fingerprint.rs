@@ -23,6 +23,12 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     }
 }
 
+/// The 12-character prefix shown to people (the whole string if shorter, as in a hand-edited
+/// lock file or manifest).
+pub fn short(fp: &str) -> &str {
+    fp.get(..12).unwrap_or(fp)
+}
+
 /// blake3 hex of the canonical form of `doc`.
 pub fn of(doc: &Value) -> String {
     let text = serde_json::to_string(doc).expect("json values serialise");

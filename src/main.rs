@@ -237,7 +237,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                     Some(old) => {
                         out.push_str(&format!(
                             "\nchanges since the last run ({} → {}):\n",
-                            &old.fingerprint[..12],
+                            rtune::fingerprint::short(&old.fingerprint),
                             s.short()
                         ));
                         for line in rtune::fingerprint::diff(&old.inputs, &s.doc) {
@@ -272,7 +272,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                         for m in &ms {
                             out.push_str(&format!(
                                 "{}  {:<9} {:<12} {:>10}\n",
-                                &m.fingerprint[..12],
+                                rtune::fingerprint::short(&m.fingerprint),
                                 m.kind,
                                 m.stage,
                                 human_bytes(m.total_size())
@@ -297,7 +297,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                             store.mark_damaged(&m.fingerprint, &problems)?;
                             ui.out(format!(
                                 "damaged {} ({} {}): {}\n",
-                                &m.fingerprint[..12],
+                                rtune::fingerprint::short(&m.fingerprint),
                                 m.kind,
                                 m.stage,
                                 problems.join("; ")

@@ -60,7 +60,7 @@ pub struct PlannedStage {
 
 impl PlannedStage {
     pub fn short(&self) -> &str {
-        &self.fingerprint[..12]
+        fingerprint::short(&self.fingerprint)
     }
 
     /// The resolved settings of this stage.

@@ -45,6 +45,19 @@ impl Manifest {
         }
     }
 
+    /// Digests are blake3 hex and file names stay inside the artifact; a manifest that breaks
+    /// either (hand-edited or damaged) is not trusted.
+    pub fn is_well_formed(&self) -> bool {
+        let hex64 = |d: &str| d.len() == 64 && d.bytes().all(|b| b.is_ascii_hexdigit());
+        self.files.iter().all(|(rel, f)| {
+            hex64(&f.digest)
+                && !rel.is_empty()
+                && !rel.starts_with('/')
+                && !rel.contains('\\')
+                && rel.split('/').all(|c| !c.is_empty() && c != "." && c != "..")
+        })
+    }
+
     pub fn total_size(&self) -> u64 {
         self.files.values().map(|f| f.size).sum()
     }

@@ -113,7 +113,9 @@ impl Store {
     /// The manifest of `fp`, if the artifact was committed and the manifest parses.
     pub fn manifest(&self, fp: &str) -> Option<Manifest> {
         let text = fs::read_to_string(self.manifest_path(fp)).ok()?;
-        serde_json::from_str::<Manifest>(&text).ok().filter(|m| m.format == MANIFEST_VERSION && m.fingerprint == fp)
+        serde_json::from_str::<Manifest>(&text)
+            .ok()
+            .filter(|m| m.format == MANIFEST_VERSION && m.fingerprint == fp && m.is_well_formed())
     }
 
     fn damage_marker(&self, fp: &str) -> PathBuf {
@@ -436,8 +438,27 @@ mod tests {
 
         store.evict("fp1").unwrap();
         assert!(store.manifest("fp1").is_none());
+        assert!(!obj.exists(), "evict removes the damaged object so a rebuild writes it afresh");
         let (removed, _) = store.gc().unwrap();
-        assert_eq!(removed, 2, "both objects are unreachable now");
+        assert_eq!(removed, 1, "the intact object is unreachable now");
+    }
+
+    #[test]
+    fn hand_edited_manifests_are_not_trusted() {
+        let root = tempfile::tempdir().unwrap();
+        let store = Store::open(root.path()).unwrap();
+        let staged = store.staging().unwrap();
+        fs::write(staged.path().join("x"), b"data").unwrap();
+        let m = store.commit(staged.path(), Manifest::new("fp", "train", "train")).unwrap();
+        for (rel, digest) in [("../../etc/passwd", m.files["x"].digest.clone()), ("x", "ab".to_string())] {
+            let mut bad = m.clone();
+            bad.files.clear();
+            bad.files.insert(rel.to_string(), FileEntry { digest, size: 4 });
+            fs::write(store.manifest_path("fp"), serde_json::to_vec(&bad).unwrap()).unwrap();
+            assert!(store.manifest("fp").is_none(), "{rel} accepted");
+            assert_eq!(store.manifests().len(), 0);
+            store.gc().unwrap();
+        }
     }
 
     #[test]
