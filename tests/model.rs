@@ -322,3 +322,59 @@ fn bf16_compute_keeps_f32_master_weights() {
         assert_eq!(grads.get(p.var.as_tensor()).unwrap().dtype(), DType::F32);
     }
 }
+
+/// A Qwen2 model (q/k/v biases, tied embeddings) exported as f32 GGUF and run by candle's
+/// llama.cpp-compatible quantized Qwen2 gives the logits rtune's model gives.
+#[test]
+fn gguf_export_runs_in_candles_llama_cpp_reader() {
+    use candle_transformers::models::quantized_qwen2;
+    let src = fixture("tiny-qwen2").join("model");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    // A stand-in byte-level BPE tokenizer.json, enough for the tokenizer metadata.
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..128).map(|i| (format!("t{i}"), i.into())).collect();
+    let tj = serde_json::json!({"model": {"type": "BPE", "vocab": vocab, "merges": [["t1", "t2"]]}, "added_tokens": [{"id": 2, "content": "</s>", "special": true}]});
+    std::fs::write(dir.path().join("tokenizer.json"), tj.to_string()).unwrap();
+    let model = load("tiny-qwen2", &Trainable::Nothing);
+    let path = dir.path().join("m.gguf");
+    let folder = ModelFolder::open(dir.path()).unwrap();
+    let report = rtune::model::gguf::write(
+        &path,
+        &folder.config,
+        &model.merged_weights().unwrap(),
+        dir.path(),
+        "t",
+        rtune::recipe::ExportFormat::GgufF32,
+    )
+    .unwrap();
+    let mut f = std::fs::File::open(&path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    assert_eq!(content.metadata["general.architecture"].to_string().unwrap(), "qwen2");
+    assert_eq!(content.metadata["tokenizer.ggml.model"].to_string().unwrap(), "gpt2");
+    assert_eq!(content.metadata["qwen2.attention.head_count_kv"].to_u32().unwrap(), 2);
+    assert!(content.tensor_infos.contains_key("blk.1.attn_q.bias"));
+    assert!(!content.tensor_infos.contains_key("output.weight"), "tied head is not duplicated");
+    assert_eq!(report.tensors, content.tensor_infos.len());
+    let mut q = quantized_qwen2::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
+    let ids = [1u32, 17, 45, 99, 3, 64];
+    let full: Vec<Vec<f32>> = model
+        .logits(&Batch::new(&[ids.to_vec()], &[ids.len()], None, &Device::Cpu).unwrap())
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    for (j, id) in ids.iter().enumerate() {
+        let got: Vec<f32> = q
+            .forward(&Tensor::new(&[[*id]], &Device::Cpu).unwrap(), j)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let d = got.iter().zip(&full[j]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-3, "position {j}: max |logit diff| {d}");
+    }
+}

@@ -99,8 +99,30 @@ fn default_recipe_end_to_end() {
     );
     let q = &report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "quantize").unwrap()["metrics"];
     assert!(q["formats"]["safetensors-merged"]["max_logit_diff"].as_f64().unwrap() < 1e-3, "{q}");
+    let g = &q["formats"]["gguf-q8_0"];
+    let ratio = g["perplexity_ratio"].as_f64().unwrap();
+    assert!((ratio - 1.0).abs() < 0.02, "q8_0 GGUF perplexity is {:.2}% off the f32 model: {g}", (ratio - 1.0) * 100.0);
+    let mut f = std::fs::File::open(exports.join("gguf/model-q8_0.gguf")).unwrap();
+    let gguf = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    for key in [
+        "general.architecture",
+        "llama.block_count",
+        "llama.rope.dimension_count",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.bos_token_id",
+    ] {
+        assert!(gguf.metadata.contains_key(key), "GGUF lacks {key}");
+    }
+    for name in
+        ["token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output_norm.weight", "output.weight"]
+    {
+        assert!(gguf.tensor_infos.contains_key(name), "GGUF lacks tensor {name}");
+    }
+    assert_eq!(gguf.tensor_infos["blk.0.attn_q.weight"].ggml_dtype, candle_core::quantized::GgmlDType::Q8_0);
     let out = p.path().join("out/tiny-offline");
     assert!(out.join("merged/model.safetensors").is_file() && out.join("peft-adapter/adapter_config.json").is_file());
+    assert!(out.join("gguf/model-q8_0.gguf").is_file());
     let again = p.run(&["run", "tiny.toml"]);
     assert!(stderr(&again).matches("    cached  ").count() == 7, "{}", stderr(&again));
 }

@@ -403,37 +403,16 @@ mod support {
             }
             StageKind::Train | StageKind::Evaluate => {}
             StageKind::Quantize => {
+                // With the default list (no `formats`), a full fine-tune gets no PEFT export.
                 let formats = spec.settings.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
-                let listed: Vec<&str> = formats.iter().filter_map(|f| f.as_str()).collect();
-                let defaults = listed.is_empty();
-                for (i, f) in listed.iter().enumerate() {
-                    if f.starts_with("gguf-") {
-                        let origin = loaded.tree.get(&["stages", &spec.name, "formats"]).and_then(|n| match &n.value {
-                            crate::recipe::tree::Value::Array(items) => items.get(i).and_then(|x| x.origin.as_ref()),
-                            _ => None,
-                        });
-                        return Err(Problem::new(
-                            "rtune::plan::not_implemented",
-                            format!("exporting `{f}` is not implemented yet"),
-                        )
-                        .at(origin, "not implemented")
-                        .help("use `peft-adapter` and `safetensors-merged` for now"));
-                    }
-                    if *f == "peft-adapter" && recipe.adapter.kind == crate::recipe::AdapterKind::None {
-                        return Err(Problem::new(
-                            "rtune::plan::no_adapter",
-                            "`peft-adapter` needs a LoRA adapter, but `adapter.kind = \"none\"`",
-                        )
-                        .at(loaded.origin(&["stages", &spec.name, "formats"]), "no adapter to export")
-                        .help("export `safetensors-merged` for a full fine-tune"));
-                    }
-                }
-                if defaults {
-                    return Err(not_yet(
-                        "the default export list (it includes `gguf-q8_0`)".into(),
-                        &["stages", &spec.name],
-                        "list the formats: `formats = [\"peft-adapter\", \"safetensors-merged\"]`",
-                    ));
+                let peft = formats.iter().any(|f| f.as_str() == Some("peft-adapter"));
+                if peft && recipe.adapter.kind == crate::recipe::AdapterKind::None {
+                    return Err(Problem::new(
+                        "rtune::plan::no_adapter",
+                        "`peft-adapter` needs a LoRA adapter, but `adapter.kind = \"none\"`",
+                    )
+                    .at(loaded.origin(&["stages", &spec.name, "formats"]), "no adapter to export")
+                    .help("export `safetensors-merged` or a GGUF format for a full fine-tune"));
                 }
             }
             StageKind::Upload => {

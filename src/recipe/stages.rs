@@ -60,7 +60,7 @@ pub fn reads(kind: StageKind, settings: &serde_json::Map<String, J>) -> Vec<Port
                 vec![Port::Model, Port::Tokens, Port::Weights]
             }
         }
-        StageKind::Quantize => vec![Port::Model, Port::Weights],
+        StageKind::Quantize => vec![Port::Model, Port::Tokens, Port::Weights],
         StageKind::Upload => vec![Port::Exports],
     }
 }

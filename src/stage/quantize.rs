@@ -1,7 +1,8 @@
 //! `quantize`: exports the trained model. `peft-adapter` writes a PEFT LoRA folder;
 //! `safetensors-merged` merges the adapter into the base weights and writes a Hugging Face model
 //! folder, then loads it back and checks that it computes what the adapter model computes.
-//! GGUF formats are rejected at plan time until the GGUF writer lands.
+//! `gguf-*` writes llama.cpp's GGUF (see [`crate::model::gguf`]) and loads it back with candle's
+//! quantized Llama/Qwen2 code to compare its eval-split perplexity with the f32 model's.
 
 use std::path::Path;
 
@@ -9,7 +10,8 @@ use candle_core::{DType, Device};
 use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
-use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safetensors, peft};
+use crate::data::TokenStore;
+use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safetensors, gguf, peft};
 use crate::recipe::{ExportFormat, QuantizeSettings};
 use crate::rng::Rng;
 
@@ -27,6 +29,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let model = super::evaluate::tuned_model(&folder, &weights_dir, &Device::Cpu, DType::F32)?;
     let base_name = ctx.loaded.recipe.model.repo.clone().unwrap_or_default();
     let mut report = serde_json::Map::new();
+    let mut merged_cache = None;
     for format in &s.formats {
         match format {
             ExportFormat::PeftAdapter => {
@@ -40,7 +43,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
             ExportFormat::SafetensorsMerged => {
                 let dir = ctx.out.join("merged");
                 mkdir(&dir)?;
-                let merged = model.merged_weights().map_err(StageError::candle("merge the adapter"))?;
+                let merged = merged_weights(&model, &mut merged_cache)?;
                 save_safetensors(&dir.join("model.safetensors"), &merged)?;
                 for f in FOLDER_FILES.iter().filter(|f| **f != "config.json") {
                     let src = model_dir.join(f);
@@ -70,15 +73,103 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 );
             }
             other => {
-                return Err(StageError::Internal(format!(
-                    "export format {other:?} passed planning but is not implemented"
-                )));
+                let Some((qtype, _)) = gguf::target(*other) else {
+                    return Err(StageError::Internal(format!("export format {other:?} is not a GGUF format")));
+                };
+                let merged = merged_weights(&model, &mut merged_cache)?;
+                let tag = format!("{qtype:?}").to_lowercase();
+                let file = format!("model-{tag}.gguf");
+                mkdir(&ctx.out.join("gguf"))?;
+                let path = ctx.out.join("gguf").join(&file);
+                let name = ctx.loaded.recipe.recipe.name.clone();
+                let written = gguf::write(&path, &folder.config, &merged, &model_dir, &name, *other)?;
+                let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
+                let (reference, _) = crate::train::evaluate(&model, &eval, 1, SELF_CHECK_ROWS as u64)?;
+                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, &eval)?;
+                let ratio = (loss - reference).exp();
+                ctx.ui.status(
+                    "quantize",
+                    format!(
+                        "{file}: perplexity {:.3} vs {:.3} unquantized ({:+.2}%) over {n} tokens",
+                        loss.exp(),
+                        reference.exp(),
+                        (ratio - 1.0) * 100.0
+                    ),
+                );
+                report.insert(
+                    format!("gguf-{tag}"),
+                    json!({
+                        "file": format!("gguf/{file}"),
+                        "tensors": written.tensors,
+                        "fallback_types": written.fallbacks,
+                        "eval_loss": loss,
+                        "reference_eval_loss": reference,
+                        "perplexity_ratio": ratio,
+                        "eval_tokens": n,
+                    }),
+                );
             }
         }
     }
     let metrics = json!({ "formats": report });
     write_json(&ctx.out.join("exports.json"), &metrics)?;
     Ok(metrics)
+}
+
+/// Eval rows used by the GGUF self-check (token-by-token decoding is slow on big models).
+const SELF_CHECK_ROWS: usize = 64;
+
+/// Merged weights, computed once per stage.
+fn merged_weights(
+    model: &Transformer,
+    cache: &mut Option<std::collections::BTreeMap<String, candle_core::Tensor>>,
+) -> Result<std::collections::BTreeMap<String, candle_core::Tensor>, StageError> {
+    if cache.is_none() {
+        *cache = Some(model.merged_weights().map_err(StageError::candle("merge the adapter"))?);
+    }
+    Ok(cache.clone().expect("set above"))
+}
+
+/// Mean next-token loss of a GGUF file over the first eval rows, decoded token by token with
+/// candle's quantized Llama/Qwen2 (llama.cpp's conventions: it is a check of names, layout and
+/// metadata as much as of quantization error).
+fn gguf_eval_loss(path: &Path, arch: crate::recipe::Arch, eval: &TokenStore) -> Result<(f64, usize), StageError> {
+    use candle_transformers::models::{quantized_llama, quantized_qwen2};
+    enum Q {
+        Llama(quantized_llama::ModelWeights),
+        Qwen2(quantized_qwen2::ModelWeights),
+    }
+    let ctx = |what: &str| StageError::candle(format!("GGUF self-check: {what}"));
+    let mut f = std::fs::File::open(path).map_err(StageError::io(format!("cannot open `{}`", path.display())))?;
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(ctx("read"))?;
+    let mut model = match arch {
+        crate::recipe::Arch::Llama => {
+            Q::Llama(quantized_llama::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).map_err(ctx("load"))?)
+        }
+        crate::recipe::Arch::Qwen2 => {
+            Q::Qwen2(quantized_qwen2::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).map_err(ctx("load"))?)
+        }
+    };
+    let (mut sum, mut n) = (0f64, 0usize);
+    for r in 0..eval.len().min(SELF_CHECK_ROWS) {
+        let row = eval.row(r);
+        for j in 0..row.ids.len().saturating_sub(1) {
+            let x = candle_core::Tensor::new(&[[row.ids[j]]], &Device::Cpu).map_err(ctx("input"))?;
+            let logits = match &mut model {
+                Q::Llama(m) => m.forward(&x, j),
+                Q::Qwen2(m) => m.forward(&x, j),
+            }
+            .map_err(ctx("forward"))?;
+            if row.mask[j + 1] == 1 && row.seg[j + 1] == row.seg[j] {
+                let v: Vec<f32> = logits.flatten_all().and_then(|l| l.to_vec1()).map_err(ctx("logits"))?;
+                let max = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = max + v.iter().map(|x| (*x as f64 - max).exp()).sum::<f64>().ln();
+                sum += lse - v[row.ids[j + 1] as usize] as f64;
+                n += 1;
+            }
+        }
+    }
+    Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n))
 }
 
 fn mkdir(dir: &Path) -> Result<(), StageError> {
