@@ -11,7 +11,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 /// and runs only what changed.
 #[derive(Debug, Parser)]
 #[command(name = "rtune", version, max_term_width = 100)]
-#[command(after_help = "Exit codes: 0 ok, 1 invalid recipe or input, 2 usage, 3 a stage failed, 4 lock mismatch.\n\
+#[command(after_help = "Exit codes: 0 ok, 1 invalid recipe or input, 2 usage, 3 a stage failed, 4 lock mismatch,\n\
+130 interrupted.\n\
 Environment: RTUNE_CACHE_DIR (cache root), RTUNE_NO_PROGRESS (plain log lines), NO_COLOR,\n\
 RTUNE_<SECTION>__<KEY>=value (recipe settings, e.g. RTUNE_STAGES__TRAIN__EPOCHS=2).")]
 pub struct Cli {

@@ -4,7 +4,8 @@ use miette::Diagnostic;
 
 use crate::recipe::{LoadError, Problem};
 
-/// Exit codes: 0 ok, 1 invalid recipe or input, 2 usage, 3 a stage failed, 4 lock mismatch.
+/// Exit codes: 0 ok, 1 invalid recipe or input, 2 usage, 3 a stage failed, 4 lock mismatch,
+/// 130 interrupted.
 #[derive(Debug, thiserror::Error, Diagnostic)]
 pub enum Error {
     #[error(transparent)]
@@ -34,6 +35,9 @@ pub enum Error {
         #[related]
         changes: Vec<Problem>,
     },
+    #[error("interrupted before the next stage started")]
+    #[diagnostic(code(rtune::interrupted), help("finished stages are cached; run the same command again to continue"))]
+    Interrupted,
     #[error("{message}")]
     #[diagnostic(code(rtune::io))]
     Io {
@@ -47,6 +51,11 @@ impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
             Error::Load(_) | Error::Problem(_) | Error::Lock(_) | Error::Io { .. } => 1,
+            Error::Stage {
+                source: crate::stage::StageError::Train(crate::train::TrainError::Interrupted { .. }),
+                ..
+            }
+            | Error::Interrupted => 130,
             Error::Store(_) | Error::Stage { .. } => 3,
             Error::LockMismatch { .. } => 4,
         }

@@ -105,6 +105,9 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
     let lock_file = lock_path(loaded);
     let mut report = RunReport { recipe: plan.recipe.clone(), stages: Vec::new() };
     for planned in &plan.stages {
+        if crate::train::INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Interrupted);
+        }
         let started = Instant::now();
         let fp = &planned.fingerprint;
         match planned.action {

@@ -346,3 +346,49 @@ fn corrupted_artifact_is_reported_and_rebuilt() {
     let verify = p.run(&["cache", "verify"]);
     assert!(verify.status.success(), "{}", stdout(&verify));
 }
+
+/// Ctrl-C (SIGINT) during training saves a checkpoint and exits with a clear message; the next
+/// run resumes from it.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_checkpoints_then_the_next_run_resumes() {
+    let set = [
+        "--set",
+        "stages.train.max_steps=400",
+        "--set",
+        "stages.train.checkpoint_every=0",
+        "--set",
+        "stages.train.eval_every=0",
+    ];
+    let p = Project::tiny_offline();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+        .args(args(&["run", "tiny.toml"], &set))
+        .current_dir(p.path())
+        .env("RTUNE_CACHE_DIR", p.cache())
+        .env("RTUNE_NO_PROGRESS", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until training has written metrics, then interrupt.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let work = p.cache().join("store-v1/work");
+    while Instant::now() < deadline {
+        let started = std::fs::read_dir(&work).into_iter().flatten().flatten().any(|e| {
+            std::fs::read_to_string(e.path().join("metrics.jsonl")).map(|m| m.lines().count() > 3).unwrap_or(false)
+        });
+        if started {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("training interrupted at step"), "{err}");
+    assert!(err.contains("run the same command again to resume"), "{err}");
+    let again = p.run(&args(&["run", "tiny.toml"], &set));
+    assert!(again.status.success(), "{}", stderr(&again));
+    assert!(stderr(&again).contains("continuing from the checkpoint at step"), "{}", stderr(&again));
+}
