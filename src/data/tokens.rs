@@ -121,10 +121,6 @@ impl TokenStore {
         self.len() == 0
     }
 
-    pub fn row_len(&self, i: usize) -> usize {
-        (self.offsets[i + 1] - self.offsets[i]) as usize
-    }
-
     pub fn row(&self, i: usize) -> TokenRow {
         let (a, b) = (self.offsets[i] as usize, self.offsets[i + 1] as usize);
         TokenRow {
@@ -138,11 +134,6 @@ impl TokenStore {
                 .map(|c| u16::from_le_bytes(c.try_into().expect("2 bytes")))
                 .collect(),
         }
-    }
-
-    /// Tokens that count in the loss (targets after position 0 of each document).
-    pub fn target_count(&self) -> usize {
-        (0..self.len()).map(|i| self.row(i).mask.iter().skip(1).filter(|m| **m == 1).count()).sum()
     }
 }
 

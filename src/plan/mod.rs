@@ -449,19 +449,6 @@ mod support {
     }
 }
 
-/// Names of stages in `plan` whose output depends on `name` (for messages).
-pub fn dependents(plan: &Plan, name: &str) -> Vec<String> {
-    let mut set = BTreeSet::from([name.to_string()]);
-    let mut out = Vec::new();
-    for s in &plan.stages {
-        if s.needs.iter().any(|n| set.contains(n)) {
-            set.insert(s.name.clone());
-            out.push(s.name.clone());
-        }
-    }
-    out
-}
-
 /// Per-stage fingerprints, for `rtune.lock`.
 pub fn locked_stages(plan: &Plan) -> BTreeMap<String, LockedStage> {
     plan.stages

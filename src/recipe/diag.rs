@@ -29,17 +29,6 @@ impl Origin {
     pub fn new(source: &Arc<SourceText>, span: Range<usize>) -> Origin {
         Origin { source: source.clone(), span }
     }
-
-    /// Where it came from, in words: `recipe.toml`, `--set`, `env RTUNE_…`.
-    pub fn describe(&self) -> &str {
-        &self.source.name
-    }
-
-    /// 1-based line of the start of the span.
-    pub fn line(&self) -> usize {
-        let end = self.span.start.min(self.source.text.len());
-        self.source.text[..end].bytes().filter(|b| *b == b'\n').count() + 1
-    }
 }
 
 /// One problem in a recipe.

@@ -12,7 +12,7 @@ use serde_json::Value as J;
 use super::check::{Checker, unknown_key};
 use super::diag::{Problem, did_you_mean};
 use super::tree::{Node, Value};
-use super::types::{StageKind, TrainSettings};
+use super::types::StageKind;
 
 /// A kind of artifact that flows between stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -485,9 +485,4 @@ impl Problem {
         self.message = m;
         self
     }
-}
-
-/// Resolved train settings of a stage spec (defaults applied), for callers that need them.
-pub fn train_settings(spec: &StageSpec) -> Result<TrainSettings, serde_json::Error> {
-    serde_json::from_value(J::Object(spec.settings.clone()))
 }
