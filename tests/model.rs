@@ -204,18 +204,18 @@ fn merged_weights_equal_base_plus_scaled_delta() {
     check(&plain, &golden("tiny-llama"), "lora");
 }
 
+/// Logits of one unpadded sequence, position by position.
+fn full_forward(model: &Transformer, ids: &[u32]) -> Vec<Vec<f32>> {
+    let batch = Batch::new(&[ids.to_vec()], &[ids.len()], None, &Device::Cpu).unwrap();
+    model.logits(&batch).unwrap().squeeze(0).unwrap().to_vec2().unwrap()
+}
+
 /// Generation with the KV cache gives the logits a full forward pass gives.
 #[test]
 fn kv_cache_steps_match_full_forward() {
     let model = load("tiny-qwen2", &Trainable::Nothing);
     let ids = [1u32, 17, 45, 99, 3, 64];
-    let full: Vec<Vec<f32>> = model
-        .logits(&Batch::new(&[ids.to_vec()], &[ids.len()], None, &Device::Cpu).unwrap())
-        .unwrap()
-        .squeeze(0)
-        .unwrap()
-        .to_vec2()
-        .unwrap();
+    let full = full_forward(&model, &ids);
     let mut cache = rtune::model::KvCache::default();
     let mut got = vec![model.step(&ids[..3], &mut cache).unwrap().to_vec1::<f32>().unwrap()];
     for id in &ids[3..] {
@@ -359,13 +359,7 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
     assert_eq!(report.tensors, content.tensor_infos.len());
     let mut q = quantized_qwen2::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
     let ids = [1u32, 17, 45, 99, 3, 64];
-    let full: Vec<Vec<f32>> = model
-        .logits(&Batch::new(&[ids.to_vec()], &[ids.len()], None, &Device::Cpu).unwrap())
-        .unwrap()
-        .squeeze(0)
-        .unwrap()
-        .to_vec2()
-        .unwrap();
+    let full = full_forward(&model, &ids);
     for (j, id) in ids.iter().enumerate() {
         let got: Vec<f32> = q
             .forward(&Tensor::new(&[[*id]], &Device::Cpu).unwrap(), j)
