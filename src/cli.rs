@@ -58,6 +58,9 @@ pub struct SelectArgs {
     /// Re-run this stage even if it is cached (repeatable)
     #[arg(long, value_name = "STAGE")]
     pub force: Vec<String>,
+    /// Never use the network: Hub sources come from the HF cache (also HF_HUB_OFFLINE=1)
+    #[arg(long)]
+    pub offline: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -100,9 +103,6 @@ pub enum Command {
         /// Fail (exit 4) if any fingerprint differs from rtune.lock
         #[arg(long)]
         locked: bool,
-        /// Never use the network (also HF_HUB_OFFLINE=1)
-        #[arg(long)]
-        offline: bool,
     },
     /// Show what goes into a stage's fingerprint; --diff compares with the last run
     Explain {
@@ -115,15 +115,52 @@ pub enum Command {
         diff: bool,
     },
     /// Download a repository from the Hugging Face Hub into the shared HF cache
+    ///
+    /// Files land in the layout huggingface_hub uses ($HF_HUB_CACHE, or $HF_HOME/hub, or
+    /// ~/.cache/huggingface/hub), so Python tools and rtune share one copy. Partial downloads
+    /// resume; every file is checked against its digest. Prints the snapshot folder.
     Download {
         /// Repository id, e.g. HuggingFaceTB/SmolLM2-135M
         repo_id: String,
+        /// Branch, tag or commit [default: main]
         #[arg(long)]
         revision: Option<String>,
+        /// Only files matching this pattern (repeatable; `*` crosses folders)
         #[arg(long, value_name = "GLOB")]
         include: Vec<String>,
+        /// Skip files matching this pattern (repeatable)
+        #[arg(long, value_name = "GLOB")]
+        exclude: Vec<String>,
         #[arg(long, value_enum, default_value_t = RepoType::Model)]
         repo_type: RepoType,
+        /// Access token [default: $HF_TOKEN, then the token file]; never printed
+        #[arg(long, value_name = "TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// Resolve from the HF cache only (also HF_HUB_OFFLINE=1)
+        #[arg(long)]
+        offline: bool,
+    },
+    /// Upload files or folders to a Hub repo in one commit
+    Upload {
+        /// Destination: owner/name[@revision]
+        repo_id: String,
+        /// Files or folders to upload (folders keep their layout)
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        #[arg(long, value_enum, default_value_t = RepoType::Model)]
+        repo_type: RepoType,
+        /// Create the repo if it does not exist
+        #[arg(long)]
+        create: bool,
+        /// With --create: make the new repo public (default private)
+        #[arg(long)]
+        public: bool,
+        /// Commit message
+        #[arg(long, short = 'm', default_value = "Upload with rtune")]
+        message: String,
+        /// Access token [default: $HF_TOKEN, then the token file]; never printed
+        #[arg(long, value_name = "TOKEN")]
+        token: Option<String>,
     },
     /// Inspect and maintain the artifact cache
     Cache {

@@ -20,6 +20,9 @@ pub enum Error {
     #[error(transparent)]
     #[diagnostic(transparent)]
     Lock(#[from] crate::plan::lockfile::LockError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Hub(#[from] crate::hub::HubError),
     #[error("stage `{stage}` failed")]
     #[diagnostic(code(rtune::stage::failed))]
     Stage {
@@ -51,6 +54,8 @@ impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
             Error::Load(_) | Error::Problem(_) | Error::Lock(_) | Error::Io { .. } => 1,
+            Error::Hub(crate::hub::HubError::BadRepoId { .. } | crate::hub::HubError::BadRevision { .. }) => 1,
+            Error::Hub(_) => 3,
             Error::Stage {
                 source: crate::stage::StageError::Train(crate::train::TrainError::Interrupted { .. }),
                 ..

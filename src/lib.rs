@@ -14,6 +14,7 @@ pub mod device;
 pub mod error;
 pub mod exec;
 pub mod fingerprint;
+pub mod hub;
 pub mod model;
 pub mod plan;
 pub mod recipe;

@@ -16,7 +16,7 @@ use rtune::plan::{self, LockFile, Selection};
 use rtune::recipe::{self, Overrides, Problem, builtin};
 use rtune::store::Store;
 use rtune::ui::{Ui, human_bytes};
-use rtune::{Error, exec};
+use rtune::{Error, exec, hub};
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -60,6 +60,13 @@ fn terminal_width() -> Option<usize> {
     std::env::var("COLUMNS").ok()?.parse().ok()
 }
 
+fn repo_kind(t: cli::RepoType) -> hub::RepoKind {
+    match t {
+        cli::RepoType::Model => hub::RepoKind::Model,
+        cli::RepoType::Dataset => hub::RepoKind::Dataset,
+    }
+}
+
 fn store(cli: &cli::Global) -> Result<Store, Error> {
     let root = cli.cache_dir.clone().unwrap_or_else(Store::default_root);
     Ok(Store::open(&root)?)
@@ -70,7 +77,7 @@ fn load(args: &RecipeArgs) -> Result<recipe::LoadedRecipe, Error> {
 }
 
 fn selection(s: &SelectArgs) -> Selection {
-    Selection { only: s.only.clone(), from: s.from.clone(), force: s.force.clone() }
+    Selection { only: s.only.clone(), from: s.from.clone(), force: s.force.clone(), offline: s.offline }
 }
 
 fn make_plan(
@@ -189,7 +196,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             ui.out(text);
             Ok(0)
         }
-        Command::Run { recipe: args, select, locked, offline: _ } => {
+        Command::Run { recipe: args, select, locked } => {
             let (loaded, store, lock, plan) = make_plan(g, &args, &select)?;
             if locked {
                 exec::check_locked(&loaded, &plan, &lock)?;
@@ -249,12 +256,65 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             ui.out(out);
             Ok(0)
         }
-        Command::Download { repo_id, .. } => Err(Problem::new(
-            "rtune::hub::not_implemented",
-            format!("downloading `{repo_id}` from the Hugging Face Hub is not implemented yet"),
-        )
-        .help("use a local model folder with `[model] path = \"…\"`")
-        .into()),
+        Command::Download { repo_id, revision, include, exclude, repo_type, token, offline } => {
+            let env = hub::HubEnv::from_env(token.as_deref(), offline);
+            let repo = hub::RepoRef::new(&repo_id, repo_kind(repo_type), revision.as_deref())?;
+            let client = hub::Client::new(env.clone());
+            let cache = hub::HubCache::new(&env.cache_dir);
+            let report = hub::snapshot(&client, &cache, &repo, &hub::Wanted { include, exclude }, ui)?;
+            let fetched = report.files.iter().filter(|f| f.fetched).count();
+            ui.status(
+                "download",
+                format!(
+                    "{} at {}: {} files ({} fetched, {}), checked against their digests",
+                    repo.display(),
+                    &report.commit[..12],
+                    report.files.len(),
+                    fetched,
+                    human_bytes(report.bytes_fetched)
+                ),
+            );
+            if g.json {
+                ui.out(format!("{}\n", serde_json::to_string_pretty(&report).expect("json")));
+            } else {
+                ui.out(format!("{}\n", report.snapshot.display()));
+            }
+            Ok(0)
+        }
+        Command::Upload { repo_id, paths, repo_type, create, public, message, token } => {
+            let env = hub::HubEnv::from_env(token.as_deref(), false);
+            let (id, rev) = match repo_id.split_once('@') {
+                Some((i, r)) => (i, Some(r)),
+                None => (repo_id.as_str(), None),
+            };
+            let repo = hub::RepoRef::new(id, repo_kind(repo_type), rev)?;
+            let mut files = Vec::new();
+            for p in &paths {
+                if p.is_dir() {
+                    for rel in rtune::store::walk(p).map_err(Error::io(format!("cannot list `{}`", p.display())))? {
+                        let path = rel.to_string_lossy().replace('\\', "/");
+                        if !path.split('/').any(|c| c.starts_with('.')) {
+                            files.push(hub::CommitFile { path, local: p.join(&rel) });
+                        }
+                    }
+                } else {
+                    let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+                    files.push(hub::CommitFile { path: name, local: p.clone() });
+                }
+            }
+            let client = hub::Client::new(env);
+            if create {
+                hub::create_repo(&client, &repo, !public)?;
+            }
+            let report = hub::commit(&client, &repo, &files, &message, ui)?;
+            ui.status("upload", format!("{} files → {} (commit {})", files.len(), repo.display(), &report.commit));
+            if g.json {
+                ui.out(format!("{}\n", serde_json::to_string_pretty(&report).expect("json")));
+            } else {
+                ui.out(format!("{}\n", report.url));
+            }
+            Ok(0)
+        }
         Command::Cache { command } => {
             let store = store(g)?;
             match command {

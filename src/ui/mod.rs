@@ -81,9 +81,11 @@ impl Bar {
                 pb.set_position(pos);
                 pb.set_message(msg.to_string());
             }
-            None if !self.quiet && (pos >= self.next_log || pos == self.total) => {
+            None if !self.quiet && pos >= self.next_log && self.next_log <= self.total => {
                 eprintln!("{:>10}  {pos}/{} {msg}", self.label, self.total);
-                self.next_log = pos + (self.total / 10).max(1);
+                // Every tenth of the way, and the end once.
+                self.next_log =
+                    if pos >= self.total { u64::MAX } else { (pos + (self.total / 10).max(1)).min(self.total) };
             }
             None => {}
         }

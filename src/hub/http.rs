@@ -1,0 +1,190 @@
+//! HTTP to the Hub: one agent, retries with backoff for transient failures, status codes mapped
+//! to clear errors, and bounded reads of JSON answers (an HTML page or a huge body is refused).
+
+use std::time::Duration;
+
+use ureq::Body;
+use ureq::http::Response;
+
+use super::{HubEnv, HubError};
+
+/// Largest JSON answer rtune reads (a repo listing of ~100k files fits).
+const MAX_JSON: u64 = 64 << 20;
+
+pub struct Client {
+    pub env: HubEnv,
+    agent: ureq::Agent,
+}
+
+/// Why one attempt failed.
+enum Attempt {
+    /// Worth retrying: timeout, dropped connection, 429, 5xx.
+    Transient(String),
+    Fatal(HubError),
+}
+
+impl Client {
+    pub fn new(env: HubEnv) -> Client {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(Duration::from_secs(20)))
+            .timeout_recv_response(Some(Duration::from_secs(120)))
+            .timeout_per_read(Some(Duration::from_secs(120)))
+            .user_agent(format!("rtune/{}", env!("CARGO_PKG_VERSION")))
+            // Presigned CDN URLs carry their own credentials; the token stays with the Hub.
+            .redirect_auth_headers(ureq::config::RedirectAuthHeaders::Never)
+            .build()
+            .into();
+        Client { env, agent }
+    }
+
+    pub fn agent(&self) -> &ureq::Agent {
+        &self.agent
+    }
+
+    /// `Authorization` for requests to the Hub itself (never to other hosts).
+    pub fn auth(&self, url: &str) -> Option<String> {
+        let to_hub = url.starts_with(&format!("{}/", self.env.endpoint));
+        self.env.token.as_ref().filter(|_| to_hub).map(|t| t.bearer())
+    }
+
+    /// Send a request (built afresh for every attempt), retrying transient failures with
+    /// exponential backoff. Returns a response with status < 400 (or 404 when `allow_404`).
+    pub fn send(
+        &self,
+        what: &str,
+        allow_404: bool,
+        mut attempt: impl FnMut() -> Result<Response<Body>, ureq::Error>,
+    ) -> Result<Response<Body>, HubError> {
+        let mut last = String::new();
+        for n in 0..self.env.attempts {
+            if n > 0 {
+                let ms = self.env.backoff_ms.saturating_mul(1 << (n - 1).min(5)).min(16_000);
+                std::thread::sleep(Duration::from_millis(ms));
+            }
+            match self.classify(what, allow_404, attempt()) {
+                Ok(r) => return Ok(r),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Transient(why)) => last = why,
+            }
+        }
+        Err(HubError::Unreachable {
+            what: what.to_string(),
+            endpoint: self.env.endpoint.clone(),
+            attempts: self.env.attempts,
+            reason: last,
+        })
+    }
+
+    fn classify(
+        &self,
+        what: &str,
+        allow_404: bool,
+        res: Result<Response<Body>, ureq::Error>,
+    ) -> Result<Response<Body>, Attempt> {
+        let resp = match res {
+            Ok(r) => r,
+            Err(e @ (ureq::Error::Io(_) | ureq::Error::Timeout(_) | ureq::Error::ConnectionFailed)) => {
+                return Err(Attempt::Transient(self.redact(&e.to_string())));
+            }
+            Err(e) => {
+                return Err(Attempt::Fatal(HubError::Unreachable {
+                    what: what.to_string(),
+                    endpoint: self.env.endpoint.clone(),
+                    attempts: 1,
+                    reason: self.redact(&e.to_string()),
+                }));
+            }
+        };
+        let status = resp.status().as_u16();
+        let what = what.to_string();
+        match status {
+            s if s < 400 => Ok(resp),
+            404 if allow_404 => Ok(resp),
+            401 => Err(Attempt::Fatal(HubError::Unauthorized { what })),
+            403 => Err(Attempt::Fatal(HubError::Forbidden { what })),
+            404 => Err(Attempt::Fatal(HubError::NotFound { what })),
+            429 | 500 | 502 | 503 | 504 => Err(Attempt::Transient(format!("HTTP {status}"))),
+            _ => {
+                let body = self.error_text(resp);
+                Err(Attempt::Fatal(HubError::Status { what, status, body }))
+            }
+        }
+    }
+
+    /// The Hub's `{"error": "..."}` message, or the start of the body.
+    fn error_text(&self, mut resp: Response<Body>) -> String {
+        let text = resp.body_mut().with_config().limit(64 << 10).read_to_string().unwrap_or_default();
+        let msg = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+            .unwrap_or(text);
+        let mut msg = self.redact(msg.trim());
+        if msg.len() > 300 {
+            let cut = (0..=300).rev().find(|&i| msg.is_char_boundary(i)).unwrap_or(0);
+            msg.truncate(cut);
+            msg.push('…');
+        }
+        msg
+    }
+
+    pub fn redact(&self, text: &str) -> String {
+        match &self.env.token {
+            Some(t) => t.redact(text),
+            None => text.to_string(),
+        }
+    }
+
+    /// GET a JSON document from the Hub API.
+    pub fn get_json<T: serde::de::DeserializeOwned>(&self, what: &str, url: &str) -> Result<T, HubError> {
+        let resp = self.send(what, false, || {
+            let mut req = self.agent.get(url).header("Accept", "application/json");
+            if let Some(a) = self.auth(url) {
+                req = req.header("Authorization", a);
+            }
+            req.call()
+        })?;
+        read_json(what, resp)
+    }
+
+    /// POST JSON to the Hub API and read a JSON answer.
+    pub fn post_json<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &str,
+        url: &str,
+        content_type: &str,
+        body: &[u8],
+    ) -> Result<T, HubError> {
+        let resp = self.send(what, false, || {
+            let mut req =
+                self.agent.post(url).header("Content-Type", content_type).header("Accept", "application/json");
+            if let Some(a) = self.auth(url) {
+                req = req.header("Authorization", a);
+            }
+            req.send(body)
+        })?;
+        read_json(what, resp)
+    }
+}
+
+/// Parse a JSON answer, refusing HTML error pages and oversized bodies with a clear message.
+pub fn read_json<T: serde::de::DeserializeOwned>(what: &str, mut resp: Response<Body>) -> Result<T, HubError> {
+    let bad = |reason: String| HubError::BadResponse { what: what.to_string(), reason };
+    let bytes = resp.body_mut().with_config().limit(MAX_JSON).read_to_vec().map_err(|e| match e {
+        ureq::Error::BodyExceedsLimit(n) => bad(format!("the answer is larger than {n} bytes")),
+        e => bad(e.to_string()),
+    })?;
+    let start = bytes.iter().position(|b| !b.is_ascii_whitespace()).map(|i| bytes[i]);
+    if !matches!(start, Some(b'{' | b'[')) {
+        let head: String =
+            String::from_utf8_lossy(&bytes[..bytes.len().min(60)]).chars().filter(|c| !c.is_control()).collect();
+        let kind = if start == Some(b'<') { "an HTML page" } else { "not JSON" };
+        return Err(bad(format!("expected JSON, got {kind} (`{head}`)")));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| bad(format!("unexpected JSON: {e}")))
+}
+
+/// A response header as text.
+pub fn header<'a>(resp: &'a Response<Body>, name: &str) -> Option<&'a str> {
+    resp.headers().get(name).and_then(|v| v.to_str().ok())
+}
