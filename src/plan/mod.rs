@@ -16,6 +16,7 @@ pub use render::{render_dot, render_text};
 
 use crate::device::{self, Inventory, Resolution};
 use crate::fingerprint::{self, FINGERPRINT_VERSION};
+use crate::hub::{HubEnv, RepoKind, RepoRef};
 use crate::recipe::stages::Port;
 use crate::recipe::{
     EvaluateSettings, LoadedRecipe, Problem, QuantizeSettings, StageKind, StageSpec, TrainSettings, UploadSettings,
@@ -79,6 +80,8 @@ pub struct Plan {
     pub recipe: String,
     pub device: Resolution,
     pub threads: usize,
+    /// Hub sources resolve from the HF cache only.
+    pub offline: bool,
     pub stages: Vec<PlannedStage>,
 }
 
@@ -94,6 +97,8 @@ pub struct Selection {
     pub only: Option<String>,
     pub from: Option<String>,
     pub force: Vec<String>,
+    /// Never use the network: Hub sources resolve from the HF cache (also `HF_HUB_OFFLINE=1`).
+    pub offline: bool,
 }
 
 pub fn port_name(p: Port) -> &'static str {
@@ -141,6 +146,7 @@ pub fn make(
     .collect();
     let only_set = sel.only.as_ref().map(|o| BTreeSet::from([o.clone()]));
     let previous = lock.recipes.get(&recipe.recipe.name);
+    let hub = HubEnv::from_env(None, sel.offline);
 
     let mut planned: Vec<PlannedStage> = Vec::new();
     for spec in &loaded.stages.list {
@@ -166,7 +172,8 @@ pub fn make(
             doc["device"] = json!({ "class": device.class.as_str(), "dtype": device.dtype.as_str() });
         }
         if spec.kind == StageKind::Download {
-            doc["sources"] = source_digests(loaded)?;
+            let locked = previous.and_then(|r| r.stages.get(&spec.name)).map(|d| &d.inputs["sources"]);
+            doc["sources"] = source_digests(loaded, &hub, locked)?;
         }
         let fp = fingerprint::of(&doc);
         let cached = store.manifest(&fp).map(|m| store.quick_check(&m));
@@ -207,6 +214,9 @@ pub fn make(
             action = Action::Skip;
             reason = "not selected (--only)".into();
         }
+        if spec.kind == StageKind::Download && action == Action::Run && hub.offline {
+            offline_preflight(loaded, &hub, &doc["sources"])?;
+        }
         planned.push(PlannedStage {
             name: spec.name.clone(),
             kind: spec.kind,
@@ -219,7 +229,7 @@ pub fn make(
             reason,
         });
     }
-    Ok(Plan { recipe: recipe.recipe.name.clone(), device, threads, stages: planned })
+    Ok(Plan { recipe: recipe.recipe.name.clone(), device, threads, offline: hub.offline, stages: planned })
 }
 
 /// Why a stage with no cached artifact runs, compared with the last recorded run.
@@ -340,8 +350,9 @@ fn merge(base: &mut Value, over: &Value) {
     }
 }
 
-/// Content digests of local sources (model folder, dataset file or folder).
-fn source_digests(loaded: &LoadedRecipe) -> Result<Value, Problem> {
+/// What the download stage fetches: content digests of local sources, and for Hub sources the
+/// repo, the commit its revision resolves to, and the files wanted.
+fn source_digests(loaded: &LoadedRecipe, hub: &HubEnv, previous: Option<&Value>) -> Result<Value, Problem> {
     let recipe = &loaded.recipe;
     let mut out = serde_json::Map::new();
     let mut add = |key: &str, rel: &str, at: [&str; 2]| -> Result<(), Problem> {
@@ -360,7 +371,164 @@ fn source_digests(loaded: &LoadedRecipe) -> Result<Value, Problem> {
     if let Some(p) = &recipe.dataset.path {
         add("dataset", p, ["dataset", "path"])?;
     }
+    for (key, source) in hub_sources(loaded) {
+        let commit = resolve_hub(loaded, hub, &source, previous.and_then(|p| p.get(key)))?;
+        out.insert(
+            key.into(),
+            json!({ "hub": source.repo.id, "revision": source.repo.revision, "commit": commit, "include": source.wanted.include }),
+        );
+    }
     Ok(Value::Object(out))
+}
+
+/// A Hub repo a recipe reads, with the files wanted from it.
+pub struct HubSource {
+    pub repo: RepoRef,
+    pub wanted: crate::hub::Wanted,
+    /// Where the recipe names it, for diagnostics.
+    pub at: [&'static str; 2],
+}
+
+/// The files of a model repo rtune needs: config, tokenizer, safetensors weights (and index).
+pub const MODEL_FILES: [&str; 4] = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"];
+/// Default dataset files.
+pub const DATASET_FILES: [&str; 5] = ["*.jsonl", "*.json", "*.csv", "*.txt", "*.parquet"];
+
+pub fn hub_sources(loaded: &LoadedRecipe) -> Vec<(&'static str, HubSource)> {
+    let r = &loaded.recipe;
+    let mut out = Vec::new();
+    // Ids and revisions were checked when the recipe loaded.
+    if let Some(id) = &r.model.repo
+        && let Ok(repo) = RepoRef::new(id, RepoKind::Model, r.model.revision.as_deref())
+    {
+        let include = MODEL_FILES.iter().map(|s| s.to_string()).collect();
+        let wanted = crate::hub::Wanted { include, exclude: vec![] };
+        out.push(("model", HubSource { repo, wanted, at: ["model", "repo"] }));
+    }
+    if let Some(id) = &r.dataset.repo
+        && let Ok(repo) = RepoRef::new(id, RepoKind::Dataset, r.dataset.revision.as_deref())
+    {
+        let include = r.dataset.files.clone().unwrap_or_else(|| DATASET_FILES.iter().map(|s| s.to_string()).collect());
+        let exclude = vec!["dataset_info*.json".into(), "dataset_infos.json".into(), ".*".into()];
+        out.push((
+            "dataset",
+            HubSource { repo, wanted: crate::hub::Wanted { include, exclude }, at: ["dataset", "repo"] },
+        ));
+    }
+    out
+}
+
+/// The commit a Hub source's revision is at: fixed for a commit id; else asked of the Hub,
+/// falling back (unreachable or offline) to the HF cache's ref, then to rtune.lock.
+fn resolve_hub(
+    loaded: &LoadedRecipe,
+    hub: &HubEnv,
+    src: &HubSource,
+    locked: Option<&Value>,
+) -> Result<String, Problem> {
+    if crate::hub::is_commit(&src.repo.revision) {
+        return Ok(src.repo.revision.clone());
+    }
+    let cache = crate::hub::HubCache::new(&hub.cache_dir);
+    let from_lock = || {
+        locked
+            .filter(|l| l["hub"] == json!(src.repo.id) && l["revision"] == json!(src.repo.revision))
+            .and_then(|l| l["commit"].as_str())
+            .map(str::to_string)
+    };
+    let offline_fallback = || cache.resolve(&src.repo).map(|s| s.commit).or_else(from_lock);
+    if hub.offline {
+        return offline_fallback().ok_or_else(|| {
+            Problem::new(
+                "rtune::hub::offline_missing",
+                format!(
+                    "offline, and `{}` is not in the Hugging Face cache ({})",
+                    src.repo.display(),
+                    hub.cache_dir.display()
+                ),
+            )
+            .at(loaded.origin(&src.at), "not cached")
+            .help(format!(
+                "on a machine with access, run: {}",
+                crate::hub::download_command(&src.repo, &src.wanted.include)
+            ))
+        });
+    }
+    let client = crate::hub::Client::new(HubEnv { attempts: 1, ..hub.clone() });
+    match crate::hub::resolve_commit(&client, &src.repo) {
+        Ok(c) => Ok(c),
+        Err(crate::hub::HubError::Unreachable { .. }) if offline_fallback().is_some() => {
+            Ok(offline_fallback().expect("checked"))
+        }
+        Err(e) => Err(hub_problem(&e).at(loaded.origin(&src.at), "this repository")),
+    }
+}
+
+/// A Hub error as a recipe problem (to be located at the recipe key it concerns).
+pub fn hub_problem(e: &crate::hub::HubError) -> Problem {
+    use miette::Diagnostic;
+    let mut p = Problem::new(e.static_code(), e.to_string());
+    if let Some(h) = e.help() {
+        p = p.help(h.to_string());
+    }
+    p
+}
+
+/// Offline pre-flight: every file a download stage needs must be in the HF cache. Lists all
+/// missing files at once, with the command that would fetch them.
+fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &Value) -> Result<(), Problem> {
+    let cache = crate::hub::HubCache::new(&hub.cache_dir);
+    let mut missing: Vec<String> = Vec::new();
+    let mut commands: Vec<String> = Vec::new();
+    let mut first_at = None;
+    for (key, src) in hub_sources(loaded) {
+        let commit = sources[key]["commit"].as_str().unwrap_or_default();
+        let pinned = src.repo.with_revision(commit);
+        let files: Vec<String> = cache
+            .resolve(&pinned)
+            .map(|s| cache.files(&s))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|f| src.wanted.wants(f))
+            .collect();
+        let mut lacking: Vec<String> = Vec::new();
+        if let Some(listing) = cache.read_tree(&pinned, commit) {
+            // The exact listing huggingface_hub or rtune saved when it was online.
+            lacking.extend(listing.into_iter().filter(|f| src.wanted.wants(f) && !files.contains(f)));
+        } else if key == "model" {
+            for need in ["config.json", "tokenizer.json"] {
+                if !files.iter().any(|f| f == need) {
+                    lacking.push(need.into());
+                }
+            }
+            if let Some(snap) = cache.resolve(&pinned)
+                && let Ok(text) = std::fs::read_to_string(snap.dir.join("model.safetensors.index.json"))
+                && let Ok(index) = serde_json::from_str::<Value>(&text)
+            {
+                let shards: BTreeSet<&str> =
+                    index["weight_map"].as_object().into_iter().flatten().filter_map(|(_, v)| v.as_str()).collect();
+                lacking.extend(shards.into_iter().filter(|s| !files.iter().any(|f| f == s)).map(str::to_string));
+            } else if !files.iter().any(|f| f.ends_with(".safetensors")) {
+                lacking.push("*.safetensors".into());
+            }
+        } else if files.is_empty() {
+            lacking.push(src.wanted.include.join(", "));
+        }
+        if !lacking.is_empty() {
+            first_at.get_or_insert(src.at);
+            commands.push(crate::hub::download_command(&src.repo.with_revision(commit), &src.wanted.include));
+            missing.extend(lacking.into_iter().map(|f| format!("{}: {f}", src.repo.id)));
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Problem::new(
+        "rtune::hub::offline_missing",
+        format!("offline, and {} file(s) are not in the Hugging Face cache: {}", missing.len(), missing.join("; ")),
+    )
+    .at(first_at.and_then(|at| loaded.origin(&at)), "needs these files")
+    .help(format!("on a machine with access (same HF_HOME), run:\n{}", commands.join("\n"))))
 }
 
 /// Which stage kinds and sources this build implements, checked at plan time so nothing
@@ -376,22 +544,7 @@ mod support {
                 .help(help.to_string())
         };
         match spec.kind {
-            StageKind::Download => {
-                if recipe.model.repo.is_some() {
-                    return Err(not_yet(
-                        "downloading models from the Hugging Face Hub".into(),
-                        &["model", "repo"],
-                        "use `path = \"…\"` with a local model folder, or `scratch = { … }`",
-                    ));
-                }
-                if recipe.dataset.repo.is_some() {
-                    return Err(not_yet(
-                        "downloading datasets from the Hugging Face Hub".into(),
-                        &["dataset", "repo"],
-                        "use `path = \"…\"` with a local file",
-                    ));
-                }
-            }
+            StageKind::Download => {}
             StageKind::Tokenize => {
                 if recipe.dataset.format == crate::recipe::DataFormat::Chat {
                     return Err(not_yet(
@@ -418,12 +571,10 @@ mod support {
             StageKind::Upload => {
                 let to = spec.settings.get("to").and_then(|t| t.as_str()).unwrap_or_default();
                 let at = loaded.origin(&["stages", &spec.name, "to"]);
-                if to.starts_with("hf://") {
-                    return Err(not_yet(
-                        "uploading to the Hugging Face Hub".into(),
-                        &["stages", &spec.name, "to"],
-                        "use `to = \"dir://out/NAME\"` for now",
-                    ));
+                if let Some(rest) = to.strip_prefix("hf://") {
+                    return crate::hub::parse_hf_url(rest)
+                        .map(|_| ())
+                        .map_err(|e| hub_problem(&e).at(at, "not `hf://owner/name[@revision]`"));
                 }
                 let Some(path) = to.strip_prefix("dir://") else {
                     return Err(Problem::new(

@@ -362,6 +362,41 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
     }
     if let Some(ds) = tree.get(&["dataset"]).filter(|m| m.as_table().is_some()) {
         exactly_one(ds, "dataset", &["repo", "path"], problems);
+        for key in ["revision", "files"] {
+            if ds.get(&[key]).is_some() && ds.get(&["repo"]).is_none() {
+                let e = ds.entry(&[key]).and_then(|e| e.key.as_ref());
+                problems.push(
+                    Problem::new(
+                        "rtune::recipe::revision_without_repo",
+                        format!("`dataset.{key}` needs `dataset.repo`"),
+                    )
+                    .at(e, "only Hub datasets have this")
+                    .help("remove it, or name the Hub dataset with `repo = \"owner/name\"`"),
+                );
+            }
+        }
+    }
+    for section in ["model", "dataset"] {
+        if let Some(n) = tree.get(&[section, "repo"])
+            && let Some(id) = n.as_str()
+            && let Err(e) = crate::hub::check_repo_id(id)
+        {
+            problems.push(
+                Problem::new("rtune::recipe::bad_repo_id", e.to_string())
+                    .at(n.origin.as_ref(), "not a Hub repository id")
+                    .help("ids look like `owner/name`: letters, digits, `-`, `_` and `.`, without `--` or `..`"),
+            );
+        }
+        if let Some(n) = tree.get(&[section, "revision"])
+            && let Some(rev) = n.as_str()
+            && let Err(e) = crate::hub::check_revision(rev)
+        {
+            problems.push(
+                Problem::new("rtune::recipe::bad_revision", e.to_string())
+                    .at(n.origin.as_ref(), "not a branch, tag or commit")
+                    .help("use a branch (`main`), a tag, or a 40-digit commit id"),
+            );
+        }
     }
     if let Some(Node { value: tree::Value::Array(items), .. }) = tree.get(&["device", "prefer"]) {
         for item in items {

@@ -145,6 +145,13 @@ pub struct Dataset {
     /// A Hugging Face Hub dataset id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repo: Option<String>,
+    /// Branch, tag or commit of `repo`; resolved to a commit id and recorded in `rtune.lock`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// Which files of `repo` hold the rows (fnmatch patterns, `*` crosses folders).
+    /// Default: every `*.jsonl`, `*.json`, `*.csv`, `*.txt` and `*.parquet` file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<Vec<String>>,
     /// A local file (jsonl, json, csv, parquet, txt) or folder, relative to the recipe.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
@@ -676,9 +683,19 @@ pub enum ExportFormat {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UploadSettings {
-    /// `dir://path` (relative to the recipe) or `hf://owner/name[@revision]`.
+    /// `dir://path` (relative to the recipe) or `hf://owner/name[@revision]`
+    /// (`hf://datasets/owner/name` for a dataset repo).
     #[schemars(length(min = 1))]
     pub to: String,
+    /// `hf://` only: create the repo if it does not exist.
+    #[serde(default)]
+    pub create: bool,
+    /// `hf://` with `create`: make the new repo private.
+    #[serde(default = "yes")]
+    pub private: bool,
+    /// `hf://` only: the commit message [default: "Upload <recipe> with rtune"].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 impl Recipe {

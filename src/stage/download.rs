@@ -2,7 +2,9 @@
 //!
 //! Local files are copied in (so later stages read exactly the bytes that were fingerprinted);
 //! a scratch model is created here: a tokenizer trained on the dataset and seeded random
-//! weights. Hub sources are rejected at plan time until the hub layer lands.
+//! weights. Hub sources are fetched into the shared HF cache at the commit the plan resolved
+//! (every file checked against its digest) and hard-linked into the artifact, so a model is
+//! stored once on disk.
 
 use std::path::Path;
 
@@ -15,11 +17,23 @@ use crate::recipe::{DataFormat, Problem};
 pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let recipe = &ctx.loaded.recipe;
     let sources = &ctx.stage.doc["sources"];
-    let ds_rel = recipe.dataset.path.as_deref().ok_or_else(|| StageError::Internal("dataset has no path".into()))?;
-    let ds_src = ctx.loaded.resolve_path(ds_rel);
+    let hub = crate::plan::hub_sources(ctx.loaded);
     let ds_out = ctx.out.join("dataset");
-    copy_source(&ds_src, &ds_out)?;
-    check_digest(ctx, &ds_out, &ds_src, sources["dataset"].as_str(), &["dataset", "path"])?;
+    let mut fetched = serde_json::Map::new();
+    for (key, src) in &hub {
+        let commit = sources[key]["commit"].as_str().ok_or_else(|| StageError::Internal("no planned commit".into()))?;
+        let dest = ctx.out.join(key);
+        let report = fetch_hub(ctx, src, commit, &dest)?;
+        fetched.insert(
+            key.to_string(),
+            json!({ "repo": src.repo.id, "revision": src.repo.revision, "commit": report.commit, "files": report.files.len() }),
+        );
+    }
+    if let Some(ds_rel) = recipe.dataset.path.as_deref() {
+        let ds_src = ctx.loaded.resolve_path(ds_rel);
+        copy_source(&ds_src, &ds_out)?;
+        check_digest(ctx, &ds_out, &ds_src, sources["dataset"].as_str(), &["dataset", "path"])?;
+    }
     let model_out = ctx.out.join("model");
     std::fs::create_dir_all(&model_out).map_err(StageError::io("cannot create the model folder"))?;
     let model = if let Some(spec) = &recipe.model.scratch {
@@ -56,11 +70,56 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         check_digest(ctx, &model_out, &src, sources["model"].as_str(), &["model", "path"])?;
         let folder = crate::model::ModelFolder::open(&model_out)?;
         json!({ "source": "path", "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
+    } else if let Some(hubbed) = fetched.get("model") {
+        let folder = crate::model::ModelFolder::open(&model_out)?;
+        json!({ "source": "hub", "hub": hubbed, "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
     } else {
         return Err(StageError::Internal("model source is checked at plan time".into()));
     };
     let files = crate::store::walk(&ds_out).map_err(StageError::io("cannot list the dataset"))?;
-    Ok(json!({ "model": model, "dataset": { "files": files.len() } }))
+    Ok(json!({ "model": model, "dataset": { "files": files.len(), "hub": fetched.get("dataset") } }))
+}
+
+/// Fetch a Hub source at the planned commit into the HF cache, then hard-link its files into
+/// `dest` (a copy across file systems).
+fn fetch_hub(
+    ctx: &StageCtx<'_>,
+    src: &crate::plan::HubSource,
+    commit: &str,
+    dest: &Path,
+) -> Result<crate::hub::DownloadReport, StageError> {
+    let env = crate::hub::HubEnv::from_env(None, ctx.plan.offline);
+    let cache = crate::hub::HubCache::new(&env.cache_dir);
+    let client = crate::hub::Client::new(env);
+    let pinned = src.repo.with_revision(commit);
+    let report = crate::hub::snapshot(&client, &cache, &pinned, &src.wanted, ctx.ui)?;
+    if report.commit != commit {
+        return Err(StageError::Internal(format!("asked for {commit}, got {}", report.commit)));
+    }
+    // Record the named revision too, as huggingface_hub would.
+    cache.write_ref(&src.repo, commit)?;
+    if report.files.is_empty() {
+        return Err(Problem::new(
+            "rtune::hub::no_files",
+            format!("{} has no files matching {}", src.repo.display(), src.wanted.include.join(", ")),
+        )
+        .at(ctx.loaded.origin(&src.at), "this repository")
+        .help("check the repository, or set `dataset.files` to the data files' patterns")
+        .into());
+    }
+    for f in &report.files {
+        let from = std::fs::canonicalize(report.snapshot.join(&f.path))
+            .map_err(StageError::io(format!("cannot read `{}` in the HF cache", f.path)))?;
+        let to = dest.join(&f.path);
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent).map_err(StageError::io(format!("cannot create `{}`", parent.display())))?;
+        }
+        if std::fs::hard_link(&from, &to).is_err() {
+            std::fs::copy(&from, &to).map_err(StageError::io(format!("cannot copy `{}`", f.path)))?;
+        }
+    }
+    ctx.ui.status("download", format!("{} at {}: {} files", src.repo.display(), &commit[..12], report.files.len()));
+    Ok(report)
 }
 
 /// Copy a file (into `dest/<name>`) or a folder's files (into `dest/`), skipping hidden files.

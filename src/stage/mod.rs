@@ -72,6 +72,9 @@ pub enum StageError {
     #[error(transparent)]
     #[diagnostic(transparent)]
     Train(#[from] crate::train::TrainError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Hub(#[from] crate::hub::HubError),
     #[error("internal error: {0}")]
     #[diagnostic(code(rtune::internal), help("this is a bug in rtune; please report it"))]
     Internal(String),

@@ -1,28 +1,78 @@
-//! `upload`: publishes the exported models. `dir://path` (relative to the recipe's folder)
-//! copies them there, each file written to a temporary name and renamed; `hf://` is rejected at
-//! plan time until the hub layer lands.
+//! `upload`: publishes the exported models with a generated model card (README.md: the recipe,
+//! evaluation and training metrics, the loss curve).
+//!
+//! `dir://path` (relative to the recipe's folder) copies them there, each file written to a
+//! temporary name and renamed. `hf://owner/name[@revision]` commits them to the Hub in one
+//! commit (LFS for large files), creating the repo first when `create = true`.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
 
 use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
-use crate::recipe::UploadSettings;
+use crate::plan::Action;
+use crate::recipe::{StageKind, UploadSettings};
+use crate::ui::human_bytes;
 
 pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let s: UploadSettings = serde_json::from_value(ctx.stage.settings()["upload"].clone())
         .map_err(|e| StageError::Internal(format!("resolved upload settings: {e}")))?;
+    let exports = ctx.input("exports")?;
+    let mut files: Vec<(String, PathBuf)> = crate::store::walk(&exports)
+        .map_err(StageError::io("cannot list the exports"))?
+        .into_iter()
+        .map(|rel| (rel.to_string_lossy().replace('\\', "/"), exports.join(rel)))
+        .collect();
+    // The card and the loss curve travel with the models.
+    let card_dir = ctx.out.join("card");
+    std::fs::create_dir_all(&card_dir).map_err(StageError::io("cannot create the card folder"))?;
+    if let Some(curve) = train_artifact(ctx).map(|d| d.join("loss_curve.svg")).filter(|p| p.exists()) {
+        files.push(("loss_curve.svg".into(), curve));
+    }
+    let card = model_card(ctx, &files);
+    std::fs::write(card_dir.join("README.md"), card).map_err(StageError::io("cannot write the model card"))?;
+    files.retain(|(p, _)| p != "README.md");
+    files.push(("README.md".into(), card_dir.join("README.md")));
+
+    if let Some(rest) = s.to.strip_prefix("hf://") {
+        let repo = crate::hub::parse_hf_url(rest)?;
+        let env = crate::hub::HubEnv::from_env(None, ctx.plan.offline);
+        if env.offline {
+            return Err(crate::recipe::Problem::new(
+                "rtune::hub::offline",
+                format!("cannot upload to `{}` offline", s.to),
+            )
+            .at(ctx.loaded.origin(&["stages", &ctx.stage.name, "to"]), "needs the Hub")
+            .help("run without --offline / HF_HUB_OFFLINE, or upload to `dir://…`")
+            .into());
+        }
+        let client = crate::hub::Client::new(env);
+        if s.create {
+            crate::hub::create_repo(&client, &repo, s.private)?;
+        }
+        let commit_files: Vec<crate::hub::CommitFile> =
+            files.iter().map(|(p, l)| crate::hub::CommitFile { path: p.clone(), local: l.clone() }).collect();
+        let message =
+            s.message.clone().unwrap_or_else(|| format!("Upload {} with rtune", ctx.loaded.recipe.recipe.name));
+        let report = crate::hub::commit(&client, &repo, &commit_files, &message, ctx.ui)?;
+        ctx.ui.status("upload", format!("{} files → {} (commit {})", files.len(), repo.display(), &report.commit));
+        let record = json!({ "destination": s.to, "commit": report.commit, "url": report.url, "files": files.iter().map(|f| &f.0).collect::<Vec<_>>() });
+        write_json(&ctx.out.join("upload.json"), &record)?;
+        return Ok(json!({ "destination": s.to, "commit": report.commit, "url": report.url, "files": files.len(),
+            "lfs_files": report.lfs_files, "bytes_uploaded": report.bytes_uploaded }));
+    }
+
     let rel = s.to.strip_prefix("dir://").ok_or_else(|| StageError::Internal(format!("`{}` passed planning", s.to)))?;
     let dest = ctx.loaded.resolve_path(rel);
-    let exports = ctx.input("exports")?;
-    let mut files = BTreeMap::new();
-    for relpath in crate::store::walk(&exports).map_err(StageError::io("cannot list the exports"))? {
-        let src = exports.join(&relpath);
-        let target = dest.join(&relpath);
+    let mut record = BTreeMap::new();
+    for (relpath, src) in &files {
+        let target = dest.join(relpath);
         let parent = target.parent().unwrap_or(&dest).to_path_buf();
         std::fs::create_dir_all(&parent).map_err(StageError::io(format!("cannot create `{}`", parent.display())))?;
         let tmp = parent.join(format!(".rtune-upload-{}", std::process::id()));
-        std::fs::copy(&src, &tmp).map_err(StageError::io(format!("cannot write `{}`", tmp.display())))?;
+        std::fs::copy(src, &tmp).map_err(StageError::io(format!("cannot write `{}`", tmp.display())))?;
         // Copies of read-only cache objects are read-only too; the user owns these.
         let mut perm = std::fs::metadata(&tmp).map_err(StageError::io("cannot stat a copy"))?.permissions();
         #[allow(clippy::permissions_set_readonly_false)]
@@ -30,10 +80,98 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         std::fs::set_permissions(&tmp, perm).map_err(StageError::io("cannot set permissions"))?;
         std::fs::rename(&tmp, &target).map_err(StageError::io(format!("cannot write `{}`", target.display())))?;
         let (digest, size) = crate::store::hash_file(&target).map_err(StageError::io("cannot hash a copy"))?;
-        files.insert(relpath.to_string_lossy().replace('\\', "/"), json!({ "digest": digest, "size": size }));
+        record.insert(relpath.clone(), json!({ "digest": digest, "size": size }));
     }
-    ctx.ui.status("upload", format!("{} files → {}", files.len(), dest.display()));
-    let record = json!({ "destination": s.to, "files": files });
-    write_json(&ctx.out.join("upload.json"), &record)?;
-    Ok(json!({ "destination": s.to, "path": dest, "files": files.len() }))
+    ctx.ui.status("upload", format!("{} files → {}", record.len(), dest.display()));
+    write_json(&ctx.out.join("upload.json"), &json!({ "destination": s.to, "files": record }))?;
+    Ok(json!({ "destination": s.to, "path": dest, "files": record.len() }))
+}
+
+/// The train stage upstream of this upload, if any.
+fn train_stage<'a>(ctx: &'a StageCtx<'_>) -> Option<&'a crate::plan::PlannedStage> {
+    let upstream = ctx.loaded.stages.upstream(&ctx.stage.name);
+    ctx.plan.stages.iter().find(|s| s.kind == StageKind::Train && upstream.contains(&s.name))
+}
+
+fn train_artifact(ctx: &StageCtx<'_>) -> Option<PathBuf> {
+    train_stage(ctx).map(|s| ctx.store.artifact_dir(&s.fingerprint))
+}
+
+/// A Hugging Face model card: YAML front matter the Hub understands, then what was built and how.
+fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf)]) -> String {
+    let r = &ctx.loaded.recipe;
+    let base = r.model.repo.clone().or_else(|| r.model.path.clone()).unwrap_or_else(|| "a scratch model".into());
+    let lora = r.adapter.kind != crate::recipe::AdapterKind::None;
+    let mut tags = vec!["rtune"];
+    if lora {
+        tags.push("lora");
+    }
+    if files.iter().any(|(p, _)| p.ends_with(".gguf")) {
+        tags.push("gguf");
+    }
+    let mut s = String::from("---\n");
+    if let Some(repo) = &r.model.repo {
+        let _ = writeln!(s, "base_model: {repo}");
+    }
+    if lora {
+        let _ = writeln!(s, "library_name: peft");
+    }
+    let _ = writeln!(s, "tags:");
+    for t in tags {
+        let _ = writeln!(s, "- {t}");
+    }
+    if let Some(ds) = &r.dataset.repo {
+        let _ = writeln!(s, "datasets:\n- {ds}");
+    }
+    s.push_str("---\n\n");
+    let _ = writeln!(s, "# {}\n", r.recipe.name);
+    if let Some(d) = &r.recipe.description {
+        let _ = writeln!(s, "{d}\n");
+    }
+    let _ = writeln!(
+        s,
+        "Fine-tuned from {base} with [rtune](https://github.com/rtune/rtune) (`rtune run {}`).\n",
+        ctx.loaded.name()
+    );
+    s.push_str("## Files\n\n| file | size |\n|---|---|\n");
+    for (p, local) in files {
+        let size = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
+        let _ = writeln!(s, "| `{p}` | {} |", human_bytes(size));
+    }
+    let evals: Vec<_> = ctx
+        .plan
+        .stages
+        .iter()
+        .filter(|st| st.kind == StageKind::Evaluate && st.action != Action::Skip)
+        .filter_map(|st| ctx.store.manifest(&st.fingerprint).map(|m| (st.name.clone(), m.metrics)))
+        .collect();
+    if !evals.is_empty() {
+        s.push_str("\n## Evaluation\n\n| stage | model | loss | perplexity | tokens |\n|---|---|---|---|---|\n");
+        for (name, m) in evals {
+            let num = |k: &str| m[k].as_f64().map(|v| format!("{v:.4}")).unwrap_or_else(|| "–".into());
+            let _ = writeln!(
+                s,
+                "| {name} | {} | {} | {} | {} |",
+                m["model"].as_str().unwrap_or("tuned"),
+                num("eval_loss"),
+                num("perplexity"),
+                m["eval_tokens"].as_u64().map(|t| t.to_string()).unwrap_or_else(|| "–".into())
+            );
+        }
+    }
+    if let Some(m) = train_stage(ctx).and_then(|st| ctx.store.manifest(&st.fingerprint)) {
+        s.push_str("\n## Training\n\n");
+        for key in ["steps", "eval_loss_start", "eval_loss_end", "train_loss_end", "tokens_seen", "seconds"] {
+            if let Some(v) = m.metrics.get(key).filter(|v| !v.is_null()) {
+                let _ = writeln!(s, "- {key}: {v}");
+            }
+        }
+        if files.iter().any(|(p, _)| p == "loss_curve.svg") {
+            s.push_str("\n![loss curve](loss_curve.svg)\n");
+        }
+    }
+    s.push_str("\n## Recipe\n\n```toml\n");
+    s.push_str(ctx.loaded.text.trim_end());
+    s.push_str("\n```\n");
+    s
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: run the real binary, compare snapshots.
 #![allow(dead_code)]
 
+pub mod hub;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
