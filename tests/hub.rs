@@ -474,17 +474,12 @@ fn shipped_hub_recipes_plan_against_a_local_hub() {
             env.server.add_commit("dataset", ds, &[("data.jsonl", b"{}".to_vec())]);
         }
         let o = env.rtune(&["plan", p.to_str().unwrap(), "--json"], &[]);
-        if recipe["dataset"]["format"].as_str() == Some("chat") {
-            // Until the chat format lands, planning says so instead of pretending.
-            assert!(stderr(&o).contains("rtune::plan::not_implemented"), "{}: {}", p.display(), stderr(&o));
-            continue;
-        }
         assert!(o.status.success(), "{}: {}", p.display(), stderr(&o));
         let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(plan["stages"][0]["doc"]["sources"]["model"]["commit"], model_commit.as_str(), "{}", p.display());
         planned += 1;
     }
-    assert!(planned >= 6, "planned {planned} Hub recipes");
+    assert!(planned >= 7, "planned {planned} Hub recipes");
 
     // Without a reachable Hub or a cache, planning fails fast with a clear error.
     let o = env.rtune(

@@ -4,6 +4,9 @@
 //!   `[bos] + encode(prompt) + encode(output) + [eos]` without the tokenizer's special tokens;
 //!   bos and prompt are masked from the loss unless `train_on_prompt`.
 //! - `text`: the `text` column encoded with the tokenizer's post-processor; every token counts.
+//! - `chat`: the `messages` column (a list of `{role, content}`) rendered with the model's chat
+//!   template ([`super::chat`]) and encoded without added special tokens (the template writes
+//!   them); only the assistant turns (with the template's end-of-turn marker) count.
 //!
 //! `mask[j] = 1` means token j is a training target (predicted from position j − 1).
 
@@ -36,6 +39,9 @@ pub struct Encoded {
     pub truncated: bool,
 }
 
+/// A rendered conversation and its assistant byte spans.
+type Rendered = (String, Vec<(usize, usize)>);
+
 pub struct Renderer<'a> {
     pub tokenizer: &'a Tokenizer,
     pub format: DataFormat,
@@ -46,6 +52,8 @@ pub struct Renderer<'a> {
     pub train_on_prompt: bool,
     /// format field → source column.
     pub column_map: &'a BTreeMap<String, String>,
+    /// The chat template (`chat` format only).
+    pub chat: Option<&'a super::chat::ChatTemplate>,
 }
 
 impl Renderer<'_> {
@@ -85,9 +93,7 @@ impl Renderer<'_> {
         match self.format {
             DataFormat::Alpaca => self.encode_alpaca(rows),
             DataFormat::Text => self.encode_text(rows),
-            DataFormat::Chat => {
-                Err(DataError::Invalid { message: "the `chat` format is not implemented yet".into(), help: None })
-            }
+            DataFormat::Chat => self.encode_chat(rows),
         }
     }
 
@@ -123,6 +129,77 @@ impl Renderer<'_> {
             out.push(r);
         }
         Ok(out)
+    }
+
+    fn encode_chat(&self, rows: &[Row]) -> Result<Vec<Result<Encoded, DataError>>, DataError> {
+        let template = self.chat.ok_or_else(|| DataError::Invalid {
+            message: "the `chat` format needs a chat template".into(),
+            help: Some("set `[dataset] chat_template = \"chatml\"`".into()),
+        })?;
+        let col = self.column_map.get("messages").map(String::as_str).unwrap_or("messages");
+        let bad = |row: &Row, msg: String, help: Option<String>| {
+            DataError::bad_row(&row.file, row.line, &Value::Object(row.fields.clone()).to_string(), None, msg, help)
+        };
+        let rendered: Vec<Result<Rendered, DataError>> = rows
+            .iter()
+            .map(|row| {
+                let msgs = match row.fields.get(col) {
+                    Some(Value::Array(m)) => m,
+                    None => {
+                        return Err(bad(
+                            row,
+                            format!("row has no `{col}` column"),
+                            Some("map it with `[dataset] column_map = { messages = \"…\" }`".into()),
+                        ));
+                    }
+                    Some(other) => {
+                        return Err(bad(
+                            row,
+                            format!("`{col}` must be a list of messages, found {}", super::source::kind(other)),
+                            None,
+                        ));
+                    }
+                };
+                for (i, m) in msgs.iter().enumerate() {
+                    if !m["role"].is_string() || !m["content"].is_string() {
+                        return Err(bad(
+                            row,
+                            format!("message {i} must have string `role` and `content`"),
+                            Some("messages look like {\"role\": \"user\", \"content\": \"…\"}".into()),
+                        ));
+                    }
+                }
+                if !msgs.iter().any(|m| m["role"] == "assistant") {
+                    return Err(bad(row, "the conversation has no assistant message to learn from".into(), None));
+                }
+                template.spans(msgs).map_err(|e| bad(row, format!("chat template: {e}"), None))
+            })
+            .collect();
+        let ok: Vec<&str> = rendered.iter().filter_map(|r| r.as_ref().ok().map(|(t, _)| t.as_str())).collect();
+        let enc = self
+            .tokenizer
+            .encode_batch(ok, false)
+            .map_err(|e| DataError::Tokenizer { context: "encoding rows".into(), source: e })?;
+        let mut enc = enc.into_iter();
+        Ok(rows
+            .iter()
+            .zip(rendered)
+            .map(|(row, r)| {
+                r.and_then(|(_, spans)| {
+                    let e = enc.next().expect("one encoding per valid row");
+                    let ids = e.get_ids().to_vec();
+                    let mask: Vec<u8> = e
+                        .get_offsets()
+                        .iter()
+                        .map(|&(start, end)| {
+                            u8::from(end > start && spans.iter().any(|&(a, b)| start >= a && start < b))
+                        })
+                        .collect();
+                    let prompt = mask.iter().filter(|m| **m == 0).count();
+                    self.finish(row, ids, mask, prompt)
+                })
+            })
+            .collect())
     }
 
     fn encode_text(&self, rows: &[Row]) -> Result<Vec<Result<Encoded, DataError>>, DataError> {

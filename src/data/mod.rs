@@ -1,6 +1,7 @@
 //! Data: reading dataset files into rows, rendering rows to tokens and loss masks per format,
 //! splitting and packing, and the binary token store that training memory-maps.
 
+pub mod chat;
 pub mod format;
 pub mod source;
 pub mod tokens;

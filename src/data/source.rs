@@ -50,14 +50,39 @@ fn supported(name: &str) -> bool {
     [".jsonl", ".json", ".csv", ".txt", ".parquet"].iter().any(|e| name.ends_with(e))
 }
 
+/// Parquet rows as JSON objects (lists and structs nest, as in `datasets`); row N of the file is
+/// reported as "line" N.
+fn read_parquet(path: &Path, name: &str, rows: &mut Vec<Row>) -> Result<(), DataError> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let bad = |e: parquet::errors::ParquetError| DataError::Invalid {
+        message: format!("`{name}` is not a readable Parquet file: {e}"),
+        help: Some("rtune reads Parquet with snappy, zstd, gzip or no compression".into()),
+    };
+    let file = std::fs::File::open(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })?;
+    let reader = SerializedFileReader::new(file).map_err(bad)?;
+    for (i, row) in reader.get_row_iter(None).map_err(bad)?.enumerate() {
+        match row.map_err(bad)?.to_json_value() {
+            Value::Object(fields) => rows.push(Row { fields, file: name.to_string(), line: i + 1 }),
+            other => {
+                return Err(DataError::bad_row(
+                    name,
+                    i + 1,
+                    &other.to_string(),
+                    None,
+                    "row is not a record".into(),
+                    None,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn read_file(path: &Path, skip_bad: bool, rows: &mut Vec<Row>, bad: &mut Vec<DataError>) -> Result<(), DataError> {
     let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let ext = name.rsplit('.').next().unwrap_or_default().to_ascii_lowercase();
     if ext == "parquet" {
-        return Err(DataError::Invalid {
-            message: format!("`{name}`: reading Parquet files is not implemented yet"),
-            help: Some("convert it to JSON Lines, e.g. with `pandas.read_parquet(p).to_json(out, orient='records', lines=True)`".into()),
-        });
+        return read_parquet(path, &name, rows);
     }
     let bytes = std::fs::read(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })?;
     let text = String::from_utf8(bytes).map_err(|e| {

@@ -538,22 +538,9 @@ mod support {
 
     pub fn check(spec: &StageSpec, loaded: &LoadedRecipe) -> Result<(), Problem> {
         let recipe = &loaded.recipe;
-        let not_yet = |what: String, at: &[&str], help: &str| {
-            Problem::new("rtune::plan::not_implemented", format!("{what} is not implemented yet"))
-                .at(loaded.origin(at), "not implemented")
-                .help(help.to_string())
-        };
         match spec.kind {
             StageKind::Download => {}
-            StageKind::Tokenize => {
-                if recipe.dataset.format == crate::recipe::DataFormat::Chat {
-                    return Err(not_yet(
-                        "the `chat` dataset format".into(),
-                        &["dataset", "format"],
-                        "use `alpaca` or `text`",
-                    ));
-                }
-            }
+            StageKind::Tokenize => {}
             StageKind::Train | StageKind::Evaluate => {}
             StageKind::Quantize => {
                 // With the default list (no `formats`), a full fine-tune gets no PEFT export.

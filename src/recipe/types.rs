@@ -180,6 +180,10 @@ pub struct Dataset {
     /// Rename source columns to the names the format expects, e.g. `{ output = "response" }`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub column_map: BTreeMap<String, String>,
+    /// `chat` format: the template, `"chatml"` or a Jinja string [default: the model's
+    /// `chat_template` from tokenizer_config.json].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
 }
 
 fn default_eval_fraction() -> f64 {

@@ -49,7 +49,12 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                     DataFormat::Alpaca => {
                         Some(format!("{}{}", alpaca_prompt(&get("instruction"), &get("input")), get("output")))
                     }
-                    DataFormat::Text | DataFormat::Chat => Some(get("text")).filter(|t| !t.is_empty()),
+                    DataFormat::Text => Some(get("text")).filter(|t| !t.is_empty()),
+                    DataFormat::Chat => {
+                        let col = recipe.dataset.column_map.get("messages").map(String::as_str).unwrap_or("messages");
+                        let msgs = r.fields.get(col).and_then(|m| m.as_array())?;
+                        Some(msgs.iter().filter_map(|m| m["content"].as_str()).collect::<Vec<_>>().join("\n"))
+                    }
                 }
             })
             .collect();

@@ -23,6 +23,12 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         }
         .into());
     }
+    let chat = match d.format {
+        crate::recipe::DataFormat::Chat => {
+            Some(crate::data::chat::ChatTemplate::for_model(&folder, d.chat_template.as_deref())?)
+        }
+        _ => None,
+    };
     let renderer = Renderer {
         tokenizer: &tokenizer,
         format: d.format,
@@ -32,6 +38,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         truncate: d.truncate,
         train_on_prompt: d.train_on_prompt,
         column_map: &d.column_map,
+        chat: chat.as_ref(),
     };
     let mut encoded: Vec<Encoded> = Vec::with_capacity(rows.len());
     let mut bar = ctx.ui.bar("tokenize", rows.len() as u64);

@@ -1,0 +1,176 @@
+//! Tokenization of each format against ids and masks computed independently with the Python
+//! `tokenizers` library and jinja2 (scripts/make_token_fixtures.py, fixtures in
+//! tests/fixtures/tokens).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use rtune::data::chat::ChatTemplate;
+use rtune::data::{Renderer, read_rows};
+use rtune::recipe::DataFormat;
+
+fn fixtures() -> PathBuf {
+    common::root().join("tests/fixtures/tokens")
+}
+
+fn expected() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join("expected.json")).unwrap()).unwrap()
+}
+
+fn check(format: DataFormat, file: &str, key: &str, chat: Option<&ChatTemplate>) {
+    let tokenizer = tokenizers::Tokenizer::from_file(fixtures().join("tokenizer.json")).unwrap();
+    let exp = expected();
+    let column_map = BTreeMap::new();
+    let r = Renderer {
+        tokenizer: &tokenizer,
+        format,
+        bos: exp["bos"].as_u64().map(|v| v as u32),
+        eos: exp["eos"].as_u64().map(|v| v as u32),
+        max_seq_len: 4096,
+        truncate: true,
+        train_on_prompt: false,
+        column_map: &column_map,
+        chat,
+    };
+    let (rows, bad) = read_rows(&fixtures().join(file), false).unwrap();
+    assert!(bad.is_empty());
+    let got = r.encode(&rows).unwrap();
+    let want = exp[key].as_array().unwrap();
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.into_iter().zip(want).enumerate() {
+        let g = g.unwrap_or_else(|e| panic!("{key} row {i}: {e}"));
+        let ids: Vec<u32> = serde_json::from_value(w["ids"].clone()).unwrap();
+        let mask: Vec<u8> = serde_json::from_value(w["mask"].clone()).unwrap();
+        assert_eq!(g.ids, ids, "{key} row {i}: ids");
+        assert_eq!(g.mask, mask, "{key} row {i}: mask");
+    }
+}
+
+#[test]
+fn alpaca_matches_python_tokenizers() {
+    check(DataFormat::Alpaca, "alpaca.jsonl", "alpaca", None);
+}
+
+#[test]
+fn parquet_rows_equal_their_jsonl_twins() {
+    for (a, b) in [("alpaca.parquet", "alpaca.jsonl"), ("chat.parquet", "chat.jsonl")] {
+        let (pq, _) = read_rows(&fixtures().join(a), false).unwrap();
+        let (js, _) = read_rows(&fixtures().join(b), false).unwrap();
+        assert_eq!(pq.len(), js.len());
+        for (p, j) in pq.iter().zip(&js) {
+            assert_eq!(p.fields, j.fields, "{a}");
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("broken.parquet"), b"PAR1 this is not parquet PAR1").unwrap();
+    let e = read_rows(&dir.path().join("broken.parquet"), false).unwrap_err();
+    assert!(e.to_string().contains("`broken.parquet` is not a readable Parquet file"), "{e}");
+}
+
+#[test]
+fn text_matches_python_tokenizers() {
+    check(DataFormat::Text, "text.jsonl", "text", None);
+}
+
+#[test]
+fn chat_matches_jinja2_and_python_tokenizers() {
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("tokenizer_config.json")).unwrap()).unwrap();
+    let t = ChatTemplate::new(cfg["chat_template"].as_str().unwrap(), "<|begin_of_text|>", "<|end_of_text|>").unwrap();
+    // The rendered text is jinja2's, byte for byte.
+    for (row, want) in std::fs::read_to_string(fixtures().join("chat.jsonl"))
+        .unwrap()
+        .lines()
+        .zip(expected()["chat"].as_array().unwrap())
+    {
+        let v: serde_json::Value = serde_json::from_str(row).unwrap();
+        assert_eq!(t.render(v["messages"].as_array().unwrap(), false).unwrap(), want["text"].as_str().unwrap());
+    }
+    check(DataFormat::Chat, "chat.jsonl", "chat", Some(&t));
+}
+
+#[test]
+fn chat_rows_with_problems_name_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &f,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n\
+         {\"messages\": [{\"role\": \"user\", \"content\": \"no answer\"}]}\n\
+         {\"messages\": \"not a list\"}\n\
+         {\"messages\": [{\"role\": \"user\", \"content\": 3}]}\n\
+         {\"conversation\": []}\n",
+    )
+    .unwrap();
+    let tokenizer = tokenizers::Tokenizer::from_file(fixtures().join("tokenizer.json")).unwrap();
+    let t = ChatTemplate::new(rtune::data::chat::CHATML, "", "").unwrap();
+    let column_map = BTreeMap::new();
+    let r = Renderer {
+        tokenizer: &tokenizer,
+        format: DataFormat::Chat,
+        bos: None,
+        eos: None,
+        max_seq_len: 512,
+        truncate: true,
+        train_on_prompt: false,
+        column_map: &column_map,
+        chat: Some(&t),
+    };
+    let (rows, _) = read_rows(&f, false).unwrap();
+    let got = r.encode(&rows).unwrap();
+    assert!(got[0].is_ok());
+    let msgs: Vec<String> = got[1..].iter().map(|e| rtune::ui::render_plain(e.as_ref().unwrap_err())).collect();
+    assert!(msgs[0].contains("bad.jsonl:2") && msgs[0].contains("no assistant message"), "{}", msgs[0]);
+    assert!(msgs[1].contains("bad.jsonl:3") && msgs[1].contains("must be a list of messages"), "{}", msgs[1]);
+    assert!(msgs[2].contains("bad.jsonl:4") && msgs[2].contains("string `role` and `content`"), "{}", msgs[2]);
+    assert!(msgs[3].contains("bad.jsonl:5") && msgs[3].contains("no `messages` column"), "{}", msgs[3]);
+}
+
+#[test]
+fn a_chat_recipe_tokenizes_and_trains_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows: String = (0..60)
+        .map(|i| {
+            format!(
+                "{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is {i} plus one?\"}}, {{\"role\": \"assistant\", \"content\": \"It is {}.\"}}]}}\n",
+                i + 1
+            )
+        })
+        .collect();
+    std::fs::write(dir.path().join("chat.jsonl"), rows).unwrap();
+    std::fs::write(
+        dir.path().join("chat.toml"),
+        r#"
+[recipe]
+name = "chat-demo"
+[model]
+scratch = { arch = "llama", hidden_size = 32, num_layers = 1, num_heads = 2, num_kv_heads = 1, intermediate_size = 64, vocab_size = 300 }
+[dataset]
+path = "chat.jsonl"
+format = "chat"
+chat_template = "chatml"
+max_seq_len = 64
+[adapter]
+kind = "lora"
+rank = 4
+alpha = 8
+targets = ["q_proj", "v_proj"]
+[device]
+prefer = ["cpu"]
+[stages.train]
+max_steps = 3
+batch_size = 8
+"#,
+    )
+    .unwrap();
+    let o = common::rtune(dir.path(), &dir.path().join("cache"), &["run", "chat.toml", "--json"]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let tok = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "tokenize").unwrap();
+    let m = &tok["metrics"];
+    // Only assistant turns count: fewer response tokens than prompt tokens in these rows.
+    assert!(m["response_tokens"].as_u64().unwrap() > 0, "{m}");
+    assert!(m["prompt_tokens"].as_u64().unwrap() > m["response_tokens"].as_u64().unwrap(), "{m}");
+}
