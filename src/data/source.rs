@@ -53,6 +53,22 @@ fn supported(name: &str) -> bool {
 /// Parquet rows as JSON objects (lists and structs nest, as in `datasets`); row N of the file is
 /// reported as "line" N.
 fn read_parquet(path: &Path, name: &str, rows: &mut Vec<Row>) -> Result<(), DataError> {
+    // The parquet crate asserts on some malformed metadata: a damaged file is an error here.
+    let mut out = Vec::new();
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_parquet_inner(path, name, &mut out))) {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(DataError::Invalid {
+                message: format!("`{name}` is not a readable Parquet file: its metadata is damaged"),
+                help: Some("re-export the file, or convert it to JSON Lines".into()),
+            });
+        }
+    }
+    rows.extend(out);
+    Ok(())
+}
+
+fn read_parquet_inner(path: &Path, name: &str, rows: &mut Vec<Row>) -> Result<(), DataError> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let bad = |e: parquet::errors::ParquetError| DataError::Invalid {
         message: format!("`{name}` is not a readable Parquet file: {e}"),

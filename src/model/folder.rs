@@ -77,7 +77,10 @@ impl ModelFolder {
     pub fn load_weights(&self, device: &Device, dtype: DType) -> Result<BTreeMap<String, Tensor>, ModelError> {
         let mut out = BTreeMap::new();
         for file in self.weight_files()? {
-            let bytes = std::fs::read(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
+            let f = std::fs::File::open(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
+            // SAFETY: the file is only read, and only while this map lives.
+            let bytes = unsafe { memmap2::Mmap::map(&f) }
+                .map_err(ModelError::io(format!("cannot map `{}`", file.display())))?;
             let st = safetensors::SafeTensors::deserialize(&bytes)
                 .map_err(|e| ModelError::BadFile { path: file.display().to_string(), source: Box::new(e) })?;
             for (name, view) in st.tensors() {
@@ -94,8 +97,7 @@ impl ModelFolder {
         if !path.is_file() {
             return Err(ModelError::MissingFile { dir: self.dir.display().to_string(), file: "tokenizer.json".into() });
         }
-        tokenizers::Tokenizer::from_file(&path)
-            .map_err(ModelError::tokenizer(format!("cannot load `{}`", path.display())))
+        load_tokenizer(&path)
     }
 
     /// tokenizer_config.json, if present.
@@ -140,6 +142,108 @@ pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Resu
     let bytes = safetensors::serialize(views, Some(meta))
         .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
     std::fs::write(path, bytes).map_err(ModelError::io(format!("cannot write `{}`", path.display())))
+}
+
+/// Write tensors, each computed only when its turn comes (see
+/// [`crate::model::transformer::MergedTensor`]), as a Hugging Face model's weights: one
+/// `model.safetensors`, or — past `max_shard_bytes` — shards `model-00001-of-0000N.safetensors`
+/// and `model.safetensors.index.json`, named as transformers' `save_pretrained` names them.
+/// Peak memory is one tensor, not the model. Returns the files written.
+pub fn save_safetensors_sharded(
+    dir: &Path,
+    tensors: &[crate::model::transformer::MergedTensor<'_>],
+    max_shard_bytes: u64,
+) -> Result<Vec<String>, ModelError> {
+    use std::io::Write;
+    let size_of = |t: &crate::model::transformer::MergedTensor<'_>| {
+        let el = if matches!(t.dtype(), DType::F16 | DType::BF16) { 2 } else { 4 };
+        t.shape().iter().product::<usize>() as u64 * el
+    };
+    let mut shards: Vec<Vec<usize>> = vec![vec![]];
+    let mut current = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let n = size_of(t);
+        if current > 0 && current + n > max_shard_bytes {
+            shards.push(vec![]);
+            current = 0;
+        }
+        shards.last_mut().expect("one shard").push(i);
+        current += n;
+    }
+    let count = shards.len();
+    let name = |k: usize| {
+        if count == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{count:05}.safetensors", k + 1)
+        }
+    };
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0u64;
+    let mut files = Vec::new();
+    for (k, members) in shards.iter().enumerate() {
+        let file = name(k);
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+        let mut offset = 0u64;
+        for &i in members {
+            let t = &tensors[i];
+            let n = size_of(t);
+            let dtype = match t.dtype() {
+                DType::F16 => "F16",
+                DType::BF16 => "BF16",
+                _ => "F32",
+            };
+            header.insert(
+                t.name.clone(),
+                serde_json::json!({ "dtype": dtype, "shape": t.shape(), "data_offsets": [offset, offset + n] }),
+            );
+            weight_map.insert(t.name.clone(), serde_json::json!(file));
+            offset += n;
+        }
+        total += offset;
+        let mut text = serde_json::to_string(&header).expect("json");
+        while !text.len().is_multiple_of(8) {
+            text.push(' ');
+        }
+        let path = dir.join(&file);
+        let io = |e| ModelError::Io { context: format!("cannot write `{}`", path.display()), source: e };
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&path).map_err(io)?);
+        w.write_all(&(text.len() as u64).to_le_bytes()).map_err(io)?;
+        w.write_all(text.as_bytes()).map_err(io)?;
+        for &i in members {
+            let t = tensors[i].tensor().map_err(ModelError::candle(format!("merge `{}`", tensors[i].name)))?;
+            let (_, bytes) = tensor_bytes(&t).map_err(ModelError::candle(format!("read `{}`", tensors[i].name)))?;
+            w.write_all(&bytes).map_err(io)?;
+        }
+        w.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)?;
+        files.push(file);
+    }
+    if count > 1 {
+        let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+        let path = dir.join("model.safetensors.index.json");
+        let mut text = serde_json::to_string_pretty(&index).expect("json");
+        text.push('\n');
+        std::fs::write(&path, text).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?;
+        files.push("model.safetensors.index.json".into());
+    }
+    Ok(files)
+}
+
+/// Load a tokenizer.json. The file is checked to be JSON first, and a panic inside the
+/// tokenizers crate (it unwraps on some malformed sections) becomes an error.
+pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
+    serde_json::from_str::<serde_json::Value>(&text)
+        .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
+    let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>());
+    match parsed {
+        Ok(r) => r.map_err(ModelError::tokenizer(format!("cannot load `{}`", path.display()))),
+        Err(_) => Err(ModelError::BadFile {
+            path: path.display().to_string(),
+            source: "the tokenizers library could not parse this file".into(),
+        }),
+    }
 }
 
 /// Raw little-endian bytes of a tensor and its safetensors dtype.
