@@ -174,3 +174,58 @@ batch_size = 8
     assert!(m["response_tokens"].as_u64().unwrap() > 0, "{m}");
     assert!(m["prompt_tokens"].as_u64().unwrap() > m["response_tokens"].as_u64().unwrap(), "{m}");
 }
+
+#[test]
+fn an_evaluate_stage_can_measure_its_own_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = std::fs::read_to_string(common::root().join("tests/fixtures/data/tiny-alpaca.jsonl")).unwrap();
+    std::fs::write(dir.path().join("train.jsonl"), &rows).unwrap();
+    let heldout: String = rows.lines().take(5).map(|l| format!("{l}\n")).collect();
+    std::fs::write(dir.path().join("heldout.jsonl"), &heldout).unwrap();
+    std::fs::write(
+        dir.path().join("r.toml"),
+        r#"
+[recipe]
+name = "eval-demo"
+[model]
+scratch = { arch = "llama", hidden_size = 32, num_layers = 1, num_heads = 2, num_kv_heads = 1, intermediate_size = 64, vocab_size = 300 }
+[dataset]
+path = "train.jsonl"
+format = "alpaca"
+max_seq_len = 256
+[adapter]
+kind = "lora"
+rank = 4
+alpha = 8
+targets = ["q_proj", "v_proj"]
+[device]
+prefer = ["cpu"]
+[stages.train]
+max_steps = 3
+batch_size = 4
+[stages.eval_heldout]
+kind = "evaluate"
+model = "both"
+dataset = "heldout.jsonl"
+"#,
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let o = common::rtune(dir.path(), &dir.path().join("cache"), args);
+        assert!(o.status.success(), "{}", common::stderr(&o));
+        o
+    };
+    let report: serde_json::Value = serde_json::from_slice(&run(&["run", "r.toml", "--json"]).stdout).unwrap();
+    let ev = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "eval_heldout").unwrap();
+    let m = &ev["metrics"]["results"];
+    assert!(m["base"]["eval_loss"].as_f64().unwrap() > 0.0 && m["tuned"]["eval_loss"].as_f64().unwrap() > 0.0, "{m}");
+    let n = m["tuned"]["eval_tokens"].as_u64().unwrap();
+    assert!(n > 0, "{m}");
+
+    // It needs no tokenize stage, and editing its file re-runs only it.
+    let plan = common::stdout(&run(&["plan", "r.toml"]));
+    assert!(plan.lines().any(|l| l.starts_with("eval_heldout") && l.contains(" download,train ")), "{plan}");
+    std::fs::write(dir.path().join("heldout.jsonl"), heldout.replacen('a', "b", 1)).unwrap();
+    let plan = common::stdout(&run(&["plan", "r.toml"]));
+    assert!(plan.contains("source changed: dataset") && plan.contains("1 to run"), "{plan}");
+}

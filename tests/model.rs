@@ -343,7 +343,7 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
     let report = rtune::model::gguf::write(
         &path,
         &folder.config,
-        &model.merged_weights().unwrap(),
+        &model.merged_tensors(),
         dir.path(),
         "t",
         rtune::recipe::ExportFormat::GgufF32,
@@ -370,5 +370,89 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
             .unwrap();
         let d = got.iter().zip(&full[j]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(d < 1e-3, "position {j}: max |logit diff| {d}");
+    }
+}
+
+#[test]
+fn merged_weights_stream_into_shards_with_an_index_that_loads_back() {
+    let model = with_adapter("tiny-llama");
+    let merged = model.merged_weights().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture("tiny-llama").join("model/config.json"), dir.path().join("config.json")).unwrap();
+    let files = rtune::model::folder::save_safetensors_sharded(dir.path(), &model.merged_tensors(), 30_000).unwrap();
+    assert!(files.len() > 2, "{files:?}");
+    assert_eq!(files.last().unwrap(), "model.safetensors.index.json");
+    assert!(files[0].starts_with("model-00001-of-"), "{files:?}");
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    assert_eq!(index["weight_map"].as_object().unwrap().len(), merged.len());
+    let back = ModelFolder::open(dir.path()).unwrap().load_weights(&Device::Cpu, DType::F32).unwrap();
+    assert_eq!(back.keys().collect::<Vec<_>>(), merged.keys().collect::<Vec<_>>());
+    for (name, t) in &merged {
+        let d = (t - &back[name]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(d, 0.0, "{name}");
+    }
+    // One file when it fits.
+    let one = tempfile::tempdir().unwrap();
+    let files = rtune::model::folder::save_safetensors_sharded(one.path(), &model.merged_tensors(), u64::MAX).unwrap();
+    assert_eq!(files, ["model.safetensors"]);
+    assert_eq!(rtune::recipe::parse_size("5GB").unwrap(), 5_000_000_000);
+    assert_eq!(rtune::recipe::parse_size("2 MiB").unwrap(), 2 * 1024 * 1024);
+    assert!(rtune::recipe::parse_size("5 parsecs").is_err());
+}
+
+/// Every GGUF type round-trips: written, read back by candle's llama.cpp reader with the
+/// declared tensor types and `general.file_type`, and its logits follow the f32 model's (as
+/// closely as the type allows).
+#[test]
+fn every_gguf_type_round_trips() {
+    use candle_core::quantized::GgmlDType;
+    use candle_transformers::models::quantized_qwen2;
+    use rtune::recipe::ExportFormat as F;
+    let src = fixture("tiny-qwen2").join("model");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..128).map(|i| (format!("t{i}"), i.into())).collect();
+    let tj = serde_json::json!({"model": {"type": "BPE", "vocab": vocab, "merges": [["t1", "t2"]]}, "added_tokens": [{"id": 2, "content": "</s>", "special": true}]});
+    std::fs::write(dir.path().join("tokenizer.json"), tj.to_string()).unwrap();
+    let model = load("tiny-qwen2", &Trainable::Nothing);
+    let merged = model.merged_tensors();
+    let folder = ModelFolder::open(dir.path()).unwrap();
+    let ids = [1u32, 17, 45, 99, 3, 64];
+    let full = full_forward(&model, &ids);
+    // (format, ggml type, llama.cpp file type, smallest cosine similarity of logits)
+    for (format, ty, file_type, min_cos) in [
+        (F::GgufF16, GgmlDType::F16, 1, 0.9999),
+        (F::GgufQ8_0, GgmlDType::Q8_0, 7, 0.999),
+        (F::GgufQ4_0, GgmlDType::Q4_0, 2, 0.95),
+        (F::GgufQ4K, GgmlDType::Q4K, 15, 0.95),
+    ] {
+        let path = dir.path().join(format!("{format:?}.gguf"));
+        let report = rtune::model::gguf::write(&path, &folder.config, &merged, dir.path(), "t", format).unwrap();
+        let mut f = std::fs::File::open(&path).unwrap();
+        let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+        assert_eq!(content.metadata["general.file_type"].to_u32().unwrap(), file_type, "{format:?}");
+        let q_type = content.tensor_infos["blk.0.attn_q.weight"].ggml_dtype;
+        let fell_back = report.fallbacks.iter().any(|s| s.contains("blk.0.attn_q.weight"));
+        assert!(q_type == ty || fell_back, "{format:?}: attn_q is {q_type:?}, fallbacks {:?}", report.fallbacks);
+        assert_eq!(content.tensor_infos["blk.0.attn_norm.weight"].ggml_dtype, GgmlDType::F32, "norms stay f32");
+        let mut q = quantized_qwen2::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
+        for (j, id) in ids.iter().enumerate() {
+            let got: Vec<f32> = q
+                .forward(&Tensor::new(&[[*id]], &Device::Cpu).unwrap(), j)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let dot: f32 = got.iter().zip(&full[j]).map(|(a, b)| a * b).sum();
+            let na: f32 = got.iter().map(|a| a * a).sum::<f32>().sqrt();
+            let nb: f32 = full[j].iter().map(|b| b * b).sum::<f32>().sqrt();
+            let cos = dot / (na * nb);
+            assert!(cos >= min_cos, "{format:?} position {j}: cosine {cos} < {min_cos}");
+        }
     }
 }

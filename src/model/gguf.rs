@@ -4,7 +4,6 @@
 //! embedding, llama3 rope factors as `rope_freqs.weight`, and 1-D tensors kept in f32.
 //! candle's `gguf_file::write` writes the container (GGUF v2).
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file::Value};
@@ -74,11 +73,11 @@ fn permute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     w.reshape((heads, 2, out / heads / 2, inp))?.transpose(1, 2)?.contiguous()?.reshape((out, inp))
 }
 
-/// Write `weights` (HF names, merged) of a model with `cfg` and its tokenizer as GGUF.
+/// Write `weights` (HF names, merged, computed one by one) of a model with `cfg` and its tokenizer as GGUF.
 pub fn write(
     path: &Path,
     cfg: &ModelConfig,
-    weights: &BTreeMap<String, Tensor>,
+    weights: &[crate::model::transformer::MergedTensor<'_>],
     model_dir: &Path,
     name: &str,
     format: ExportFormat,
@@ -115,9 +114,11 @@ pub fn write(
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut fallbacks = Vec::new();
     let err = |n: &str| ModelError::candle(format!("convert `{n}` for GGUF"));
-    for (hf, t) in weights {
+    // One merged tensor at a time: computed, quantized, dropped.
+    for m in weights {
+        let hf = m.name.as_str();
         let Some(gname) = tensor_name(hf) else { continue };
-        let mut t = t.to_dtype(DType::F32).map_err(err(hf))?;
+        let mut t = m.tensor().map_err(err(hf))?.to_dtype(DType::F32).map_err(err(hf))?;
         if cfg.arch == Arch::Llama && hf.ends_with("q_proj.weight") {
             t = permute(&t, cfg.num_heads).map_err(err(hf))?;
         } else if cfg.arch == Arch::Llama && hf.ends_with("k_proj.weight") {

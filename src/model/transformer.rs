@@ -548,22 +548,66 @@ impl Transformer {
     /// save as a plain model folder. Tied embeddings stay tied (an adapter on a tied `lm_head`
     /// would untie them and is written as its own `lm_head.weight`).
     pub fn merged_weights(&self) -> Result<BTreeMap<String, Tensor>> {
-        let mut out = BTreeMap::new();
-        out.insert("model.embed_tokens.weight".to_string(), self.embed.detach());
+        self.merged_tensors().into_iter().map(|m| Ok((m.name.clone(), m.tensor()?))).collect()
+    }
+
+    /// The tensors of the merged model, computed one at a time on demand (an export can write
+    /// each and drop it, so a merge never holds a second copy of the model).
+    pub fn merged_tensors(&self) -> Vec<MergedTensor<'_>> {
+        let mut out = vec![MergedTensor::plain("model.embed_tokens.weight".into(), &self.embed)];
         for (i, l) in self.layers.iter().enumerate() {
-            out.insert(format!("model.layers.{i}.input_layernorm.weight"), l.input_norm.detach());
-            out.insert(format!("model.layers.{i}.post_attention_layernorm.weight"), l.post_norm.detach());
+            out.push(MergedTensor::plain(format!("model.layers.{i}.input_layernorm.weight"), &l.input_norm));
+            out.push(MergedTensor::plain(format!("model.layers.{i}.post_attention_layernorm.weight"), &l.post_norm));
         }
-        out.insert("model.norm.weight".to_string(), self.norm.detach());
+        out.push(MergedTensor::plain("model.norm.weight".into(), &self.norm));
         for (name, lin) in self.linears() {
             if name == "lm_head" && self.cfg.tie_word_embeddings && lin.lora.is_none() {
                 continue;
             }
-            out.insert(format!("{name}.weight"), lin.merged_weight()?.detach());
+            out.push(MergedTensor { name: format!("{name}.weight"), source: MergedSource::Linear(lin) });
             if let Some(b) = lin.bias() {
-                out.insert(format!("{name}.bias"), b.detach());
+                out.push(MergedTensor::plain(format!("{name}.bias"), b));
             }
         }
-        Ok(out)
+        out
+    }
+}
+
+/// One tensor of the merged model.
+pub struct MergedTensor<'a> {
+    pub name: String,
+    source: MergedSource<'a>,
+}
+
+enum MergedSource<'a> {
+    Plain(&'a Tensor),
+    /// `W + scale · B · A`, computed when asked for.
+    Linear(&'a Linear),
+}
+
+impl<'a> MergedTensor<'a> {
+    fn plain(name: String, t: &'a Tensor) -> MergedTensor<'a> {
+        MergedTensor { name, source: MergedSource::Plain(t) }
+    }
+
+    pub fn shape(&self) -> Vec<usize> {
+        match &self.source {
+            MergedSource::Plain(t) => t.dims().to_vec(),
+            MergedSource::Linear(l) => l.weight().dims().to_vec(),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match &self.source {
+            MergedSource::Plain(t) => t.dtype(),
+            MergedSource::Linear(l) => l.weight().dtype(),
+        }
+    }
+
+    pub fn tensor(&self) -> Result<Tensor> {
+        match &self.source {
+            MergedSource::Plain(t) => Ok(t.detach()),
+            MergedSource::Linear(l) => Ok(l.merged_weight()?.detach()),
+        }
     }
 }

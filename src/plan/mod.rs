@@ -171,6 +171,17 @@ pub fn make(
         if uses_device {
             doc["device"] = json!({ "class": device.class.as_str(), "dtype": device.dtype.as_str() });
         }
+        if spec.kind == StageKind::Evaluate
+            && let Some(rel) = settings["evaluate"]["dataset"].as_str()
+        {
+            let path = loaded.resolve_path(rel);
+            let digest = fingerprint::digest_path(&path).map_err(|e| {
+                Problem::new("rtune::source::unreadable", format!("cannot read `{}`: {e}", path.display()))
+                    .at(loaded.origin(&["stages", &spec.name, "dataset"]), "this path")
+                    .help("paths are relative to the recipe's folder")
+            })?;
+            doc["sources"] = json!({ "dataset": digest });
+        }
         if spec.kind == StageKind::Download {
             let locked = previous.and_then(|r| r.stages.get(&spec.name)).map(|d| &d.inputs["sources"]);
             doc["sources"] = source_digests(loaded, &hub, locked)?;
@@ -314,11 +325,16 @@ fn resolve_settings(spec: &StageSpec, loaded: &LoadedRecipe, device: &Resolution
         }
         StageKind::Tokenize => {
             let d = &recipe.dataset;
-            json!({
+            let mut v = json!({
                 "format": d.format, "eval_fraction": d.eval_fraction, "max_seq_len": d.max_seq_len,
                 "truncate": d.truncate, "packing": d.packing, "train_on_prompt": d.train_on_prompt,
                 "skip_bad_rows": d.skip_bad_rows, "column_map": d.column_map, "seed": seed,
-            })
+            });
+            // Only when set, so existing fingerprints stay valid.
+            if let Some(t) = &d.chat_template {
+                v["chat_template"] = json!(t);
+            }
+            v
         }
         StageKind::Train => {
             let t: TrainSettings = serde_json::from_value(table)?;
@@ -326,7 +342,18 @@ fn resolve_settings(spec: &StageSpec, loaded: &LoadedRecipe, device: &Resolution
         }
         StageKind::Evaluate => {
             let e: EvaluateSettings = serde_json::from_value(table)?;
-            json!({ "evaluate": e, "seed": seed })
+            if e.dataset.is_some() {
+                // It tokenizes its own data: how rows become tokens is part of its output.
+                let d = &recipe.dataset;
+                let data = json!({
+                    "format": d.format, "max_seq_len": d.max_seq_len, "truncate": d.truncate,
+                    "train_on_prompt": d.train_on_prompt, "skip_bad_rows": d.skip_bad_rows,
+                    "column_map": d.column_map, "chat_template": d.chat_template,
+                });
+                json!({ "evaluate": e, "data": data, "seed": seed })
+            } else {
+                json!({ "evaluate": e, "seed": seed })
+            }
         }
         StageKind::Quantize => {
             let q: QuantizeSettings = serde_json::from_value(table)?;
@@ -543,6 +570,13 @@ mod support {
             StageKind::Tokenize => {}
             StageKind::Train | StageKind::Evaluate => {}
             StageKind::Quantize => {
+                if let Some(size) = spec.settings.get("max_shard_size").and_then(|v| v.as_str())
+                    && let Err(e) = crate::recipe::parse_size(size)
+                {
+                    return Err(Problem::new("rtune::plan::bad_size", e)
+                        .at(loaded.origin(&["stages", &spec.name, "max_shard_size"]), "not a size")
+                        .help("e.g. \"5GB\", \"500MB\" or \"2GiB\""));
+                }
                 // With the default list (no `formats`), a full fine-tune gets no PEFT export.
                 let formats = spec.settings.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
                 let peft = formats.iter().any(|f| f.as_str() == Some("peft-adapter"));

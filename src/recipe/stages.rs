@@ -54,11 +54,15 @@ pub fn reads(kind: StageKind, settings: &serde_json::Map<String, J>) -> Vec<Port
         StageKind::Tokenize => vec![Port::Model, Port::Dataset],
         StageKind::Train => vec![Port::Model, Port::Tokens],
         StageKind::Evaluate => {
-            if settings.get("model").and_then(J::as_str) == Some("base") {
-                vec![Port::Model, Port::Tokens]
-            } else {
-                vec![Port::Model, Port::Tokens, Port::Weights]
+            // With its own `dataset`, an evaluate stage tokenizes that itself.
+            let mut ports = vec![Port::Model];
+            if settings.get("dataset").is_none() {
+                ports.push(Port::Tokens);
             }
+            if settings.get("model").and_then(J::as_str) != Some("base") {
+                ports.push(Port::Weights);
+            }
+            ports
         }
         StageKind::Quantize => vec![Port::Model, Port::Tokens, Port::Weights],
         StageKind::Upload => vec![Port::Exports],

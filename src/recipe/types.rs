@@ -616,6 +616,10 @@ pub struct EvaluateSettings {
     /// Which model to measure: the tuned one (needs a train stage) or the base model.
     #[serde(default)]
     pub model: EvalModel,
+    /// Measure on every row of this local file or folder (relative to the recipe, read with
+    /// `[dataset]`'s format and settings) instead of the eval split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<String>,
     /// Sequences per batch.
     #[serde(default = "default_batch")]
     #[schemars(range(min = 1, max = 65536))]
@@ -659,6 +663,45 @@ pub struct QuantizeSettings {
     #[serde(default = "default_formats")]
     #[schemars(length(min = 1))]
     pub formats: Vec<ExportFormat>,
+    /// `safetensors-merged`: largest weights file, e.g. `"5GB"` or `"500MB"` (KB/MB/GB are
+    /// powers of 1000, KiB/MiB/GiB of 1024, as in transformers); bigger models are written as
+    /// shards plus `model.safetensors.index.json` [default: 5GB].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?\s*([KMGT]i?B|B)$"))]
+    pub max_shard_size: Option<String>,
+}
+
+impl QuantizeSettings {
+    pub const DEFAULT_SHARD: u64 = 5_000_000_000;
+
+    pub fn shard_bytes(&self) -> Result<u64, String> {
+        self.max_shard_size.as_deref().map_or(Ok(Self::DEFAULT_SHARD), parse_size)
+    }
+}
+
+/// `"5GB"` → 5·10⁹, `"512MiB"` → 512·2²⁰.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size like \"5GB\""))?;
+    let mult: f64 = match unit.trim() {
+        "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KiB" => 1024.0,
+        "MiB" => 1024f64.powi(2),
+        "GiB" => 1024f64.powi(3),
+        "TiB" => 1024f64.powi(4),
+        _ => return Err(format!("`{s}`: unknown unit (use B, KB, MB, GB, KiB, MiB or GiB)")),
+    };
+    let v = (n * mult).round();
+    if v < 1.0 {
+        return Err(format!("`{s}` is too small"));
+    }
+    Ok(v as u64)
 }
 
 fn default_formats() -> Vec<ExportFormat> {

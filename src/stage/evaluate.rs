@@ -12,13 +12,44 @@ use crate::recipe::{DataFormat, EvalModel, EvaluateSettings};
 use crate::rng::Rng;
 use crate::train::evaluate;
 
+/// Tokenize an evaluate stage's own dataset (every row) into its work folder, after checking it
+/// is still the file the plan fingerprinted.
+fn own_dataset(ctx: &StageCtx<'_>, folder: &ModelFolder, rel: &str) -> Result<TokenStore, StageError> {
+    let path = ctx.loaded.resolve_path(rel);
+    let digest = crate::fingerprint::digest_path(&path).map_err(StageError::io(format!("cannot read `{rel}`")))?;
+    if ctx.stage.doc["sources"]["dataset"].as_str() != Some(digest.as_str()) {
+        return Err(crate::recipe::Problem::new(
+            "rtune::source::changed",
+            format!("`{rel}` changed while rtune was running"),
+        )
+        .at(ctx.loaded.origin(&["stages", &ctx.stage.name, "dataset"]), "this dataset")
+        .help("run again; the plan will fingerprint the new content")
+        .into());
+    }
+    let (encoded, bad, _) = super::tokenize::encode_dataset(ctx, folder, &path)?;
+    for b in bad.iter().take(3) {
+        ctx.ui.warn(format!("dropped: {b}"));
+    }
+    let dir = ctx.work.join("eval-tokens");
+    std::fs::create_dir_all(&dir).map_err(StageError::io("cannot create the work folder"))?;
+    let mut w = crate::data::TokenWriter::create(&dir, "eval")?;
+    for e in &encoded {
+        w.push(&e.ids, &e.mask, &vec![0; e.ids.len()])?;
+    }
+    w.finish(&dir, "eval")?;
+    Ok(TokenStore::open(&dir, "eval")?)
+}
+
 pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
     let s: EvaluateSettings = serde_json::from_value(ctx.stage.settings()["evaluate"].clone())
         .map_err(|e| StageError::Internal(format!("resolved evaluate settings: {e}")))?;
     let device = ctx.device.candle_device().map_err(StageError::candle("cannot open the device"))?;
     let model_dir = ctx.input("model")?.join("model");
-    let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
     let folder = ModelFolder::open(&model_dir)?;
+    let (eval, source) = match &s.dataset {
+        None => (TokenStore::open(&ctx.input("tokens")?, "eval")?, "the eval split".to_string()),
+        Some(rel) => (own_dataset(ctx, &folder, rel)?, format!("`{rel}`")),
+    };
     let tokenizer = folder.tokenizer()?;
     let which: Vec<&str> = match s.model {
         EvalModel::Base => vec!["base"],
@@ -53,7 +84,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
         }
         ctx.ui.status(
             "evaluate",
-            format!("{w} model: eval loss {loss:.4}, perplexity {:.2} over {n} tokens", loss.exp()),
+            format!("{w} model: eval loss {loss:.4}, perplexity {:.2} over {n} tokens of {source}", loss.exp()),
         );
         for smp in &samples {
             ctx.ui.detail(format!(

@@ -11,7 +11,7 @@ use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
 use crate::data::TokenStore;
-use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safetensors, gguf, peft};
+use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safetensors_sharded, gguf, peft};
 use crate::recipe::{ExportFormat, QuantizeSettings};
 use crate::rng::Rng;
 
@@ -29,7 +29,6 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let model = super::evaluate::tuned_model(&folder, &weights_dir, &Device::Cpu, DType::F32)?;
     let base_name = ctx.loaded.recipe.model.repo.clone().unwrap_or_default();
     let mut report = serde_json::Map::new();
-    let mut merged_cache = None;
     for format in &s.formats {
         match format {
             ExportFormat::PeftAdapter => {
@@ -43,8 +42,11 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
             ExportFormat::SafetensorsMerged => {
                 let dir = ctx.out.join("merged");
                 mkdir(&dir)?;
-                let merged = merged_weights(&model, &mut merged_cache)?;
-                save_safetensors(&dir.join("model.safetensors"), &merged)?;
+                let tensors = model.merged_tensors();
+                let shard = s.shard_bytes().map_err(StageError::Internal)?;
+                // Each merged tensor is computed, written and dropped in turn.
+                let files = save_safetensors_sharded(&dir, &tensors, shard)?;
+                let unties = tensors.iter().any(|t| t.name == "lm_head.weight");
                 for f in FOLDER_FILES.iter().filter(|f| **f != "config.json") {
                     let src = model_dir.join(f);
                     if src.is_file() {
@@ -53,7 +55,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 }
                 // An adapter on a tied LM head unties it: the merged head is its own tensor.
                 let mut config = folder.raw_config.clone();
-                if merged.contains_key("lm_head.weight") && folder.config.tie_word_embeddings {
+                if unties && folder.config.tie_word_embeddings {
                     config["tie_word_embeddings"] = json!(false);
                 }
                 write_json(&dir.join("config.json"), &config)?;
@@ -69,14 +71,14 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 );
                 report.insert(
                     "safetensors-merged".into(),
-                    json!({ "dir": "merged", "tensors": merged.len(), "max_logit_diff": diff }),
+                    json!({ "dir": "merged", "tensors": tensors.len(), "files": files, "max_logit_diff": diff }),
                 );
             }
             other => {
                 let Some((qtype, _)) = gguf::target(*other) else {
                     return Err(StageError::Internal(format!("export format {other:?} is not a GGUF format")));
                 };
-                let merged = merged_weights(&model, &mut merged_cache)?;
+                let merged = model.merged_tensors();
                 let tag = format!("{qtype:?}").to_lowercase();
                 let file = format!("model-{tag}.gguf");
                 mkdir(&ctx.out.join("gguf"))?;
@@ -118,17 +120,6 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
 
 /// Eval rows used by the GGUF self-check (token-by-token decoding is slow on big models).
 const SELF_CHECK_ROWS: usize = 64;
-
-/// Merged weights, computed once per stage.
-fn merged_weights(
-    model: &Transformer,
-    cache: &mut Option<std::collections::BTreeMap<String, candle_core::Tensor>>,
-) -> Result<std::collections::BTreeMap<String, candle_core::Tensor>, StageError> {
-    if cache.is_none() {
-        *cache = Some(model.merged_weights().map_err(StageError::candle("merge the adapter"))?);
-    }
-    Ok(cache.clone().expect("set above"))
-}
 
 /// Mean next-token loss of a GGUF file over the first eval rows, decoded token by token with
 /// candle's quantized Llama/Qwen2 (llama.cpp's conventions: it is a check of names, layout and

@@ -10,22 +10,27 @@ use crate::rng::Rng;
 
 const CHUNK: usize = 2048;
 
-pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
+/// Read `data` (a file or folder) and encode every row with `[dataset]`'s format and the
+/// model's tokenizer, in parallel chunks with progress. Returns the encoded rows, the bad rows
+/// (skipped when `skip_bad_rows`, else the first is the error) and the number of rows read.
+pub(super) fn encode_dataset(
+    ctx: &StageCtx<'_>,
+    folder: &ModelFolder,
+    data: &std::path::Path,
+) -> Result<(Vec<Encoded>, Vec<DataError>, usize), StageError> {
     let d = &ctx.loaded.recipe.dataset;
-    let folder = ModelFolder::open(&ctx.input("model")?.join("model"))?;
     let tokenizer = folder.tokenizer()?;
-    let data_dir = ctx.input("dataset")?.join("dataset");
-    let (rows, mut bad) = read_rows(&data_dir, d.skip_bad_rows)?;
+    let (rows, mut bad) = read_rows(data, d.skip_bad_rows)?;
     if rows.is_empty() {
         return Err(DataError::Invalid {
-            message: "the dataset has no rows".into(),
-            help: Some("check `dataset.path`".into()),
+            message: format!("`{}` has no rows", data.display()),
+            help: Some("check the dataset's path and format".into()),
         }
         .into());
     }
     let chat = match d.format {
         crate::recipe::DataFormat::Chat => {
-            Some(crate::data::chat::ChatTemplate::for_model(&folder, d.chat_template.as_deref())?)
+            Some(crate::data::chat::ChatTemplate::for_model(folder, d.chat_template.as_deref())?)
         }
         _ => None,
     };
@@ -60,6 +65,14 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         }
         .into());
     }
+    Ok((encoded, bad, rows.len()))
+}
+
+pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
+    let d = &ctx.loaded.recipe.dataset;
+    let folder = ModelFolder::open(&ctx.input("model")?.join("model"))?;
+    let data_dir = ctx.input("dataset")?.join("dataset");
+    let (encoded, bad, rows) = encode_dataset(ctx, &folder, &data_dir)?;
     // Seeded split by row.
     let mut order: Vec<usize> = (0..encoded.len()).collect();
     Rng::derive(ctx.seed(), "split").shuffle(&mut order);
@@ -92,7 +105,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let eval_seqs = eval.finish(ctx.out, "eval")?;
     let tokens: usize = encoded.iter().map(|e| e.ids.len()).sum();
     let stats = json!({
-        "rows": rows.len() + bad.len(),
+        "rows": rows + bad.len(),
         "used_rows": encoded.len(),
         "train_rows": encoded.len() - n_eval,
         "eval_rows": n_eval,
@@ -113,7 +126,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         "tokenize",
         format!(
             "{} rows → {} train / {} eval, {tokens} tokens, {} truncated, {} dropped",
-            rows.len() + bad.len(),
+            rows + bad.len(),
             encoded.len() - n_eval,
             n_eval,
             stats["truncated_rows"],
