@@ -15,11 +15,13 @@ pub const FINGERPRINT_VERSION: u32 = 1;
 
 /// Version of each stage kind's output. Bump a kind's number when its output for the same
 /// inputs changes, so artifacts built by an older rtune are not reused.
-/// History: all 1 — first version.
+/// History: all 1 — first version; upload 2 — model card and loss curve added.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
-        Download | Tokenize | Train | Evaluate | Quantize | Upload => 1,
+        Download | Tokenize | Train | Evaluate | Quantize => 1,
+        // 2: uploads carry a generated model card and the loss curve.
+        Upload => 2,
     }
 }
 

@@ -130,7 +130,7 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf)]) -> String {
     }
     let _ = writeln!(
         s,
-        "Fine-tuned from {base} with [rtune](https://github.com/rtune/rtune) (`rtune run {}`).\n",
+        "Fine-tuned from {base} with rtune (`rtune run {}`).\n",
         ctx.loaded.name()
     );
     s.push_str("## Files\n\n| file | size |\n|---|---|\n");
