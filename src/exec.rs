@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::Error;
 use crate::plan::{self, Action, LockFile, Plan};
-use crate::recipe::LoadedRecipe;
+use crate::recipe::{LoadedRecipe, Problem};
 use crate::stage::{self, StageCtx};
 use crate::store::{Manifest, Store, write_atomic};
 use crate::ui::{Ui, human_bytes};
@@ -104,6 +104,7 @@ pub fn check_locked(loaded: &LoadedRecipe, plan: &Plan, lock: &LockFile) -> Resu
 pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result<RunReport, Error> {
     let lock_file = lock_path(loaded);
     let mut report = RunReport { recipe: plan.recipe.clone(), stages: Vec::new() };
+    let mut verified = std::collections::BTreeSet::new();
     for planned in &plan.stages {
         if crate::train::INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(Error::Interrupted);
@@ -137,6 +138,30 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         }
         if planned.reason.starts_with("artifact damaged") || forced {
             store.evict(fp)?;
+        }
+        // Inputs are re-hashed (once per run) before a stage reads them: damage that happened
+        // since they were built is caught here, marked, and rebuilt by the next run.
+        for input in planned.doc["inputs"].as_object().into_iter().flat_map(|m| m.values()).filter_map(|v| v.as_str()) {
+            if !verified.insert(input.to_string()) {
+                continue;
+            }
+            let Some(m) = store.manifest(input) else { continue };
+            let problems = store.verify(&m);
+            if !problems.is_empty() {
+                store.mark_damaged(input, &problems)?;
+                return Err(Problem::new(
+                    "rtune::store::damaged_input",
+                    format!(
+                        "stage `{}` cannot start: its input `{}` ({}) is damaged: {}",
+                        planned.name,
+                        m.stage,
+                        crate::fingerprint::short(input),
+                        problems.join("; ")
+                    ),
+                )
+                .help("run the same command again: the damaged artifact is rebuilt first")
+                .into());
+            }
         }
         ui.status("running", format!("{} ({}) — {}", planned.name, planned.short(), planned.reason));
         let staging = store.staging()?;

@@ -157,3 +157,18 @@ fn device_overrides_and_plan_explanation() {
         stderr(&none)
     );
 }
+
+/// A cache that cannot be created (its parent is a file; permissions do not stop root) is a
+/// clear error, not a panic, and nothing is half-written.
+#[test]
+fn an_unwritable_cache_is_a_clear_error() {
+    let p = common::Project::tiny_offline();
+    let blocker = p.path().join("not-a-dir");
+    std::fs::write(&blocker, b"x").unwrap();
+    let o = rtune(p.path(), &blocker.join("cache"), &["run", "tiny.toml"]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("rtune::store::io") && e.contains("not-a-dir/cache"), "{e}");
+    assert!(e.contains("check that the cache directory is writable"), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+}

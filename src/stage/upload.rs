@@ -128,11 +128,7 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf)]) -> String {
     if let Some(d) = &r.recipe.description {
         let _ = writeln!(s, "{d}\n");
     }
-    let _ = writeln!(
-        s,
-        "Fine-tuned from {base} with rtune (`rtune run {}`).\n",
-        ctx.loaded.name()
-    );
+    let _ = writeln!(s, "Fine-tuned from {base} with rtune (`rtune run {}`).\n", ctx.loaded.name());
     s.push_str("## Files\n\n| file | size |\n|---|---|\n");
     for (p, local) in files {
         let size = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
@@ -161,7 +157,8 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf)]) -> String {
     }
     if let Some(m) = train_stage(ctx).and_then(|st| ctx.store.manifest(&st.fingerprint)) {
         s.push_str("\n## Training\n\n");
-        for key in ["steps", "eval_loss_start", "eval_loss_end", "train_loss_end", "tokens_seen", "seconds"] {
+        // Results only: timings would make the artifact differ between identical runs.
+        for key in ["steps", "eval_loss_start", "eval_loss_end", "train_loss_end", "tokens_seen"] {
             if let Some(v) = m.metrics.get(key).filter(|v| !v.is_null()) {
                 let _ = writeln!(s, "- {key}: {v}");
             }
