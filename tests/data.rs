@@ -19,21 +19,33 @@ fn expected() -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(fixtures().join("expected.json")).unwrap()).unwrap()
 }
 
+/// A renderer with long sequences, truncation on and prompts masked.
+fn renderer<'a>(
+    tokenizer: &'a tokenizers::Tokenizer,
+    format: DataFormat,
+    (bos, eos): (Option<u32>, Option<u32>),
+    column_map: &'a BTreeMap<String, String>,
+    chat: Option<&'a ChatTemplate>,
+) -> Renderer<'a> {
+    Renderer {
+        tokenizer,
+        format,
+        bos,
+        eos,
+        max_seq_len: 4096,
+        truncate: true,
+        train_on_prompt: false,
+        column_map,
+        chat,
+    }
+}
+
 fn check(format: DataFormat, file: &str, key: &str, chat: Option<&ChatTemplate>) {
     let tokenizer = tokenizers::Tokenizer::from_file(fixtures().join("tokenizer.json")).unwrap();
     let exp = expected();
     let column_map = BTreeMap::new();
-    let r = Renderer {
-        tokenizer: &tokenizer,
-        format,
-        bos: exp["bos"].as_u64().map(|v| v as u32),
-        eos: exp["eos"].as_u64().map(|v| v as u32),
-        max_seq_len: 4096,
-        truncate: true,
-        train_on_prompt: false,
-        column_map: &column_map,
-        chat,
-    };
+    let ids = (exp["bos"].as_u64().map(|v| v as u32), exp["eos"].as_u64().map(|v| v as u32));
+    let r = renderer(&tokenizer, format, ids, &column_map, chat);
     let (rows, bad) = read_rows(&fixtures().join(file), false).unwrap();
     assert!(bad.is_empty());
     let got = r.encode(&rows).unwrap();
@@ -107,17 +119,7 @@ fn chat_rows_with_problems_name_the_line() {
     let tokenizer = tokenizers::Tokenizer::from_file(fixtures().join("tokenizer.json")).unwrap();
     let t = ChatTemplate::new(rtune::data::chat::CHATML, "", "").unwrap();
     let column_map = BTreeMap::new();
-    let r = Renderer {
-        tokenizer: &tokenizer,
-        format: DataFormat::Chat,
-        bos: None,
-        eos: None,
-        max_seq_len: 512,
-        truncate: true,
-        train_on_prompt: false,
-        column_map: &column_map,
-        chat: Some(&t),
-    };
+    let r = renderer(&tokenizer, DataFormat::Chat, (None, None), &column_map, Some(&t));
     let (rows, _) = read_rows(&f, false).unwrap();
     let got = r.encode(&rows).unwrap();
     assert!(got[0].is_ok());

@@ -323,20 +323,26 @@ fn bf16_compute_keeps_f32_master_weights() {
     }
 }
 
-/// A Qwen2 model (q/k/v biases, tied embeddings) exported as f32 GGUF and run by candle's
-/// llama.cpp-compatible quantized Qwen2 gives the logits rtune's model gives.
-#[test]
-fn gguf_export_runs_in_candles_llama_cpp_reader() {
-    use candle_transformers::models::quantized_qwen2;
+/// The tiny Qwen2 fixture with a stand-in byte-level BPE tokenizer.json (enough for the GGUF
+/// tokenizer metadata).
+fn qwen2_folder_for_gguf() -> tempfile::TempDir {
     let src = fixture("tiny-qwen2").join("model");
     let dir = tempfile::tempdir().unwrap();
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
     }
-    // A stand-in byte-level BPE tokenizer.json, enough for the tokenizer metadata.
     let vocab: serde_json::Map<String, serde_json::Value> = (0..128).map(|i| (format!("t{i}"), i.into())).collect();
     let tj = serde_json::json!({"model": {"type": "BPE", "vocab": vocab, "merges": [["t1", "t2"]]}, "added_tokens": [{"id": 2, "content": "</s>", "special": true}]});
     std::fs::write(dir.path().join("tokenizer.json"), tj.to_string()).unwrap();
+    dir
+}
+
+/// A Qwen2 model (q/k/v biases, tied embeddings) exported as f32 GGUF and run by candle's
+/// llama.cpp-compatible quantized Qwen2 gives the logits rtune's model gives.
+#[test]
+fn gguf_export_runs_in_candles_llama_cpp_reader() {
+    use candle_transformers::models::quantized_qwen2;
+    let dir = qwen2_folder_for_gguf();
     let model = load("tiny-qwen2", &Trainable::Nothing);
     let path = dir.path().join("m.gguf");
     let folder = ModelFolder::open(dir.path()).unwrap();
@@ -410,14 +416,7 @@ fn every_gguf_type_round_trips() {
     use candle_core::quantized::GgmlDType;
     use candle_transformers::models::quantized_qwen2;
     use rtune::recipe::ExportFormat as F;
-    let src = fixture("tiny-qwen2").join("model");
-    let dir = tempfile::tempdir().unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
-    }
-    let vocab: serde_json::Map<String, serde_json::Value> = (0..128).map(|i| (format!("t{i}"), i.into())).collect();
-    let tj = serde_json::json!({"model": {"type": "BPE", "vocab": vocab, "merges": [["t1", "t2"]]}, "added_tokens": [{"id": 2, "content": "</s>", "special": true}]});
-    std::fs::write(dir.path().join("tokenizer.json"), tj.to_string()).unwrap();
+    let dir = qwen2_folder_for_gguf();
     let model = load("tiny-qwen2", &Trainable::Nothing);
     let merged = model.merged_tensors();
     let folder = ModelFolder::open(dir.path()).unwrap();

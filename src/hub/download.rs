@@ -434,32 +434,29 @@ fn fetch_blob(
 /// Check a blob against its name: sha256 for LFS files, the git blob id (sha1 of
 /// `blob <len>\0<bytes>`) for the rest. Err(Ok(actual)) on a mismatch.
 fn verify(blob: &std::path::Path, etag: &str) -> Result<(), Result<String, std::io::Error>> {
-    let mut f = fs::File::open(blob).map_err(Err)?;
-    let len = f.metadata().map_err(Err)?.len();
-    let mut buf = vec![0u8; 1 << 20];
+    let len = fs::metadata(blob).map_err(Err)?.len();
     let actual = if etag.len() == 64 {
-        let mut h = sha2::Sha256::new();
-        loop {
-            let n = f.read(&mut buf).map_err(Err)?;
-            if n == 0 {
-                break;
-            }
-            h.update(&buf[..n]);
-        }
-        hex(&h.finalize())
+        digest_file(sha2::Sha256::new(), blob)
     } else {
         let mut h = sha1::Sha1::new();
         h.update(format!("blob {len}\0").as_bytes());
-        loop {
-            let n = f.read(&mut buf).map_err(Err)?;
-            if n == 0 {
-                break;
-            }
-            h.update(&buf[..n]);
-        }
-        hex(&h.finalize())
-    };
+        digest_file(h, blob)
+    }
+    .map_err(Err)?;
     if actual == etag { Ok(()) } else { Err(Ok(actual)) }
+}
+
+/// Feed a file into a hasher (sha256 or sha1, both `digest` 0.10) and return the hex digest.
+fn digest_file<D: sha2::Digest>(mut h: D, path: &std::path::Path) -> std::io::Result<String> {
+    let mut f = fs::File::open(path)?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(hex(&h.finalize()));
+        }
+        h.update(&buf[..n]);
+    }
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
