@@ -480,3 +480,38 @@ fn damaged_inputs_are_caught_before_a_stage_reads_them() {
     assert!(built.contains(&"tokenize".to_string()), "{built:?}");
     assert!(p.run(&["cache", "verify"]).status.success());
 }
+
+/// A full disk, simulated with a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored, so writes past
+/// 256 KiB fail with EFBIG as they would with ENOSPC): the stage that hits it fails with a
+/// clear error, nothing partial is committed, and a later run completes.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_full_disk_fails_cleanly_and_loses_nothing() {
+    use std::os::unix::process::CommandExt;
+    let p = Project::tiny_offline();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"));
+    cmd.args(args(&["run", "tiny.toml"], FAST))
+        .current_dir(p.path())
+        .env("RTUNE_CACHE_DIR", p.cache())
+        .env("RTUNE_NO_PROGRESS", "1")
+        .env("NO_COLOR", "1");
+    // SAFETY: only async-signal-safe libc calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit { rlim_cur: 256 << 10, rlim_max: 256 << 10 };
+            libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let o = cmd.output().unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("File too large") && !e.contains("panicked"), "{e}");
+    // Whatever was committed verifies; the rest is rebuilt by a normal run.
+    let verify = p.run(&["cache", "verify"]);
+    assert!(verify.status.success() && stdout(&verify).contains(", 0 damaged"), "{}", stdout(&verify));
+    let done = p.run_json(&args(&["tiny.toml"], FAST));
+    assert!(outcomes(&done).iter().any(|(_, o)| o == "built"));
+    assert!(p.run(&["cache", "verify"]).status.success());
+}
