@@ -161,21 +161,22 @@ pub fn snapshot(
             human_bytes(total)
         ),
     );
-    let mut bar = ui.bar("download", total.max(1));
+    let mut bar = ui.transfer("download", total);
     let mut done = 0u64;
     let mut files = Vec::new();
     let mut fetched_bytes = 0u64;
     for (i, s) in chosen.iter().enumerate() {
-        let label = format!("[{}/{}] {}", i + 1, chosen.len(), s.rfilename);
+        let size = s.lfs.as_ref().map(|l| l.size).or(s.size).unwrap_or(0);
+        bar.start_file(&s.rfilename, size, i + 1, chosen.len());
         let r = fetch_file(client, cache, repo, &commit, s, &mut |n| {
-            bar.set(done + n, &label);
+            bar.set(n, done + n);
         })?;
         done += r.size;
         if r.fetched {
             fetched_bytes += r.size;
             ui.detail(format!("fetched {} ({})", r.path, human_bytes(r.size)));
         }
-        bar.set(done, &label);
+        bar.set(r.size, done);
         files.push(r);
     }
     bar.finish();

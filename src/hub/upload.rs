@@ -180,8 +180,8 @@ pub fn commit(
             "application/vnd.git-lfs+json",
             &serde_json::to_vec(&body).expect("json"),
         )?;
-        let mut bar = ui.bar("upload", total.max(1));
-        for l in &lfs {
+        let mut bar = ui.transfer("upload", total);
+        for (i, l) in lfs.iter().enumerate() {
             let obj = batch.objects.iter().find(|o| o.oid == l.sha256).ok_or_else(|| HubError::BadResponse {
                 what: "LFS batch".into(),
                 reason: format!("no answer for `{}`", l.file.path),
@@ -194,6 +194,7 @@ pub fn commit(
             }
             let Some(actions) = &obj.actions else { continue }; // already on the Hub
             if let Some(up) = &actions.upload {
+                bar.start_file(&l.file.path, l.size, i + 1, lfs.len());
                 let multipart = batch.transfer.as_deref() == Some("multipart") || up.header.contains_key("chunk_size");
                 if multipart {
                     upload_multipart(client, l, up)?;
@@ -201,7 +202,7 @@ pub fn commit(
                     upload_basic(client, l, up)?;
                 }
                 uploaded += l.size;
-                bar.set(uploaded, &l.file.path);
+                bar.set(l.size, uploaded);
             }
             if let Some(v) = &actions.verify {
                 let body = serde_json::to_vec(&json!({ "oid": l.sha256, "size": l.size })).expect("json");

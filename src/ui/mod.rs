@@ -5,7 +5,7 @@
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Debug, Clone)]
 pub struct Ui {
@@ -61,6 +61,81 @@ impl Ui {
             pb
         });
         Bar { inner, label: label.to_string(), total, quiet: self.quiet, next_log: 0, started: Instant::now() }
+    }
+}
+
+/// Progress of a transfer of several files: an overall bar and one for the current file on a
+/// terminal; otherwise a plain line as each file starts and every tenth of the total bytes.
+pub struct Transfer {
+    multi: Option<(MultiProgress, ProgressBar, ProgressBar)>,
+    label: String,
+    total: u64,
+    quiet: bool,
+    next_log: u64,
+}
+
+impl Ui {
+    pub fn transfer(&self, label: &str, total_bytes: u64) -> Transfer {
+        let multi = self.progress.then(|| {
+            let mp = MultiProgress::with_draw_target(ProgressDrawTarget::stderr_with_hz(8));
+            let style = |t: &str| ProgressStyle::with_template(t).expect("valid template").progress_chars("=> ");
+            let overall = mp.add(ProgressBar::new(total_bytes));
+            overall.set_style(style("{prefix:>10}  [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ({eta}) {msg}"));
+            overall.set_prefix(label.to_string());
+            let file = mp.add(ProgressBar::new(0));
+            file.set_style(style("{prefix:>10}  [{bar:30}] {bytes}/{total_bytes} {msg}"));
+            (mp, overall, file)
+        });
+        Transfer { multi, label: label.to_string(), total: total_bytes, quiet: self.quiet, next_log: 0 }
+    }
+}
+
+impl Transfer {
+    /// A new file of `size` bytes starts; `done` bytes of the whole transfer are behind.
+    pub fn start_file(&mut self, name: &str, size: u64, index: usize, count: usize) {
+        match &self.multi {
+            Some((_, overall, file)) => {
+                overall.set_message(format!("file {index}/{count}"));
+                file.set_length(size);
+                file.set_position(0);
+                file.set_message(name.to_string());
+            }
+            None if !self.quiet => eprintln!("{:>10}  [{index}/{count}] {name} ({})", self.label, human_bytes(size)),
+            None => {}
+        }
+    }
+
+    /// Bytes of the current file so far, and of the whole transfer.
+    pub fn set(&mut self, file_pos: u64, total_pos: u64) {
+        match &self.multi {
+            Some((_, overall, file)) => {
+                file.set_position(file_pos);
+                overall.set_position(total_pos);
+            }
+            None if !self.quiet && total_pos >= self.next_log && self.next_log <= self.total && total_pos > 0 => {
+                eprintln!("{:>10}  {} of {}", self.label, human_bytes(total_pos), human_bytes(self.total));
+                self.next_log = if total_pos >= self.total {
+                    u64::MAX
+                } else {
+                    (total_pos + (self.total / 10).max(1)).min(self.total)
+                };
+            }
+            None => {}
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Some((mp, overall, file)) = &self.multi {
+            file.finish_and_clear();
+            overall.finish_and_clear();
+            let _ = mp.clear();
+        }
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
