@@ -1,4 +1,6 @@
-//! Using rtune as a library: load a recipe with an override, plan it, and print what would run.
+//! Using rtune as a library: load a recipe with an override, plan it, print what would run, then
+//! build one stage (`download`: for the default recipe, a scratch model and tokenizer) and show
+//! where its artifact is.
 //!
 //!     cargo run --example library -- recipes/tiny-offline.toml
 
@@ -6,6 +8,7 @@ use rtune::device::Inventory;
 use rtune::plan::{self, LockFile, Selection};
 use rtune::recipe::{self, Overrides};
 use rtune::store::Store;
+use rtune::ui::Ui;
 
 fn main() -> miette::Result<()> {
     let path = std::env::args().nth(1).unwrap_or_else(|| "recipes/tiny-offline.toml".into());
@@ -15,5 +18,17 @@ fn main() -> miette::Result<()> {
     let lock = LockFile::read(&rtune::exec::lock_path(&loaded)).map_err(|e| miette::miette!("{e}"))?;
     let plan = plan::make(&loaded, &store, &lock, &Inventory::probe(), &Selection::default())?;
     print!("{}", plan::render_text(&plan));
+
+    // Build only the first stage; the others are skipped.
+    let first = plan.stages.first().map(|s| s.name.clone()).ok_or_else(|| miette::miette!("no stages"))?;
+    let only = Selection { only: Some(first.clone()), ..Selection::default() };
+    let plan = plan::make(&loaded, &store, &lock, &Inventory::probe(), &only)?;
+    let report = rtune::exec::run(&loaded, &plan, &store, &Ui::new(false, false))?;
+    let stage = report.stage(&first).ok_or_else(|| miette::miette!("`{first}` did not run"))?;
+    println!(
+        "\n`{first}`: {} → {}",
+        stage.outcome,
+        stage.artifact.as_ref().map(|p| p.display().to_string()).unwrap_or_default()
+    );
     Ok(())
 }

@@ -56,7 +56,7 @@ impl Env {
     }
 
     fn rtune(&self, args: &[&str], extra: &[(&str, &str)]) -> Output {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+        let mut c = common::rtune_cmd();
         c.args(args)
             .current_dir(self.dir.path())
             .env("RTUNE_CACHE_DIR", self.dir.path().join("rtune-cache"))

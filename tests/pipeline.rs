@@ -163,7 +163,7 @@ fn resume_after_sigkill_matches_an_uninterrupted_run() {
         "stages.train.batch_size=8",
     ];
     let p = Project::tiny_offline();
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"));
+    let mut cmd = common::rtune_cmd();
     cmd.args(args(&["run", "tiny.toml"], &set))
         .current_dir(p.path())
         .env("RTUNE_CACHE_DIR", p.cache())
@@ -284,7 +284,7 @@ fn only_from_and_force_select_stages() {
 fn concurrent_runs_build_each_stage_once() {
     let p = Project::tiny_offline();
     let spawn = || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+        common::rtune_cmd()
             .args(args(&["run", "tiny.toml", "--json"], FAST))
             .current_dir(p.path())
             .env("RTUNE_CACHE_DIR", p.cache())
@@ -361,7 +361,7 @@ fn ctrl_c_checkpoints_then_the_next_run_resumes() {
         "stages.train.eval_every=0",
     ];
     let p = Project::tiny_offline();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+    let child = common::rtune_cmd()
         .args(args(&["run", "tiny.toml"], &set))
         .current_dir(p.path())
         .env("RTUNE_CACHE_DIR", p.cache())
@@ -429,7 +429,7 @@ fn kills_at_random_points_never_corrupt_the_cache() {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let frac = 0.05 + 0.9 * ((x >> 33) as f64 / (1u64 << 31) as f64);
         let delay = total.mul_f64(frac);
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+        let mut child = common::rtune_cmd()
             .args(args(&["run", "tiny.toml"], &set))
             .current_dir(p.path())
             .env("RTUNE_CACHE_DIR", p.cache())
@@ -489,7 +489,7 @@ fn damaged_inputs_are_caught_before_a_stage_reads_them() {
 fn a_full_disk_fails_cleanly_and_loses_nothing() {
     use std::os::unix::process::CommandExt;
     let p = Project::tiny_offline();
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"));
+    let mut cmd = common::rtune_cmd();
     cmd.args(args(&["run", "tiny.toml"], FAST))
         .current_dir(p.path())
         .env("RTUNE_CACHE_DIR", p.cache())

@@ -53,7 +53,7 @@ fn a_bad_set_says_it_came_from_the_command_line() {
 fn env_layers_sit_between_the_file_and_set() {
     let dir = root().join("tests/fixtures/invalid");
     let cache = tempfile::tempdir().unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+    let o = common::rtune_cmd()
         .args(["validate", "bad_set.toml"])
         .current_dir(&dir)
         .env("RTUNE_CACHE_DIR", cache.path())

@@ -10,9 +10,18 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The `rtune` binary with one compute thread: the test harness runs tests in parallel (two on
+/// two cores), and two rtune processes each spinning up a pool per core oversubscribe the
+/// machine badly (the pipeline tests took 4x longer in parallel than one after another).
+pub fn rtune_cmd() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+    c.env("RAYON_NUM_THREADS", "1");
+    c
+}
+
 /// Run `rtune` in `cwd` with its own cache, no colour and no progress bars.
 pub fn rtune(cwd: &Path, cache: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rtune"))
+    rtune_cmd()
         .args(args)
         .current_dir(cwd)
         .env("RTUNE_CACHE_DIR", cache)
