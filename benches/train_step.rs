@@ -38,6 +38,12 @@ fn shape(name: &str) -> ScratchModel {
 }
 
 fn main() {
+    if std::env::var_os("RTUNE_COMPOSED_CE").is_some() {
+        rtune::model::transformer::FUSED_CROSS_ENTROPY.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+    if std::env::var_os("RTUNE_NO_PROCESS_TUNING").is_none() {
+        rtune::init_process();
+    }
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let which = args.first().cloned().unwrap_or_else(|| "tiny".into());
     let steps: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(if which == "tiny" { 30 } else { 5 });

@@ -25,3 +25,37 @@ pub mod train;
 pub mod ui;
 
 pub use error::Error;
+
+/// Process-wide settings for fast CPU compute; call once at start, before any thread starts.
+///
+/// - Keep freed memory for reuse instead of returning it to the OS after every tensor. candle
+///   allocates a fresh buffer for each op's output; with glibc's defaults every buffer over
+///   128 KiB is a new `mmap`, so a training step spent ~10% of its time in page faults zeroing
+///   pages (perf: `clear_page_erms`).
+/// - Fix candle's thread count once. Unless `CANDLE_NUM_THREADS` or `RAYON_NUM_THREADS` is set,
+///   candle recomputes it for every parallel op by parsing /proc/cpuinfo (~90 times per
+///   training step, ~4% of a small model's step).
+///
+/// Both measured in docs/benchmarks.md.
+pub fn init_process() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc's allocation thresholds; called before other threads.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        // SAFETY: called at start, while the process is single-threaded.
+        unsafe { std::env::set_var("CANDLE_NUM_THREADS", n.to_string()) };
+    }
+}
+
+/// Use `n` compute threads (candle's pool and rayon's). Call before any thread pool starts.
+pub fn set_threads(n: usize) {
+    // SAFETY: called while the process is single-threaded (at start, or before the first stage).
+    unsafe {
+        std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}

@@ -19,6 +19,7 @@ use rtune::ui::{Ui, human_bytes};
 use rtune::{Error, exec, hub};
 
 fn main() -> ExitCode {
+    rtune::init_process();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -207,8 +208,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             }
             if let Some(n) = loaded.recipe.device.threads {
                 // Before any thread pool starts (the first parallel work happens in a stage).
-                // SAFETY: no other thread is running yet.
-                unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
+                rtune::set_threads(n);
             }
             let report = exec::run(&loaded, &plan, &store, ui)?;
             if g.json {

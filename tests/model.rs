@@ -455,3 +455,21 @@ fn every_gguf_type_round_trips() {
         }
     }
 }
+
+/// The fused CPU cross-entropy gives the composed version's loss and logits gradient.
+#[test]
+fn fused_cross_entropy_matches_the_composed_one() {
+    use rtune::model::transformer::{composed_cross_entropy, cross_entropy};
+    let logits = Tensor::randn(0f32, 3.0, (37, 101), &Device::Cpu).unwrap();
+    let targets = Tensor::new((0..37u32).map(|i| (i * 13) % 101).collect::<Vec<_>>().as_slice(), &Device::Cpu).unwrap();
+    let (a, b) = (candle_core::Var::from_tensor(&logits).unwrap(), candle_core::Var::from_tensor(&logits).unwrap());
+    let fused = cross_entropy(a.as_tensor(), &targets).unwrap();
+    let composed = composed_cross_entropy(b.as_tensor(), &targets).unwrap();
+    let (lf, lc) = (fused.to_scalar::<f32>().unwrap(), composed.to_scalar::<f32>().unwrap());
+    assert!((lf - lc).abs() < 1e-5 * lc.abs(), "{lf} vs {lc}");
+    let gf = fused.backward().unwrap().get(a.as_tensor()).unwrap().clone();
+    let gc = composed.backward().unwrap().get(b.as_tensor()).unwrap().clone();
+    let d = (gf - gc).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(d < 1e-6, "max |gradient difference| {d}");
+    assert!(cross_entropy(&logits, &Tensor::new(&[500u32; 37], &Device::Cpu).unwrap()).is_err(), "targets are checked");
+}
