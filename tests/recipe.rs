@@ -105,7 +105,7 @@ fn golden_fingerprint() {
             .to_string()
     };
     assert_eq!(fp("download"), "3d5f8e2aa5602ef9d1e475918d3897fcdda98adb906e400ee454ae0f7ef452d3");
-    assert_eq!(fp("train"), "df0084daef0daafb7a6d1d2a02c37ca3043d325d1f7a89cc7799b728af47aaa8");
+    assert_eq!(fp("train"), "0f65bb4113da9fafe22c6284dd393c35ea1cb26fc031bdfe76e580ca0b992c2c");
 }
 
 #[test]
