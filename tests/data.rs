@@ -130,6 +130,15 @@ fn chat_rows_with_problems_name_the_line() {
     assert!(msgs[3].contains("bad.jsonl:5") && msgs[3].contains("no `messages` column"), "{}", msgs[3]);
 }
 
+/// A recipe with a tiny scratch Llama, LoRA on q/v and the CPU, around `dataset` and `stages`.
+fn scratch_recipe(name: &str, dataset: &str, stages: &str) -> String {
+    format!(
+        "[recipe]\nname = \"{name}\"\n[model]\nscratch = {{ arch = \"llama\", hidden_size = 32, num_layers = 1, num_heads = 2, \
+         num_kv_heads = 1, intermediate_size = 64, vocab_size = 300 }}\n[dataset]\n{dataset}\n[adapter]\nkind = \"lora\"\n\
+         rank = 4\nalpha = 8\ntargets = [\"q_proj\", \"v_proj\"]\n[device]\nprefer = [\"cpu\"]\n{stages}\n"
+    )
+}
+
 #[test]
 fn a_chat_recipe_tokenizes_and_trains_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
@@ -144,27 +153,11 @@ fn a_chat_recipe_tokenizes_and_trains_end_to_end() {
     std::fs::write(dir.path().join("chat.jsonl"), rows).unwrap();
     std::fs::write(
         dir.path().join("chat.toml"),
-        r#"
-[recipe]
-name = "chat-demo"
-[model]
-scratch = { arch = "llama", hidden_size = 32, num_layers = 1, num_heads = 2, num_kv_heads = 1, intermediate_size = 64, vocab_size = 300 }
-[dataset]
-path = "chat.jsonl"
-format = "chat"
-chat_template = "chatml"
-max_seq_len = 64
-[adapter]
-kind = "lora"
-rank = 4
-alpha = 8
-targets = ["q_proj", "v_proj"]
-[device]
-prefer = ["cpu"]
-[stages.train]
-max_steps = 3
-batch_size = 8
-"#,
+        scratch_recipe(
+            "chat-demo",
+            "path = \"chat.jsonl\"\nformat = \"chat\"\nchat_template = \"chatml\"\nmax_seq_len = 64",
+            "[stages.train]\nmax_steps = 3\nbatch_size = 8",
+        ),
     )
     .unwrap();
     let o = common::rtune(dir.path(), &dir.path().join("cache"), &["run", "chat.toml", "--json"]);
@@ -186,30 +179,11 @@ fn an_evaluate_stage_can_measure_its_own_dataset() {
     std::fs::write(dir.path().join("heldout.jsonl"), &heldout).unwrap();
     std::fs::write(
         dir.path().join("r.toml"),
-        r#"
-[recipe]
-name = "eval-demo"
-[model]
-scratch = { arch = "llama", hidden_size = 32, num_layers = 1, num_heads = 2, num_kv_heads = 1, intermediate_size = 64, vocab_size = 300 }
-[dataset]
-path = "train.jsonl"
-format = "alpaca"
-max_seq_len = 256
-[adapter]
-kind = "lora"
-rank = 4
-alpha = 8
-targets = ["q_proj", "v_proj"]
-[device]
-prefer = ["cpu"]
-[stages.train]
-max_steps = 3
-batch_size = 4
-[stages.eval_heldout]
-kind = "evaluate"
-model = "both"
-dataset = "heldout.jsonl"
-"#,
+        scratch_recipe(
+            "eval-demo",
+            "path = \"train.jsonl\"\nformat = \"alpaca\"\nmax_seq_len = 256",
+            "[stages.train]\nmax_steps = 3\nbatch_size = 4\n[stages.eval_heldout]\nkind = \"evaluate\"\nmodel = \"both\"\ndataset = \"heldout.jsonl\"",
+        ),
     )
     .unwrap();
     let run = |args: &[&str]| {

@@ -323,6 +323,15 @@ fn bf16_compute_keeps_f32_master_weights() {
     }
 }
 
+/// Logits of one token at `pos` from candle's quantized Qwen2 (llama.cpp's conventions).
+fn qwen2_gguf_logits(
+    q: &mut candle_transformers::models::quantized_qwen2::ModelWeights,
+    id: u32,
+    pos: usize,
+) -> Vec<f32> {
+    q.forward(&Tensor::new(&[[id]], &Device::Cpu).unwrap(), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
 /// The tiny Qwen2 fixture with a stand-in byte-level BPE tokenizer.json (enough for the GGUF
 /// tokenizer metadata).
 fn qwen2_folder_for_gguf() -> tempfile::TempDir {
@@ -367,13 +376,7 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
     let ids = [1u32, 17, 45, 99, 3, 64];
     let full = full_forward(&model, &ids);
     for (j, id) in ids.iter().enumerate() {
-        let got: Vec<f32> = q
-            .forward(&Tensor::new(&[[*id]], &Device::Cpu).unwrap(), j)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let got = qwen2_gguf_logits(&mut q, *id, j);
         let d = got.iter().zip(&full[j]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(d < 1e-3, "position {j}: max |logit diff| {d}");
     }
@@ -440,13 +443,7 @@ fn every_gguf_type_round_trips() {
         assert_eq!(content.tensor_infos["blk.0.attn_norm.weight"].ggml_dtype, GgmlDType::F32, "norms stay f32");
         let mut q = quantized_qwen2::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
         for (j, id) in ids.iter().enumerate() {
-            let got: Vec<f32> = q
-                .forward(&Tensor::new(&[[*id]], &Device::Cpu).unwrap(), j)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let got = qwen2_gguf_logits(&mut q, *id, j);
             let dot: f32 = got.iter().zip(&full[j]).map(|(a, b)| a * b).sum();
             let na: f32 = got.iter().map(|a| a * a).sum::<f32>().sqrt();
             let nb: f32 = full[j].iter().map(|b| b * b).sum::<f32>().sqrt();
