@@ -315,12 +315,8 @@ fn head(client: &Client, url: &str, what: &str, commit: &str) -> Result<(String,
     let mut url = url.to_string();
     for _ in 0..5 {
         let resp = client.send(what, false, || {
-            let mut req =
-                client.agent().head(&url).header("Accept-Encoding", "identity").config().max_redirects(0).build();
-            if let Some(a) = client.auth(&url) {
-                req = req.header("Authorization", a);
-            }
-            req.call()
+            let req = client.agent().head(&url).header("Accept-Encoding", "identity").config().max_redirects(0).build();
+            client.authorize(req, &url).call()
         })?;
         let status = resp.status().as_u16();
         // A renamed repo answers with a relative redirect to its new name: follow it.
@@ -384,9 +380,7 @@ fn fetch_blob(
             if have > 0 {
                 req = req.header("Range", format!("bytes={have}-"));
             }
-            if let Some(a) = client.auth(url) {
-                req = req.header("Authorization", a);
-            }
+            req = client.authorize(req, url);
             req.call()
         })?;
         if resp.status().as_u16() != 206 {

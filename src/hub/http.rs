@@ -42,10 +42,14 @@ impl Client {
         &self.agent
     }
 
-    /// `Authorization` for requests to the Hub itself (never to other hosts).
-    pub fn auth(&self, url: &str) -> Option<String> {
+    /// Add `Authorization` to a request for `url` if it goes to the Hub itself (never to other
+    /// hosts, such as the CDN a download or upload is redirected to).
+    pub fn authorize<B>(&self, req: ureq::RequestBuilder<B>, url: &str) -> ureq::RequestBuilder<B> {
         let to_hub = url.starts_with(&format!("{}/", self.env.endpoint));
-        self.env.token.as_ref().filter(|_| to_hub).map(|t| t.bearer())
+        match self.env.token.as_ref().filter(|_| to_hub) {
+            Some(t) => req.header("Authorization", t.bearer()),
+            None => req,
+        }
     }
 
     /// Send a request (built afresh for every attempt), retrying transient failures with
@@ -138,11 +142,7 @@ impl Client {
     /// GET a JSON document from the Hub API.
     pub fn get_json<T: serde::de::DeserializeOwned>(&self, what: &str, url: &str) -> Result<T, HubError> {
         let resp = self.send(what, false, || {
-            let mut req = self.agent.get(url).header("Accept", "application/json");
-            if let Some(a) = self.auth(url) {
-                req = req.header("Authorization", a);
-            }
-            req.call()
+            self.authorize(self.agent.get(url).header("Accept", "application/json"), url).call()
         })?;
         read_json(what, resp)
     }
@@ -156,12 +156,8 @@ impl Client {
         body: &[u8],
     ) -> Result<T, HubError> {
         let resp = self.send(what, false, || {
-            let mut req =
-                self.agent.post(url).header("Content-Type", content_type).header("Accept", "application/json");
-            if let Some(a) = self.auth(url) {
-                req = req.header("Authorization", a);
-            }
-            req.send(body)
+            let req = self.agent.post(url).header("Content-Type", content_type).header("Accept", "application/json");
+            self.authorize(req, url).send(body)
         })?;
         read_json(what, resp)
     }

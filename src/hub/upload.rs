@@ -102,11 +102,7 @@ pub fn create_repo(client: &Client, repo: &RepoRef, private: bool) -> Result<(),
     let what = format!("creating {}", repo.id);
     let body = serde_json::to_vec(&body).expect("json");
     let resp = client.send(&what, false, || {
-        let mut req = client.agent().post(&url).header("Content-Type", "application/json");
-        if let Some(a) = client.auth(&url) {
-            req = req.header("Authorization", a);
-        }
-        req.send(&body[..])
+        client.authorize(client.agent().post(&url).header("Content-Type", "application/json"), &url).send(&body[..])
     });
     match resp {
         Ok(_) | Err(HubError::Status { status: 409, .. }) => Ok(()),
@@ -211,9 +207,7 @@ pub fn commit(
                     for (k, val) in &v.header {
                         req = req.header(k.as_str(), val.as_str().unwrap_or_default());
                     }
-                    if let Some(a) = client.auth(&v.href) {
-                        req = req.header("Authorization", a);
-                    }
+                    req = client.authorize(req, &v.href);
                     req.send(&body[..])
                 })?;
             }
@@ -287,9 +281,7 @@ fn upload_basic(client: &Client, l: &Local, up: &Action) -> Result<(), HubError>
         for (k, v) in &up.header {
             req = req.header(k.as_str(), v.as_str().unwrap_or_default());
         }
-        if let Some(a) = client.auth(&up.href) {
-            req = req.header("Authorization", a);
-        }
+        req = client.authorize(req, &up.href);
         req.send(ureq::SendBody::from_owned_reader(file))
     })?;
     Ok(())
@@ -331,11 +323,8 @@ fn upload_multipart(client: &Client, l: &Local, up: &Action) -> Result<(), HubEr
     }
     let body = serde_json::to_vec(&json!({ "oid": l.sha256, "parts": etags })).expect("json");
     client.send(&format!("completing `{}`", l.file.path), false, || {
-        let mut req = client.agent().post(&up.href).header("Content-Type", "application/vnd.git-lfs+json");
-        if let Some(a) = client.auth(&up.href) {
-            req = req.header("Authorization", a);
-        }
-        req.send(&body[..])
+        let req = client.agent().post(&up.href).header("Content-Type", "application/vnd.git-lfs+json");
+        client.authorize(req, &up.href).send(&body[..])
     })?;
     Ok(())
 }

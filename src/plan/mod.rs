@@ -482,12 +482,11 @@ fn resolve_hub(
         });
     }
     let client = crate::hub::Client::new(HubEnv { attempts: 1, ..hub.clone() });
+    let located = |e: &crate::hub::HubError| hub_problem(e).at(loaded.origin(&src.at), "this repository");
     match crate::hub::resolve_commit(&client, &src.repo) {
         Ok(c) => Ok(c),
-        Err(crate::hub::HubError::Unreachable { .. }) if offline_fallback().is_some() => {
-            Ok(offline_fallback().expect("checked"))
-        }
-        Err(e) => Err(hub_problem(&e).at(loaded.origin(&src.at), "this repository")),
+        Err(e @ crate::hub::HubError::Unreachable { .. }) => offline_fallback().ok_or_else(|| located(&e)),
+        Err(e) => Err(located(&e)),
     }
 }
 
