@@ -174,12 +174,7 @@ pub fn make(
         if spec.kind == StageKind::Evaluate
             && let Some(rel) = settings["evaluate"]["dataset"].as_str()
         {
-            let path = loaded.resolve_path(rel);
-            let digest = fingerprint::digest_path(&path).map_err(|e| {
-                Problem::new("rtune::source::unreadable", format!("cannot read `{}`: {e}", path.display()))
-                    .at(loaded.origin(&["stages", &spec.name, "dataset"]), "this path")
-                    .help("paths are relative to the recipe's folder")
-            })?;
+            let digest = local_digest(loaded, "dataset", rel, &["stages", &spec.name, "dataset"])?;
             doc["sources"] = json!({ "dataset": digest });
         }
         if spec.kind == StageKind::Download {
@@ -377,19 +372,23 @@ fn merge(base: &mut Value, over: &Value) {
     }
 }
 
+/// The content digest of a local source file or folder named at `at` in the recipe.
+fn local_digest(loaded: &LoadedRecipe, what: &str, rel: &str, at: &[&str]) -> Result<String, Problem> {
+    let path = loaded.resolve_path(rel);
+    fingerprint::digest_path(&path).map_err(|e| {
+        Problem::new("rtune::source::unreadable", format!("cannot read {what} `{}`: {e}", path.display()))
+            .at(loaded.origin(at), "this path")
+            .help("paths are relative to the recipe's folder")
+    })
+}
+
 /// What the download stage fetches: content digests of local sources, and for Hub sources the
 /// repo, the commit its revision resolves to, and the files wanted.
 fn source_digests(loaded: &LoadedRecipe, hub: &HubEnv, previous: Option<&Value>) -> Result<Value, Problem> {
     let recipe = &loaded.recipe;
     let mut out = serde_json::Map::new();
     let mut add = |key: &str, rel: &str, at: [&str; 2]| -> Result<(), Problem> {
-        let path = loaded.resolve_path(rel);
-        let digest = fingerprint::digest_path(&path).map_err(|e| {
-            Problem::new("rtune::source::unreadable", format!("cannot read {key} `{}`: {e}", path.display()))
-                .at(loaded.origin(&at), "this path")
-                .help("paths are relative to the recipe's folder")
-        })?;
-        out.insert(key.into(), json!(digest));
+        out.insert(key.into(), json!(local_digest(loaded, key, rel, &at)?));
         Ok(())
     };
     if let Some(p) = &recipe.model.path {

@@ -160,16 +160,5 @@ fn check_digest(
     at: &[&str],
 ) -> Result<(), StageError> {
     let target = if src.is_dir() { copy.to_path_buf() } else { copy.join(src.file_name().unwrap_or_default()) };
-    let digest = crate::fingerprint::digest_path(&target)
-        .map_err(StageError::io(format!("cannot hash `{}`", target.display())))?;
-    if Some(digest.as_str()) != planned {
-        return Err(Problem::new(
-            "rtune::source::changed",
-            format!("`{}` changed while rtune was running", src.display()),
-        )
-        .at(ctx.loaded.origin(at), "this source")
-        .help("run again; the plan will fingerprint the new content")
-        .into());
-    }
-    Ok(())
+    super::check_source(ctx, &target, &src.display().to_string(), planned, at)
 }

@@ -16,16 +16,8 @@ use crate::train::evaluate;
 /// is still the file the plan fingerprinted.
 fn own_dataset(ctx: &StageCtx<'_>, folder: &ModelFolder, rel: &str) -> Result<TokenStore, StageError> {
     let path = ctx.loaded.resolve_path(rel);
-    let digest = crate::fingerprint::digest_path(&path).map_err(StageError::io(format!("cannot read `{rel}`")))?;
-    if ctx.stage.doc["sources"]["dataset"].as_str() != Some(digest.as_str()) {
-        return Err(crate::recipe::Problem::new(
-            "rtune::source::changed",
-            format!("`{rel}` changed while rtune was running"),
-        )
-        .at(ctx.loaded.origin(&["stages", &ctx.stage.name, "dataset"]), "this dataset")
-        .help("run again; the plan will fingerprint the new content")
-        .into());
-    }
+    let planned = ctx.stage.doc["sources"]["dataset"].as_str();
+    super::check_source(ctx, &path, rel, planned, &["stages", &ctx.stage.name, "dataset"])?;
     let (encoded, bad, _) = super::tokenize::encode_dataset(ctx, folder, &path)?;
     for b in bad.iter().take(3) {
         ctx.ui.warn(format!("dropped: {b}"));

@@ -105,6 +105,26 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     }
 }
 
+/// `hashed` (a source, or the copy of one) must still have the digest the plan fingerprinted;
+/// otherwise the source `shown` changed while rtune was running.
+pub fn check_source(
+    ctx: &StageCtx<'_>,
+    hashed: &Path,
+    shown: &str,
+    planned: Option<&str>,
+    at: &[&str],
+) -> Result<(), StageError> {
+    let digest = crate::fingerprint::digest_path(hashed)
+        .map_err(StageError::io(format!("cannot hash `{}`", hashed.display())))?;
+    if Some(digest.as_str()) != planned {
+        return Err(Problem::new("rtune::source::changed", format!("`{shown}` changed while rtune was running"))
+            .at(ctx.loaded.origin(at), "this source")
+            .help("run again; the plan will fingerprint the new content")
+            .into());
+    }
+    Ok(())
+}
+
 /// Write JSON to a file in a stage's output, pretty and newline-terminated.
 pub fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), StageError> {
     let mut s = serde_json::to_string_pretty(v).expect("json serialises");
