@@ -198,6 +198,19 @@ impl HubCache {
         Ok(pointer)
     }
 
+    /// Wanted files of the repo at `commit` that are not among `present`, by the saved tree
+    /// listing; None when no listing was saved.
+    pub fn missing(
+        &self,
+        repo: &RepoRef,
+        commit: &str,
+        wanted: &super::Wanted,
+        present: &[String],
+    ) -> Option<Vec<String>> {
+        let listing = self.read_tree(repo, commit)?;
+        Some(listing.into_iter().filter(|f| wanted.wants(f) && !present.contains(f)).collect())
+    }
+
     /// The files of a cached snapshot (relative, `/`-separated), following pointers to blobs
     /// that exist.
     pub fn files(&self, snap: &CachedSnapshot) -> Vec<String> {

@@ -205,19 +205,18 @@ fn from_cache(cache: &HubCache, repo: &RepoRef, wanted: &Wanted) -> Result<Downl
         ),
     })?;
     let present = cache.files(&snap);
-    if let Some(listing) = cache.read_tree(repo, &snap.commit) {
-        let missing: Vec<String> = listing.into_iter().filter(|f| wanted.wants(f) && !present.contains(f)).collect();
-        if !missing.is_empty() {
-            return Err(HubError::OfflineMissing {
-                count: missing.len(),
-                cache: cache.root().display().to_string(),
-                commands: format!(
-                    "missing: {}; on a connected machine run: {}",
-                    missing.join(", "),
-                    download_command(&repo.with_revision(&snap.commit), &missing)
-                ),
-            });
-        }
+    if let Some(missing) = cache.missing(repo, &snap.commit, wanted, &present)
+        && !missing.is_empty()
+    {
+        return Err(HubError::OfflineMissing {
+            count: missing.len(),
+            cache: cache.root().display().to_string(),
+            commands: format!(
+                "missing: {}; on a connected machine run: {}",
+                missing.join(", "),
+                download_command(&repo.with_revision(&snap.commit), &missing)
+            ),
+        });
     }
     let mut files = Vec::new();
     for path in present {

@@ -509,24 +509,25 @@ fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &Value) -> Re
     for (key, src) in hub_sources(loaded) {
         let commit = sources[key]["commit"].as_str().unwrap_or_default();
         let pinned = src.repo.with_revision(commit);
-        let files: Vec<String> = cache
-            .resolve(&pinned)
-            .map(|s| cache.files(&s))
+        let snap = cache.resolve(&pinned);
+        let files: Vec<String> = snap
+            .as_ref()
+            .map(|s| cache.files(s))
             .unwrap_or_default()
             .into_iter()
             .filter(|f| src.wanted.wants(f))
             .collect();
         let mut lacking: Vec<String> = Vec::new();
-        if let Some(listing) = cache.read_tree(&pinned, commit) {
-            // The exact listing huggingface_hub or rtune saved when it was online.
-            lacking.extend(listing.into_iter().filter(|f| src.wanted.wants(f) && !files.contains(f)));
+        // The exact listing huggingface_hub or rtune saved when it was online, if there is one.
+        if let Some(missing) = cache.missing(&pinned, commit, &src.wanted, &files) {
+            lacking = missing;
         } else if key == "model" {
             for need in ["config.json", "tokenizer.json"] {
                 if !files.iter().any(|f| f == need) {
                     lacking.push(need.into());
                 }
             }
-            if let Some(snap) = cache.resolve(&pinned)
+            if let Some(snap) = &snap
                 && let Ok(text) = std::fs::read_to_string(snap.dir.join("model.safetensors.index.json"))
                 && let Ok(index) = serde_json::from_str::<Value>(&text)
             {
