@@ -26,7 +26,8 @@ pub mod ui;
 
 pub use error::Error;
 
-/// Process-wide settings for fast CPU compute; call once at start, before any thread starts.
+/// Process-wide settings for fast CPU compute; call once before the first compute thread pool
+/// starts (the binary does it just before running stages, so `ls`/`plan` pay nothing).
 ///
 /// - Keep freed memory for reuse instead of returning it to the OS after every tensor. candle
 ///   allocates a fresh buffer for each op's output; with glibc's defaults every buffer over
@@ -46,14 +47,14 @@ pub fn init_process() {
     }
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         let n = candle_core::utils::get_num_threads();
-        // SAFETY: called at start, while the process is single-threaded.
+        // SAFETY: called before any thread that reads the environment (compute pools) starts.
         unsafe { std::env::set_var("CANDLE_NUM_THREADS", n.to_string()) };
     }
 }
 
 /// Use `n` compute threads (candle's pool and rayon's). Call before any thread pool starts.
 pub fn set_threads(n: usize) {
-    // SAFETY: called while the process is single-threaded (at start, or before the first stage).
+    // SAFETY: called before any thread that reads the environment (compute pools) starts.
     unsafe {
         std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());

@@ -19,7 +19,6 @@ use rtune::ui::{Ui, human_bytes};
 use rtune::{Error, exec, hub};
 
 fn main() -> ExitCode {
-    rtune::init_process();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -206,6 +205,8 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                 eprint!("{}", plan::render_text(&plan));
                 eprintln!();
             }
+            // Allocator and thread settings for compute, only for the command that computes.
+            rtune::init_process();
             if let Some(n) = loaded.recipe.device.threads {
                 // Before any thread pool starts (the first parallel work happens in a stage).
                 rtune::set_threads(n);

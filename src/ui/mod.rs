@@ -114,11 +114,7 @@ impl Transfer {
             }
             None if !self.quiet && total_pos >= self.next_log && self.next_log <= self.total && total_pos > 0 => {
                 eprintln!("{:>10}  {} of {}", self.label, human_bytes(total_pos), human_bytes(self.total));
-                self.next_log = if total_pos >= self.total {
-                    u64::MAX
-                } else {
-                    (total_pos + (self.total / 10).max(1)).min(self.total)
-                };
+                self.next_log = next_tenth(total_pos, self.total);
             }
             None => {}
         }
@@ -158,9 +154,7 @@ impl Bar {
             }
             None if !self.quiet && pos >= self.next_log && self.next_log <= self.total => {
                 eprintln!("{:>10}  {pos}/{} {msg}", self.label, self.total);
-                // Every tenth of the way, and the end once.
-                self.next_log =
-                    if pos >= self.total { u64::MAX } else { (pos + (self.total / 10).max(1)).min(self.total) };
+                self.next_log = next_tenth(pos, self.total);
             }
             None => {}
         }
@@ -181,6 +175,11 @@ impl Drop for Bar {
     fn drop(&mut self) {
         self.finish();
     }
+}
+
+/// Where the next plain progress line goes: a tenth of the way on, and the end exactly once.
+fn next_tenth(pos: u64, total: u64) -> u64 {
+    if pos >= total { u64::MAX } else { (pos + (total / 10).max(1)).min(total) }
 }
 
 /// `1.2 MiB`, `340 B`.
