@@ -33,9 +33,11 @@ pub use error::Error;
 ///   allocates a fresh buffer for each op's output; with glibc's defaults every buffer over
 ///   128 KiB is a new `mmap`, so a training step spent ~10% of its time in page faults zeroing
 ///   pages (perf: `clear_page_erms`).
-/// - Fix candle's thread count once. Unless `CANDLE_NUM_THREADS` or `RAYON_NUM_THREADS` is set,
-///   candle recomputes it for every parallel op by parsing /proc/cpuinfo (~90 times per
-///   training step, ~4% of a small model's step).
+/// - Fix the thread count once. Unless `RAYON_NUM_THREADS` is set, candle's
+///   `get_num_threads` recomputes it for every parallel op by parsing /proc/cpuinfo (~90 times
+///   per training step, ~4% of a small model's step; `CANDLE_NUM_THREADS` alone does not stop
+///   it). The value is candle's own default (physical cores), so candle behaves as before; the
+///   global rayon pool (tokenization) gets the same count.
 ///
 /// Both measured in docs/benchmarks.md.
 pub fn init_process() {
@@ -45,10 +47,8 @@ pub fn init_process() {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
     }
-    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-        let n = candle_core::utils::get_num_threads();
-        // SAFETY: called before any thread that reads the environment (compute pools) starts.
-        unsafe { std::env::set_var("CANDLE_NUM_THREADS", n.to_string()) };
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        set_threads(candle_core::utils::get_num_threads());
     }
 }
 
