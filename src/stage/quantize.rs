@@ -29,6 +29,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let model = super::evaluate::tuned_model(&folder, &weights_dir, &Device::Cpu, DType::F32)?;
     let base_name = ctx.loaded.recipe.model.repo.clone().unwrap_or_default();
     let mut report = serde_json::Map::new();
+    let mut self_check: Option<(TokenStore, f64)> = None;
     for format in &s.formats {
         match format {
             ExportFormat::PeftAdapter => {
@@ -85,9 +86,17 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 let path = ctx.out.join("gguf").join(&file);
                 let name = ctx.loaded.recipe.recipe.name.clone();
                 let written = gguf::write(&path, &folder.config, &merged, &model_dir, &name, *other)?;
-                let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
-                let (reference, _) = crate::train::evaluate(&model, &eval, 1, SELF_CHECK_ROWS as u64)?;
-                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, &eval)?;
+                // The eval rows and the unquantized model's loss on them, once for all GGUF formats.
+                let (eval, reference) = match &self_check {
+                    Some(c) => c,
+                    None => {
+                        let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
+                        let (reference, _) = crate::train::evaluate(&model, &eval, 1, SELF_CHECK_ROWS as u64)?;
+                        self_check.insert((eval, reference))
+                    }
+                };
+                let reference = *reference;
+                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval)?;
                 let ratio = (loss - reference).exp();
                 ctx.ui.status(
                     "quantize",
