@@ -4,14 +4,15 @@
 //!
 //!     cargo bench --bench train_step -- [tiny|135m] [steps] [f32|bf16|f16]
 //!
-//! It runs each shape twice: with rtune's frozen-weight matmul (no weight gradients for frozen
-//! layers) and with candle's plain matmul, to measure what the former saves.
+//! It runs rtune's fused CPU engine, then candle's autograd (with rtune's frozen-weight matmul);
+//! `RTUNE_BENCH_ENGINE=fused|candle|plain` runs one alone (peak RSS is per process, so compare
+//! memory one engine per process; `plain` is candle's matmul with frozen-weight gradients).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use rtune::model::{LoraSpec, Trainable, Transformer, lora::FROZEN_MATMUL};
+use rtune::model::{LoraSpec, Trainable, Transformer, fused, lora::FROZEN_MATMUL};
 use rtune::recipe::{Arch, ScratchModel};
 use rtune::rng::Rng;
 use rtune::train::optim::{AdamW, AdamWConfig};
@@ -65,8 +66,16 @@ fn main() {
     let select = Tensor::new(select.as_slice(), &Device::Cpu).unwrap();
     let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
     println!("shape {which}: {steps} measured steps of {b}x{t} tokens, compute {dtype:?}");
-    for frozen in [true, false] {
-        FROZEN_MATMUL.store(frozen, std::sync::atomic::Ordering::Relaxed);
+    let flops = step_flops(&cfg, b, t, 8);
+    let engines = match std::env::var("RTUNE_BENCH_ENGINE").as_deref() {
+        Ok("fused") => vec![Engine::Fused],
+        Ok("candle") => vec![Engine::Candle],
+        Ok("plain") => vec![Engine::Plain],
+        _ => vec![Engine::Fused, Engine::Candle],
+    };
+    let (select_v, targets_v): (Vec<u32>, Vec<u32>) = (select.to_vec1().unwrap(), targets.to_vec1().unwrap());
+    for engine in engines {
+        FROZEN_MATMUL.store(engine != Engine::Plain, std::sync::atomic::Ordering::Relaxed);
         let lora = LoraSpec {
             rank: 8,
             alpha: 16.0,
@@ -74,17 +83,30 @@ fn main() {
             targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
         };
         let model = Transformer::with_dtype(&cfg, &weights, &Trainable::Lora(lora), &mut Rng::new(2), dtype).unwrap();
+        if engine == Engine::Fused
+            && let Some(why) = fused::unsupported(&model)
+        {
+            println!("  fused engine: not available ({why})");
+            continue;
+        }
         let mut opt =
             AdamW::new(AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, &model.params).unwrap();
+        let mut dropout = Rng::new(3);
         let mut times = Vec::new();
         for i in 0..steps + 2 {
             let start = Instant::now();
-            let loss = model.loss(&batch, &select, &targets, None).unwrap();
-            let g = loss.backward().unwrap();
-            let grads: BTreeMap<String, Tensor> =
-                model.params.iter().map(|p| (p.name.clone(), g.get(p.var.as_tensor()).unwrap().clone())).collect();
+            let grads = match engine {
+                Engine::Fused => {
+                    fused::loss_and_grads(&model, &batch, &select_v, &targets_v, 1.0, &mut dropout).unwrap().1
+                }
+                Engine::Candle | Engine::Plain => {
+                    let loss = model.loss(&batch, &select, &targets, None).unwrap();
+                    let g = loss.backward().unwrap();
+                    let _ = loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap();
+                    model.params.iter().map(|p| (p.name.clone(), g.get(p.var.as_tensor()).unwrap().clone())).collect()
+                }
+            };
             opt.step(&model.params, &grads, 2e-4).unwrap();
-            let _ = loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap();
             if i >= 2 {
                 times.push(start.elapsed().as_secs_f64());
             }
@@ -92,13 +114,51 @@ fn main() {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         println!(
-            "  {:<22} median {:.4} s/step  {:>9.0} tokens/s  peak RSS {}",
-            if frozen { "frozen-weight matmul" } else { "plain candle matmul" },
+            "  {:<22} median {:.4} s/step  {:>9.0} tokens/s  peak RSS {}  {:.1} GFLOP/s",
+            engine.label(),
             median,
             (b * t) as f64 / median,
-            peak_rss()
+            peak_rss(),
+            flops / median / 1e9,
         );
     }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Engine {
+    /// rtune's fused CPU engine (the default for f32 LoRA training on the CPU).
+    Fused,
+    /// candle autograd with rtune's frozen-weight matmul.
+    Candle,
+    /// candle autograd with candle's plain matmul (weight gradients for frozen layers too).
+    Plain,
+}
+
+impl Engine {
+    fn label(self) -> &'static str {
+        match self {
+            Engine::Fused => "fused engine",
+            Engine::Candle => "candle autograd",
+            Engine::Plain => "plain candle matmul",
+        }
+    }
+}
+
+/// Floating-point operations of one LoRA train step that does not compute frozen-weight
+/// gradients: forward and input-gradient matmuls of every projection and of the LM head (at
+/// `t - 1` positions per row), the four attention matmuls' forward and backward (full `t × t`
+/// scores), and the LoRA matmuls on q/k/v/o. Element-wise work is not counted.
+fn step_flops(cfg: &rtune::model::ModelConfig, b: usize, t: usize, rank: usize) -> f64 {
+    let (h, i, v) = (cfg.hidden_size as f64, cfg.intermediate_size as f64, cfg.vocab_size as f64);
+    let (qd, kvd) = ((cfg.num_heads * cfg.head_dim) as f64, (cfg.num_kv_heads * cfg.head_dim) as f64);
+    let n = (b * t) as f64;
+    let layer_params = h * qd + 2.0 * h * kvd + qd * h + 3.0 * h * i;
+    let linears = 2.0 * n * layer_params * cfg.num_layers as f64 * 2.0;
+    let head = 2.0 * (b * (t - 1)) as f64 * h * v * 2.0;
+    let attn = 2.0 * (b * cfg.num_heads) as f64 * (t * t) as f64 * cfg.head_dim as f64 * 6.0;
+    // x·A, u·B forward; dB, du, dA, dx backward: 6 rank-r products per adapter.
+    let lora = 2.0 * n * rank as f64 * (h + qd + 2.0 * (h + kvd) + qd + h) * 3.0 * cfg.num_layers as f64;
+    linears + head + attn * cfg.num_layers as f64 + lora
 }
 
 fn peak_rss() -> String {

@@ -470,3 +470,108 @@ fn fused_cross_entropy_matches_the_composed_one() {
     assert!(d < 1e-6, "max |gradient difference| {d}");
     assert!(cross_entropy(&logits, &Tensor::new(&[500u32; 37], &Device::Cpu).unwrap()).is_err(), "targets are checked");
 }
+
+/// Gradients of `weight × loss` from candle's autograd, by parameter name.
+fn autograd(
+    model: &Transformer,
+    batch: &Batch,
+    select: &[u32],
+    targets: &[u32],
+    weight: f64,
+    rng: Option<&mut Rng>,
+) -> (f64, BTreeMap<String, Tensor>) {
+    let select = Tensor::new(select, &Device::Cpu).unwrap();
+    let targets = Tensor::new(targets, &Device::Cpu).unwrap();
+    let loss = model.loss(batch, &select, &targets, rng).unwrap();
+    let grads = (&loss * weight).unwrap().backward().unwrap();
+    let by_name =
+        model.params.iter().map(|p| (p.name.clone(), grads.get(p.var.as_tensor()).unwrap().clone())).collect();
+    (loss.to_scalar::<f32>().unwrap() as f64, by_name)
+}
+
+/// The fused engine's loss and gradients equal candle autograd's to float rounding.
+fn assert_fused_matches(
+    model: &Transformer,
+    batch: &Batch,
+    select: &[u32],
+    targets: &[u32],
+    dropout_seed: Option<u64>,
+) {
+    assert_eq!(rtune::model::fused::unsupported(model), None);
+    let weight = 0.75;
+    let mut rng_a = dropout_seed.map(Rng::new);
+    let (want_loss, want) = autograd(model, batch, select, targets, weight, rng_a.as_mut());
+    let mut rng_b = Rng::new(dropout_seed.unwrap_or(0));
+    let (loss, got) =
+        rtune::model::fused::loss_and_grads(model, batch, select, targets, weight as f32, &mut rng_b).unwrap();
+    assert!((loss - want_loss).abs() < 1e-5 * want_loss.abs().max(1.0), "loss {loss} vs autograd {want_loss}");
+    if let Some(mut a) = rng_a {
+        assert_eq!(a.next_u64(), rng_b.next_u64(), "both engines draw the same dropout masks");
+    }
+    let eval = rtune::model::fused::loss(model, batch, select, targets).unwrap();
+    let select_t = Tensor::new(select, &Device::Cpu).unwrap();
+    let targets_t = Tensor::new(targets, &Device::Cpu).unwrap();
+    let eval_want = model.loss(batch, &select_t, &targets_t, None).unwrap().to_scalar::<f32>().unwrap() as f64;
+    assert!((eval - eval_want).abs() < 1e-5 * eval_want.abs().max(1.0), "eval loss {eval} vs {eval_want}");
+    assert_eq!(got.len(), want.len());
+    for (name, w) in &want {
+        let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
+        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{name}: zero gradient");
+        let diff = w.iter().zip(&g).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff <= 1e-4 * scale, "{name}: max difference {diff} (largest gradient {scale})");
+    }
+}
+
+#[test]
+fn fused_engine_matches_autograd_on_the_golden_models() {
+    // Llama with llama3 rope scaling and GQA; Qwen2 with q/k/v biases and tied embeddings.
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let g = golden(name);
+        let model = with_adapter(name);
+        let batch = Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap();
+        assert_fused_matches(&model, &batch, &g.select, &g.targets, None);
+    }
+}
+
+#[test]
+fn fused_engine_matches_autograd_with_packing_padding_dropout_and_lm_head() {
+    let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+    let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let targets: Vec<String> = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+        .map(String::from)
+        .to_vec();
+    let spec = rtune::model::LoraSpec { rank: 4, alpha: 8.0, dropout: 0.1, targets };
+    let model = Transformer::new(&folder.config, &weights, &Trainable::Lora(spec), &mut Rng::new(3)).unwrap();
+    // Random B matrices, so that every A gets a gradient.
+    let mut rng = Rng::new(9);
+    let values: BTreeMap<String, Tensor> = model
+        .params
+        .iter()
+        .map(|p| {
+            let v: Vec<f32> = (0..p.var.elem_count()).map(|_| (rng.next_f64() as f32 - 0.5) * 0.2).collect();
+            (p.name.clone(), Tensor::from_vec(v, p.var.shape(), &Device::Cpu).unwrap())
+        })
+        .collect();
+    model.load_params(&values).unwrap();
+    // Row 0: two packed documents; row 1: padded; row 2: one full document.
+    let rows: Vec<Vec<u32>> = vec![
+        (0..20).map(|i| (i * 7 + 3) % 128).collect(),
+        (0..12).map(|i| (i * 5 + 1) % 128).chain([0; 8]).collect(),
+        (0..20).map(|i| (i * 11 + 2) % 128).collect(),
+    ];
+    let lens = [20, 12, 20];
+    let segs: Vec<Vec<u16>> = vec![(0..20).map(|i| (i >= 9) as u16).collect(), vec![0; 20], vec![0; 20]];
+    let batch = Batch::new(&rows, &lens, Some(&segs), &Device::Cpu).unwrap();
+    let (mut select, mut tgt) = (Vec::new(), Vec::new());
+    for (r, row) in rows.iter().enumerate() {
+        for j in 1..lens[r] {
+            if segs[r][j] == segs[r][j - 1] && j % 3 != 0 {
+                select.push((r * 20 + j - 1) as u32);
+                tgt.push(row[j]);
+            }
+        }
+    }
+    assert_fused_matches(&model, &batch, &select, &tgt, Some(42));
+}

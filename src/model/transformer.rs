@@ -205,6 +205,31 @@ impl Transformer {
         self.embed.device()
     }
 
+    /// The dtype activations are computed in.
+    pub fn compute_dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// `model.embed_tokens.weight`.
+    pub fn embed_weight(&self) -> &Tensor {
+        &self.embed
+    }
+
+    /// `model.norm.weight`.
+    pub fn norm_weight(&self) -> &Tensor {
+        &self.norm
+    }
+
+    /// Layer `i`'s input and post-attention RMSNorm weights.
+    pub fn layer_norms(&self, i: usize) -> (&Tensor, &Tensor) {
+        (&self.layers[i].input_norm, &self.layers[i].post_norm)
+    }
+
+    /// The rotary cos/sin tables, `[max_positions, head_dim]` each.
+    pub fn rope_tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
     /// Hidden states after the final norm: `[b, t, hidden]`.
     pub fn hidden(
         &self,
