@@ -8,6 +8,8 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 
 fn main() {
+    // `RTUNE_BENCH_SMOKE=1` (CI): a tiny run that proves the benchmark still works.
+    let reps = if std::env::var_os("RTUNE_BENCH_SMOKE").is_some() { 2 } else { 12 };
     let (m, k, n) = (512usize, 576usize, 1536usize);
     let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
     let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
@@ -16,7 +18,7 @@ fn main() {
         let (xd, wd) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
         let mut times = Vec::new();
         let mut out = None;
-        for _ in 0..12 {
+        for _ in 0..reps {
             let start = Instant::now();
             out = Some(xd.matmul(&wd.t().unwrap()).unwrap());
             times.push(start.elapsed().as_secs_f64());

@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""One command for the side-by-side train-step table of docs/benchmarks.md: rtune's
-`cargo bench --bench train_step` and benches/reference/peft_bench.py (PyTorch + PEFT) on the
-same machine, one after the other, then the ratios. Needs torch, transformers and peft.
+"""One command for the side-by-side tables of docs/benchmarks.md, rtune and PyTorch + PEFT on
+the same machine, one after the other, then the ratios. Needs torch, transformers and peft.
 
-    python3 scripts/bench_side_by_side.py            # both shapes
-    python3 scripts/bench_side_by_side.py tiny       # one shape
+    python3 scripts/bench_side_by_side.py                 # train step, both shapes
+    python3 scripts/bench_side_by_side.py tiny            # one shape
+    python3 scripts/bench_side_by_side.py --epoch tiny    # also one epoch of variable-length rows
+
+Train step: `cargo bench --bench train_step` (rtune's fused engine, alone in its process so its
+peak RSS is its own) and benches/reference/peft_bench.py. Epoch: `cargo bench --bench epoch`
+and benches/reference/peft_epoch.py on the same rows and batches.
 """
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,29 +19,53 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = {"tiny": 30, "135m": 5}
-shapes = sys.argv[1:] or ["tiny", "135m"]
+args = sys.argv[1:]
+epoch = "--epoch" in args
+shapes = [a for a in args if not a.startswith("--")] or ["tiny", "135m"]
 UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def cargo_bench(name, *bench_args, env=None):
+    return subprocess.run(
+        ["cargo", "bench", "--quiet", "--bench", name, "--", *bench_args],
+        cwd=ROOT, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})},
+    ).stdout
+
+
+def python(script, *script_args):
+    out = subprocess.run([sys.executable, str(ROOT / script), *script_args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
 
 rows = []
 for shape in shapes:
-    out = subprocess.run(
-        ["cargo", "bench", "--quiet", "--bench", "train_step", "--", shape, str(STEPS[shape])],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout
-    m = re.search(r"frozen-weight matmul\s+median ([\d.]+) s/step\s+(\d+) tokens/s\s+peak RSS ([\d.]+) (\w+)", out)
-    rt = {"s": float(m.group(1)), "tps": float(m.group(2)), "rss": float(m.group(3)) * UNITS[m.group(4)]}
-    ref = json.loads(subprocess.run(
-        [sys.executable, str(ROOT / "benches/reference/peft_bench.py"), shape, str(STEPS[shape])],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip().splitlines()[-1])
+    out = cargo_bench("train_step", shape, str(STEPS[shape]), env={"RTUNE_BENCH_ENGINE": "fused"})
+    m = re.search(r"fused engine\s+median ([\d.]+) s/step\s+(\d+) tokens/s\s+peak RSS ([\d.]+) (\w+)\s+([\d.]+) GFLOP/s", out)
+    rt = {"s": float(m.group(1)), "tps": float(m.group(2)), "rss": float(m.group(3)) * UNITS[m.group(4)], "gflops": float(m.group(5))}
+    ref = python("benches/reference/peft_bench.py", shape, str(STEPS[shape]))
     rows.append((shape, rt, ref))
 
-print("| shape | rtune s/step | rtune tok/s | rtune peak RSS | PyTorch+PEFT s/step | tok/s | peak RSS | speed ratio | RSS ratio |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("Train step (4 x 128 tokens):\n")
+print("| shape | rtune s/step | rtune tok/s | rtune GFLOP/s | rtune peak RSS | PyTorch+PEFT s/step | tok/s | peak RSS | speed ratio | RSS ratio |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for shape, rt, ref in rows:
     print(
-        f"| {shape} | {rt['s']:.4f} | {rt['tps']:,.0f} | {rt['rss'] / 2**20:,.0f} MiB | {ref['s_per_step']:.4f} | "
+        f"| {shape} | {rt['s']:.4f} | {rt['tps']:,.0f} | {rt['gflops']:.0f} | {rt['rss'] / 2**20:,.0f} MiB | {ref['s_per_step']:.4f} | "
         f"{ref['tokens_per_s']:,.0f} | {ref['peak_rss_bytes'] / 2**20:,.0f} MiB | "
         f"{rt['tps'] / ref['tokens_per_s']:.2f}x | {rt['rss'] / ref['peak_rss_bytes']:.2f}x |"
     )
-print(f"\n({ref['impl']})")
+print(f"\n({rows[-1][2]['impl']})")
+
+if epoch:
+    print("\nOne epoch of variable-length rows (batch 8):\n")
+    print("| shape | rtune shuffled s | rtune group_by_length s | PyTorch+PEFT s | ratio (grouped / PyTorch) | rtune peak RSS | PyTorch peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    for shape in shapes:
+        out = cargo_bench("epoch", shape)
+        loops = {m.group(1): float(m.group(2)) for m in re.finditer(r"(shuffled|group_by_length)\s+loop ([\d.]+) s", out)}
+        rss = re.findall(r"peak RSS ([\d.]+) (\w+)", out)[-1]
+        ref = python("benches/reference/peft_epoch.py", shape)
+        print(
+            f"| {shape} | {loops['shuffled']:.2f} | {loops['group_by_length']:.2f} | {ref['seconds']:.2f} | "
+            f"{loops['group_by_length'] / ref['seconds']:.2f}x | {rss[0]} {rss[1]} | {ref['peak_rss_bytes'] / 2**30:.1f} GiB |"
+        )

@@ -23,7 +23,9 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         Download | Tokenize => 1,
         // 2: the fused CPU cross-entropy sums in another order, so losses, gradients and
         // therefore trained weights differ in the last bits from version 1's.
-        Train | Evaluate | Quantize => 2,
+        // 3: f32 LoRA runs on the CPU use the fused engine (src/model/fused.rs), whose sums run
+        // in another order again.
+        Train | Evaluate | Quantize => 3,
         // 2: uploads carry a generated model card and the loss curve.
         Upload => 2,
     }

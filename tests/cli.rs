@@ -101,7 +101,7 @@ fn explain_shows_fingerprint_inputs() {
     let o = p.run(&["explain", "tiny.toml", "train", "--diff"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = stdout(&o);
-    assert!(text.contains("\"learning_rate\": 0.01"), "{text}");
+    assert!(text.contains("\"learning_rate\": 0.002"), "{text}");
     assert!(text.contains("no earlier run of `train` is recorded"), "{text}");
 }
 

@@ -26,7 +26,7 @@ fn second_run_is_cached_and_a_change_reruns_exactly_its_dependents() {
 
     let changed = args(&["tiny.toml"], &args(FAST, &["--set", "stages.train.learning_rate=5e-3"]));
     let plan = stdout(&p.run(&args(&["plan"], &changed)));
-    assert!(plan.contains("settings changed: train.learning_rate: 0.01 → 5e-3"), "{plan}");
+    assert!(plan.contains("settings changed: train.learning_rate: 2e-3 → 5e-3"), "{plan}");
     assert!(plan.contains("input changed: train"), "{plan}");
     assert!(plan.contains("4 to run, 3 cached"), "{plan}");
     let third = p.run_json(&changed);

@@ -105,7 +105,7 @@ fn golden_fingerprint() {
             .to_string()
     };
     assert_eq!(fp("download"), "3d5f8e2aa5602ef9d1e475918d3897fcdda98adb906e400ee454ae0f7ef452d3");
-    assert_eq!(fp("train"), "0f65bb4113da9fafe22c6284dd393c35ea1cb26fc031bdfe76e580ca0b992c2c");
+    assert_eq!(fp("train"), "5acccc0c2c695a976270fab6fa6725b49ce7496b4936a63f01d4afc1c7a5f7c9");
 }
 
 #[test]

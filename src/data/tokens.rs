@@ -121,6 +121,11 @@ impl TokenStore {
         self.len() == 0
     }
 
+    /// Tokens in row `i`.
+    pub fn row_len(&self, i: usize) -> usize {
+        (self.offsets[i + 1] - self.offsets[i]) as usize
+    }
+
     pub fn row(&self, i: usize) -> TokenRow {
         let (a, b) = (self.offsets[i] as usize, self.offsets[i + 1] as usize);
         TokenRow {

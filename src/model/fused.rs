@@ -210,7 +210,8 @@ struct LayerSave {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
-    probs: Vec<f32>,
+    /// Log-sum-exp of each attention row, `[b, heads, t]`.
+    lse: Vec<f32>,
     /// Attention output `[n, heads·d]` (o_proj's input).
     attn: Vec<f32>,
     h: Vec<f32>,
@@ -276,6 +277,11 @@ fn run(
     if let Some(&id) = ids.iter().chain(targets).find(|&&i| i as usize >= dims.vocab) {
         bail!("fused engine: token {id} outside the vocabulary of {}", dims.vocab)
     }
+    // Attention skips keys after each query block, which is exact only for causal masks.
+    let causal = mask.chunks(t * t).all(|m| (0..t).all(|q| m[q * t + q + 1..(q + 1) * t].iter().all(|&v| v <= -1e8)));
+    if mask.len() != b * t * t || !causal {
+        bail!("fused engine: the attention mask is not a causal [b, 1, t, t] mask")
+    }
     let max_pos = w.cos.len() / dims.d;
     if let Some(&p) = positions.iter().find(|&&p| p as usize >= max_pos) {
         bail!("fused engine: position {p} beyond the rotary table of {max_pos}")
@@ -339,7 +345,7 @@ fn run(
     rms_norm_backward(&x, &inv_f, w.norm, &dhn, &mut dx, false, &dims);
     drop((hn, dhn));
     for (i, (lw, save)) in w.layers.iter().zip(saves).enumerate().rev() {
-        layer_backward(lw, &w, &dims, save, &mut dx, &positions, i > 0, &mut grads);
+        layer_backward(lw, &w, &dims, save, &mut dx, &positions, &mask, i > 0, &mut grads);
     }
     Ok((loss, grads))
 }
@@ -371,9 +377,9 @@ fn layer_forward(
     let q = to_heads(&q, b, t, heads, d, Some((positions, w.cos, w.sin)));
     let k = to_heads(&k, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
     let v = to_heads(&v, b, t, kv_heads, d, None);
-    let mut probs = vec![0f32; b * heads * t * t];
+    let mut lse = if training { vec![0f32; b * heads * t] } else { Vec::new() };
     let mut out = vec![0f32; b * heads * t * d];
-    attention_forward(&q, &k, &v, mask, dims, &mut probs, &mut out);
+    attention_forward(&q, &k, &v, mask, dims, training.then_some(&mut lse[..]), &mut out);
     let attn = from_heads(&out, b, t, heads, d, None);
     drop(out);
     let o = proj(O, &attn, hidden, rng.as_deref_mut());
@@ -389,7 +395,7 @@ fn layer_forward(
     drop(act);
     let mut next = h.clone();
     add(&mut next, &down);
-    let save = training.then_some(LayerSave { x, inv1, q, k, v, probs, attn, h, inv2, gate, up, lin });
+    let save = training.then_some(LayerSave { x, inv1, q, k, v, lse, attn, h, inv2, gate, up, lin });
     (next, save)
 }
 
@@ -401,6 +407,7 @@ fn layer_backward(
     s: LayerSave,
     dx: &mut [f32],
     positions: &[u32],
+    mask: &[f32],
     need_input_grad: bool,
     grads: &mut Grads,
 ) {
@@ -432,7 +439,7 @@ fn layer_backward(
     let mut dq = vec![0f32; b * heads * t * d];
     let mut dk = vec![0f32; b * kv_heads * t * d];
     let mut dv = vec![0f32; b * kv_heads * t * d];
-    attention_backward(&s.q, &s.k, &s.v, &s.probs, &dout, dims, &mut dq, &mut dk, &mut dv);
+    attention_backward(&s.q, &s.k, &s.v, mask, &s.lse, &dout, dims, &mut dq, &mut dk, &mut dv);
     drop(dout);
     let dq = from_heads(&dq, b, t, heads, d, Some((positions, w.cos, w.sin)));
     let dk = from_heads(&dk, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
@@ -892,39 +899,94 @@ fn from_heads(x: &[f32], b: usize, t: usize, heads: usize, d: usize, rope: Optio
 // ---------------------------------------------------------------------------------------------
 // Attention.
 
-/// Per (sequence, head): `P = softmax(Q Kᵀ/√d + mask)`, `O = P V`.
-fn attention_forward(q: &[f32], k: &[f32], v: &[f32], mask: &[f32], dims: &Dims, probs: &mut [f32], out: &mut [f32]) {
+/// Query rows per attention block: a block of queries only meets keys up to its last row (the
+/// mask is causal), so the masked upper triangle is skipped block by block.
+const QUERY_BLOCK: usize = 64;
+
+/// The query blocks of a `t`-row sequence: `(first row, rows, keys it attends to)`.
+fn query_blocks(t: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..t).step_by(QUERY_BLOCK).map(move |r0| {
+        let r1 = (r0 + QUERY_BLOCK).min(t);
+        (r0, r1 - r0, r1)
+    })
+}
+
+/// `S = Q Kᵀ/√d + mask` for one query block, over its `keys`.
+fn block_scores(s: &mut [f32], qh: &[f32], kg: &[f32], mask: &[f32], block: (usize, usize, usize), dims: &Dims) {
+    let ((r0, rows, keys), t, d) = (block, dims.t, dims.d);
+    let scale = 1.0 / (d as f32).sqrt();
+    matmul_here(s, Mat::rm(&qh[r0 * d..][..rows * d], rows, d), Mat::rm(&kg[..keys * d], keys, d).t(), scale, false);
+    for (i, row) in s.chunks_mut(keys).enumerate() {
+        add(row, &mask[(r0 + i) * t..][..keys]);
+    }
+}
+
+/// Per (sequence, head): `P = softmax(Q Kᵀ/√d + mask)`, `O = P V`. Keeps only each row's
+/// log-sum-exp (`lse`, when given): the backward pass recomputes `P` from it, so memory does not
+/// grow with t² per layer.
+fn attention_forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[f32],
+    dims: &Dims,
+    lse: Option<&mut [f32]>,
+    out: &mut [f32],
+) {
     let Dims { t, heads, kv_heads, d, .. } = *dims;
     let rep = heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
-    probs.par_chunks_mut(t * t).zip(out.par_chunks_mut(t * d)).enumerate().for_each(|(bh, (p, o))| {
+    let task = |bh: usize, o: &mut [f32], lse: Option<&mut [f32]>| {
         let (bi, h) = (bh / heads, bh % heads);
         let g = bi * kv_heads + h / rep;
-        let qh = Mat::rm(&q[bh * t * d..][..t * d], t, d);
-        let kg = Mat::rm(&k[g * t * d..][..t * d], t, d);
-        let vg = Mat::rm(&v[g * t * d..][..t * d], t, d);
-        matmul_here(p, qh, kg.t(), scale, false);
+        let qh = &q[bh * t * d..][..t * d];
+        let kg = &k[g * t * d..][..t * d];
+        let vg = &v[g * t * d..][..t * d];
         let m = &mask[bi * t * t..][..t * t];
-        for (row, mrow) in p.chunks_mut(t).zip(m.chunks(t)) {
-            add(row, mrow);
-            let total = exp_shifted(row, max(row));
-            let inv = 1.0 / total;
-            for s in row.iter_mut() {
-                *s *= inv;
+        let mut s = vec![0f32; QUERY_BLOCK * t];
+        let mut lse = lse;
+        for (r0, rows, keys) in query_blocks(t) {
+            let s = &mut s[..rows * keys];
+            block_scores(s, qh, kg, m, (r0, rows, keys), dims);
+            for (i, row) in s.chunks_mut(keys).enumerate() {
+                let mx = max(row);
+                let total = exp_shifted(row, mx);
+                let inv = 1.0 / total;
+                for p in row.iter_mut() {
+                    *p *= inv;
+                }
+                if let Some(l) = lse.as_deref_mut() {
+                    l[r0 + i] = mx + total.ln();
+                }
             }
+            matmul_here(
+                &mut o[r0 * d..][..rows * d],
+                Mat::rm(s, rows, keys),
+                Mat::rm(&vg[..keys * d], keys, d),
+                1.0,
+                false,
+            );
         }
-        matmul_here(o, Mat::rm(p, t, t), vg, 1.0, false);
-    });
+    };
+    match lse {
+        Some(lse) => out
+            .par_chunks_mut(t * d)
+            .zip(lse.par_chunks_mut(t))
+            .enumerate()
+            .for_each(|(bh, (o, l))| task(bh, o, Some(l))),
+        None => out.par_chunks_mut(t * d).enumerate().for_each(|(bh, o)| task(bh, o, None)),
+    }
 }
 
 /// Gradients of attention with respect to (rotated) queries, keys and values, per (sequence,
-/// kv head) so that the query heads sharing a kv head accumulate into it on one thread.
+/// kv head) so that the query heads sharing a kv head accumulate into it on one thread. `dq`,
+/// `dk` and `dv` must start zeroed.
 #[allow(clippy::too_many_arguments)]
 fn attention_backward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    probs: &[f32],
+    mask: &[f32],
+    lse: &[f32],
     dout: &[f32],
     dims: &Dims,
     dq: &mut [f32],
@@ -937,24 +999,40 @@ fn attention_backward(
     dq.par_chunks_mut(rep * t * d).zip(dk.par_chunks_mut(t * d)).zip(dv.par_chunks_mut(t * d)).enumerate().for_each(
         |(bg, ((dq, dk), dv))| {
             let bi = bg / kv_heads;
-            let kg = Mat::rm(&k[bg * t * d..][..t * d], t, d);
-            let vg = Mat::rm(&v[bg * t * d..][..t * d], t, d);
-            let mut dp = vec![0f32; t * t];
+            let kg = &k[bg * t * d..][..t * d];
+            let vg = &v[bg * t * d..][..t * d];
+            let m = &mask[bi * t * t..][..t * t];
+            let mut p = vec![0f32; QUERY_BLOCK * t];
+            let mut dp = vec![0f32; QUERY_BLOCK * t];
             for (j, dq) in dq.chunks_mut(t * d).enumerate() {
                 let bh = bi * heads + (bg % kv_heads) * rep + j;
-                let p = &probs[bh * t * t..][..t * t];
-                let doh = Mat::rm(&dout[bh * t * d..][..t * d], t, d);
-                let qh = Mat::rm(&q[bh * t * d..][..t * d], t, d);
-                matmul_here(&mut dp, doh, vg.t(), 1.0, false);
-                matmul_here(dv, Mat::rm(p, t, t).t(), doh, 1.0, j > 0);
-                for (dp, p) in dp.chunks_mut(t).zip(p.chunks(t)) {
-                    let dot = dot3(dp, p, None);
-                    for (dp, p) in dp.iter_mut().zip(p) {
-                        *dp = p * (*dp - dot);
+                let qh = &q[bh * t * d..][..t * d];
+                let doh = &dout[bh * t * d..][..t * d];
+                let lse = &lse[bh * t..][..t];
+                for (r0, rows, keys) in query_blocks(t) {
+                    let (p, dp) = (&mut p[..rows * keys], &mut dp[..rows * keys]);
+                    // P again, from the scores and the saved log-sum-exp.
+                    block_scores(p, qh, kg, m, (r0, rows, keys), dims);
+                    for (i, row) in p.chunks_mut(keys).enumerate() {
+                        let l = lse[r0 + i];
+                        for x in row.iter_mut() {
+                            *x = exp(*x - l);
+                        }
                     }
+                    let dob = Mat::rm(&doh[r0 * d..][..rows * d], rows, d);
+                    let pm = Mat::rm(p, rows, keys);
+                    matmul_here(dp, dob, Mat::rm(&vg[..keys * d], keys, d).t(), 1.0, false);
+                    matmul_here(&mut dv[..keys * d], pm.t(), dob, 1.0, true);
+                    for (dp, p) in dp.chunks_mut(keys).zip(p.chunks(keys)) {
+                        let dot = dot3(dp, p, None);
+                        for (dp, p) in dp.iter_mut().zip(p) {
+                            *dp = p * (*dp - dot);
+                        }
+                    }
+                    let ds = Mat::rm(dp, rows, keys);
+                    matmul_here(&mut dq[r0 * d..][..rows * d], ds, Mat::rm(&kg[..keys * d], keys, d), scale, false);
+                    matmul_here(&mut dk[..keys * d], ds.t(), Mat::rm(&qh[r0 * d..][..rows * d], rows, d), scale, true);
                 }
-                matmul_here(dq, Mat::rm(&dp, t, t), kg, scale, false);
-                matmul_here(dk, Mat::rm(&dp, t, t).t(), qh, scale, j > 0);
             }
         },
     );

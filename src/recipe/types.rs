@@ -502,6 +502,11 @@ pub struct TrainSettings {
     /// Eval batches used for each periodic evaluation (0: the whole eval split).
     #[serde(default)]
     pub eval_batches: u64,
+    /// Batch sequences of similar length: each epoch is shuffled, then sorted by length within
+    /// groups of 50 batches (transformers' `group_by_length`). Far less padding, the same rows
+    /// per epoch.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub group_by_length: bool,
 }
 
 fn one_u32() -> u32 {

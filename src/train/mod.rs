@@ -177,6 +177,47 @@ pub fn micro_batch(rows: &[TokenRow], device: &Device) -> Result<MicroBatch, Tra
     })
 }
 
+/// Which engine computes losses and gradients for `model`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// rtune's fused CPU engine ([`crate::model::fused`]).
+    Fused,
+    /// candle's ops and autograd (any device, dtype and trainable set).
+    Candle,
+}
+
+impl Engine {
+    /// The fused engine where it supports the model (f32 on the CPU, LoRA or nothing training),
+    /// unless `RTUNE_ENGINE=candle` asks for candle's autograd (to compare the two).
+    pub fn for_model(model: &Transformer) -> Engine {
+        let forced = std::env::var("RTUNE_ENGINE").is_ok_and(|v| v == "candle");
+        if !forced && crate::model::fused::unsupported(model).is_none() { Engine::Fused } else { Engine::Candle }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Engine::Fused => "fused CPU engine",
+            Engine::Candle => "candle autograd",
+        }
+    }
+}
+
+/// Mean loss of one micro-batch (no gradients).
+fn batch_loss(model: &Transformer, mb: &MicroBatch, engine: Engine) -> Result<f64, TrainError> {
+    match engine {
+        Engine::Fused => {
+            let select: Vec<u32> = mb.select.to_vec1().map_err(cerr("evaluate"))?;
+            let targets: Vec<u32> = mb.targets.to_vec1().map_err(cerr("evaluate"))?;
+            crate::model::fused::loss(model, &mb.batch, &select, &targets).map_err(cerr("evaluate"))
+        }
+        Engine::Candle => model
+            .loss(&mb.batch, &mb.select, &mb.targets, None)
+            .and_then(|l| l.to_scalar::<f32>())
+            .map(f64::from)
+            .map_err(cerr("evaluate")),
+    }
+}
+
 /// Token-weighted mean loss over (at most `max_batches` batches of) a split.
 pub fn evaluate(
     model: &Transformer,
@@ -185,6 +226,7 @@ pub fn evaluate(
     max_batches: u64,
 ) -> Result<(f64, usize), TrainError> {
     let (mut sum, mut n) = (0f64, 0usize);
+    let engine = Engine::for_model(model);
     let idx: Vec<usize> = (0..store.len()).collect();
     for (b, chunk) in idx.chunks(batch_size.max(1)).enumerate() {
         if max_batches > 0 && b as u64 >= max_batches {
@@ -195,11 +237,8 @@ pub fn evaluate(
         if mb.targets_count == 0 {
             continue;
         }
-        let loss = model
-            .loss(&mb.batch, &mb.select, &mb.targets, None)
-            .and_then(|l| l.to_scalar::<f32>())
-            .map_err(cerr("evaluate"))?;
-        sum += loss as f64 * mb.targets_count as f64;
+        let loss = batch_loss(model, &mb, engine)?;
+        sum += loss * mb.targets_count as f64;
         n += mb.targets_count;
     }
     Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n))
@@ -212,16 +251,24 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// How an epoch's rows are ordered into micro-batches.
+#[derive(Debug, Clone, Copy)]
+struct Batching {
+    seed: u64,
+    batch_size: usize,
+    group_by_length: bool,
+}
+
 /// Prepare micro-batches from number `start` on, in order, on a background thread; it stops
 /// when the receiver is dropped. The bounded channel keeps it at most four batches ahead.
 fn prefetch(
     train: std::sync::Arc<TokenStore>,
-    seed: u64,
-    batch_size: usize,
+    batching: Batching,
     micro_per_epoch: u64,
     start: u64,
     device: Device,
 ) -> std::sync::mpsc::Receiver<Result<MicroBatch, TrainError>> {
+    let Batching { batch_size, .. } = batching;
     let (tx, rx) = std::sync::mpsc::sync_channel(4);
     std::thread::spawn(move || {
         let mut epoch = u64::MAX;
@@ -229,7 +276,7 @@ fn prefetch(
         for micro in start.. {
             let e = micro / micro_per_epoch;
             if e != epoch {
-                order = epoch_order(train.len(), seed, e);
+                order = epoch_order(&train, batching, e);
                 epoch = e;
             }
             let index = (micro % micro_per_epoch) as usize;
@@ -245,16 +292,41 @@ fn prefetch(
     rx
 }
 
-/// The order of training rows in `epoch`.
-fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
+/// Rows per length group with `group_by_length`, in batches (transformers' "megabatch").
+const LENGTH_GROUP_BATCHES: usize = 50;
+
+/// The order of training rows in `epoch`: a seeded shuffle, and with `group_by_length` each
+/// group of 50 batches sorted longest first, so that a batch holds rows of similar length. The
+/// order of groups stays random, and every row is seen once per epoch either way.
+fn epoch_order(train: &TokenStore, batching: Batching, epoch: u64) -> Vec<usize> {
+    let Batching { seed, batch_size, group_by_length } = batching;
+    epoch_rows(train.len(), |i| train.row_len(i), seed, epoch, batch_size, group_by_length)
+}
+
+/// [`epoch_order`] for `n` rows whose lengths `len` gives (public for benchmarks).
+pub fn epoch_rows(
+    n: usize,
+    len: impl Fn(usize) -> usize,
+    seed: u64,
+    epoch: u64,
+    batch_size: usize,
+    group_by_length: bool,
+) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
     Rng::derive(seed, &format!("shuffle:{epoch}")).shuffle(&mut order);
+    if group_by_length {
+        for group in order.chunks_mut(LENGTH_GROUP_BATCHES * batch_size.max(1)) {
+            // Stable, so ties keep the shuffled order.
+            group.sort_by_key(|&i| std::cmp::Reverse(len(i)));
+        }
+    }
     order
 }
 
 struct Trainer<'a> {
     job: &'a TrainJob<'a>,
     model: Transformer,
+    engine: Engine,
     opt: AdamW,
     ema: Option<BTreeMap<String, Tensor>>,
     state: LoopState,
@@ -297,8 +369,10 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         tokens_seen: 0,
     };
     let metrics_path = job.work.join("metrics.jsonl");
+    let engine = Engine::for_model(&model);
     let mut t = Trainer {
         job,
+        engine,
         model,
         opt,
         ema,
@@ -323,10 +397,11 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
             job.ui.status(
                 "train",
                 format!(
-                    "{total_steps} steps, {} train sequences, batch {} × accum {}, {n_params} trained parameters",
+                    "{total_steps} steps, {} train sequences, batch {} × accum {}, {n_params} trained parameters, {}",
                     t.train.len(),
                     s.batch_size,
-                    s.grad_accum
+                    s.grad_accum,
+                    t.engine.describe()
                 ),
             );
             let (loss, _) = evaluate(&t.model, &t.eval, s.batch_size as usize, s.eval_batches)?;
@@ -384,10 +459,14 @@ impl Trainer<'_> {
     /// The next micro-batch, prepared by a background thread that runs a few batches ahead.
     fn next_micro(&mut self) -> Result<MicroBatch, TrainError> {
         if self.prefetch.is_none() {
+            let batching = Batching {
+                seed: self.job.seed,
+                batch_size: self.job.settings.batch_size as usize,
+                group_by_length: self.job.settings.group_by_length,
+            };
             self.prefetch = Some(prefetch(
                 self.train.clone(),
-                self.job.seed,
-                self.job.settings.batch_size as usize,
+                batching,
                 self.micro_per_epoch,
                 self.state.micro,
                 self.job.device.clone(),
@@ -410,16 +489,11 @@ impl Trainer<'_> {
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut loss_sum = 0f64;
         for mb in micros.iter().filter(|m| m.targets_count > 0) {
-            let loss = self
-                .model
-                .loss(&mb.batch, &mb.select, &mb.targets, Some(&mut self.state.dropout_rng))
-                .map_err(cerr("forward pass"))?;
             let weight = mb.targets_count as f64 / total as f64;
-            let scaled = (&loss * weight).map_err(cerr("scale the loss"))?;
-            let g = scaled.backward().map_err(cerr("backward pass"))?;
-            loss_sum += loss.to_scalar::<f32>().map_err(cerr("read the loss"))? as f64 * weight;
+            let (loss, g) = self.loss_and_grads(mb, weight)?;
+            loss_sum += loss * weight;
             for p in &self.model.params {
-                if let Some(pg) = g.get(p.var.as_tensor()) {
+                if let Some(pg) = g.get(&p.name) {
                     let pg = pg.to_dtype(DType::F32).map_err(cerr("gradient"))?;
                     let acc = match grads.remove(&p.name) {
                         Some(a) => (a + pg).map_err(cerr("accumulate gradients"))?,
@@ -490,6 +564,32 @@ impl Trainer<'_> {
         self.state.step += 1;
         self.log(json!({"step": self.state.step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens": self.state.tokens_seen}))?;
         Ok((loss_sum, lr))
+    }
+
+    /// The mean loss of one micro-batch and the gradients of `weight × loss`, by parameter name.
+    fn loss_and_grads(&mut self, mb: &MicroBatch, weight: f64) -> Result<(f64, BTreeMap<String, Tensor>), TrainError> {
+        let rng = &mut self.state.dropout_rng;
+        match self.engine {
+            Engine::Fused => {
+                let select: Vec<u32> = mb.select.to_vec1().map_err(cerr("forward pass"))?;
+                let targets: Vec<u32> = mb.targets.to_vec1().map_err(cerr("forward pass"))?;
+                crate::model::fused::loss_and_grads(&self.model, &mb.batch, &select, &targets, weight as f32, rng)
+                    .map_err(cerr("forward and backward pass"))
+            }
+            Engine::Candle => {
+                let loss =
+                    self.model.loss(&mb.batch, &mb.select, &mb.targets, Some(rng)).map_err(cerr("forward pass"))?;
+                let scaled = (&loss * weight).map_err(cerr("scale the loss"))?;
+                let g = scaled.backward().map_err(cerr("backward pass"))?;
+                let grads = self
+                    .model
+                    .params
+                    .iter()
+                    .filter_map(|p| Some((p.name.clone(), g.get(p.var.as_tensor())?.clone())))
+                    .collect();
+                Ok((loss.to_scalar::<f32>().map_err(cerr("read the loss"))? as f64, grads))
+            }
+        }
     }
 
     fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
@@ -564,5 +664,40 @@ impl Trainer<'_> {
             .ui
             .status("train", format!("eval loss {first:.4} → {last:.4} in {} steps ({seconds:.1}s)", self.state.step));
         Ok(summary)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_by_length_keeps_every_row_once_and_batches_similar_lengths() {
+        let lens: Vec<usize> = (0..1000).map(|i| (i * 7919) % 500 + 1).collect();
+        let len = |i: usize| lens[i];
+        let shuffled = epoch_rows(lens.len(), len, 5, 0, 4, false);
+        let grouped = epoch_rows(lens.len(), len, 5, 0, 4, true);
+        let mut sorted = grouped.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..1000).collect::<Vec<_>>(), "every row exactly once");
+        assert_eq!(grouped, epoch_rows(lens.len(), len, 5, 0, 4, true), "deterministic by seed");
+        assert_ne!(grouped, epoch_rows(lens.len(), len, 5, 1, 4, true), "another order each epoch");
+        // Within a group of 50 batches, rows run longest first; groups keep the shuffle's rows.
+        for (g, s) in grouped.chunks(200).zip(shuffled.chunks(200)) {
+            assert!(g.windows(2).all(|w| lens[w[0]] >= lens[w[1]]));
+            let (mut a, mut b) = (g.to_vec(), s.to_vec());
+            a.sort_unstable();
+            b.sort_unstable();
+            assert_eq!(a, b);
+        }
+        let padding = |order: &[usize]| -> usize {
+            order
+                .chunks(4)
+                .map(|b| {
+                    b.len() * b.iter().map(|&i| lens[i]).max().unwrap() - b.iter().map(|&i| lens[i]).sum::<usize>()
+                })
+                .sum()
+        };
+        assert!(padding(&grouped) * 10 < padding(&shuffled), "{} vs {}", padding(&grouped), padding(&shuffled));
     }
 }
