@@ -2,7 +2,9 @@
 //! docs/benchmarks.md: LoRA r=8, alpha=16, dropout 0 on q/k/v/o_proj, AdamW lr 2e-4, batch
 //! 4 × 128 tokens, median seconds per step after 2 warm-up steps. Run:
 //!
-//!     cargo bench --bench train_step -- [tiny|135m] [steps] [f32|bf16|f16]
+//!     cargo bench --bench train_step -- [tiny|small|135m] [steps] [f32|bf16|f16]
+//!
+//! (`small`: hidden 256, 8 layers, vocab 8000 — between the two protocol shapes.)
 //!
 //! It runs rtune's fused CPU engine, then candle's autograd (with rtune's frozen-weight matmul);
 //! `RTUNE_BENCH_ENGINE=fused|candle|plain` runs one alone (peak RSS is per process, so compare
@@ -20,6 +22,7 @@ use rtune::train::optim::{AdamW, AdamWConfig};
 fn shape(name: &str) -> ScratchModel {
     let (hidden, layers, heads, kv, inter, vocab, tied) = match name {
         "135m" => (576, 30, 9, 3, 1536, 49152, true),
+        "small" => (256, 8, 4, 2, 768, 8000, false),
         _ => (64, 2, 4, 2, 128, 1000, false),
     };
     ScratchModel {
