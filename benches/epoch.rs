@@ -12,35 +12,16 @@
 //! pads) and with `group_by_length`. Reported: the training loop's wall time, tokens, and the
 //! share of batch slots that are padding.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use rtune::data::tokens::TokenWriter;
-use rtune::recipe::{Adapter, Arch, ScratchModel, TrainSettings};
+use rtune::recipe::{Adapter, TrainSettings};
 use rtune::rng::Rng;
 
 const BATCH: usize = 8;
-
-fn shape(name: &str) -> ScratchModel {
-    let (hidden, layers, heads, kv, inter, vocab, tied) = match name {
-        "135m" => (576, 30, 9, 3, 1536, 49152, true),
-        _ => (64, 2, 4, 2, 128, 1000, false),
-    };
-    ScratchModel {
-        arch: Arch::Llama,
-        hidden_size: hidden,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: Some(kv),
-        intermediate_size: inter,
-        vocab_size: vocab,
-        max_position_embeddings: 1024,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        tie_word_embeddings: tied,
-        initializer_range: 0.02,
-    }
-}
 
 /// Prompt and response lengths: Alpaca rows through a Llama tokenizer and the Alpaca template
 /// have a median of about 60 prompt and 90 response tokens with a long right tail.
@@ -60,7 +41,7 @@ fn main() {
     }
     let which = args.first().cloned().unwrap_or_else(|| "tiny".into());
     let rows: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(if which == "tiny" { 1024 } else { 64 });
-    let spec = shape(&which);
+    let spec = common::shape(&which, 1024);
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-epoch").join(&which);
     let model_dir = root.join("model");
     std::fs::create_dir_all(&model_dir).unwrap();

@@ -9,35 +9,16 @@
 //!   computed, converted and written one at a time, as the quantize stage does), wall time and
 //!   file size.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use rtune::model::{Batch, LoraSpec, Trainable, Transformer, fused};
-use rtune::recipe::{Arch, ExportFormat, ScratchModel};
+use rtune::recipe::ExportFormat;
 use rtune::rng::Rng;
-
-fn shape(name: &str) -> ScratchModel {
-    let (hidden, layers, heads, kv, inter, vocab, tied) = match name {
-        "135m" => (576, 30, 9, 3, 1536, 49152, true),
-        _ => (64, 2, 4, 2, 128, 1000, false),
-    };
-    ScratchModel {
-        arch: Arch::Llama,
-        hidden_size: hidden,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: Some(kv),
-        intermediate_size: inter,
-        vocab_size: vocab,
-        max_position_embeddings: 256,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        tie_word_embeddings: tied,
-        initializer_range: 0.02,
-    }
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -57,7 +38,7 @@ fn main() {
     let model_dir = root.join("model");
     std::fs::create_dir_all(&model_dir).unwrap();
     let texts: Vec<String> = (0..200).map(|i| format!("row {i}: the quick brown fox {}", i * 7)).collect();
-    let cfg = rtune::model::scratch::create(&model_dir, &shape(&which), &texts, 0).unwrap();
+    let cfg = rtune::model::scratch::create(&model_dir, &common::shape(&which, 256), &texts, 0).unwrap();
     let weights = rtune::model::ModelFolder::open(&model_dir).unwrap().load_weights(&Device::Cpu, DType::F32).unwrap();
     let lora = LoraSpec {
         rank: 8,

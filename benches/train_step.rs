@@ -10,36 +10,15 @@
 //! `RTUNE_BENCH_ENGINE=fused|candle|plain` runs one alone (peak RSS is per process, so compare
 //! memory one engine per process; `plain` is candle's matmul with frozen-weight gradients).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use rtune::model::{LoraSpec, Trainable, Transformer, fused, lora::FROZEN_MATMUL};
-use rtune::recipe::{Arch, ScratchModel};
 use rtune::rng::Rng;
 use rtune::train::optim::{AdamW, AdamWConfig};
-
-fn shape(name: &str) -> ScratchModel {
-    let (hidden, layers, heads, kv, inter, vocab, tied) = match name {
-        "135m" => (576, 30, 9, 3, 1536, 49152, true),
-        "small" => (256, 8, 4, 2, 768, 8000, false),
-        _ => (64, 2, 4, 2, 128, 1000, false),
-    };
-    ScratchModel {
-        arch: Arch::Llama,
-        hidden_size: hidden,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: Some(kv),
-        intermediate_size: inter,
-        vocab_size: vocab,
-        max_position_embeddings: 256,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        tie_word_embeddings: tied,
-        initializer_range: 0.02,
-    }
-}
 
 fn main() {
     if std::env::var_os("RTUNE_COMPOSED_CE").is_some() {
@@ -60,7 +39,7 @@ fn main() {
         Some("f16") => DType::F16,
         _ => DType::F32,
     };
-    let spec = shape(&which);
+    let spec = common::shape(&which, 256);
     let raw = rtune::model::ModelConfig::scratch_raw(&spec, 1, 2, 0);
     let cfg = rtune::model::ModelConfig::from_raw(&serde_json::from_value(raw).unwrap()).unwrap();
     let weights: BTreeMap<String, Tensor> = rtune::model::scratch::init_weights(&cfg, 0.02, 0, &Device::Cpu).unwrap();

@@ -15,23 +15,14 @@ import sys
 import time
 
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
-SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=1000, tie_word_embeddings=False),
-    "135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import lora_model  # noqa: E402
+
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else (30 if shape == "tiny" else 5)
-torch.set_num_threads(os.cpu_count())
-torch.manual_seed(0)
-cfg = LlamaConfig(max_position_embeddings=256, rms_norm_eps=1e-5, **SHAPES[shape])
-model = LlamaForCausalLM(cfg)
-model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-model.train()
-opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4, weight_decay=0.0)
+cfg, model, opt = lora_model(shape, 256)
 ids = torch.randint(0, cfg.vocab_size, (4, 128))
 times = []
 for i in range(steps + 2):

@@ -16,25 +16,16 @@ import time
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
-SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=1000, tie_word_embeddings=False),
-    "135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import lora_model  # noqa: E402
+
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 root = Path(__file__).resolve().parent.parent.parent / "target/bench-epoch" / shape
 data = json.loads((root / "rows.json").read_text())
 rows, order, bs = data["rows"], data["order"], data["batch_size"]
-torch.set_num_threads(os.cpu_count())
-torch.manual_seed(0)
-cfg = LlamaConfig(max_position_embeddings=1024, rms_norm_eps=1e-5, **SHAPES[shape])
-model = LlamaForCausalLM(cfg)
-model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-model.train()
-opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4, weight_decay=0.0)
+cfg, model, opt = lora_model(shape, 1024)
 
 batches = []
 for b in range(0, len(order), bs):

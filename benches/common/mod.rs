@@ -1,0 +1,28 @@
+//! What the benchmarks share: the model shapes of issue 11's protocol.
+
+use rtune::recipe::{Arch, ScratchModel};
+
+/// `tiny` (hidden 64, 2 layers, vocab 1000), `small` (hidden 256, 8 layers, vocab 8000) or `135m`
+/// (SmolLM2-135M's shape: hidden 576, 30 layers, vocab 49152, tied embeddings), as random-weight
+/// Llamas with room for `max_positions` tokens.
+pub fn shape(name: &str, max_positions: usize) -> ScratchModel {
+    let (hidden, layers, heads, kv, inter, vocab, tied) = match name {
+        "135m" => (576, 30, 9, 3, 1536, 49152, true),
+        "small" => (256, 8, 4, 2, 768, 8000, false),
+        _ => (64, 2, 4, 2, 128, 1000, false),
+    };
+    ScratchModel {
+        arch: Arch::Llama,
+        hidden_size: hidden,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: Some(kv),
+        intermediate_size: inter,
+        vocab_size: vocab,
+        max_position_embeddings: max_positions,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: tied,
+        initializer_range: 0.02,
+    }
+}

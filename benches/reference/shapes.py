@@ -1,0 +1,26 @@
+"""What the PyTorch references share: issue 11's model shapes and LoRA setup, as in
+benches/common/mod.rs."""
+import os
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=1000, tie_word_embeddings=False),
+    "small": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, intermediate_size=768, vocab_size=8000, tie_word_embeddings=False),
+    "135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
+}
+
+
+def lora_model(shape, max_positions):
+    """A random-weight Llama of `shape` with PEFT LoRA r=8 alpha=16 dropout 0 on q/k/v/o_proj,
+    in training mode, on all cores; and its AdamW (lr 2e-4, no weight decay)."""
+    torch.set_num_threads(os.cpu_count())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(max_position_embeddings=max_positions, rms_norm_eps=1e-5, **SHAPES[shape])
+    model = LlamaForCausalLM(cfg)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4, weight_decay=0.0)
+    return cfg, model, opt
