@@ -14,7 +14,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 #[command(after_help = "Exit codes: 0 ok, 1 invalid recipe or input, 2 usage, 3 a stage failed, 4 lock mismatch,\n\
 130 interrupted.\n\
 Environment: RTUNE_CACHE_DIR (cache root), RTUNE_NO_PROGRESS (plain log lines), NO_COLOR,\n\
-RTUNE_<SECTION>__<KEY>=value (recipe settings, e.g. RTUNE_STAGES__TRAIN__EPOCHS=2).")]
+RTUNE_<SECTION>__<KEY>=value (recipe settings, e.g. RTUNE_STAGES__TRAIN__EPOCHS=2),\n\
+RTUNE_ENGINE=candle (train on the CPU with candle's autograd, not the fused engine).")]
 pub struct Cli {
     #[command(flatten)]
     pub global: Global,
