@@ -153,3 +153,17 @@ fn damaged_gguf_files_are_errors() {
     }
     assert!(refused >= 5, "truncated GGUF headers must not parse ({refused} refused)");
 }
+
+/// Found by `mutated_tokenizer_json_never_panics`: a space written into the post-processor's
+/// template leaves it naming a special token it does not define. The tokenizers crate loads
+/// such a file and panics on the first encode; rtune's loader reports it instead.
+#[test]
+fn tokenizer_with_an_undefined_template_token_is_an_error() {
+    let src = common::root().join("tests/fixtures/tokens");
+    mutated(&src, "tokenizer.json", 1300, b' ', false, |dir| {
+        let path = dir.join("tokenizer.json");
+        let err = rtune::model::folder::load_tokenizer(&path).expect_err("an inconsistent tokenizer loads");
+        let text = format!("{err:?}");
+        assert!(text.contains("inconsistent") && text.contains("tokenizer.json"), "{text}");
+    });
+}

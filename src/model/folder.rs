@@ -231,18 +231,27 @@ pub fn save_safetensors_sharded(
 }
 
 /// Load a tokenizer.json. The file is checked to be JSON first, and a panic inside the
-/// tokenizers crate (it unwraps on some malformed sections) becomes an error.
+/// tokenizers crate (it unwraps on some malformed sections) becomes an error. The tokenizer then
+/// encodes and decodes a sample with special tokens: the crate accepts some inconsistent files
+/// (a post-processor template naming a special token it does not define) and panics only when
+/// they are used, which would be mid-stage.
 pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, ModelError> {
     let text = std::fs::read_to_string(path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
     serde_json::from_str::<serde_json::Value>(&text)
         .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
-    let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>());
-    match parsed {
-        Ok(r) => r.map_err(ModelError::tokenizer(format!("cannot load `{}`", path.display()))),
-        Err(_) => Err(ModelError::BadFile {
-            path: path.display().to_string(),
-            source: "the tokenizers library could not parse this file".into(),
-        }),
+    let bad = |what: &str| ModelError::BadFile { path: path.display().to_string(), source: what.to_string().into() };
+    let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
+        .map_err(|_| bad("the tokenizers library could not parse this file"))?;
+    let tokenizer = parsed.map_err(ModelError::tokenizer(format!("cannot load `{}`", path.display())))?;
+    let trial = std::panic::catch_unwind(|| {
+        let encoding = tokenizer.encode("Hello there, 🦀!", true).ok()?;
+        tokenizer.decode(encoding.get_ids(), false).ok()
+    });
+    match trial {
+        Ok(_) => Ok(tokenizer),
+        Err(_) => Err(bad(
+            "the tokenizer is inconsistent: encoding a sample with special tokens fails inside the tokenizers library (check `post_processor` and `added_tokens`)",
+        )),
     }
 }
 
