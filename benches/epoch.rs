@@ -34,11 +34,7 @@ fn lengths(rng: &mut Rng) -> (usize, usize) {
 
 fn main() {
     rtune::init_process();
-    let mut args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
-    if std::env::var_os("RTUNE_BENCH_SMOKE").is_some() {
-        // CI: a tiny run that proves the benchmark still works.
-        args = vec!["tiny".into(), "16".into()];
-    }
+    let args = common::args(&["tiny", "16"]);
     let which = args.first().cloned().unwrap_or_else(|| "tiny".into());
     let rows: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(if which == "tiny" { 1024 } else { 64 });
     let spec = common::shape(&which, 1024);

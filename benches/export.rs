@@ -27,12 +27,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     rtune::init_process();
-    let mut args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
-    let smoke = std::env::var_os("RTUNE_BENCH_SMOKE").is_some();
-    if smoke {
-        // CI: a tiny run that proves the benchmark still works.
-        args = vec!["tiny".into()];
-    }
+    let args = common::args(&["tiny"]);
+    let smoke = common::smoke();
     let which = args.first().cloned().unwrap_or_else(|| "tiny".into());
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-export").join(&which);
     let model_dir = root.join("model");

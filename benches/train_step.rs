@@ -27,11 +27,7 @@ fn main() {
     if std::env::var_os("RTUNE_NO_PROCESS_TUNING").is_none() {
         rtune::init_process();
     }
-    let mut args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
-    if std::env::var_os("RTUNE_BENCH_SMOKE").is_some() {
-        // CI: a tiny run that proves the benchmark still works.
-        args = vec!["tiny".into(), "1".into()];
-    }
+    let args = common::args(&["tiny", "1"]);
     let which = args.first().cloned().unwrap_or_else(|| "tiny".into());
     let steps: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(if which == "tiny" { 30 } else { 5 });
     let dtype = match args.get(2).map(String::as_str) {

@@ -26,3 +26,17 @@ pub fn shape(name: &str, max_positions: usize) -> ScratchModel {
         initializer_range: 0.02,
     }
 }
+
+/// `RTUNE_BENCH_SMOKE=1` (CI): a tiny run that proves a benchmark still works, measuring nothing.
+pub fn smoke() -> bool {
+    std::env::var_os("RTUNE_BENCH_SMOKE").is_some()
+}
+
+/// The benchmark's arguments (cargo's own `--bench` flag left out), or `smoke_args` in a smoke
+/// run.
+pub fn args(smoke_args: &[&str]) -> Vec<String> {
+    if smoke() {
+        return smoke_args.iter().map(|a| a.to_string()).collect();
+    }
+    std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect()
+}

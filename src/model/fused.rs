@@ -292,35 +292,39 @@ fn run(
         Some((weight, rng)) => (Some(weight / total.max(1) as f32), Some(rng)),
         None => (None, None),
     };
-    let whole = Shard { ids: &ids, positions: &positions, mask: &mask, select, targets };
     let shards = shard_count(&w, &dims, rng.is_some());
     let (loss_sum, grads) = if shards > 1 {
         let rows = b.div_ceil(shards);
-        let parts: Vec<(Dims, Shard<'_>, Vec<u32>, Vec<u32>)> = (0..b)
-            .step_by(rows)
-            .map(|r0| {
-                let r1 = (r0 + rows).min(b);
+        let ranges: Vec<(usize, usize)> = (0..b).step_by(rows).map(|r0| (r0, (r0 + rows).min(b))).collect();
+        // Each shard's selected positions, relative to its first row, and their targets.
+        let picks: Vec<(Vec<u32>, Vec<u32>)> = ranges
+            .iter()
+            .map(|&(r0, r1)| {
                 let (lo, hi) = ((r0 * t) as u32, (r1 * t) as u32);
-                let (sel, tgt): (Vec<u32>, Vec<u32>) =
-                    select.iter().zip(targets).filter(|(s, _)| (lo..hi).contains(s)).map(|(s, t)| (s - lo, *t)).unzip();
+                select.iter().zip(targets).filter(|(s, _)| (lo..hi).contains(s)).map(|(s, t)| (s - lo, *t)).unzip()
+            })
+            .collect();
+        let parts: Vec<(Dims, Shard<'_>)> = ranges
+            .iter()
+            .zip(&picks)
+            .map(|(&(r0, r1), (sel, tgt))| {
                 let part = Shard {
                     ids: &ids[r0 * t..r1 * t],
                     positions: &positions[r0 * t..r1 * t],
                     mask: &mask[r0 * t * t..r1 * t * t],
-                    select: &[],
-                    targets: &[],
+                    select: sel,
+                    targets: tgt,
                 };
-                (Dims { b: r1 - r0, n: (r1 - r0) * t, ..dims }, part, sel, tgt)
+                (Dims { b: r1 - r0, n: (r1 - r0) * t, ..dims }, part)
             })
             .collect();
         let results: Vec<(f64, Grads)> = std::thread::scope(|scope| {
             let handles: Vec<_> = parts
                 .iter()
                 .enumerate()
-                .map(|(i, (d, part, sel, tgt))| {
-                    let part = Shard { select: sel, targets: tgt, ..*part };
+                .map(|(i, (d, part))| {
                     let w = &w;
-                    scope.spawn(move || single_thread_pool(i).install(|| pass(w, d, &part, grad_scale, None)))
+                    scope.spawn(move || single_thread_pool(i).install(|| pass(w, d, part, grad_scale, None)))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("a shard of the fused engine panicked")).collect()
@@ -340,6 +344,7 @@ fn run(
         }
         (total_loss, grads)
     } else {
+        let whole = Shard { ids: &ids, positions: &positions, mask: &mask, select, targets };
         pass(&w, &dims, &whole, grad_scale, rng)
     };
     let loss = if total == 0 { f64::NAN } else { loss_sum / total as f64 };
@@ -431,10 +436,7 @@ fn pass(
             let mut dhs = vec![0f32; c * dims.hidden];
             linear_backward(&w.lm_head, &lsave, &hs, c, &logits, Some(&mut dhs), &mut grads);
             for (row, &s) in dhs.chunks(dims.hidden).zip(sel) {
-                let dst = &mut dhn[s as usize * dims.hidden..][..dims.hidden];
-                for (d, g) in dst.iter_mut().zip(row) {
-                    *d += g;
-                }
+                add_here(&mut dhn[s as usize * dims.hidden..][..dims.hidden], row);
             }
         }
     }
@@ -662,23 +664,13 @@ fn linear_forward(l: &LinW<'_>, x: &[f32], n: usize, rng: Option<&mut Rng>, y: &
     }
     let Some(lo) = &l.lora else { return LinSave::default() };
     let mask = match rng {
-        // The same draws, in the same order, as `lora::dropout_mask`.
-        Some(rng) if lo.dropout > 0.0 => {
-            let keep = (1.0 / (1.0 - lo.dropout)) as f32;
-            Some((0..n * l.inp).map(|_| if rng.next_f64() < lo.dropout { 0.0 } else { keep }).collect::<Vec<f32>>())
-        }
+        // Drawn where candle's path draws them, in the same order (one linear layer at a time).
+        Some(rng) if lo.dropout > 0.0 => Some(super::lora::dropout_draws(n * l.inp, lo.dropout, rng)),
         _ => None,
     };
-    let dropped;
-    let xin = match &mask {
-        Some(m) => {
-            dropped = x.iter().zip(m).map(|(a, b)| a * b).collect::<Vec<f32>>();
-            &dropped[..]
-        }
-        None => x,
-    };
+    let xin = lora_input(x, mask.as_deref());
     let mut u = vec![0f32; n * lo.rank];
-    matmul(&mut u, Mat::rm(xin, n, l.inp), Mat::rm(lo.a, lo.rank, l.inp).t(), 1.0, false);
+    matmul(&mut u, Mat::rm(&xin, n, l.inp), Mat::rm(lo.a, lo.rank, l.inp).t(), 1.0, false);
     matmul(y, Mat::rm(&u, n, lo.rank), Mat::rm(lo.b, l.out, lo.rank).t(), lo.scale, true);
     LinSave { u, mask }
 }
@@ -719,16 +711,9 @@ fn linear_backward_into(
         matmul(gb, dym.t(), Mat::rm(&s.u, n, lo.rank), lo.scale, true);
         du = vec![0f32; n * lo.rank];
         matmul(&mut du, dym, Mat::rm(lo.b, l.out, lo.rank), lo.scale, false);
-        let dropped;
-        let xin = match &s.mask {
-            Some(m) => {
-                dropped = x.iter().zip(m).map(|(a, b)| a * b).collect::<Vec<f32>>();
-                &dropped[..]
-            }
-            None => x,
-        };
+        let xin = lora_input(x, s.mask.as_deref());
         let ga = grad_slot(grads, &l.name, "lora_A", lo.rank * l.inp);
-        matmul(ga, Mat::rm(&du, n, lo.rank).t(), Mat::rm(xin, n, l.inp), 1.0, true);
+        matmul(ga, Mat::rm(&du, n, lo.rank).t(), Mat::rm(&xin, n, l.inp), 1.0, true);
     }
     let Some((dx, accumulate)) = dx else { return };
     matmul(dx, dym, Mat::rm(l.w, l.out, l.inp), 1.0, accumulate);
@@ -747,9 +732,17 @@ fn linear_backward_into(
     }
 }
 
-/// The gradient accumulator of `{prefix}.lora_{A,B}.weight`, created zeroed.
+/// The adapter's input: `x ⊙ mask` with dropout, else `x` itself.
+fn lora_input<'x>(x: &'x [f32], mask: Option<&[f32]>) -> std::borrow::Cow<'x, [f32]> {
+    match mask {
+        Some(m) => x.iter().zip(m).map(|(a, b)| a * b).collect::<Vec<f32>>().into(),
+        None => x.into(),
+    }
+}
+
+/// The gradient accumulator of adapter matrix `which` of `prefix`, created zeroed.
 fn grad_slot<'g>(grads: &'g mut Grads, prefix: &str, which: &str, len: usize) -> &'g mut [f32] {
-    grads.entry(format!("base_model.model.{prefix}.{which}.weight")).or_insert_with(|| vec![0f32; len])
+    grads.entry(super::lora::param_name(prefix, which)).or_insert_with(|| vec![0f32; len])
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -37,16 +37,20 @@ impl LoraSpec {
         let a: Vec<f32> = (0..self.rank * inp).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect();
         let a = Var::from_tensor(&Tensor::from_vec(a, (self.rank, inp), device)?.to_dtype(dtype)?)?;
         let b = Var::from_tensor(&Tensor::zeros((out, self.rank), dtype, device)?)?;
-        let base = format!("base_model.model.{prefix}");
         let params = vec![
-            Param { name: format!("{base}.lora_A.weight"), var: a.clone() },
-            Param { name: format!("{base}.lora_B.weight"), var: b.clone() },
+            Param { name: param_name(prefix, "lora_A"), var: a.clone() },
+            Param { name: param_name(prefix, "lora_B"), var: b.clone() },
         ];
         Ok((
             Lora { a: a.as_tensor().clone(), b: b.as_tensor().clone(), scale: self.scale(), dropout: self.dropout },
             params,
         ))
     }
+}
+
+/// PEFT's name for adapter matrix `which` (`lora_A`, `lora_B`) of the linear layer `prefix`.
+pub fn param_name(prefix: &str, which: &str) -> String {
+    format!("base_model.model.{prefix}.{which}.weight")
 }
 
 #[derive(Debug, Clone)]
@@ -120,11 +124,15 @@ impl Linear {
 
 /// Inverted dropout with a mask drawn from rtune's own RNG (reproducible on every device).
 fn dropout_mask(x: &Tensor, p: f64, rng: &mut Rng) -> Result<Tensor> {
-    let n = x.elem_count();
-    let keep = 1.0 / (1.0 - p);
-    let mask: Vec<f32> = (0..n).map(|_| if rng.next_f64() < p { 0.0 } else { keep as f32 }).collect();
-    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    let mask = Tensor::from_vec(dropout_draws(x.elem_count(), p, rng), x.shape(), x.device())?.to_dtype(x.dtype())?;
     x * mask
+}
+
+/// `n` inverted-dropout factors: 0 with probability `p`, else `1 / (1 − p)`. Both training
+/// engines draw their masks here, so they draw the same ones.
+pub fn dropout_draws(n: usize, p: f64, rng: &mut Rng) -> Vec<f32> {
+    let keep = (1.0 / (1.0 - p)) as f32;
+    (0..n).map(|_| if rng.next_f64() < p { 0.0 } else { keep }).collect()
 }
 
 /// Use [`FrozenMatmul`] for frozen weights (on by default; the train-step benchmark turns it
