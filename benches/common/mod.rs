@@ -1,4 +1,7 @@
 //! What the benchmarks share: the model shapes of issue 11's protocol.
+//!
+//! Each benchmark is its own crate and uses part of this module.
+#![allow(dead_code)]
 
 use rtune::recipe::{Arch, ScratchModel};
 
