@@ -99,14 +99,15 @@ targets = ["q_proj", "k_proj", "v_proj", "o_proj"]"#,
             std::fs::create_dir_all(d).unwrap();
         }
         let ui = rtune::ui::Ui::new(true, false);
+        let cpu = rtune::device::Resolution::cpu();
         let job = rtune::train::TrainJob {
             model_dir: &model_dir,
             tokens_dir: &tokens_dir,
             settings: &settings,
             adapter: &adapter,
             seed: 42,
-            device: candle_core::Device::Cpu,
-            dtype: candle_core::DType::F32,
+            device: &cpu,
+            tf32: false,
             work: PathBuf::from(&work),
             out: &out,
             ui: &ui,

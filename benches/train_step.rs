@@ -73,14 +73,11 @@ fn main() {
         }
         let mut opt =
             AdamW::new(AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, &model.params).unwrap();
-        let mut dropout = Rng::new(3);
         let mut times = Vec::new();
         for i in 0..steps + 2 {
             let start = Instant::now();
             let grads = match engine {
-                Engine::Fused => {
-                    fused::loss_and_grads(&model, &batch, &select_v, &targets_v, 1.0, &mut dropout).unwrap().1
-                }
+                Engine::Fused => fused::loss_and_grads(&model, &batch, &select_v, &targets_v, 1.0, None).unwrap().1,
                 Engine::Candle | Engine::Plain => {
                     let loss = model.loss(&batch, &select, &targets, None).unwrap();
                     let g = loss.backward().unwrap();

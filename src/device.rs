@@ -37,6 +37,12 @@ pub struct DeviceInfo {
     /// Training dtypes in the order rtune would pick them.
     pub dtypes: Vec<Dtype>,
     pub memory_bytes: Option<u64>,
+    /// Compute capability, driver: what else `rtune doctor` shows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub details: Option<String>,
+    /// Why this build cannot use the device although it is there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unusable: Option<String>,
 }
 
 /// What this build was compiled with, and the devices it found.
@@ -61,20 +67,35 @@ impl Inventory {
             // one CPU training dtype (see docs/devices.md).
             dtypes: vec![Dtype::F32],
             memory_bytes: total_memory(),
+            details: None,
+            unusable: None,
         }];
         #[cfg(feature = "cuda")]
         {
-            for i in 0..16 {
-                match candle_core::Device::new_cuda(i) {
-                    Ok(_) => devices.push(DeviceInfo {
-                        class: DeviceClass::Cuda,
-                        ordinal: i,
-                        name: format!("cuda:{i}"),
-                        dtypes: vec![Dtype::Bf16, Dtype::F16, Dtype::F32],
-                        memory_bytes: None,
-                    }),
-                    Err(_) => break,
-                }
+            let build_cap = crate::engine::gpu::cuda::BUILD_COMPUTE_CAP;
+            for (i, d) in crate::engine::gpu::cuda::devices().into_iter().enumerate() {
+                let (major, minor) = d.compute_capability;
+                let cap = (major * 10 + minor) as u32;
+                let unusable = (cap < build_cap).then(|| {
+                    format!(
+                        "{} has compute capability {major}.{minor}; this build's kernels need {}.{} or later (rebuild with CUDA_COMPUTE_CAP={cap})",
+                        d.name,
+                        build_cap / 10,
+                        build_cap % 10
+                    )
+                });
+                // bf16 tensor cores came with compute capability 8.0 (Ampere).
+                let dtypes =
+                    if major >= 8 { vec![Dtype::Bf16, Dtype::F16, Dtype::F32] } else { vec![Dtype::F16, Dtype::F32] };
+                devices.push(DeviceInfo {
+                    class: DeviceClass::Cuda,
+                    ordinal: i,
+                    name: d.name,
+                    dtypes,
+                    memory_bytes: Some(d.memory_bytes),
+                    details: Some(format!("compute capability {major}.{minor}, {} driver", d.driver)),
+                    unusable,
+                });
             }
         }
         #[cfg(feature = "metal")]
@@ -86,6 +107,8 @@ impl Inventory {
                     name: "metal".into(),
                     dtypes: vec![Dtype::Bf16, Dtype::F16, Dtype::F32],
                     memory_bytes: None,
+                    details: None,
+                    unusable: None,
                 });
             }
         }
@@ -103,6 +126,8 @@ impl Inventory {
                 name: "cpu".into(),
                 dtypes: vec![Dtype::F32],
                 memory_bytes: None,
+                details: None,
+                unusable: None,
             }],
             cpu_threads: threads,
         }
@@ -128,6 +153,17 @@ pub struct Skip {
 }
 
 impl Resolution {
+    /// The CPU in f32, with nothing skipped (exports, tests, benchmarks).
+    pub fn cpu() -> Resolution {
+        Resolution {
+            class: DeviceClass::Cpu,
+            ordinal: 0,
+            dtype: Dtype::F32,
+            skipped: Vec::new(),
+            dtype_notes: Vec::new(),
+        }
+    }
+
     /// `cpu`, `cuda:1`, `metal`.
     pub fn device_name(&self) -> String {
         match self.class {
@@ -213,7 +249,10 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
             let cudas: Vec<&DeviceInfo> = inv.devices.iter().filter(|d| d.class == DeviceClass::Cuda).collect();
             let n = ordinal.unwrap_or(0);
             match cudas.iter().find(|d| d.ordinal == n) {
-                Some(d) => Ok(d),
+                Some(d) => match &d.unusable {
+                    Some(why) => Err(why.clone()),
+                    None => Ok(d),
+                },
                 None if cudas.is_empty() => Err("no CUDA device found (driver missing or no GPU)".into()),
                 None => {
                     Err(format!("only {} CUDA device{} present", cudas.len(), if cudas.len() == 1 { "" } else { "s" }))
@@ -266,6 +305,8 @@ mod tests {
                 name: format!("cuda:{i}"),
                 dtypes: vec![Dtype::Bf16, Dtype::F16, Dtype::F32],
                 memory_bytes: None,
+                details: None,
+                unusable: None,
             });
         }
         inv

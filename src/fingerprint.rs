@@ -16,7 +16,8 @@ pub const FINGERPRINT_VERSION: u32 = 1;
 /// Version of each stage kind's output. Bump a kind's number when its output for the same
 /// inputs changes, so artifacts built by an older rtune are not reused.
 /// History: all 1 — first version; upload 2 — model card and loss curve added; train,
-/// evaluate, quantize 2 — fused cross-entropy.
+/// evaluate, quantize 2 — fused cross-entropy; 3 — the fused CPU engine; train 4 —
+/// counter-based LoRA dropout masks.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -25,7 +26,11 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // therefore trained weights differ in the last bits from version 1's.
         // 3: f32 LoRA runs on the CPU use the fused engine (src/model/fused.rs), whose sums run
         // in another order again.
-        Train | Evaluate | Quantize => 3,
+        // 4 (train): LoRA dropout masks come from a counter-based generator keyed by seed,
+        // micro-batch, layer and element (the same on every engine and device), not from one
+        // sequential stream; runs with dropout train on other masks than version 3's.
+        Train => 4,
+        Evaluate | Quantize => 3,
         // 2: uploads carry a generated model card and the loss curve.
         Upload => 2,
     }

@@ -11,6 +11,7 @@
 
 pub mod data;
 pub mod device;
+pub mod engine;
 pub mod error;
 pub mod exec;
 pub mod fingerprint;

@@ -398,8 +398,18 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             for d in &inv.devices {
                 let mem = d.memory_bytes.map(human_bytes).unwrap_or_else(|| "unknown".into());
                 let dtypes = d.dtypes.iter().map(|t| t.as_str()).collect::<Vec<_>>().join(", ");
-                let name = if d.class == rtune::device::DeviceClass::Cpu { "cpu".to_string() } else { d.name.clone() };
-                out.push_str(&format!("  {name:<8} {}  memory {mem}  training dtypes: {dtypes}\n", d.name));
+                let id = match d.class {
+                    rtune::device::DeviceClass::Cpu => "cpu".to_string(),
+                    rtune::device::DeviceClass::Cuda => format!("cuda:{}", d.ordinal),
+                    rtune::device::DeviceClass::Metal => "metal".to_string(),
+                };
+                out.push_str(&format!("  {id:<8} {}  memory {mem}  training dtypes: {dtypes}\n", d.name));
+                if let Some(details) = &d.details {
+                    out.push_str(&format!("           {details}\n"));
+                }
+                if let Some(why) = &d.unusable {
+                    out.push_str(&format!("           unusable: {why}\n"));
+                }
             }
             for want in ["cuda", "metal", "rocm"] {
                 if let Err(e) = rtune::device::resolve(&[want.to_string()], &[rtune::recipe::Dtype::F32], &inv) {

@@ -105,7 +105,7 @@ fn golden_fingerprint() {
             .to_string()
     };
     assert_eq!(fp("download"), "3d5f8e2aa5602ef9d1e475918d3897fcdda98adb906e400ee454ae0f7ef452d3");
-    assert_eq!(fp("train"), "5acccc0c2c695a976270fab6fa6725b49ce7496b4936a63f01d4afc1c7a5f7c9");
+    assert_eq!(fp("train"), "6075a7d0531d9d23eee0236764c952422185e9eb756f9d8d7565b9a5d3ad5dc0");
 }
 
 #[test]

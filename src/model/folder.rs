@@ -76,20 +76,33 @@ impl ModelFolder {
     /// Every tensor of the checkpoint, converted to `dtype`, on `device`.
     pub fn load_weights(&self, device: &Device, dtype: DType) -> Result<BTreeMap<String, Tensor>, ModelError> {
         let mut out = BTreeMap::new();
+        self.visit_weights(|name, t| {
+            let t = t.to_dtype(dtype).and_then(|t| t.to_device(device));
+            out.insert(name.to_string(), t.map_err(ModelError::candle(format!("convert `{name}`")))?);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Each tensor of the checkpoint in turn, on the CPU in its stored dtype: a model never has
+    /// to be in memory twice (the GPU engine uploads each and drops it).
+    pub fn visit_weights<E: From<ModelError>>(
+        &self,
+        mut f: impl FnMut(&str, Tensor) -> Result<(), E>,
+    ) -> Result<(), E> {
         for file in self.weight_files()? {
-            let f = std::fs::File::open(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
+            let handle =
+                std::fs::File::open(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
             // SAFETY: the file is only read, and only while this map lives.
-            let bytes = unsafe { memmap2::Mmap::map(&f) }
+            let bytes = unsafe { memmap2::Mmap::map(&handle) }
                 .map_err(ModelError::io(format!("cannot map `{}`", file.display())))?;
             let st = safetensors::SafeTensors::deserialize(&bytes)
                 .map_err(|e| ModelError::BadFile { path: file.display().to_string(), source: Box::new(e) })?;
             for (name, view) in st.tensors() {
-                let t = tensor_from_view(&name, &view, device)?;
-                let t = t.to_dtype(dtype).map_err(ModelError::candle(format!("convert `{name}`")))?;
-                out.insert(name, t);
+                f(&name, tensor_from_view(&name, &view, &Device::Cpu)?)?;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     pub fn tokenizer(&self) -> Result<tokenizers::Tokenizer, ModelError> {

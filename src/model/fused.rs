@@ -15,8 +15,8 @@
 //!
 //! It is used when the model computes in f32 on the CPU and only LoRA adapters train (see
 //! [`unsupported`]); anything else runs through candle. Both give the same loss and gradients
-//! to float rounding (`cargo test --test model fused_`), and draw LoRA dropout masks from the
-//! RNG in the same order.
+//! to float rounding (`cargo test --test model fused_`), and draw the same LoRA dropout masks
+//! (keyed per element, [`super::lora::dropout_keep`]).
 
 use std::collections::BTreeMap;
 
@@ -25,7 +25,6 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::transformer::{Batch, Transformer};
-use crate::rng::Rng;
 
 /// Why `model` cannot run on the fused engine, or `None` when it can.
 pub fn unsupported(model: &Transformer) -> Option<String> {
@@ -47,14 +46,14 @@ pub fn loss(model: &Transformer, batch: &Batch, select: &[u32], targets: &[u32])
 }
 
 /// Mean cross-entropy at the selected positions and the gradient of `weight × loss` for every
-/// LoRA parameter, by name. `dropout` is the training RNG (LoRA dropout masks).
+/// LoRA parameter, by name. `dropout` is the micro-batch's dropout key.
 pub fn loss_and_grads(
     model: &Transformer,
     batch: &Batch,
     select: &[u32],
     targets: &[u32],
     weight: f32,
-    dropout: &mut Rng,
+    dropout: Option<u64>,
 ) -> Result<(f64, BTreeMap<String, Tensor>)> {
     let (loss, mut grads) = run(model, batch, select, targets, Some((weight, dropout)))?;
     let mut out = BTreeMap::new();
@@ -85,6 +84,8 @@ struct LoraW<'a> {
 struct LinW<'a> {
     /// The HF prefix (`model.layers.3.self_attn.q_proj`); gradients are named after it.
     name: String,
+    /// The layer's index in [`Transformer::linears`] (it keys its dropout mask).
+    id: usize,
     w: W<'a>,
     bias: Option<W<'a>>,
     lora: Option<LoraW<'a>>,
@@ -160,7 +161,7 @@ impl<'a> Weights<'a> {
                 scale: lo.scale as f32,
                 dropout: lo.dropout,
             });
-            lins.push(LinW { name, w, bias, lora, inp, out });
+            lins.push(LinW { name, w, bias, lora, inp, out, id: l.id });
         }
         let lm_head = lins.pop().expect("lm_head is the last linear");
         let mut lins = lins.into_iter();
@@ -190,6 +191,10 @@ struct Dims {
     inter: usize,
     vocab: usize,
     eps: f32,
+    /// The first token of this shard in the whole batch, and the index of its first selected
+    /// position among the batch's (dropout masks are indexed by them).
+    row0: usize,
+    sel0: usize,
 }
 
 /// What the backward pass of one linear layer needs from its forward pass.
@@ -229,7 +234,7 @@ fn run(
     batch: &Batch,
     select: &[u32],
     targets: &[u32],
-    train: Option<(f32, &mut Rng)>,
+    train: Option<(f32, Option<u64>)>,
 ) -> Result<(f64, Grads)> {
     if let Some(why) = unsupported(model) {
         bail!("fused engine: {why}")
@@ -264,6 +269,8 @@ fn run(
         inter: cfg.intermediate_size,
         vocab: cfg.vocab_size,
         eps: cfg.rms_norm_eps as f32,
+        row0: 0,
+        sel0: 0,
     };
     let ids: Vec<u32> = batch.ids.flatten_all()?.to_vec1()?;
     let positions: Vec<u32> = batch.positions.flatten_all()?.to_vec1()?;
@@ -287,12 +294,14 @@ fn run(
         bail!("fused engine: position {p} beyond the rotary table of {max_pos}")
     }
     let total = select.len();
-    let (grad_scale, rng) = match train {
+    let (grad_scale, dropout) = match train {
         // Every shard scales by the whole batch's count of positions.
-        Some((weight, rng)) => (Some(weight / total.max(1) as f32), Some(rng)),
+        Some((weight, dropout)) => (Some(weight / total.max(1) as f32), dropout),
         None => (None, None),
     };
-    let shards = shard_count(&w, &dims, rng.is_some());
+    // Shards index LM-head dropout by their selected positions' place in `select`, which is
+    // contiguous per shard when `select` ascends (as batches build it).
+    let shards = if select.is_sorted() { shard_count(&dims) } else { 1 };
     let (loss_sum, grads) = if shards > 1 {
         let rows = b.div_ceil(shards);
         let ranges: Vec<(usize, usize)> = (0..b).step_by(rows).map(|r0| (r0, (r0 + rows).min(b))).collect();
@@ -304,10 +313,13 @@ fn run(
                 select.iter().zip(targets).filter(|(s, _)| (lo..hi).contains(s)).map(|(s, t)| (s - lo, *t)).unzip()
             })
             .collect();
+        let firsts: Vec<usize> =
+            picks.iter().scan(0, |n, (sel, _)| Some(std::mem::replace(n, *n + sel.len()))).collect();
         let parts: Vec<(Dims, Shard<'_>)> = ranges
             .iter()
             .zip(&picks)
-            .map(|(&(r0, r1), (sel, tgt))| {
+            .zip(&firsts)
+            .map(|((&(r0, r1), (sel, tgt)), &sel0)| {
                 let part = Shard {
                     ids: &ids[r0 * t..r1 * t],
                     positions: &positions[r0 * t..r1 * t],
@@ -315,7 +327,7 @@ fn run(
                     select: sel,
                     targets: tgt,
                 };
-                (Dims { b: r1 - r0, n: (r1 - r0) * t, ..dims }, part)
+                (Dims { b: r1 - r0, n: (r1 - r0) * t, row0: r0 * t, sel0, ..dims }, part)
             })
             .collect();
         let results: Vec<(f64, Grads)> = std::thread::scope(|scope| {
@@ -324,7 +336,7 @@ fn run(
                 .enumerate()
                 .map(|(i, (d, part))| {
                     let w = &w;
-                    scope.spawn(move || single_thread_pool(i).install(|| pass(w, d, part, grad_scale, None)))
+                    scope.spawn(move || single_thread_pool(i).install(|| pass(w, d, part, grad_scale, dropout)))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("a shard of the fused engine panicked")).collect()
@@ -345,7 +357,7 @@ fn run(
         (total_loss, grads)
     } else {
         let whole = Shard { ids: &ids, positions: &positions, mask: &mask, select, targets };
-        pass(&w, &dims, &whole, grad_scale, rng)
+        pass(&w, &dims, &whole, grad_scale, dropout)
     };
     let loss = if total == 0 { f64::NAN } else { loss_sum / total as f64 };
     Ok((loss, grads))
@@ -365,17 +377,11 @@ struct Shard<'a> {
 /// thread alone. Whole sequences per thread beat splitting every product and row loop across
 /// threads — the hand-offs between threads cost more than they save (measured on 2 cores, 4 ×
 /// 128 tokens: −17% step time on the tiny shape, −10% at hidden 256, −3.5% on the 135M shape).
-/// With fewer rows than threads, operations are threaded instead. Never with LoRA dropout: masks
-/// are drawn in the order one pass over the whole batch draws them.
-fn shard_count(w: &Weights<'_>, dims: &Dims, dropout: bool) -> usize {
+/// With fewer rows than threads, operations are threaded instead. Dropout masks are keyed by
+/// element, so shards draw what one pass would.
+fn shard_count(dims: &Dims) -> usize {
     let threads = rayon::current_num_threads();
-    let dropout = dropout
-        && w.layers
-            .iter()
-            .flat_map(|l| &l.lin)
-            .chain([&w.lm_head])
-            .any(|l| l.lora.as_ref().is_some_and(|lo| lo.dropout > 0.0));
-    if threads < 2 || dropout || dims.b < threads { 1 } else { threads }
+    if threads < 2 || dims.b < threads { 1 } else { threads }
 }
 
 /// A one-thread rayon pool per shard, so that the kernels inside run sequentially.
@@ -391,13 +397,7 @@ fn single_thread_pool(i: usize) -> &'static rayon::ThreadPool {
 
 /// Forward (and with `grad_scale`, backward) over one batch or shard: the sum of the selected
 /// positions' losses, and gradients of `grad_scale ×` that sum.
-fn pass(
-    w: &Weights<'_>,
-    dims: &Dims,
-    inp: &Shard<'_>,
-    grad_scale: Option<f32>,
-    mut rng: Option<&mut Rng>,
-) -> (f64, Grads) {
+fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, dropout: Option<u64>) -> (f64, Grads) {
     let dims = *dims;
     let Shard { ids, positions, mask, select, targets } = *inp;
     let training = grad_scale.is_some();
@@ -410,7 +410,7 @@ fn pass(
     });
     let mut saves = Vec::with_capacity(w.layers.len());
     for lw in &w.layers {
-        let (next, save) = layer_forward(lw, w, &dims, x, positions, mask, rng.as_deref_mut(), training);
+        let (next, save) = layer_forward(lw, w, &dims, x, positions, mask, dropout, training);
         x = next;
         saves.extend(save);
     }
@@ -423,14 +423,14 @@ fn pass(
     // rows of a 49k vocabulary ran 15% slower than 508), small enough to bound memory.
     let chunk = ((32 << 20) / dims.vocab.max(1)).clamp(16, 4096);
     let mut loss_sum = 0f64;
-    for (sel, tgt) in select.chunks(chunk).zip(targets.chunks(chunk)) {
+    for (ci, (sel, tgt)) in select.chunks(chunk).zip(targets.chunks(chunk)).enumerate() {
         let c = sel.len();
         let mut hs = vec![0f32; c * dims.hidden];
         for (row, &s) in hs.chunks_mut(dims.hidden).zip(sel) {
             row.copy_from_slice(&hn[s as usize * dims.hidden..][..dims.hidden]);
         }
         let mut logits = vec![0f32; c * dims.vocab];
-        let lsave = linear_forward(&w.lm_head, &hs, c, rng.as_deref_mut(), &mut logits);
+        let lsave = linear_forward(&w.lm_head, &hs, c, dropout, dims.sel0 + ci * chunk, &mut logits);
         loss_sum += cross_entropy(&mut logits, tgt, dims.vocab, grad_scale);
         if grad_scale.is_some() {
             let mut dhs = vec![0f32; c * dims.hidden];
@@ -462,21 +462,21 @@ fn layer_forward(
     x: Vec<f32>,
     positions: &[u32],
     mask: &[f32],
-    mut rng: Option<&mut Rng>,
+    dropout: Option<u64>,
     training: bool,
 ) -> (Vec<f32>, Option<LayerSave>) {
     let Dims { b, t, n, hidden, heads, kv_heads, d, inter, .. } = *dims;
     let (qd, kvd) = (heads * d, kv_heads * d);
     let (xn, inv1) = rms_norm(&x, lw.input_norm, dims);
     let mut lin: [LinSave; 7] = Default::default();
-    let mut proj = |i: usize, input: &[f32], width: usize, rng: Option<&mut Rng>| {
+    let mut proj = |i: usize, input: &[f32], width: usize| {
         let mut y = vec![0f32; n * width];
-        lin[i] = linear_forward(&lw.lin[i], input, n, rng, &mut y);
+        lin[i] = linear_forward(&lw.lin[i], input, n, dropout, dims.row0, &mut y);
         y
     };
-    let q = proj(Q, &xn, qd, rng.as_deref_mut());
-    let k = proj(K, &xn, kvd, rng.as_deref_mut());
-    let v = proj(V, &xn, kvd, rng.as_deref_mut());
+    let q = proj(Q, &xn, qd);
+    let k = proj(K, &xn, kvd);
+    let v = proj(V, &xn, kvd);
     drop(xn);
     let q = to_heads(&q, b, t, heads, d, Some((positions, w.cos, w.sin)));
     let k = to_heads(&k, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
@@ -486,16 +486,16 @@ fn layer_forward(
     attention_forward(&q, &k, &v, mask, dims, training.then_some(&mut lse[..]), &mut out);
     let attn = from_heads(&out, b, t, heads, d, None);
     drop(out);
-    let o = proj(O, &attn, hidden, rng.as_deref_mut());
+    let o = proj(O, &attn, hidden);
     let mut h = x.clone();
     add(&mut h, &o);
     drop(o);
     let (hn, inv2) = rms_norm(&h, lw.post_norm, dims);
-    let gate = proj(GATE, &hn, inter, rng.as_deref_mut());
-    let up = proj(UP, &hn, inter, rng.as_deref_mut());
+    let gate = proj(GATE, &hn, inter);
+    let up = proj(UP, &hn, inter);
     drop(hn);
     let act = swiglu(&gate, &up);
-    let down = proj(DOWN, &act, hidden, rng);
+    let down = proj(DOWN, &act, hidden);
     drop(act);
     let mut next = h.clone();
     add(&mut next, &down);
@@ -656,16 +656,20 @@ fn product(dst: &mut [f32], a: Mat<'_>, b: Mat<'_>, beta: f32, accumulate: bool,
 // ---------------------------------------------------------------------------------------------
 // Linear layers with LoRA: y = x Wᵀ + b + s · (x ⊙ mask) Aᵀ Bᵀ.
 
-fn linear_forward(l: &LinW<'_>, x: &[f32], n: usize, rng: Option<&mut Rng>, y: &mut [f32]) -> LinSave {
+/// `first_row`: the index of `x`'s first row in the layer's whole input (dropout masks are
+/// indexed by element of the whole input, so row shards and chunks draw what one pass would).
+fn linear_forward(l: &LinW<'_>, x: &[f32], n: usize, dropout: Option<u64>, first_row: usize, y: &mut [f32]) -> LinSave {
     let w = Mat::rm(l.w, l.out, l.inp);
     matmul(y, Mat::rm(x, n, l.inp), w.t(), 1.0, false);
     if let Some(bias) = l.bias {
         y.par_chunks_mut(l.out).for_each(|row| add(row, bias));
     }
     let Some(lo) = &l.lora else { return LinSave::default() };
-    let mask = match rng {
-        // Drawn where candle's path draws them, in the same order (one linear layer at a time).
-        Some(rng) if lo.dropout > 0.0 => Some(super::lora::dropout_draws(n * l.inp, lo.dropout, rng)),
+    let mask = match dropout {
+        Some(batch) if lo.dropout > 0.0 => {
+            let key = super::lora::dropout_key(batch, l.id);
+            Some(super::lora::dropout_factors(key, first_row * l.inp, n * l.inp, lo.dropout))
+        }
         _ => None,
     };
     let xin = lora_input(x, mask.as_deref());

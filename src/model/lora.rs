@@ -21,6 +21,14 @@ impl LoraSpec {
         self.alpha / self.rank as f64
     }
 
+    /// The initial A `[rank, inp]` as PEFT draws it: kaiming_uniform_(a=√5), bound 1/√in (B
+    /// starts at zero). Every engine initialises adapters here, layer by layer in
+    /// [`super::Transformer::linears`] order, from one generator.
+    pub fn init_a(&self, inp: usize, rng: &mut Rng) -> Vec<f32> {
+        let bound = 1.0 / (inp as f64).sqrt();
+        (0..self.rank * inp).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect()
+    }
+
     /// A fresh adapter for the linear layer `prefix` (HF name without `.weight`), named as PEFT
     /// names it in `adapter_model.safetensors`.
     pub fn create(
@@ -32,9 +40,7 @@ impl LoraSpec {
         device: &Device,
         rng: &mut Rng,
     ) -> Result<(Lora, Vec<Param>)> {
-        // kaiming_uniform_(a=sqrt(5)) on [r, in]: bound = 1/sqrt(in).
-        let bound = 1.0 / (inp as f64).sqrt();
-        let a: Vec<f32> = (0..self.rank * inp).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect();
+        let a = self.init_a(inp, rng);
         let a = Var::from_tensor(&Tensor::from_vec(a, (self.rank, inp), device)?.to_dtype(dtype)?)?;
         let b = Var::from_tensor(&Tensor::zeros((out, self.rank), dtype, device)?)?;
         let params = vec![
@@ -66,11 +72,13 @@ pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
     pub lora: Option<Lora>,
+    /// The layer's index in [`super::Transformer::linears`] (it keys the layer's dropout mask).
+    pub id: usize,
 }
 
 impl Linear {
-    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Linear {
-        Linear { weight, bias, lora: None }
+    pub fn new(weight: Tensor, bias: Option<Tensor>, id: usize) -> Linear {
+        Linear { weight, bias, lora: None, id }
     }
 
     pub fn weight(&self) -> &Tensor {
@@ -81,8 +89,8 @@ impl Linear {
         self.bias.as_ref()
     }
 
-    /// Forward over `[..., in]`; `dropout` is the training RNG (None: evaluation).
-    pub fn forward_t(&self, x: &Tensor, dropout: Option<&mut Rng>) -> Result<Tensor> {
+    /// Forward over `[..., in]`; `dropout` is the micro-batch's dropout key (None: evaluation).
+    pub fn forward_t(&self, x: &Tensor, dropout: Option<u64>) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let inp = *dims.last().expect("input has a feature dimension");
         let x2 = x.reshape(((), inp))?;
@@ -97,7 +105,7 @@ impl Linear {
         }
         if let Some(l) = &self.lora {
             let xin = match dropout {
-                Some(rng) if l.dropout > 0.0 => dropout_mask(&x2, l.dropout, rng)?,
+                Some(batch) if l.dropout > 0.0 => dropout_mask(&x2, l.dropout, dropout_key(batch, self.id))?,
                 _ => x2.clone(),
             };
             let dt = xin.dtype();
@@ -122,17 +130,53 @@ impl Linear {
     }
 }
 
-/// Inverted dropout with a mask drawn from rtune's own RNG (reproducible on every device).
-fn dropout_mask(x: &Tensor, p: f64, rng: &mut Rng) -> Result<Tensor> {
-    let mask = Tensor::from_vec(dropout_draws(x.elem_count(), p, rng), x.shape(), x.device())?.to_dtype(x.dtype())?;
+/// Inverted dropout of `x` (a `[rows, in]` input) with the mask of adapter key `key`.
+fn dropout_mask(x: &Tensor, p: f64, key: u64) -> Result<Tensor> {
+    let mask =
+        Tensor::from_vec(dropout_factors(key, 0, x.elem_count(), p), x.shape(), x.device())?.to_dtype(x.dtype())?;
     x * mask
 }
 
-/// `n` inverted-dropout factors: 0 with probability `p`, else `1 / (1 − p)`. Both training
-/// engines draw their masks here, so they draw the same ones.
-pub fn dropout_draws(n: usize, p: f64, rng: &mut Rng) -> Vec<f32> {
-    let keep = (1.0 / (1.0 - p)) as f32;
-    (0..n).map(|_| if rng.next_f64() < p { 0.0 } else { keep }).collect()
+/// The threshold on the generator's top 24 bits below which an element is dropped, and the
+/// scale `1 / (1 − p)` of kept elements, for dropout probability `p`.
+pub fn dropout_params(p: f64) -> (u32, f32) {
+    ((p * (1u64 << 24) as f64).round() as u32, (1.0 / (1.0 - p)) as f32)
+}
+
+/// splitmix64's output function.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// Whether element `i` of an adapter's input survives dropout: the top 24 bits of the `i`-th
+/// output of splitmix64 seeded with `key` are at least `threshold`. A counter-based generator:
+/// any element's draw is computed on its own, so every engine — and every GPU thread — draws
+/// the same mask without a shared sequential stream (kernels.cu computes the same bits).
+pub fn dropout_keep(key: u64, i: u64, threshold: u32) -> bool {
+    (mix64(key.wrapping_add(i.wrapping_add(1).wrapping_mul(GOLDEN))) >> 40) as u32 >= threshold
+}
+
+/// The dropout key of the adapter on linear layer number `linear` (its index in
+/// [`super::Transformer::linears`]) in the micro-batch keyed `batch`.
+pub fn dropout_key(batch: u64, linear: usize) -> u64 {
+    mix64(batch ^ mix64((linear as u64).wrapping_add(1).wrapping_mul(GOLDEN)))
+}
+
+/// The dropout key of micro-batch number `micro` of a training run seeded `seed`.
+pub fn batch_dropout_key(seed: u64, micro: u64) -> u64 {
+    mix64(mix64(seed ^ 0x6472_6f70_6f75_7400).wrapping_add(micro.wrapping_mul(GOLDEN)))
+}
+
+/// The inverted-dropout factors of elements `start .. start + n` of the input of the adapter
+/// keyed `key`: 0 where dropped, else `1 / (1 − p)`. Every engine draws its masks here or with
+/// the same bits (kernels.cu).
+pub fn dropout_factors(key: u64, start: usize, n: usize, p: f64) -> Vec<f32> {
+    let (threshold, keep) = dropout_params(p);
+    (start as u64..(start + n) as u64).map(|i| if dropout_keep(key, i, threshold) { keep } else { 0.0 }).collect()
 }
 
 /// Use [`FrozenMatmul`] for frozen weights (on by default; the train-step benchmark turns it

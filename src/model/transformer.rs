@@ -91,37 +91,73 @@ pub struct Batch {
 impl Batch {
     /// Build a batch from rows of tokens. `lens[i]` tokens of row i are real (the rest padding);
     /// `segments[i][j]` is the packed-document index of token j (attention and positions never
-    /// cross documents).
+    /// cross documents). The mask is [`attention_layout`]'s, written out.
     pub fn new(rows: &[Vec<u32>], lens: &[usize], segments: Option<&[Vec<u16>]>, device: &Device) -> Result<Batch> {
         let b = rows.len();
         let t = rows.iter().map(Vec::len).max().unwrap_or(0);
         let mut ids = vec![0u32; b * t];
-        let mut pos = vec![0u32; b * t];
-        let mut mask = vec![MASKED; b * t * t];
         for (r, row) in rows.iter().enumerate() {
             ids[r * t..r * t + row.len()].copy_from_slice(row);
-            let seg = |j: usize| segments.map(|s| s[r].get(j).copied().unwrap_or(0)).unwrap_or(0);
-            let mut start = 0;
-            for j in 0..t {
-                if j > 0 && seg(j) != seg(j - 1) {
-                    start = j;
-                }
-                pos[r * t + j] = (j - start) as u32;
-            }
-            for q in 0..t {
-                for k in 0..=q {
-                    if k < lens[r] && seg(k) == seg(q) {
-                        mask[(r * t + q) * t + k] = 0.0;
-                    }
-                }
+        }
+        Batch::from_layout(&ids, b, t, &attention_layout(t, lens, segments), device)
+    }
+
+    /// A batch of `[b, t]` padded `ids` with a known layout.
+    pub fn from_layout(ids: &[u32], b: usize, t: usize, layout: &AttentionLayout, device: &Device) -> Result<Batch> {
+        let mut mask = vec![MASKED; b * t * t];
+        for (i, (&lo, &hi)) in layout.lo.iter().zip(&layout.hi).enumerate() {
+            for k in lo.max(0)..=hi {
+                mask[i * t + k as usize] = 0.0;
             }
         }
         Ok(Batch {
-            ids: Tensor::from_vec(ids, (b, t), device)?,
-            positions: Tensor::from_vec(pos, (b, t), device)?,
+            ids: Tensor::from_slice(ids, (b, t), device)?,
+            positions: Tensor::from_slice(&layout.positions, (b, t), device)?,
             mask: Tensor::from_vec(mask, (b, 1, t, t), device)?,
         })
     }
+}
+
+/// Positions and attention structure of a `[b, t]` batch, per flattened token `i`: its rotary
+/// position, and the inclusive range `lo[i] ..= hi[i]` of keys in its row that it attends to
+/// (none when `lo > hi`). A packed document is a run of equal segment indices; a real token
+/// (`j < len`) attends causally within its document and its positions restart there. A padding
+/// token attends to the real tokens of the row's first document, as transformers' padding mask
+/// has it; nothing reads its output. Every engine takes attention from here: candle's as a mask,
+/// the GPU engine's kernels as the ranges.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionLayout {
+    pub positions: Vec<u32>,
+    pub lo: Vec<i32>,
+    pub hi: Vec<i32>,
+}
+
+/// The [`AttentionLayout`] of rows padded to `t`, with `lens[r]` real tokens each.
+pub fn attention_layout(t: usize, lens: &[usize], segments: Option<&[Vec<u16>]>) -> AttentionLayout {
+    let b = lens.len();
+    let (mut positions, mut lo, mut hi) = (vec![0u32; b * t], vec![0i32; b * t], vec![0i32; b * t]);
+    for (r, &len) in lens.iter().enumerate() {
+        let len = len.min(t);
+        let seg = |j: usize| segments.map(|s| s[r].get(j).copied().unwrap_or(0)).unwrap_or(0);
+        let mut start = 0;
+        for j in 0..t {
+            if j > 0 && seg(j) != seg(j - 1) {
+                start = j;
+            }
+            positions[r * t + j] = (j - start) as u32;
+            if j < len {
+                lo[r * t + j] = start as i32;
+                hi[r * t + j] = j as i32;
+            }
+        }
+        // Padding rows see the first document: from 0 up to where it ends (or the row does).
+        let first_end = (1..len).find(|&j| seg(j) != seg(j - 1)).unwrap_or(len);
+        for j in len..t {
+            lo[r * t + j] = 0;
+            hi[r * t + j] = first_end as i32 - 1;
+        }
+    }
+    AttentionLayout { positions, lo, hi }
 }
 
 pub struct Transformer {
@@ -159,7 +195,7 @@ impl Transformer {
         rng: &mut Rng,
         dtype: DType,
     ) -> std::result::Result<Transformer, super::ModelError> {
-        let mut b = Builder { weights, trainable, rng, params: Vec::new(), dtype };
+        let mut b = Builder { weights, trainable, rng, params: Vec::new(), dtype, next_id: 0 };
         let h = cfg.hidden_size;
         let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let embed = b.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
@@ -231,12 +267,7 @@ impl Transformer {
     }
 
     /// Hidden states after the final norm: `[b, t, hidden]`.
-    pub fn hidden(
-        &self,
-        batch: &Batch,
-        mut dropout: Option<&mut Rng>,
-        mut cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
+    pub fn hidden(&self, batch: &Batch, dropout: Option<u64>, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (b, t) = batch.ids.dims2()?;
         let embed = self.embed.to_dtype(self.dtype)?;
         let mut x = embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
@@ -253,13 +284,13 @@ impl Transformer {
             let residual = &x;
             let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps)?;
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let h = layer.attn.forward(&h, &cos, &sin, &mask, dropout.as_deref_mut(), slot)?;
+            let h = layer.attn.forward(&h, &cos, &sin, &mask, dropout, slot)?;
             x = (residual + h)?;
             let residual = &x;
             let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps)?;
-            let gate = layer.mlp.gate.forward_t(&h, dropout.as_deref_mut())?.silu()?;
-            let up = layer.mlp.up.forward_t(&h, dropout.as_deref_mut())?;
-            let h = layer.mlp.down.forward_t(&(gate * up)?, dropout.as_deref_mut())?;
+            let gate = layer.mlp.gate.forward_t(&h, dropout)?.silu()?;
+            let up = layer.mlp.up.forward_t(&h, dropout)?;
+            let h = layer.mlp.down.forward_t(&(gate * up)?, dropout)?;
             x = (residual + h)?;
         }
         rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
@@ -274,9 +305,8 @@ impl Transformer {
     /// Mean cross-entropy of `targets` at the flattened positions `select` (indices into
     /// `b * t`): the LM head runs only where the loss counts. Equals transformers' loss with
     /// `labels` (shifted, -100 ignored) when `select`/`targets` come from those labels.
-    pub fn loss(&self, batch: &Batch, select: &Tensor, targets: &Tensor, dropout: Option<&mut Rng>) -> Result<Tensor> {
-        let mut dropout = dropout;
-        let h = self.hidden(batch, dropout.as_deref_mut(), None)?;
+    pub fn loss(&self, batch: &Batch, select: &Tensor, targets: &Tensor, dropout: Option<u64>) -> Result<Tensor> {
+        let h = self.hidden(batch, dropout, None)?;
         let h = h.flatten_to(1)?.index_select(select, 0)?;
         let logits = self.lm_head.forward_t(&h, dropout)?.to_dtype(DType::F32)?;
         cross_entropy(&logits, targets)
@@ -334,15 +364,15 @@ impl Attention {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        mut dropout: Option<&mut Rng>,
+        dropout: Option<u64>,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
         // [b, t, heads*d] → [b, heads, t, d]
-        let q = self.q.forward_t(x, dropout.as_deref_mut())?.reshape((b, t, self.heads, d))?.transpose(1, 2)?;
-        let k = self.k.forward_t(x, dropout.as_deref_mut())?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
-        let v = self.v.forward_t(x, dropout.as_deref_mut())?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
+        let q = self.q.forward_t(x, dropout)?.reshape((b, t, self.heads, d))?.transpose(1, 2)?;
+        let k = self.k.forward_t(x, dropout)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
+        let v = self.v.forward_t(x, dropout)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
         let q = apply_rope(&q.contiguous()?, cos, sin)?;
         let mut k = apply_rope(&k.contiguous()?, cos, sin)?;
         let mut v = v.contiguous()?;
@@ -430,6 +460,16 @@ pub fn composed_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tenso
 
 /// cos/sin tables `[max_positions, head_dim]`, with llama3 frequency scaling when configured.
 fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
+    let (n, d) = (cfg.max_position_embeddings, cfg.head_dim);
+    let (cos, sin) = rope_values(cfg, n);
+    let cos = Tensor::from_vec(cos, (n, d), device)?.to_dtype(dtype)?;
+    let sin = Tensor::from_vec(sin, (n, d), device)?.to_dtype(dtype)?;
+    Ok((cos, sin))
+}
+
+/// The rotary tables' values for positions `0 .. n`, row-major `[n, head_dim]` each, in f32:
+/// transformers' `rope_init_fn` (default or llama3 scaling) with `emb = cat(freqs, freqs)`.
+pub fn rope_values(cfg: &ModelConfig, n: usize) -> (Vec<f32>, Vec<f32>) {
     let d = cfg.head_dim;
     let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32)).collect();
     if let Some(rs) = &cfg.rope_scaling {
@@ -451,7 +491,6 @@ fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tens
             };
         }
     }
-    let n = cfg.max_position_embeddings;
     let mut cos = Vec::with_capacity(n * d);
     let mut sin = Vec::with_capacity(n * d);
     for p in 0..n {
@@ -464,9 +503,7 @@ fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tens
             }
         }
     }
-    let cos = Tensor::from_vec(cos, (n, d), device)?.to_dtype(dtype)?;
-    let sin = Tensor::from_vec(sin, (n, d), device)?.to_dtype(dtype)?;
-    Ok((cos, sin))
+    (cos, sin)
 }
 
 /// Collects weights and trainable parameters while the model is built.
@@ -477,6 +514,8 @@ struct Builder<'a> {
     params: Vec<Param>,
     /// Compute dtype; trained weights stay f32.
     dtype: DType,
+    /// The index the next linear layer gets (its place in [`Transformer::linears`]).
+    next_id: usize,
 }
 
 impl Builder<'_> {
@@ -522,7 +561,8 @@ impl Builder<'_> {
         inp: usize,
         out: usize,
     ) -> std::result::Result<Linear, super::ModelError> {
-        let mut lin = Linear::new(w, b);
+        let mut lin = Linear::new(w, b, self.next_id);
+        self.next_id += 1;
         if let Trainable::Lora(spec) = self.trainable {
             let module = prefix.rsplit('.').next().unwrap_or(prefix);
             if spec.targets.iter().any(|t| t == module) {

@@ -170,6 +170,13 @@ pub fn make(
         });
         if uses_device {
             doc["device"] = json!({ "class": device.class.as_str(), "dtype": device.dtype.as_str() });
+            // Only when set, so existing fingerprints stay valid.
+            if recipe.device.tf32 && device.class == crate::device::DeviceClass::Cuda {
+                doc["device"]["tf32"] = json!(true);
+            }
+            if let Some(engine) = crate::engine::requested() {
+                doc["device"]["engine"] = json!(engine);
+            }
         }
         if spec.kind == StageKind::Evaluate
             && let Some(rel) = settings["evaluate"]["dataset"].as_str()

@@ -305,6 +305,10 @@ pub struct DevicePolicy {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 4096))]
     pub threads: Option<usize>,
+    /// Let f32 matrix products on NVIDIA GPUs use TF32 tensor cores (about 1e-3 relative
+    /// precision instead of f32's 1e-7, several times faster). Part of the fingerprint.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tf32: bool,
     /// Per-device stage overrides (`[device.<name>.<stage>]`), checked against each stage.
     #[serde(flatten, default)]
     #[schemars(skip)]
@@ -313,7 +317,13 @@ pub struct DevicePolicy {
 
 impl Default for DevicePolicy {
     fn default() -> Self {
-        DevicePolicy { prefer: default_prefer(), dtype: default_dtypes(), threads: None, overrides: BTreeMap::new() }
+        DevicePolicy {
+            prefer: default_prefer(),
+            dtype: default_dtypes(),
+            threads: None,
+            tf32: false,
+            overrides: BTreeMap::new(),
+        }
     }
 }
 
@@ -507,6 +517,39 @@ pub struct TrainSettings {
     /// per epoch.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub group_by_length: bool,
+    /// Recompute each decoder layer's activations in the backward pass instead of keeping
+    /// them: `true`, `false`, or `"auto"` (the default: on when they would not fit in free GPU
+    /// memory). The trained weights are the same either way; memory and time change. The GPU
+    /// engine implements it.
+    #[serde(default, skip_serializing_if = "GradientCheckpointing::is_auto")]
+    pub gradient_checkpointing: GradientCheckpointing,
+}
+
+/// `true`, `false` or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum GradientCheckpointing {
+    On(bool),
+    Auto(AutoWord),
+}
+
+/// The word `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum AutoWord {
+    Auto,
+}
+
+impl Default for GradientCheckpointing {
+    fn default() -> Self {
+        GradientCheckpointing::Auto(AutoWord::Auto)
+    }
+}
+
+impl GradientCheckpointing {
+    pub fn is_auto(&self) -> bool {
+        matches!(self, GradientCheckpointing::Auto(_))
+    }
 }
 
 fn one_u32() -> u32 {

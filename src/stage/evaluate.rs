@@ -1,13 +1,13 @@
 //! `evaluate`: mean loss and perplexity on the eval split for the base and/or tuned model, and
 //! generations for fixed prompts (greedy, or seeded sampling), saved as metrics.json.
 
-use candle_core::{DType, Device, Tensor};
 use serde_json::{Value, json};
 
 use super::{StageCtx, StageError, write_json};
 use crate::data::TokenStore;
 use crate::data::format::alpaca_prompt;
-use crate::model::{KvCache, ModelFolder, Trainable, Transformer, peft};
+use crate::engine::{Checkpointing, Engine, Setup};
+use crate::model::{ModelFolder, Trainable, peft};
 use crate::recipe::{DataFormat, EvalModel, EvaluateSettings};
 use crate::rng::Rng;
 use crate::train::evaluate;
@@ -35,7 +35,6 @@ fn own_dataset(ctx: &StageCtx<'_>, folder: &ModelFolder, rel: &str) -> Result<To
 pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
     let s: EvaluateSettings = serde_json::from_value(ctx.stage.settings()["evaluate"].clone())
         .map_err(|e| StageError::Internal(format!("resolved evaluate settings: {e}")))?;
-    let device = ctx.device.candle_device().map_err(StageError::candle("cannot open the device"))?;
     let model_dir = ctx.input("model")?.join("model");
     let folder = ModelFolder::open(&model_dir)?;
     let (eval, source) = match &s.dataset {
@@ -50,13 +49,9 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
     };
     let mut results = serde_json::Map::new();
     for w in &which {
-        let model = if *w == "base" {
-            let weights = folder.load_weights(&device, ctx.device.candle_dtype())?;
-            Transformer::new(&folder.config, &weights, &Trainable::Nothing, &mut Rng::new(0))?
-        } else {
-            tuned_model(&folder, &ctx.input("weights")?, &device, ctx.device.candle_dtype())?
-        };
-        let (loss, n) = evaluate(&model, &eval, s.batch_size as usize, 0)?;
+        let weights_dir = if *w == "base" { None } else { Some(ctx.input("weights")?) };
+        let mut engine = eval_engine(ctx, &folder, weights_dir.as_deref(), s.batch_size as usize, &eval)?;
+        let (loss, n) = evaluate(&mut *engine, &eval, s.batch_size as usize, 0)?;
         let mut samples = Vec::new();
         for (i, prompt) in s.prompts.iter().enumerate() {
             let text = match ctx.loaded.recipe.dataset.format {
@@ -68,8 +63,8 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
             let mut ids: Vec<u32> = folder.config.bos_token_id.into_iter().collect();
             ids.extend(enc.get_ids());
             let mut rng = Rng::derive(ctx.seed(), &format!("sample:{i}"));
-            let out = generate(&model, &ids, &s, &folder.config.eos_token_ids, &mut rng)
-                .map_err(StageError::candle("generate"))?;
+            let limit = folder.config.max_position_embeddings;
+            let out = generate(&mut *engine, &ids, &s, &folder.config.eos_token_ids, limit, &mut rng)?;
             let completion =
                 tokenizer.decode(&out, true).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
             samples.push(json!({ "prompt": prompt, "completion": completion, "tokens": out.len() }));
@@ -102,54 +97,60 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
     Ok(metrics)
 }
 
-/// The base model with the train stage's result applied (a PEFT adapter or trained weights).
-pub(super) fn tuned_model(
+/// An engine for evaluating the base model (`trained` None) or the base model with a train
+/// stage's result applied (a PEFT adapter, or trained weights), on the stage's device.
+pub(super) fn eval_engine(
+    ctx: &StageCtx<'_>,
     folder: &ModelFolder,
-    weights_dir: &std::path::Path,
-    device: &Device,
-    dtype: DType,
-) -> Result<Transformer, StageError> {
-    let mut weights = folder.load_weights(device, dtype)?;
-    if weights_dir.join("adapter_config.json").is_file() {
-        let spec = peft::read_config(weights_dir)?;
-        let model = Transformer::new(&folder.config, &weights, &Trainable::Lora(spec), &mut Rng::new(0))?;
-        model.load_params(&peft::read_weights(weights_dir, device)?)?;
-        return Ok(model);
-    }
-    let trained = candle_core::safetensors::load(weights_dir.join("weights.safetensors"), device)
-        .map_err(StageError::candle("cannot read the trained weights"))?;
-    for (k, v) in trained {
-        let v = v.to_dtype(dtype).map_err(StageError::candle("convert trained weights"))?;
-        weights.insert(k, v);
-    }
-    Ok(Transformer::new(&folder.config, &weights, &Trainable::Nothing, &mut Rng::new(0))?)
+    trained: Option<&std::path::Path>,
+    batch_size: usize,
+    eval: &TokenStore,
+) -> Result<Box<dyn Engine>, StageError> {
+    let trainable = match trained {
+        Some(dir) if dir.join("adapter_config.json").is_file() => Trainable::Lora(peft::read_config(dir)?),
+        _ => Trainable::Nothing,
+    };
+    let longest = (0..eval.len()).map(|i| eval.row_len(i)).max().unwrap_or(1);
+    let setup = Setup {
+        folder,
+        trainable,
+        seed: 0,
+        device: ctx.device,
+        optimizer: None,
+        ema_decay: None,
+        checkpointing: Checkpointing::Off,
+        trained,
+        max_batch: (batch_size, longest),
+        tf32: ctx.loaded.recipe.device.tf32,
+    };
+    Ok(crate::engine::build(&setup)?)
 }
 
-/// Greedy (temperature 0) or seeded top-k/top-p sampling with a KV cache; stops at eos.
+/// Greedy (temperature 0) or seeded top-k/top-p sampling; stops at eos or at the model's
+/// `limit` of positions.
 pub fn generate(
-    model: &Transformer,
+    engine: &mut dyn Engine,
     prompt: &[u32],
     s: &EvaluateSettings,
     eos: &[u32],
+    limit: usize,
     rng: &mut Rng,
-) -> candle_core::Result<Vec<u32>> {
-    let mut cache = KvCache::default();
-    let mut logits = model.step(prompt, &mut cache)?;
+) -> Result<Vec<u32>, StageError> {
+    let mut ids = prompt.to_vec();
     let mut out = Vec::new();
-    let limit = model.cfg.max_position_embeddings.saturating_sub(prompt.len());
-    for _ in 0..s.max_new_tokens.min(limit) {
-        let next = pick(&logits, s, rng)?;
+    for _ in 0..s.max_new_tokens.min(limit.saturating_sub(prompt.len())) {
+        let logits = engine.next_logits(&ids)?;
+        let next = pick(&logits, s, rng);
         if eos.contains(&next) {
             break;
         }
         out.push(next);
-        logits = model.step(&[next], &mut cache)?;
+        ids.push(next);
     }
     Ok(out)
 }
 
-fn pick(logits: &Tensor, s: &EvaluateSettings, rng: &mut Rng) -> candle_core::Result<u32> {
-    let v: Vec<f32> = logits.to_vec1()?;
+fn pick(v: &[f32], s: &EvaluateSettings, rng: &mut Rng) -> u32 {
     if s.temperature <= 0.0 {
         // First maximum, as torch.argmax.
         let mut best = 0;
@@ -158,7 +159,7 @@ fn pick(logits: &Tensor, s: &EvaluateSettings, rng: &mut Rng) -> candle_core::Re
                 best = i;
             }
         }
-        return Ok(best as u32);
+        return best as u32;
     }
     let mut idx: Vec<usize> = (0..v.len()).collect();
     idx.sort_by(|a, b| v[*b].total_cmp(&v[*a]));
@@ -186,9 +187,9 @@ fn pick(logits: &Tensor, s: &EvaluateSettings, rng: &mut Rng) -> candle_core::Re
     let mut r = rng.next_f64();
     for (j, p) in probs.iter().enumerate() {
         if r < *p {
-            return Ok(idx[j] as u32);
+            return idx[j] as u32;
         }
         r -= p;
     }
-    Ok(idx[probs.len() - 1] as u32)
+    idx[probs.len() - 1] as u32
 }

@@ -74,6 +74,9 @@ pub enum StageError {
     Train(#[from] crate::train::TrainError),
     #[error(transparent)]
     #[diagnostic(transparent)]
+    Engine(#[from] crate::engine::EngineError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
     Hub(#[from] crate::hub::HubError),
     #[error("internal error: {0}")]
     #[diagnostic(code(rtune::internal), help("this is a bug in rtune; please report it"))]

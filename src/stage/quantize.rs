@@ -11,6 +11,8 @@ use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
 use crate::data::TokenStore;
+use crate::engine::candle::CandleEngine;
+use crate::engine::{Checkpointing, Setup};
 use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safetensors_sharded, gguf, peft};
 use crate::recipe::{ExportFormat, QuantizeSettings};
 use crate::rng::Rng;
@@ -26,7 +28,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let weights_dir = ctx.input("weights")?;
     let folder = ModelFolder::open(&model_dir)?;
     // Exports are computed on the CPU in f32: exact merges, whatever device trained.
-    let model = super::evaluate::tuned_model(&folder, &weights_dir, &Device::Cpu, DType::F32)?;
+    let mut engine = tuned_cpu_engine(&folder, &weights_dir)?;
     let base_name = ctx.loaded.recipe.model.repo.clone().unwrap_or_default();
     let mut report = serde_json::Map::new();
     let mut self_check: Option<(TokenStore, f64)> = None;
@@ -43,7 +45,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
             ExportFormat::SafetensorsMerged => {
                 let dir = ctx.out.join("merged");
                 mkdir(&dir)?;
-                let tensors = model.merged_tensors();
+                let tensors = engine.model().merged_tensors();
                 let shard = s.shard_bytes().map_err(StageError::Internal)?;
                 // Each merged tensor is computed, written and dropped in turn.
                 let files = save_safetensors_sharded(&dir, &tensors, shard)?;
@@ -60,7 +62,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                     config["tie_word_embeddings"] = json!(false);
                 }
                 write_json(&dir.join("config.json"), &config)?;
-                let diff = check_merged(&model, &dir)?;
+                let diff = check_merged(engine.model(), &dir)?;
                 if diff > 1e-3 {
                     return Err(StageError::Internal(format!(
                         "the merged model differs from the adapter model (max |logit difference| {diff})"
@@ -79,7 +81,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 let Some((qtype, _)) = gguf::target(*other) else {
                     return Err(StageError::Internal(format!("export format {other:?} is not a GGUF format")));
                 };
-                let merged = model.merged_tensors();
+                let merged = engine.model().merged_tensors();
                 let tag = format!("{qtype:?}").to_lowercase();
                 let file = format!("model-{tag}.gguf");
                 mkdir(&ctx.out.join("gguf"))?;
@@ -91,7 +93,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                     Some(c) => c,
                     None => {
                         let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
-                        let (reference, _) = crate::train::evaluate(&model, &eval, 1, SELF_CHECK_ROWS as u64)?;
+                        let (reference, _) = crate::train::evaluate(&mut engine, &eval, 1, SELF_CHECK_ROWS as u64)?;
                         self_check.insert((eval, reference))
                     }
                 };
@@ -125,6 +127,29 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let metrics = json!({ "formats": report });
     write_json(&ctx.out.join("exports.json"), &metrics)?;
     Ok(metrics)
+}
+
+/// The base model with the train stage's result applied, on the CPU in f32 (exact merges,
+/// whatever device trained), computing with the fused CPU engine where it can.
+fn tuned_cpu_engine(folder: &ModelFolder, weights_dir: &Path) -> Result<CandleEngine, StageError> {
+    let cpu = crate::device::Resolution::cpu();
+    let trainable = match weights_dir.join("adapter_config.json").is_file() {
+        true => Trainable::Lora(peft::read_config(weights_dir)?),
+        false => Trainable::Nothing,
+    };
+    let setup = Setup {
+        folder,
+        trainable,
+        seed: 0,
+        device: &cpu,
+        optimizer: None,
+        ema_decay: None,
+        checkpointing: Checkpointing::Off,
+        trained: Some(weights_dir),
+        max_batch: (1, 1),
+        tf32: false,
+    };
+    Ok(CandleEngine::build(&setup, true)?)
 }
 
 /// Eval rows used by the GGUF self-check (token-by-token decoding is slow on big models).

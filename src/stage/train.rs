@@ -7,10 +7,6 @@ use crate::train::{TrainJob, train};
 pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let settings: TrainSettings = serde_json::from_value(ctx.stage.settings()["train"].clone())
         .map_err(|e| StageError::Internal(format!("resolved train settings: {e}")))?;
-    let device = ctx
-        .device
-        .candle_device()
-        .map_err(StageError::candle(format!("cannot open device `{}`", ctx.device.device_name())))?;
     let model_dir = ctx.input("model")?.join("model");
     let tokens_dir = ctx.input("tokens")?;
     let job = TrainJob {
@@ -19,8 +15,8 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         settings: &settings,
         adapter: &ctx.loaded.recipe.adapter,
         seed: ctx.seed(),
-        device,
-        dtype: ctx.device.candle_dtype(),
+        device: ctx.device,
+        tf32: ctx.loaded.recipe.device.tf32,
         work: ctx.work.clone(),
         out: ctx.out,
         ui: ctx.ui,

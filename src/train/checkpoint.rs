@@ -1,16 +1,15 @@
 //! Resumable checkpoints in the train stage's work folder: `ckpt-<step>/` with the trained
-//! parameters, AdamW moments, EMA weights and the loop state (step, data cursor, dropout RNG,
-//! loss-guard and early-stopping state). Written to a temporary folder and renamed, so a kill
+//! parameters, AdamW moments, EMA weights and the loop state (step, data cursor — which also
+//! keys dropout masks —, loss-guard, loss-scale and early-stopping state). Written to a temporary folder and renamed, so a kill
 //! at any moment leaves either the previous checkpoint or the new one, never half of one.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
-use super::optim::AdamW;
 use super::{LoopState, TrainError, cerr, ioerr};
-use crate::model::Transformer;
+use crate::engine::EngineState;
 use crate::model::folder::save_safetensors;
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -19,31 +18,24 @@ struct Saved {
     optimizer_step: u64,
 }
 
-pub fn save(
-    work: &Path,
-    model: &Transformer,
-    opt: &AdamW,
-    ema: Option<&BTreeMap<String, Tensor>>,
-    state: &LoopState,
-    keep: usize,
-) -> Result<PathBuf, TrainError> {
+pub fn save(work: &Path, engine: &EngineState, state: &LoopState, keep: usize) -> Result<PathBuf, TrainError> {
     let tmp = tempfile::Builder::new()
         .prefix(".tmp-ckpt-")
         .tempdir_in(work)
         .map_err(ioerr(format!("cannot write a checkpoint in `{}`", work.display())))?;
-    save_safetensors(&tmp.path().join("params.safetensors"), &model.param_values())?;
+    save_safetensors(&tmp.path().join("params.safetensors"), &engine.params)?;
     let mut moments = BTreeMap::new();
-    for (k, v) in &opt.m {
+    for (k, v) in &engine.m {
         moments.insert(format!("m/{k}"), v.clone());
     }
-    for (k, v) in &opt.v {
+    for (k, v) in &engine.v {
         moments.insert(format!("v/{k}"), v.clone());
     }
     save_safetensors(&tmp.path().join("optimizer.safetensors"), &moments)?;
-    if let Some(e) = ema {
+    if let Some(e) = &engine.ema {
         save_safetensors(&tmp.path().join("ema.safetensors"), e)?;
     }
-    let saved = Saved { state: state.clone(), optimizer_step: opt.step };
+    let saved = Saved { state: state.clone(), optimizer_step: engine.optimizer_step };
     std::fs::write(tmp.path().join("state.json"), serde_json::to_vec_pretty(&saved).expect("json"))
         .map_err(ioerr("cannot write checkpoint state".into()))?;
     let dir = work.join(format!("ckpt-{:08}", state.step));
@@ -79,46 +71,37 @@ pub fn latest(work: &Path) -> Option<PathBuf> {
     list(work).pop()
 }
 
-pub fn load(
-    dir: &Path,
-    model: &Transformer,
-    opt: &mut AdamW,
-    ema: Option<&mut BTreeMap<String, Tensor>>,
-) -> Result<LoopState, TrainError> {
+/// The engine state and loop state of checkpoint `dir` (on the CPU; the engine moves them).
+pub fn load(dir: &Path) -> Result<(EngineState, LoopState), TrainError> {
     let text =
         std::fs::read_to_string(dir.join("state.json")).map_err(ioerr(format!("cannot read `{}`", dir.display())))?;
     let saved: Saved = serde_json::from_str(&text).map_err(|e| TrainError::Io {
         context: format!("checkpoint `{}` is damaged", dir.display()),
         source: std::io::Error::other(e),
     })?;
-    let device = model.device().clone();
     let load = |name: &str| -> Result<BTreeMap<String, Tensor>, TrainError> {
         let p = dir.join(name);
-        Ok(candle_core::safetensors::load(&p, &device).map_err(cerr("read checkpoint"))?.into_iter().collect())
+        Ok(candle_core::safetensors::load(&p, &candle_core::Device::Cpu)
+            .map_err(cerr("read checkpoint"))?
+            .into_iter()
+            .collect())
     };
-    model.load_params(&load("params.safetensors")?)?;
-    let moments = load("optimizer.safetensors")?;
-    for (k, v) in opt.m.iter_mut() {
-        *v = moments
-            .get(&format!("m/{k}"))
-            .cloned()
-            .ok_or_else(|| missing(dir, k))?
-            .to_dtype(DType::F32)
-            .map_err(cerr("read checkpoint"))?;
+    let params = load("params.safetensors")?;
+    let (mut m, mut v) = (BTreeMap::new(), BTreeMap::new());
+    for (k, t) in load("optimizer.safetensors")? {
+        if let Some(name) = k.strip_prefix("m/") {
+            m.insert(name.to_string(), t);
+        } else if let Some(name) = k.strip_prefix("v/") {
+            v.insert(name.to_string(), t);
+        }
     }
-    for (k, v) in opt.v.iter_mut() {
-        *v = moments
-            .get(&format!("v/{k}"))
-            .cloned()
-            .ok_or_else(|| missing(dir, k))?
-            .to_dtype(DType::F32)
-            .map_err(cerr("read checkpoint"))?;
+    for k in params.keys() {
+        if !m.contains_key(k) || !v.contains_key(k) {
+            return Err(missing(dir, k));
+        }
     }
-    opt.step = saved.optimizer_step;
-    if let Some(e) = ema {
-        *e = load("ema.safetensors")?;
-    }
-    Ok(saved.state)
+    let ema = if dir.join("ema.safetensors").is_file() { Some(load("ema.safetensors")?) } else { None };
+    Ok((EngineState { params, ema, m, v, optimizer_step: saved.optimizer_step }, saved.state))
 }
 
 fn missing(dir: &Path, k: &str) -> TrainError {

@@ -3,30 +3,32 @@
 //! gradient-norm clipping, a loss guard, periodic evaluation with early stopping, EMA weights,
 //! and resumable checkpoints.
 //!
-//! Multi-device data parallelism would all-reduce `grads` between "gradients are ready" and
-//! "optimizer step" in [`Trainer::step`]; nothing else assumes a single device.
+//! The engine ([`crate::engine`]) computes losses and gradients and owns the trained parameters;
+//! this loop decides what each step does. Multi-device data parallelism would all-reduce the
+//! gradients between "gradients are ready" and the optimizer step in `Trainer::step`; nothing
+//! else assumes a single device.
 
 mod checkpoint;
 mod curve;
 pub mod optim;
 pub mod schedule;
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::data::{TokenStore, tokens::TokenRow};
-use crate::model::{Batch, LoraSpec, ModelFolder, Trainable, Transformer};
-use crate::recipe::{Adapter, AdapterKind, TrainSettings};
+use crate::device::Resolution;
+use crate::engine::{Checkpointing, Engine, EngineError, HostBatch, Setup};
+use crate::model::{LoraSpec, ModelFolder, Trainable};
+use crate::recipe::{Adapter, AdapterKind, GradientCheckpointing, TrainSettings};
 use crate::rng::Rng;
 use crate::ui::Ui;
-use optim::{AdamW, AdamWConfig};
+use optim::AdamWConfig;
 
 /// Set by the binary's Ctrl-C handler; the loop saves a checkpoint and stops.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -47,6 +49,12 @@ pub enum TrainError {
     #[error("the training split is empty")]
     #[diagnostic(code(rtune::train::no_data), help("lower `dataset.eval_fraction` or add rows"))]
     NoData,
+    #[error("{message}")]
+    #[diagnostic(code(rtune::train::out_of_memory), help("{help}"))]
+    OutOfMemory { message: String, help: String },
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Engine(#[from] crate::engine::EngineError),
     #[error(transparent)]
     #[diagnostic(transparent)]
     Model(#[from] crate::model::ModelError),
@@ -84,8 +92,10 @@ pub struct TrainJob<'a> {
     pub settings: &'a TrainSettings,
     pub adapter: &'a Adapter,
     pub seed: u64,
-    pub device: Device,
-    pub dtype: DType,
+    /// The device and compute dtype the policy chose.
+    pub device: &'a Resolution,
+    /// Let f32 products use TF32 tensor cores (`device.tf32`).
+    pub tf32: bool,
     /// Checkpoints live here; a run finding one resumes from it.
     pub work: PathBuf,
     /// The artifact being built.
@@ -97,15 +107,17 @@ pub struct TrainJob<'a> {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct LoopState {
     pub step: u64,
-    /// Micro-batches consumed since the start of training.
+    /// Micro-batches consumed since the start of training (it also keys dropout masks).
     pub micro: u64,
-    pub dropout_rng: Rng,
     pub lr_scale: f64,
     pub bad_steps: u32,
     pub recent_losses: Vec<f64>,
     pub best_eval: Option<f64>,
     pub evals_without_improvement: u32,
     pub tokens_seen: u64,
+    /// Dynamic loss scale of f16 training (1 in other dtypes), and the steps since it changed.
+    pub loss_scale: f64,
+    pub scale_steps: u32,
 }
 
 /// The LoRA spec a recipe's `[adapter]` describes.
@@ -127,121 +139,26 @@ pub fn trainable(settings: &TrainSettings, adapter: &Adapter) -> Trainable {
     }
 }
 
-/// Build the model for training from a model folder. Weights are read in f32 (so trained
-/// master weights start exact); frozen ones are converted to the compute `dtype`.
-pub fn build_model(
-    model_dir: &Path,
-    which: &Trainable,
-    seed: u64,
-    device: &Device,
-    dtype: DType,
-) -> Result<Transformer, TrainError> {
-    let folder = ModelFolder::open(model_dir)?;
-    let weights = folder.load_weights(device, DType::F32)?;
-    let mut rng = Rng::derive(seed, "lora-init");
-    Ok(Transformer::with_dtype(&folder.config, &weights, which, &mut rng, dtype)?)
-}
+/// The first loss scale of f16 training and the good steps after which it doubles
+/// (`torch.amp.GradScaler`'s defaults).
+const F16_LOSS_SCALE: f64 = 65536.0;
+const LOSS_SCALE_GROWTH_STEPS: u32 = 2000;
 
-/// One micro-batch: the batch tensors and where the loss counts.
-pub struct MicroBatch {
-    pub batch: Batch,
-    pub select: Tensor,
-    pub targets: Tensor,
-    pub targets_count: usize,
-    pub tokens: usize,
-}
-
-/// Pad rows to the longest and list the positions whose next token is a target.
-pub fn micro_batch(rows: &[TokenRow], device: &Device) -> Result<MicroBatch, TrainError> {
-    let t = rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
-    let ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
-    let lens: Vec<usize> = rows.iter().map(|r| r.ids.len()).collect();
-    let segs: Vec<Vec<u16>> = rows.iter().map(|r| r.seg.clone()).collect();
-    let (mut select, mut targets) = (Vec::new(), Vec::new());
-    for (r, row) in rows.iter().enumerate() {
-        for j in 1..row.ids.len() {
-            if row.mask[j] == 1 && row.seg[j] == row.seg[j - 1] {
-                select.push((r * t + j - 1) as u32);
-                targets.push(row.ids[j]);
-            }
-        }
-    }
-    let batch = Batch::new(&ids, &lens, Some(&segs), device).map_err(cerr("build a batch"))?;
-    let n = select.len();
-    Ok(MicroBatch {
-        batch,
-        select: Tensor::from_vec(select, n, device).map_err(cerr("build a batch"))?,
-        targets: Tensor::from_vec(targets, n, device).map_err(cerr("build a batch"))?,
-        targets_count: n,
-        tokens: lens.iter().sum(),
-    })
-}
-
-/// Which engine computes losses and gradients for `model`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Engine {
-    /// rtune's fused CPU engine ([`crate::model::fused`]).
-    Fused,
-    /// candle's ops and autograd (any device, dtype and trainable set).
-    Candle,
-}
-
-impl Engine {
-    /// The fused engine where it supports the model (f32 on the CPU, LoRA or nothing training),
-    /// unless `RTUNE_ENGINE=candle` asks for candle's autograd (to compare the two).
-    pub fn for_model(model: &Transformer) -> Engine {
-        let forced = std::env::var("RTUNE_ENGINE").is_ok_and(|v| v == "candle");
-        if !forced && crate::model::fused::unsupported(model).is_none() { Engine::Fused } else { Engine::Candle }
-    }
-
-    pub fn describe(self) -> &'static str {
-        match self {
-            Engine::Fused => "fused CPU engine",
-            Engine::Candle => "candle autograd",
-        }
-    }
-}
-
-/// Mean loss of one micro-batch (no gradients).
-fn batch_loss(model: &Transformer, mb: &MicroBatch, engine: Engine) -> Result<f64, TrainError> {
-    match engine {
-        Engine::Fused => {
-            let select: Vec<u32> = mb.select.to_vec1().map_err(cerr("evaluate"))?;
-            let targets: Vec<u32> = mb.targets.to_vec1().map_err(cerr("evaluate"))?;
-            crate::model::fused::loss(model, &mb.batch, &select, &targets).map_err(cerr("evaluate"))
-        }
-        Engine::Candle => model
-            .loss(&mb.batch, &mb.select, &mb.targets, None)
-            .and_then(|l| l.to_scalar::<f32>())
-            .map(f64::from)
-            .map_err(cerr("evaluate")),
-    }
+/// Build `rows` into a micro-batch.
+fn host_batch(rows: &[TokenRow]) -> HostBatch {
+    let parts: Vec<(&[u32], &[u16], &[u8])> =
+        rows.iter().map(|r| (r.ids.as_slice(), r.seg.as_slice(), r.mask.as_slice())).collect();
+    HostBatch::new(&parts)
 }
 
 /// Token-weighted mean loss over (at most `max_batches` batches of) a split.
 pub fn evaluate(
-    model: &Transformer,
+    engine: &mut dyn Engine,
     store: &TokenStore,
     batch_size: usize,
     max_batches: u64,
 ) -> Result<(f64, usize), TrainError> {
-    let (mut sum, mut n) = (0f64, 0usize);
-    let engine = Engine::for_model(model);
-    let idx: Vec<usize> = (0..store.len()).collect();
-    for (b, chunk) in idx.chunks(batch_size.max(1)).enumerate() {
-        if max_batches > 0 && b as u64 >= max_batches {
-            break;
-        }
-        let rows: Vec<TokenRow> = chunk.iter().map(|&i| store.row(i)).collect();
-        let mb = micro_batch(&rows, model.device())?;
-        if mb.targets_count == 0 {
-            continue;
-        }
-        let loss = batch_loss(model, &mb, engine)?;
-        sum += loss * mb.targets_count as f64;
-        n += mb.targets_count;
-    }
-    Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n))
+    Ok(crate::engine::evaluate(engine, store, batch_size, max_batches)?)
 }
 
 /// Peak resident memory of this process, where the OS tells it (Linux).
@@ -260,14 +177,16 @@ struct Batching {
 }
 
 /// Prepare micro-batches from number `start` on, in order, on a background thread; it stops
-/// when the receiver is dropped. The bounded channel keeps it at most four batches ahead.
+/// when the receiver is dropped. The bounded channel keeps it at most four batches ahead. The
+/// batches are host data: the engine moves them to its device on the training thread, so no
+/// device work is ever issued from this thread (on a GPU it would run on another stream,
+/// unordered with the training thread's).
 fn prefetch(
     train: std::sync::Arc<TokenStore>,
     batching: Batching,
     micro_per_epoch: u64,
     start: u64,
-    device: Device,
-) -> std::sync::mpsc::Receiver<Result<MicroBatch, TrainError>> {
+) -> std::sync::mpsc::Receiver<HostBatch> {
     let Batching { batch_size, .. } = batching;
     let (tx, rx) = std::sync::mpsc::sync_channel(4);
     std::thread::spawn(move || {
@@ -284,7 +203,7 @@ fn prefetch(
                 .iter()
                 .map(|&i| train.row(i))
                 .collect();
-            if tx.send(micro_batch(&rows, &device)).is_err() {
+            if tx.send(host_batch(&rows)).is_err() {
                 break;
             }
         }
@@ -325,25 +244,25 @@ pub fn epoch_rows(
 
 struct Trainer<'a> {
     job: &'a TrainJob<'a>,
-    model: Transformer,
-    engine: Engine,
-    opt: AdamW,
-    ema: Option<BTreeMap<String, Tensor>>,
+    engine: Box<dyn Engine>,
     state: LoopState,
     train: std::sync::Arc<TokenStore>,
     eval: TokenStore,
     /// Micro-batches prepared ahead on a background thread.
-    prefetch: Option<std::sync::mpsc::Receiver<Result<MicroBatch, TrainError>>>,
+    prefetch: Option<std::sync::mpsc::Receiver<HostBatch>>,
     micro_per_epoch: u64,
     total_steps: u64,
     metrics: std::fs::File,
+    /// Steady-state throughput: seconds and tokens of the optimizer steps after the first of
+    /// this run (the first pays one-time costs: kernel compilation, allocator growth).
+    timed: (f64, u64),
 }
 
 /// Run (or resume) training; writes the trained weights, metrics and curve into `job.out`.
 pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
     let s = job.settings;
     let which = trainable(s, job.adapter);
-    let model = build_model(job.model_dir, &which, job.seed, &job.device, job.dtype)?;
+    let folder = ModelFolder::open(job.model_dir)?;
     let train = TokenStore::open(job.tokens_dir, "train")?;
     let eval = TokenStore::open(job.tokens_dir, "eval")?;
     if train.is_empty() {
@@ -354,28 +273,47 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
     let steps_per_epoch = micro_per_epoch.div_ceil(s.grad_accum as u64);
     let total_steps = s.max_steps.unwrap_or(steps_per_epoch * s.epochs as u64);
     let cfg = AdamWConfig { beta1: s.betas[0], beta2: s.betas[1], eps: s.adam_eps, weight_decay: s.weight_decay };
-    let opt = AdamW::new(cfg, &model.params).map_err(cerr("create the optimizer"))?;
-    let ema = s.ema.as_ref().map(|_| model.param_values());
+    let longest = (0..train.len()).map(|i| train.row_len(i)).max().unwrap_or(0);
+    let setup = Setup {
+        folder: &folder,
+        trainable: which,
+        seed: job.seed,
+        device: job.device,
+        optimizer: Some(cfg),
+        ema_decay: s.ema.as_ref().map(|e| e.decay),
+        checkpointing: match s.gradient_checkpointing {
+            GradientCheckpointing::Auto(_) => Checkpointing::Auto,
+            GradientCheckpointing::On(true) => Checkpointing::On,
+            GradientCheckpointing::On(false) => Checkpointing::Off,
+        },
+        trained: None,
+        max_batch: (s.batch_size as usize, longest),
+        tf32: job.tf32,
+    };
+    let engine = crate::engine::build(&setup).map_err(|e| out_of_memory(e, s, None))?;
+    if s.gradient_checkpointing == GradientCheckpointing::On(true) && !engine.checkpointing() {
+        job.ui.warn(format!(
+            "gradient_checkpointing applies to the GPU engine; the {} keeps every activation",
+            engine.describe()
+        ));
+    }
     std::fs::create_dir_all(&job.work).map_err(ioerr(format!("cannot create `{}`", job.work.display())))?;
     let state = LoopState {
         step: 0,
         micro: 0,
-        dropout_rng: Rng::derive(job.seed, "dropout"),
         lr_scale: 1.0,
         bad_steps: 0,
         recent_losses: Vec::new(),
         best_eval: None,
         evals_without_improvement: 0,
         tokens_seen: 0,
+        loss_scale: if job.device.dtype == crate::recipe::Dtype::F16 { F16_LOSS_SCALE } else { 1.0 },
+        scale_steps: 0,
     };
     let metrics_path = job.work.join("metrics.jsonl");
-    let engine = Engine::for_model(&model);
     let mut t = Trainer {
         job,
         engine,
-        model,
-        opt,
-        ema,
         state,
         train: std::sync::Arc::new(train),
         eval,
@@ -387,9 +325,10 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
             .append(true)
             .open(&metrics_path)
             .map_err(ioerr(format!("cannot open `{}`", metrics_path.display())))?,
+        timed: (0.0, 0),
     };
     let resumed = checkpoint::latest(&job.work).map(|ck| t.restore(&ck)).transpose()?;
-    let n_params: usize = t.model.params.iter().map(|p| p.var.elem_count()).sum();
+    let n_params = t.engine.trained_count();
     match resumed {
         Some(step) => job.ui.status("resume", format!("continuing from the checkpoint at step {step}/{total_steps}")),
         None => {
@@ -404,13 +343,13 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
                     t.engine.describe()
                 ),
             );
-            let (loss, _) = evaluate(&t.model, &t.eval, s.batch_size as usize, s.eval_batches)?;
+            let (loss, _) = t.evaluate()?;
             t.log(json!({"step": 0, "eval_loss": loss}))?;
             job.ui.status("eval", format!("step 0: eval loss {loss:.4}"));
         }
     }
     let started = Instant::now();
-    let tokens_at_start = t.state.tokens_seen;
+    let first_step = t.state.step;
     let mut bar = job.ui.bar("train", total_steps);
     let mut stopped_early = false;
     while t.state.step < total_steps {
@@ -418,14 +357,19 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
             let dir = t.save_checkpoint()?;
             return Err(TrainError::Interrupted { step: t.state.step, checkpoint: dir.display().to_string() });
         }
+        let step_started = Instant::now();
+        let tokens_before = t.state.tokens_seen;
         let (loss, lr) = t.step()?;
+        if t.state.step > first_step + 1 {
+            t.timed.0 += step_started.elapsed().as_secs_f64();
+            t.timed.1 += t.state.tokens_seen - tokens_before;
+        }
         let step = t.state.step;
-        let rate = (t.state.tokens_seen - tokens_at_start) as f64 / started.elapsed().as_secs_f64().max(1e-9);
-        let mem = peak_rss_bytes().map(|b| format!(" peak {}", crate::ui::human_bytes(b))).unwrap_or_default();
-        bar.set(step, &format!("loss {loss:.4} lr {lr:.2e} {rate:.0} tok/s{mem}"));
+        let rate = t.tokens_per_second().map(|r| format!(" {r:.0} tok/s")).unwrap_or_default();
+        bar.set(step, &format!("loss {loss:.4} lr {lr:.2e}{rate}{}", t.memory_note()));
         let last = step == total_steps;
         if (s.eval_every > 0 && step.is_multiple_of(s.eval_every)) || last {
-            let (ev, _) = evaluate(&t.model, &t.eval, s.batch_size as usize, s.eval_batches)?;
+            let (ev, _) = t.evaluate()?;
             t.log(json!({"step": step, "eval_loss": ev}))?;
             job.ui.detail(format!("step {step}: eval loss {ev:.4}"));
             if let Some(es) = &s.early_stopping {
@@ -451,32 +395,99 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
     t.finish(started.elapsed().as_secs_f64(), stopped_early, &metrics_path)
 }
 
+/// An out-of-memory error of the engine as a train error that says what would fit.
+fn out_of_memory(e: EngineError, s: &TrainSettings, engine: Option<&dyn Engine>) -> TrainError {
+    let EngineError::OutOfMemory { context, batch, seq, requested, free, total } = e else {
+        return TrainError::Engine(e);
+    };
+    let (b, t) = (if batch > 0 { batch } else { s.batch_size as usize }, seq);
+    let mut fits = Vec::new();
+    let ckpt = engine.is_some_and(|e| e.checkpointing());
+    // What the engine's memory model says fits, most similar settings first.
+    if let Some(e) = engine.filter(|_| t > 0) {
+        let fit = |rows: usize, seq: usize, ckpt: bool| {
+            e.memory_estimate(rows, seq, ckpt).is_some_and(|(need, total)| need < total * 9 / 10)
+        };
+        if !ckpt && fit(b, t, true) {
+            fits.push(
+                "`stages.train.gradient_checkpointing = true` (keeps one layer's activations, not all)".to_string(),
+            );
+        }
+        let mut rows = b / 2;
+        while rows >= 1 {
+            if fit(rows, t, true) {
+                let accum = s.grad_accum as usize * b.div_ceil(rows);
+                fits.push(format!(
+                    "`stages.train.batch_size = {rows}` with `grad_accum = {accum}` (the same tokens per step){}",
+                    if ckpt { "" } else { " and gradient checkpointing" }
+                ));
+                break;
+            }
+            rows /= 2;
+        }
+        let mut len = t / 2;
+        while len >= 64 && fits.len() < 3 {
+            if fit(b, len, true) {
+                fits.push(format!("`dataset.max_seq_len = {len}`"));
+                break;
+            }
+            len /= 2;
+        }
+    }
+    if fits.is_empty() {
+        fits.push("a smaller `stages.train.batch_size` (with a larger `grad_accum`), `gradient_checkpointing = true`, or a shorter `dataset.max_seq_len`".into());
+    }
+    TrainError::OutOfMemory {
+        message: format!(
+            "the GPU ran out of memory while {context} (batch {b} × {t} tokens{}): {} requested with {} of {} free",
+            if ckpt { ", activation checkpointing on" } else { "" },
+            crate::ui::human_bytes(requested),
+            crate::ui::human_bytes(free),
+            crate::ui::human_bytes(total)
+        ),
+        help: format!("settings that would fit: {}; checkpoints and cached stages are kept", fits.join("; or ")),
+    }
+}
+
 impl Trainer<'_> {
     fn log(&mut self, v: serde_json::Value) -> Result<(), TrainError> {
         writeln!(self.metrics, "{v}").map_err(ioerr("cannot write metrics".into()))
     }
 
+    fn evaluate(&mut self) -> Result<(f64, usize), TrainError> {
+        let s = self.job.settings;
+        crate::engine::evaluate(&mut *self.engine, &self.eval, s.batch_size as usize, s.eval_batches)
+            .map_err(|e| out_of_memory(e, s, None))
+    }
+
+    fn tokens_per_second(&self) -> Option<f64> {
+        (self.timed.0 > 0.0).then(|| self.timed.1 as f64 / self.timed.0)
+    }
+
+    /// ` peak GPU 12.3 GiB` or ` peak 1.2 GiB` (process RSS), for the progress line.
+    fn memory_note(&self) -> String {
+        match (self.engine.peak_memory(), peak_rss_bytes()) {
+            (Some(gpu), _) => format!(" peak GPU {}", crate::ui::human_bytes(gpu)),
+            (None, Some(rss)) => format!(" peak {}", crate::ui::human_bytes(rss)),
+            (None, None) => String::new(),
+        }
+    }
+
     /// The next micro-batch, prepared by a background thread that runs a few batches ahead.
-    fn next_micro(&mut self) -> Result<MicroBatch, TrainError> {
+    fn next_micro(&mut self) -> Result<HostBatch, TrainError> {
         if self.prefetch.is_none() {
             let batching = Batching {
                 seed: self.job.seed,
                 batch_size: self.job.settings.batch_size as usize,
                 group_by_length: self.job.settings.group_by_length,
             };
-            self.prefetch = Some(prefetch(
-                self.train.clone(),
-                batching,
-                self.micro_per_epoch,
-                self.state.micro,
-                self.job.device.clone(),
-            ));
+            self.prefetch = Some(prefetch(self.train.clone(), batching, self.micro_per_epoch, self.state.micro));
         }
         let rx = self.prefetch.as_ref().expect("started above");
         rx.recv().map_err(|_| TrainError::Io {
             context: "the data loader stopped".into(),
             source: std::io::Error::other("prefetch thread ended"),
-        })?
+        })
     }
 
     /// One optimizer step over `grad_accum` micro-batches (fewer at the end of an epoch).
@@ -484,37 +495,41 @@ impl Trainer<'_> {
         let s = self.job.settings;
         let epoch_end = (self.state.micro / self.micro_per_epoch + 1) * self.micro_per_epoch;
         let n_micro = (s.grad_accum as u64).min(epoch_end - self.state.micro);
-        let micros: Vec<MicroBatch> = (0..n_micro).map(|_| self.next_micro()).collect::<Result<_, _>>()?;
-        let total: usize = micros.iter().map(|m| m.targets_count).sum();
-        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
-        let mut loss_sum = 0f64;
-        for mb in micros.iter().filter(|m| m.targets_count > 0) {
-            let weight = mb.targets_count as f64 / total as f64;
-            let (loss, g) = self.loss_and_grads(mb, weight)?;
-            loss_sum += loss * weight;
-            for p in &self.model.params {
-                if let Some(pg) = g.get(&p.name) {
-                    let pg = pg.to_dtype(DType::F32).map_err(cerr("gradient"))?;
-                    let acc = match grads.remove(&p.name) {
-                        Some(a) => (a + pg).map_err(cerr("accumulate gradients"))?,
-                        None => pg,
-                    };
-                    grads.insert(p.name.clone(), acc);
-                }
-            }
+        let micros: Vec<HostBatch> = (0..n_micro).map(|_| self.next_micro()).collect::<Result<_, _>>()?;
+        let total: usize = micros.iter().map(|m| m.select.len()).sum();
+        let scale = self.state.loss_scale;
+        for (i, mb) in micros.iter().enumerate().filter(|(_, m)| !m.select.is_empty()) {
+            let weight = mb.select.len() as f64 / total as f64;
+            let key = crate::model::lora::batch_dropout_key(self.job.seed, self.state.micro + i as u64);
+            self.engine
+                .accumulate(mb, weight, scale, Some(key))
+                .map_err(|e| out_of_memory(e, s, Some(&*self.engine)))?;
         }
+        // Gradients are ready: a data-parallel run would all-reduce them here.
+        let (loss_sum, scaled_norm) = self.engine.gradients()?;
+        let norm = scaled_norm / scale;
         self.state.micro += n_micro;
         self.state.tokens_seen += micros.iter().map(|m| m.tokens as u64).sum::<u64>();
         let step = self.state.step;
         let lr = schedule::lr_at(&s.schedule, s.learning_rate, step, self.total_steps) * self.state.lr_scale;
-        // Gradients are ready: a data-parallel run would all-reduce `grads` here.
-        let mut norm_sq = 0f64;
-        for g in grads.values() {
-            norm_sq +=
-                g.sqr().and_then(|x| x.sum_all()).and_then(|x| x.to_scalar::<f32>()).map_err(cerr("gradient norm"))?
-                    as f64;
+        if scale != 1.0 {
+            // f16: overflowing gradients halve the loss scale and skip the step (GradScaler).
+            if !scaled_norm.is_finite() && loss_sum.is_finite() {
+                self.engine.discard()?;
+                self.state.loss_scale = (scale / 2.0).max(1.0);
+                self.state.scale_steps = 0;
+                self.log(
+                    json!({"step": step + 1, "skipped": "f16 gradient overflow", "loss_scale": self.state.loss_scale}),
+                )?;
+                self.state.step += 1;
+                return Ok((loss_sum, lr));
+            }
+            self.state.scale_steps += 1;
+            if self.state.scale_steps >= LOSS_SCALE_GROWTH_STEPS {
+                self.state.loss_scale = scale * 2.0;
+                self.state.scale_steps = 0;
+            }
         }
-        let norm = norm_sq.sqrt();
         let mean = if self.state.recent_losses.is_empty() {
             f64::NAN
         } else {
@@ -522,6 +537,7 @@ impl Trainer<'_> {
         };
         let spike = self.state.recent_losses.len() >= 5 && loss_sum > s.loss_guard.spike_factor * mean;
         if !loss_sum.is_finite() || !norm.is_finite() || spike {
+            self.engine.discard()?;
             self.state.bad_steps += 1;
             self.state.lr_scale *= s.loss_guard.lr_backoff;
             let why = if spike {
@@ -541,22 +557,11 @@ impl Trainer<'_> {
             }
             return Ok((loss_sum, lr));
         }
-        if let Some(max) = s.clip_grad_norm {
-            let coef = max / (norm + 1e-6);
-            if coef < 1.0 {
-                for g in grads.values_mut() {
-                    *g = (&*g * coef).map_err(cerr("clip gradients"))?;
-                }
-            }
-        }
-        self.opt.step(&self.model.params, &grads, lr).map_err(cerr("optimizer step"))?;
-        if let (Some(ema), Some(cfg)) = (&mut self.ema, &s.ema) {
-            for p in &self.model.params {
-                let cur = p.var.as_tensor();
-                let e = ema.get_mut(&p.name).expect("ema per parameter");
-                *e = ((&*e * cfg.decay).and_then(|a| a + (cur * (1.0 - cfg.decay))?)).map_err(cerr("update EMA"))?;
-            }
-        }
+        let clip = match s.clip_grad_norm {
+            Some(max) if max / (norm + 1e-6) < 1.0 => max / (norm + 1e-6),
+            _ => 1.0,
+        };
+        self.engine.apply(lr, clip / scale)?;
         self.state.recent_losses.push(loss_sum);
         if self.state.recent_losses.len() > 20 {
             self.state.recent_losses.remove(0);
@@ -566,46 +571,19 @@ impl Trainer<'_> {
         Ok((loss_sum, lr))
     }
 
-    /// The mean loss of one micro-batch and the gradients of `weight × loss`, by parameter name.
-    fn loss_and_grads(&mut self, mb: &MicroBatch, weight: f64) -> Result<(f64, BTreeMap<String, Tensor>), TrainError> {
-        let rng = &mut self.state.dropout_rng;
-        match self.engine {
-            Engine::Fused => {
-                let select: Vec<u32> = mb.select.to_vec1().map_err(cerr("forward pass"))?;
-                let targets: Vec<u32> = mb.targets.to_vec1().map_err(cerr("forward pass"))?;
-                crate::model::fused::loss_and_grads(&self.model, &mb.batch, &select, &targets, weight as f32, rng)
-                    .map_err(cerr("forward and backward pass"))
-            }
-            Engine::Candle => {
-                let loss =
-                    self.model.loss(&mb.batch, &mb.select, &mb.targets, Some(rng)).map_err(cerr("forward pass"))?;
-                let scaled = (&loss * weight).map_err(cerr("scale the loss"))?;
-                let g = scaled.backward().map_err(cerr("backward pass"))?;
-                let grads = self
-                    .model
-                    .params
-                    .iter()
-                    .filter_map(|p| Some((p.name.clone(), g.get(p.var.as_tensor())?.clone())))
-                    .collect();
-                Ok((loss.to_scalar::<f32>().map_err(cerr("read the loss"))? as f64, grads))
-            }
-        }
-    }
-
     fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
         self.metrics.flush().map_err(ioerr("cannot write metrics".into()))?;
         checkpoint::save(
             &self.job.work,
-            &self.model,
-            &self.opt,
-            self.ema.as_ref(),
+            &self.engine.state()?,
             &self.state,
             self.job.settings.keep_checkpoints as usize,
         )
     }
 
     fn restore(&mut self, dir: &Path) -> Result<u64, TrainError> {
-        let state = checkpoint::load(dir, &self.model, &mut self.opt, self.ema.as_mut())?;
+        let (engine_state, state) = checkpoint::load(dir)?;
+        self.engine.restore(&engine_state)?;
         self.state = state;
         checkpoint::truncate_metrics(&self.job.work.join("metrics.jsonl"), self.state.step)
             .map_err(ioerr("cannot rewind metrics".into()))?;
@@ -620,10 +598,7 @@ impl Trainer<'_> {
     ) -> Result<serde_json::Value, TrainError> {
         self.metrics.flush().map_err(ioerr("cannot write metrics".into()))?;
         let out = self.job.out;
-        let values = match &self.ema {
-            Some(e) => e.clone(),
-            None => self.model.param_values(),
-        };
+        let values = self.engine.trained()?;
         match trainable(self.job.settings, self.job.adapter) {
             Trainable::Lora(spec) => crate::model::peft::write(out, &spec, &values, "")?,
             _ => crate::model::folder::save_safetensors(&out.join("weights.safetensors"), &values)?,
@@ -639,6 +614,8 @@ impl Trainer<'_> {
             .map_err(ioerr("cannot write the loss curve".into()))?;
         let first = evals.first().map(|e| e.1).unwrap_or(f64::NAN);
         let last = evals.last().map(|e| e.1).unwrap_or(f64::NAN);
+        let rate = self.tokens_per_second();
+        let peak_gpu = self.engine.peak_memory();
         let summary = json!({
             "steps": self.state.step,
             "eval_loss_start": first,
@@ -649,20 +626,28 @@ impl Trainer<'_> {
             "stopped_early": stopped_early,
             "tokens_seen": self.state.tokens_seen,
             "seconds": seconds,
+            "tokens_per_s": rate,
             "trainable": match trainable(self.job.settings, self.job.adapter) { Trainable::Lora(_) => "lora", _ => "weights" },
-            "ema": self.ema.is_some(),
+            "ema": self.job.settings.ema.is_some(),
+            "engine": self.engine.describe(),
             "peak_rss_bytes": peak_rss_bytes(),
+            "peak_gpu_bytes": peak_gpu,
         });
-        let settings = json!({ "train": self.job.settings, "adapter": self.job.adapter, "seed": self.job.seed, "dtype": format!("{:?}", self.job.dtype) });
+        let settings = json!({ "train": self.job.settings, "adapter": self.job.adapter, "seed": self.job.seed, "dtype": self.job.device.dtype.as_str() });
         let mut text = serde_json::to_string_pretty(&settings).expect("json");
         text.push('\n');
         std::fs::write(out.join("settings.json"), text).map_err(ioerr("cannot write settings.json".into()))?;
         let mut s = serde_json::to_string_pretty(&summary).expect("json");
         s.push('\n');
         std::fs::write(out.join("metrics.json"), s).map_err(ioerr("cannot write metrics.json".into()))?;
-        self.job
-            .ui
-            .status("train", format!("eval loss {first:.4} → {last:.4} in {} steps ({seconds:.1}s)", self.state.step));
+        let mut speed = format!("{seconds:.1}s");
+        if let Some(r) = rate {
+            speed.push_str(&format!(", {r:.0} tok/s"));
+        }
+        if let Some(p) = peak_gpu {
+            speed.push_str(&format!(", peak GPU {}", crate::ui::human_bytes(p)));
+        }
+        self.job.ui.status("train", format!("eval loss {first:.4} → {last:.4} in {} steps ({speed})", self.state.step));
         Ok(summary)
     }
 }

@@ -1,0 +1,69 @@
+"""The GPU benchmark's model shapes (issue 17/18) and the files both sides train on: a model folder
+with random weights made by transformers, a word-level tokenizer whose every word is one token,
+and a text dataset whose rows are longer than any benchmarked sequence (so that every training
+row is exactly `max_seq_len` tokens after truncation)."""
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+SHAPES = {
+    # HuggingFaceTB/SmolLM2-135M
+    "smollm2-135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                   intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                                   rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)),
+    # HuggingFaceTB/SmolLM2-360M
+    "smollm2-360m": ("llama", dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
+                                   intermediate_size=2560, vocab_size=49152, tie_word_embeddings=True,
+                                   rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)),
+    # Qwen/Qwen2.5-0.5B
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                                   rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)),
+    # Qwen/Qwen2.5-3B
+    "qwen2.5-3b": ("qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                                 intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True,
+                                 rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)),
+}
+
+WORDS = 4000
+
+
+def config(shape):
+    arch, kw = SHAPES[shape]
+    return (LlamaConfig if arch == "llama" else Qwen2Config)(bos_token_id=1, eos_token_id=2, **kw)
+
+
+def make(shape, root):
+    """Model folder, tokenizer and dataset for `shape` under `root` (kept if already there)."""
+    root = Path(root)
+    model_dir, data = root / shape, root / "data.jsonl"
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(0)
+        cfg = config(shape)
+        cls = LlamaForCausalLM if SHAPES[shape][0] == "llama" else Qwen2ForCausalLM
+        with torch.device("cuda"):
+            model = cls(cfg).to(torch.bfloat16)
+        model.save_pretrained(model_dir)
+        del model
+        torch.cuda.empty_cache()
+        write_tokenizer(model_dir)
+    if not data.exists():
+        g = torch.Generator().manual_seed(0)
+        with open(data, "w") as f:
+            for _ in range(512):
+                ids = torch.randint(3, WORDS, (1100,), generator=g).tolist()
+                f.write(json.dumps({"text": " ".join(f"w{i}" for i in ids)}) + "\n")
+    return model_dir, data
+
+
+def write_tokenizer(model_dir):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(Path(model_dir) / "tokenizer.json"))
+    (Path(model_dir) / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 32768}))

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""The PyTorch + PEFT side of the GPU benchmark (scripts/gpu_bench.sh), run on the GPU machine,
+never in CI. The model folder from gpu_shapes.py loaded in bf16, PEFT LoRA r16 alpha32 dropout
+0.05 on q/k/v/o_proj (adapters in fp32, PEFT's default), torch.autocast(bf16), SDPA attention,
+fused AdamW (lr 1e-4), random token ids of the benchmarked shape, labels = ids. Gradient
+checkpointing only with --checkpointing. Times `steps` steps after 3 warm-ups with CUDA
+synchronisation; prints one JSON line.
+
+    python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing]
+"""
+import json
+import sys
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+model_dir, batch, seq, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+checkpointing = "--checkpointing" in sys.argv
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+if checkpointing:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+model.config.use_cache = False
+model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
+                                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+model.train()
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0, fused=True)
+vocab = model.config.vocab_size
+g = torch.Generator(device="cuda").manual_seed(0)
+batches = [torch.randint(3, min(vocab, 4000), (batch, seq), device="cuda", generator=g) for _ in range(4)]
+
+
+def step(ids):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out.loss
+
+
+for i in range(3):
+    step(batches[i % 4])
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+start = time.perf_counter()
+for i in range(steps):
+    loss = step(batches[i % 4])
+loss.item()
+torch.cuda.synchronize()
+seconds = time.perf_counter() - start
+print(json.dumps({
+    "impl": f"torch {torch.__version__} + peft, sdpa, autocast bf16, fused AdamW" + (", gradient checkpointing" if checkpointing else ""),
+    "device": torch.cuda.get_device_name(),
+    "batch": batch, "seq": seq, "steps": steps,
+    "seconds": seconds,
+    "tokens_per_s": batch * seq * steps / seconds,
+    "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+    "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+    "loss": loss.item(),
+}))

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build rtune with `--features cuda` on a machine without a GPU or a CUDA install (the toolkit
+# comes from scripts/cuda-toolkit.sh), and pack what a GPU machine runs into .gpu/: the stripped
+# release binary and the GPU test binaries, gzipped (a GPU machine here takes 64 MiB per call;
+# the binary is ~70 MiB stripped, ~20 MiB compressed). On the GPU machine:
+#
+#   . scripts/gpu-env.sh && .gpu/rtune doctor && scripts/gpu-verify.sh
+#
+# `--check` only type-checks and compiles the CUDA build and its kernels (what CI does).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+eval "$(scripts/cuda-toolkit.sh)"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda}"
+if [ "${1:-}" = "--check" ]; then
+  cargo build --locked --features cuda --all-targets
+  exit 0
+fi
+cargo build --locked --release --features cuda
+mkdir -p .gpu
+strip -o .gpu/rtune "$CARGO_TARGET_DIR/release/rtune"
+gzip -f -6 .gpu/rtune
+tests=$(cargo test --locked --features cuda --test gpu_engine --no-run --message-format=json 2>/dev/null |
+  grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//')
+for t in $tests; do
+  strip -o ".gpu/$(basename "$t" | sed 's/-[0-9a-f]*$//')" "$t"
+  gzip -f -6 ".gpu/$(basename "$t" | sed 's/-[0-9a-f]*$//')"
+done
+pwd >.gpu/manifest-dir
+ls -la .gpu
+du -ch .gpu/*.gz | tail -1

@@ -1,0 +1,24 @@
+# Source this on a GPU machine before running a CUDA build of rtune that was compiled elsewhere
+# (scripts/build-cuda.sh): it puts the CUDA 13 libraries rtune links against (cuBLAS, cuBLASLt,
+# cuRAND, NVRTC, the runtime) on LD_LIBRARY_PATH — from the CUDA toolkit if installed, else
+# from PyTorch's NVIDIA wheels — and unpacks binaries carried as .gpu/*.gz.
+#
+#   . scripts/gpu-env.sh && .gpu/rtune doctor
+dirs=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+  $(python3 -c 'import nvidia, os; [print(os.path.join(p, "cu13", "lib")) for p in nvidia.__path__]' 2>/dev/null); do
+  for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
+    if [ -e "$d/$lib" ]; then
+      case ":$dirs:" in *":$d:"*) ;; *) dirs="$dirs:$d" ;; esac
+    fi
+  done
+done
+export LD_LIBRARY_PATH="${dirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+for z in .gpu/*.gz; do
+  [ -e "$z" ] || continue
+  [ -e "${z%.gz}" ] || { gunzip -c "$z" >"${z%.gz}" && chmod +x "${z%.gz}"; }
+done
+# Test binaries find their fixtures under the path they were built in.
+if [ -f .gpu/manifest-dir ] && [ ! -e "$(cat .gpu/manifest-dir)" ]; then
+  mkdir -p "$(dirname "$(cat .gpu/manifest-dir)")" && ln -s "$PWD" "$(cat .gpu/manifest-dir)"
+fi

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU checks (issue 17), on a machine with an NVIDIA GPU, with binaries from
+# scripts/build-cuda.sh:
+#
+#   . scripts/gpu-env.sh && scripts/gpu-verify.sh
+#
+# 1. `rtune doctor` sees the GPU;
+# 2. the GPU engine's tests (tests/gpu_engine.rs) pass on the GPU as well as on the emulator:
+#    every kernel against a reference, the engine against candle autograd on the fixtures;
+# 3. the default recipe runs end to end on CUDA (f32), and on the CPU: eval losses and the first
+#    50 training losses are compared;
+# 4. the default recipe's training in bf16 on CUDA.
+# Logs go to $OUT (or /tmp/rtune-gpu-verify).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/rtune-gpu-verify}"
+mkdir -p "$out"
+export RTUNE_NO_PROGRESS=1
+status=0
+step() { echo; echo "== $*"; }
+
+step "device"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+.gpu/rtune doctor 2>&1 | tee "$out/doctor.txt" || status=1
+
+step "GPU engine tests (emulator and CUDA)"
+.gpu/gpu_engine --test-threads 1 2>&1 | tee "$out/gpu_engine.txt" | grep -E "^test |test result|panicked|error" || status=1
+
+run_recipe() { # name cache-dir args...
+  local name=$1 cache=$2
+  shift 2
+  local t0=$SECONDS
+  RTUNE_CACHE_DIR="$cache" .gpu/rtune run recipes/tiny-offline.toml "$@" >"$out/$name.stdout" 2>"$out/$name.stderr" || status=1
+  echo "$name: $((SECONDS - t0)) s"
+  grep -E "train |evaluate |quantize |upload |error|Error" "$out/$name.stderr" | head -20
+}
+step "default recipe on CUDA (f32)"
+run_recipe tiny-cuda /tmp/rtune-cache-cuda
+step "default recipe on the CPU"
+run_recipe tiny-cpu /tmp/rtune-cache-cpu --set 'device.prefer=["cpu"]'
+step "default recipe's training on CUDA in bf16"
+run_recipe tiny-bf16 /tmp/rtune-cache-bf16 --only train --set 'device.dtype=["bf16"]'
+
+step "CUDA vs CPU"
+python3 - "$out" <<'PY' || status=1
+import json, re, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def artifact(name, stage):
+    for line in (out / f"{name}.stdout").read_text().splitlines():
+        m = re.match(rf"\s*{stage}\s+\S+\s+(\S+)", line)
+        if m:
+            return Path(m.group(1).replace("~", str(Path.home())))
+def curve(name):
+    p = artifact(name, "train")
+    recs = [json.loads(l) for l in (p / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if "loss" in r], json.loads((p / "metrics.json").read_text())
+cuda, mc = curve("tiny-cuda")
+cpu, mp = curve("tiny-cpu")
+worst = max(abs(a - b) / abs(b) for a, b in zip(cuda[:50], cpu[:50]))
+print(f"first 50 training losses: max relative difference {worst:.2e}")
+print(f"eval loss after training: CUDA {mc['eval_loss_end']:.7f}, CPU {mp['eval_loss_end']:.7f}, "
+      f"relative difference {abs(mc['eval_loss_end'] - mp['eval_loss_end']) / mp['eval_loss_end']:.2e}")
+for name in ["tiny-cuda", "tiny-cpu"]:
+    p = artifact(name, "evaluate")
+    m = json.loads((p / "metrics.json").read_text())
+    print(f"{name}: evaluate stage eval loss {m['eval_loss']:.7f}")
+try:
+    bf, mb = curve("tiny-bf16")
+    print(f"bf16 on CUDA: eval loss {mb['eval_loss_end']:.5f} (f32: {mc['eval_loss_end']:.5f}), engine {mb.get('engine')}")
+except Exception as e:
+    print(f"bf16 run: {e}")
+    sys.exit(1)
+if worst > 1e-4:
+    print("FAIL: the first 50 losses differ by more than 1e-4 relative")
+    sys.exit(1)
+PY
+echo
+[ $status = 0 ] && echo "all GPU checks passed" || echo "SOME GPU CHECKS FAILED"
+exit $status

@@ -1,0 +1,292 @@
+//! [`Gpu`] on an NVIDIA GPU: the CUDA driver API through cudarc (stream-ordered allocation from
+//! the device's memory pool, one stream), cuBLAS for the products, and `kernels.cu` compiled to
+//! PTX by build.rs.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{CString, c_void};
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{CudaContext, CudaStream, result as drv, sys};
+
+use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory};
+
+/// kernels.cu as PTX (build.rs; `CUDA_COMPUTE_CAP`, default 80: runs on Ampere and later).
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rtune_kernels.ptx"));
+
+/// The compute capability the kernels were compiled for (×10: 80 is 8.0); older GPUs cannot
+/// load them.
+pub const BUILD_COMPUTE_CAP: u32 = match u32::from_str_radix(env!("RTUNE_CUDA_COMPUTE_CAP"), 10) {
+    Ok(c) => c,
+    Err(_) => 80,
+};
+
+pub struct CudaGpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: blas_sys::cublasHandle_t,
+    module: sys::CUmodule,
+    functions: RefCell<HashMap<String, sys::CUfunction>>,
+    pool: sys::CUmemoryPool,
+    name: String,
+    tf32: bool,
+}
+
+fn derr(context: &str) -> impl FnOnce(drv::DriverError) -> GpuError + '_ {
+    move |e| GpuError::Device(format!("{context}: {e}"))
+}
+
+impl CudaGpu {
+    /// Open device `ordinal`; `tf32` lets f32 products use TF32 tensor cores.
+    pub fn new(ordinal: usize, tf32: bool) -> Result<CudaGpu, GpuError> {
+        let ctx = CudaContext::new(ordinal).map_err(derr("cannot open the CUDA device"))?;
+        ctx.bind_to_thread().map_err(derr("cannot use the CUDA device"))?;
+        let stream = ctx.new_stream().map_err(derr("cannot create a CUDA stream"))?;
+        let blas = blas::create_handle().map_err(|e| GpuError::Device(format!("cannot start cuBLAS: {e:?}")))?;
+        // SAFETY: the handle was just created and the stream belongs to the bound context.
+        unsafe { blas::set_stream(blas, stream.cu_stream() as _) }
+            .map_err(|e| GpuError::Device(format!("cuBLAS stream: {e:?}")))?;
+        let ptx = CString::new(PTX).expect("PTX has no NUL");
+        // SAFETY: a NUL-terminated PTX image, loaded into the bound context.
+        let module = unsafe { drv::module::load_data(ptx.as_ptr() as *const c_void) }.map_err(derr(
+            "cannot load rtune's GPU kernels (is the driver older than the CUDA 13.0 toolkit they were built with?)",
+        ))?;
+        let mut pool = std::mem::MaybeUninit::uninit();
+        // SAFETY: the device handle comes from the live context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device()) }
+            .result()
+            .map_err(derr("no stream-ordered allocator"))?;
+        // SAFETY: written by the call above.
+        let pool = unsafe { pool.assume_init() };
+        // Keep freed memory in the pool (as PyTorch's caching allocator does) instead of
+        // returning it to the driver at every synchronisation.
+        let mut keep = u64::MAX;
+        // SAFETY: a valid pool; the attribute takes a u64.
+        unsafe {
+            drv::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut c_void,
+            )
+        }
+        .map_err(derr("memory pool"))?;
+        let name = format!("{} (cuda:{ordinal})", ctx.name().unwrap_or_else(|_| "CUDA device".into()));
+        let gpu = CudaGpu { ctx, stream, blas, module, functions: RefCell::new(HashMap::new()), pool, name, tf32 };
+        gpu.reset_peak();
+        Ok(gpu)
+    }
+
+    fn function(&self, name: &str) -> Result<sys::CUfunction, GpuError> {
+        if let Some(f) = self.functions.borrow().get(name) {
+            return Ok(*f);
+        }
+        let c = CString::new(name).expect("kernel names have no NUL");
+        // SAFETY: the module is loaded for the life of `self`.
+        let f = unsafe { drv::module::get_function(self.module, c) }
+            .map_err(|e| GpuError::Device(format!("kernel `{name}`: {e}")))?;
+        self.functions.borrow_mut().insert(name.to_string(), f);
+        Ok(f)
+    }
+
+    fn pool_attr(&self, attr: sys::CUmemPool_attribute) -> u64 {
+        let mut v = 0u64;
+        // SAFETY: a valid pool; these attributes are u64s.
+        let _ = unsafe { drv::mem_pool::get_attribute(self.pool, attr, &mut v as *mut u64 as *mut c_void) };
+        v
+    }
+}
+
+fn cuda_dtype(dt: Dt) -> blas_sys::cudaDataType {
+    match dt {
+        Dt::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+        Dt::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        Dt::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+        Dt::U32 | Dt::I32 => unreachable!("products take float types"),
+    }
+}
+
+impl Gpu for CudaGpu {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
+        // SAFETY: the stream is live; the memory is freed through `free` on the same stream.
+        match unsafe { drv::malloc_async(self.stream.cu_stream(), bytes) } {
+            Ok(p) => Ok(p),
+            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => {
+                let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
+                Err(GpuError::OutOfMemory { requested: bytes as u64, free: free as u64, total: total as u64 })
+            }
+            Err(e) => Err(GpuError::Device(format!("allocation of {bytes} bytes: {e}"))),
+        }
+    }
+
+    fn free(&self, ptr: u64) {
+        // SAFETY: `ptr` came from `alloc` and is freed once, in stream order after its last use.
+        let _ = unsafe { drv::free_async(ptr, self.stream.cu_stream()) };
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), GpuError> {
+        // SAFETY: `dst` holds at least `src.len()` bytes; a pageable source is staged before the
+        // call returns.
+        unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }.map_err(derr("copy to the GPU"))
+    }
+
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+        // SAFETY: `src` holds at least `dst.len()` bytes; the stream is synchronised before `dst`
+        // is read.
+        unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }.map_err(derr("copy from the GPU"))?;
+        self.synchronize()
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError> {
+        // SAFETY: both ranges are live device allocations of at least `bytes`.
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(derr("copy on the GPU"))
+    }
+
+    fn zero(&self, dst: u64, bytes: usize) -> Result<(), GpuError> {
+        // SAFETY: `dst` holds at least `bytes`.
+        unsafe { drv::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }.map_err(derr("clear GPU memory"))
+    }
+
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        let f = self.function(kernel)?;
+        let mut values: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) | Arg::U64(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::U32(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        // Each parameter is read at its own size from the start of its slot (little-endian).
+        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        // SAFETY: the parameters match the kernel's signature (ops.rs), each pointing at a value
+        // that lives until the call returns.
+        unsafe {
+            drv::launch_kernel(f, (grid[0], grid[1], grid[2]), (block, 1, 1), 0, self.stream.cu_stream(), &mut params)
+        }
+        .map_err(|e| GpuError::Device(format!("kernel `{kernel}`: {e}")))
+    }
+
+    fn gemm(&self, g: &Gemm) -> Result<(), GpuError> {
+        // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: swap the operands.
+        let op = |t: bool| {
+            if t { blas_sys::cublasOperation_t::CUBLAS_OP_T } else { blas_sys::cublasOperation_t::CUBLAS_OP_N }
+        };
+        let compute = if g.ab == Dt::F32 && self.tf32 {
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let (alpha, beta) = (g.alpha, g.beta);
+        // SAFETY: the pointers address device buffers of the sizes the shapes imply (ops.rs);
+        // alpha and beta are host f32s, matching the f32 compute type.
+        unsafe {
+            blas::gemm_ex(
+                self.blas,
+                op(g.b_trans),
+                op(g.a_trans),
+                g.n as i32,
+                g.m as i32,
+                g.k as i32,
+                &alpha as *const f32 as *const c_void,
+                g.b as *const c_void,
+                cuda_dtype(g.ab),
+                g.ldb as i32,
+                g.a as *const c_void,
+                cuda_dtype(g.ab),
+                g.lda as i32,
+                &beta as *const f32 as *const c_void,
+                g.c as *mut c_void,
+                cuda_dtype(g.c_dt),
+                g.ldc as i32,
+                compute,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| GpuError::Device(format!("cuBLAS product {}×{}×{}: {e:?}", g.m, g.n, g.k)))
+    }
+
+    fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream.synchronize().map_err(|e| {
+            if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
+                GpuError::OutOfMemory { requested: 0, free: free as u64, total: total as u64 }
+            } else {
+                GpuError::Device(format!("GPU work failed: {e}"))
+            }
+        })
+    }
+
+    fn memory(&self) -> Memory {
+        let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
+        Memory {
+            peak_used: self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH),
+            free: free as u64,
+            total: total as u64,
+        }
+    }
+
+    fn reset_peak(&self) {
+        let mut zero = 0u64;
+        // SAFETY: a valid pool; resetting the high-water mark takes a u64 zero.
+        let _ = unsafe {
+            drv::mem_pool::set_attribute(
+                self.pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut c_void,
+            )
+        };
+    }
+}
+
+impl Drop for CudaGpu {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        // SAFETY: created in `new` and no longer used.
+        unsafe {
+            let _ = blas::destroy_handle(self.blas);
+            let _ = drv::module::unload(self.module);
+        }
+        let _ = &self.ctx;
+    }
+}
+
+/// What `rtune doctor` shows of a CUDA device.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CudaInfo {
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub memory_bytes: u64,
+    pub driver: String,
+}
+
+/// The CUDA devices the driver reports (without starting the GPU engine).
+pub fn devices() -> Vec<CudaInfo> {
+    let Ok(n) = CudaContext::device_count() else { return Vec::new() };
+    let mut v = 0i32;
+    // SAFETY: writes one int; the driver is initialised by `device_count`.
+    let driver = match unsafe { sys::cuDriverGetVersion(&mut v) }.result() {
+        Ok(()) => format!("CUDA {}.{}", v / 1000, (v % 1000) / 10),
+        Err(_) => String::new(),
+    };
+    (0..n as usize)
+        .filter_map(|i| {
+            let ctx = CudaContext::new(i).ok()?;
+            let attr = |a| ctx.attribute(a).unwrap_or(0);
+            Some(CudaInfo {
+                name: ctx.name().unwrap_or_default(),
+                compute_capability: (
+                    attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                    attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+                ),
+                memory_bytes: ctx.total_mem().unwrap_or(0) as u64,
+                driver: driver.clone(),
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,202 @@
+//! The GPU engine's view of a device: raw memory, kernel launches by name and matrix products.
+//! [`super::cuda::CudaGpu`] implements it with the CUDA driver and cuBLAS; tests implement it
+//! with the CPU emulator of `kernels.cu` (crates/gpu-emu). A Vulkan device would be a third.
+
+use std::rc::Rc;
+
+/// Element types of device buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dt {
+    F32,
+    Bf16,
+    F16,
+    U32,
+    I32,
+}
+
+impl Dt {
+    pub fn size(self) -> usize {
+        match self {
+            Dt::F32 | Dt::U32 | Dt::I32 => 4,
+            Dt::Bf16 | Dt::F16 => 2,
+        }
+    }
+
+    /// The kernel-name suffix of a compute dtype.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Dt::F32 => "f32",
+            Dt::Bf16 => "bf16",
+            Dt::F16 => "f16",
+            Dt::U32 => "u32",
+            Dt::I32 => "i32",
+        }
+    }
+
+    /// f32 values in this dtype's bytes (little-endian), rounded to nearest even.
+    pub fn encode(self, v: &[f32]) -> Vec<u8> {
+        match self {
+            Dt::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Dt::Bf16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+            Dt::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+            Dt::U32 | Dt::I32 => panic!("encode: {self:?} is not a float type"),
+        }
+    }
+
+    /// This dtype's bytes as f32 values.
+    pub fn decode(self, b: &[u8]) -> Vec<f32> {
+        match self {
+            Dt::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dt::Bf16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dt::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dt::U32 | Dt::I32 => panic!("decode: {self:?} is not a float type"),
+        }
+    }
+}
+
+/// One kernel argument.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    U32(u32),
+    U64(u64),
+    F32(f32),
+}
+
+/// `C = alpha · op(A) · op(B) + beta · C` on row-major matrices: C is `m × n` with row pitch
+/// `ldc`; A is `m × k` (stored `k × m` when `a_trans`) with row pitch `lda`; B likewise `k × n`.
+/// A and B are in `ab`, C in `c_dt` (the compute dtype or f32); accumulation is f32.
+#[derive(Debug, Clone, Copy)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: u64,
+    pub a_trans: bool,
+    pub lda: usize,
+    pub b: u64,
+    pub b_trans: bool,
+    pub ldb: usize,
+    pub c: u64,
+    pub ldc: usize,
+    pub alpha: f32,
+    pub beta: f32,
+    pub ab: Dt,
+    pub c_dt: Dt,
+}
+
+/// Device memory as the allocator sees it, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Memory {
+    /// Most bytes held by live allocations since the last reset.
+    pub peak_used: u64,
+    pub free: u64,
+    pub total: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GpuError {
+    #[error("out of GPU memory: {requested} bytes requested with {free} of {total} free")]
+    OutOfMemory { requested: u64, free: u64, total: u64 },
+    #[error("{0}")]
+    Device(String),
+}
+
+pub trait Gpu {
+    /// `NVIDIA H100 80GB HBM3 (cuda:0)`, `CPU emulator`.
+    fn name(&self) -> String;
+    /// Bytes of uninitialised device memory; [`Gpu::free`] gives them back.
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError>;
+    fn free(&self, ptr: u64);
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), GpuError>;
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), GpuError>;
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError>;
+    fn zero(&self, dst: u64, bytes: usize) -> Result<(), GpuError>;
+    /// Launch `kernel` from kernels.cu over `grid` blocks of `block` threads (1-D blocks).
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError>;
+    fn gemm(&self, g: &Gemm) -> Result<(), GpuError>;
+    /// Wait for all queued work; errors of earlier asynchronous work surface here.
+    fn synchronize(&self) -> Result<(), GpuError>;
+    fn memory(&self) -> Memory;
+    fn reset_peak(&self);
+}
+
+/// A device buffer of `len` elements of `dt`, freed when dropped.
+pub struct Buf {
+    gpu: Rc<dyn Gpu>,
+    ptr: u64,
+    pub len: usize,
+    pub dt: Dt,
+}
+
+impl Buf {
+    pub fn new(gpu: &Rc<dyn Gpu>, len: usize, dt: Dt) -> Result<Buf, GpuError> {
+        let ptr = gpu.alloc((len * dt.size()).max(16))?;
+        Ok(Buf { gpu: gpu.clone(), ptr, len, dt })
+    }
+
+    pub fn zeros(gpu: &Rc<dyn Gpu>, len: usize, dt: Dt) -> Result<Buf, GpuError> {
+        let b = Buf::new(gpu, len, dt)?;
+        gpu.zero(b.ptr, len * dt.size())?;
+        Ok(b)
+    }
+
+    /// f32 values converted to `dt` on the host, then uploaded.
+    pub fn from_f32(gpu: &Rc<dyn Gpu>, v: &[f32], dt: Dt) -> Result<Buf, GpuError> {
+        let b = Buf::new(gpu, v.len(), dt)?;
+        gpu.upload(b.ptr, &dt.encode(v))?;
+        Ok(b)
+    }
+
+    pub fn from_u32(gpu: &Rc<dyn Gpu>, v: &[u32]) -> Result<Buf, GpuError> {
+        let b = Buf::new(gpu, v.len(), Dt::U32)?;
+        gpu.upload(b.ptr, &v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?;
+        Ok(b)
+    }
+
+    pub fn from_i32(gpu: &Rc<dyn Gpu>, v: &[i32]) -> Result<Buf, GpuError> {
+        let b = Buf::new(gpu, v.len(), Dt::I32)?;
+        gpu.upload(b.ptr, &v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?;
+        Ok(b)
+    }
+
+    /// The device address of element `i`.
+    pub fn at(&self, i: usize) -> u64 {
+        debug_assert!(i <= self.len, "offset {i} past a buffer of {}", self.len);
+        self.ptr + (i * self.dt.size()) as u64
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Elements `from .. from + len` as f32 (a float buffer).
+    pub fn read(&self, from: usize, len: usize) -> Result<Vec<f32>, GpuError> {
+        let mut bytes = vec![0u8; len * self.dt.size()];
+        self.gpu.download(self.at(from), &mut bytes)?;
+        Ok(self.dt.decode(&bytes))
+    }
+
+    pub fn to_vec(&self) -> Result<Vec<f32>, GpuError> {
+        self.read(0, self.len)
+    }
+
+    /// Overwrite elements `from ..` with `v` (converted to this buffer's dtype).
+    pub fn write(&self, from: usize, v: &[f32]) -> Result<(), GpuError> {
+        assert!(from + v.len() <= self.len, "write past the end of a buffer");
+        self.gpu.upload(self.at(from), &self.dt.encode(v))
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        self.gpu.free(self.ptr);
+    }
+}
+
+impl std::fmt::Debug for Buf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Buf({:?} × {})", self.dt, self.len)
+    }
+}

@@ -1,0 +1,1036 @@
+//! The GPU engine's forward and backward pass (see the module docs of [`super`]). The layer
+//! structure mirrors the fused CPU engine's: what each layer keeps for its backward pass, what
+//! is recomputed there, and the order of every gradient.
+// The layer and linear passes take the batch, the buffers and the pass's options explicitly.
+#![allow(clippy::too_many_arguments)]
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use candle_core::Tensor;
+
+use super::device::{Buf, Dt, Gpu, GpuError};
+use super::ops::{AdamWCoefficients, AttnShape, Ops};
+use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Setup};
+use crate::model::lora::{dropout_key, param_name};
+use crate::model::transformer::rope_values;
+use crate::model::{ModelConfig, ModelError, Trainable, peft};
+use crate::recipe::Dtype;
+use crate::rng::Rng;
+use crate::train::optim::AdamWConfig;
+
+const Q: usize = 0;
+const K: usize = 1;
+const V: usize = 2;
+const O: usize = 3;
+const GATE: usize = 4;
+const UP: usize = 5;
+const DOWN: usize = 6;
+const MODULES: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+/// Logits per LM-head chunk: 64 Mi elements (128 MiB in bf16) bounds memory and keeps the
+/// products large (151k-vocabulary models get 441 rows a chunk).
+const LOGITS_PER_CHUNK: usize = 64 << 20;
+
+/// An adapter's place in the flat parameter buffer.
+#[derive(Debug, Clone, Copy)]
+struct Adapter {
+    /// Offsets of A `[rank, inp]` and B `[out, rank]`.
+    a: usize,
+    b: usize,
+    rank: usize,
+    scale: f32,
+    dropout: f64,
+}
+
+struct Lin {
+    /// Index in [`crate::model::Transformer::linears`] (keys the dropout mask).
+    id: usize,
+    /// `[out, inp]`, compute dtype.
+    w: u64,
+    bias: Option<u64>,
+    inp: usize,
+    out: usize,
+    lora: Option<Adapter>,
+}
+
+struct Layer {
+    input_norm: u64,
+    post_norm: u64,
+    lin: [Lin; 7],
+}
+
+/// A trained tensor in the flat buffers.
+#[derive(Debug, Clone)]
+struct Slot {
+    name: String,
+    shape: Vec<usize>,
+    off: usize,
+    len: usize,
+}
+
+/// Trained parameters with their optimizer state, flat f32.
+struct Trained {
+    slots: Vec<Slot>,
+    params: Buf,
+    /// Compute-dtype copy of `params` for the products (none in f32).
+    params_c: Option<Buf>,
+    grads: Option<Buf>,
+    m: Option<Buf>,
+    v: Option<Buf>,
+    ema: Option<(f64, Buf)>,
+    opt: Option<AdamWConfig>,
+    opt_step: u64,
+}
+
+/// A batch on the device.
+struct DevBatch {
+    b: usize,
+    t: usize,
+    n: usize,
+    ids: Buf,
+    pos: Buf,
+    lo: Buf,
+    hi: Buf,
+    sel: Buf,
+    tgt: Buf,
+    select: usize,
+}
+
+/// How a training pass weighs its batch.
+#[derive(Debug, Clone, Copy)]
+struct Train {
+    weight: f64,
+    loss_scale: f64,
+    dropout: Option<u64>,
+}
+
+/// What a layer's backward pass needs from its forward pass (besides its input).
+struct Saved {
+    inv1: Buf,
+    q: Buf,
+    k: Buf,
+    v: Buf,
+    /// Attention output, o_proj's input.
+    attn: Buf,
+    lse: Buf,
+    h: Buf,
+    inv2: Buf,
+    gate: Buf,
+    up: Buf,
+    /// `x Aᵀ` of each adapter (LoRA layers only).
+    u: [Option<Buf>; 7],
+}
+
+pub struct GpuEngine {
+    gpu: Rc<dyn Gpu>,
+    dt: Dt,
+    cfg: ModelConfig,
+    /// Owns every frozen weight; the layers below hold their addresses.
+    _weights: Vec<Buf>,
+    embed: u64,
+    norm: u64,
+    layers: Vec<Layer>,
+    lm_head: Lin,
+    trained: Option<Trained>,
+    /// `[loss, squared gradient norm]` accumulators, f64.
+    acc: Buf,
+    /// Rotary tables `[positions, head_dim]` f32, grown on demand.
+    rope: Option<(Buf, Buf, usize)>,
+    checkpointing: bool,
+    describe: String,
+}
+
+fn gerr(context: &str) -> impl FnOnce(GpuError) -> EngineError + '_ {
+    move |source| EngineError::Gpu { context: context.to_string(), source }
+}
+
+impl GpuEngine {
+    /// Upload `setup.folder`'s weights to `gpu` in the compute dtype and create (or load) the
+    /// adapters `setup.trainable` names.
+    pub fn new(gpu: Rc<dyn Gpu>, setup: &Setup<'_>) -> Result<GpuEngine, EngineError> {
+        let cfg = setup.folder.config.clone();
+        if let Some(why) = super::model_unsupported(&cfg, &setup.trainable) {
+            return Err(EngineError::Unsupported(why));
+        }
+        let dt = match setup.device.dtype {
+            Dtype::F32 => Dt::F32,
+            Dtype::Bf16 => Dt::Bf16,
+            Dtype::F16 => Dt::F16,
+        };
+        let overrides = match setup.trained {
+            Some(dir) if dir.join("weights.safetensors").is_file() => {
+                candle_core::safetensors::load(dir.join("weights.safetensors"), &candle_core::Device::Cpu)
+                    .map_err(EngineError::candle("cannot read the trained weights"))?
+            }
+            _ => Default::default(),
+        };
+        let mut weights: BTreeMap<String, Buf> = BTreeMap::new();
+        let upload = |name: &str, t: Tensor| -> Result<Buf, EngineError> {
+            let v: Vec<f32> = t
+                .to_dtype(candle_core::DType::F32)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1())
+                .map_err(EngineError::candle(format!("read `{name}`")))?;
+            Buf::from_f32(&gpu, &v, dt).map_err(|e| oom_or(e, &format!("uploading `{name}`"), 0, 0))
+        };
+        let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        setup.folder.visit_weights(|name, t| -> Result<(), EngineError> {
+            let t = overrides.get(name).cloned().unwrap_or(t);
+            shapes.insert(name.to_string(), t.dims().to_vec());
+            weights.insert(name.to_string(), upload(name, t)?);
+            Ok(())
+        })?;
+        let h = cfg.hidden_size;
+        let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let weight = |name: &str, shape: &[usize]| -> Result<u64, ModelError> {
+            let found = shapes.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
+            if found != shape {
+                return Err(ModelError::ShapeMismatch {
+                    name: name.into(),
+                    expected: shape.to_vec(),
+                    found: found.clone(),
+                });
+            }
+            Ok(weights[name].ptr())
+        };
+        let next_id = std::cell::Cell::new(0);
+        let lin = |prefix: &str, inp: usize, out: usize, bias: bool| -> Result<Lin, ModelError> {
+            let id = next_id.replace(next_id.get() + 1);
+            Ok(Lin {
+                id,
+                w: weight(&format!("{prefix}.weight"), &[out, inp])?,
+                bias: if bias { Some(weight(&format!("{prefix}.bias"), &[out])?) } else { None },
+                inp,
+                out,
+                lora: None,
+            })
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let dims = [
+                (h, qd, cfg.qkv_bias),
+                (h, kvd, cfg.qkv_bias),
+                (h, kvd, cfg.qkv_bias),
+                (qd, h, cfg.o_bias),
+                (h, cfg.intermediate_size, cfg.mlp_bias),
+                (h, cfg.intermediate_size, cfg.mlp_bias),
+                (cfg.intermediate_size, h, cfg.mlp_bias),
+            ];
+            let mut lins = Vec::with_capacity(7);
+            for (m, (inp, out, bias)) in MODULES.iter().zip(dims) {
+                lins.push(lin(&format!("{p}.{m}"), inp, out, bias)?);
+            }
+            layers.push(Layer {
+                input_norm: weight(&format!("{p}.input_layernorm.weight"), &[h])?,
+                post_norm: weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                lin: lins.try_into().map_err(|_| ()).expect("seven linears"),
+            });
+        }
+        let embed = weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let norm = weight("model.norm.weight", &[h])?;
+        let mut lm_head = if cfg.tie_word_embeddings || !shapes.contains_key("lm_head.weight") {
+            if !cfg.tie_word_embeddings {
+                return Err(ModelError::MissingTensor { name: "lm_head.weight".into() }.into());
+            }
+            Lin { id: next_id.get(), w: embed, bias: None, inp: h, out: cfg.vocab_size, lora: None }
+        } else {
+            lin("lm_head", h, cfg.vocab_size, false)?
+        };
+        let trained = match &setup.trainable {
+            Trainable::Lora(spec) => {
+                let mut rng = Rng::derive(setup.seed, "lora-init");
+                let mut slots = Vec::new();
+                let mut values: Vec<f32> = Vec::new();
+                let linears = layers.iter_mut().enumerate().flat_map(|(i, l)| {
+                    l.lin.iter_mut().zip(MODULES).map(move |(lin, m)| (format!("model.layers.{i}.{m}"), lin))
+                });
+                for (prefix, l) in linears.chain(std::iter::once(("lm_head".to_string(), &mut lm_head))) {
+                    let module = prefix.rsplit('.').next().unwrap_or(&prefix);
+                    if !spec.targets.iter().any(|t| t == module) {
+                        continue;
+                    }
+                    let a = values.len();
+                    values.extend(spec.init_a(l.inp, &mut rng));
+                    let b = values.len();
+                    values.extend(std::iter::repeat_n(0.0, l.out * spec.rank));
+                    slots.push(Slot {
+                        name: param_name(&prefix, "lora_A"),
+                        shape: vec![spec.rank, l.inp],
+                        off: a,
+                        len: b - a,
+                    });
+                    slots.push(Slot {
+                        name: param_name(&prefix, "lora_B"),
+                        shape: vec![l.out, spec.rank],
+                        off: b,
+                        len: l.out * spec.rank,
+                    });
+                    l.lora = Some(Adapter { a, b, rank: spec.rank, scale: spec.scale() as f32, dropout: spec.dropout });
+                }
+                if let Some(dir) = setup.trained.filter(|d| d.join("adapter_config.json").is_file()) {
+                    let saved = peft::read_weights(dir, &candle_core::Device::Cpu)?;
+                    for s in &slots {
+                        let t = saved.get(&s.name).ok_or_else(|| ModelError::MissingTensor { name: s.name.clone() })?;
+                        if t.dims() != s.shape.as_slice() {
+                            return Err(ModelError::ShapeMismatch {
+                                name: s.name.clone(),
+                                expected: s.shape.clone(),
+                                found: t.dims().to_vec(),
+                            }
+                            .into());
+                        }
+                        let v: Vec<f32> = t
+                            .to_dtype(candle_core::DType::F32)
+                            .and_then(|t| t.flatten_all())
+                            .and_then(|t| t.to_vec1())
+                            .map_err(EngineError::candle(format!("read `{}`", s.name)))?;
+                        values[s.off..s.off + s.len].copy_from_slice(&v);
+                    }
+                }
+                Some(
+                    Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)
+                        .map_err(gerr("allocate parameters"))?,
+                )
+            }
+            Trainable::Nothing => None,
+            Trainable::Weights(_) => unreachable!("checked by model_unsupported"),
+        };
+        let acc = Buf::zeros(&gpu, 4, Dt::U32).map_err(gerr("allocate accumulators"))?;
+        let mut engine = GpuEngine {
+            describe: format!("GPU engine ({}, {})", gpu.name(), setup.device.dtype.as_str()),
+            gpu,
+            dt,
+            cfg,
+            _weights: weights.into_values().collect(),
+            embed,
+            norm,
+            layers,
+            lm_head,
+            trained,
+            acc,
+            rope: None,
+            checkpointing: false,
+        };
+        engine.checkpointing = match setup.checkpointing {
+            Checkpointing::On => true,
+            Checkpointing::Off => false,
+            Checkpointing::Auto => {
+                let (b, t) = setup.max_batch;
+                let need = engine.activation_bytes(b * t, false);
+                let free = engine.gpu.memory().free;
+                // Without checkpointing, activations must fit in what is free now with room for
+                // the transient buffers of a layer and the LM head.
+                need + engine.transient_bytes(b * t) > free.saturating_mul(9) / 10
+            }
+        };
+        if engine.checkpointing {
+            engine.describe.push_str(", activation checkpointing");
+        }
+        Ok(engine)
+    }
+
+    fn ops(&self) -> Ops<'_> {
+        Ops { gpu: &*self.gpu, dt: self.dt }
+    }
+
+    /// Whether layers recompute their activations in the backward pass.
+    pub fn checkpointing(&self) -> bool {
+        self.checkpointing
+    }
+
+    /// Bytes of activations kept between the forward and backward pass for `n` tokens.
+    pub fn activation_bytes(&self, n: usize, checkpointing: bool) -> u64 {
+        let c = &self.cfg;
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let s = self.dt.size();
+        let ranks: usize = self.layers.first().map_or(0, |l| l.lin.iter().filter_map(|l| l.lora.map(|a| a.rank)).sum());
+        let per_layer =
+            s * (2 * c.hidden_size + 2 * qd + 2 * kvd + 2 * c.intermediate_size + ranks) + 4 * (2 + c.num_heads);
+        let input = s * c.hidden_size;
+        let kept = if checkpointing { input * c.num_layers + per_layer } else { (per_layer + input) * c.num_layers };
+        (kept * n) as u64
+    }
+
+    /// Bytes of the largest short-lived buffers of a step of `n` tokens (a layer's temporaries,
+    /// the LM head's chunk, the hidden-state gradients).
+    pub fn transient_bytes(&self, n: usize) -> u64 {
+        let c = &self.cfg;
+        let s = self.dt.size();
+        let layer = s * n * (4 * c.hidden_size + 3 * c.intermediate_size);
+        let chunk = s * LOGITS_PER_CHUNK.min(n * c.vocab_size);
+        (layer + chunk + 2 * s * n * c.hidden_size) as u64
+    }
+
+    /// Bytes held whatever the batch: weights, trained parameters and their optimizer state.
+    fn fixed_bytes(&self) -> u64 {
+        let weights: usize = self._weights.iter().map(|b| b.len * b.dt.size()).sum();
+        let trained = self.trained.as_ref().map_or(0, |t| {
+            let n = t.len();
+            let copies = 1 + t.grads.is_some() as usize * 3 + t.ema.is_some() as usize;
+            n * 4 * copies + t.params_c.as_ref().map_or(0, |c| c.len * c.dt.size())
+        });
+        (weights + trained) as u64
+    }
+
+    /// The compute-dtype address of trained element `off`.
+    fn pc(&self, off: usize) -> u64 {
+        let t = self.trained.as_ref().expect("an adapter implies trained parameters");
+        t.params_c.as_ref().unwrap_or(&t.params).at(off)
+    }
+
+    fn grad(&self, off: usize) -> u64 {
+        self.trained.as_ref().and_then(|t| t.grads.as_ref()).expect("training").at(off)
+    }
+
+    fn buf(&self, len: usize, dt: Dt) -> Result<Buf, GpuError> {
+        Buf::new(&self.gpu, len, dt)
+    }
+
+    fn copy(&self, src: &Buf) -> Result<Buf, GpuError> {
+        let b = self.buf(src.len, src.dt)?;
+        self.gpu.copy(b.ptr(), src.ptr(), src.len * src.dt.size())?;
+        Ok(b)
+    }
+
+    /// Rotary tables covering positions `0 .. need` (rounded to the compute dtype, as
+    /// transformers casts them).
+    fn ensure_rope(&mut self, need: usize) -> Result<(), GpuError> {
+        if self.rope.as_ref().is_some_and(|r| r.2 >= need) {
+            return Ok(());
+        }
+        let n = need.next_power_of_two().min(self.cfg.max_position_embeddings).max(need);
+        let (mut cos, mut sin) = rope_values(&self.cfg, n);
+        if self.dt != Dt::F32 {
+            for v in cos.iter_mut().chain(sin.iter_mut()) {
+                *v = self.dt.decode(&self.dt.encode(&[*v]))[0];
+            }
+        }
+        self.rope = Some((Buf::from_f32(&self.gpu, &cos, Dt::F32)?, Buf::from_f32(&self.gpu, &sin, Dt::F32)?, n));
+        Ok(())
+    }
+
+    fn upload(&mut self, b: &HostBatch) -> Result<DevBatch, EngineError> {
+        let (vocab, max_pos) = (self.cfg.vocab_size, self.cfg.max_position_embeddings);
+        let n = b.b * b.t;
+        if let Some(id) = b.ids.iter().chain(&b.targets).find(|&&i| i as usize >= vocab) {
+            return Err(EngineError::Unsupported(format!("token {id} is outside the vocabulary of {vocab}")));
+        }
+        let need = b.layout.positions.iter().max().map_or(0, |&p| p as usize + 1);
+        if need > max_pos {
+            return Err(EngineError::Unsupported(format!(
+                "position {} is beyond the model's {max_pos} positions",
+                need - 1
+            )));
+        }
+        if let Some(&s) = b.select.iter().find(|&&s| s as usize >= n) {
+            return Err(EngineError::Unsupported(format!("position {s} is outside the batch of {n} tokens")));
+        }
+        if i32::try_from(n * self.cfg.intermediate_size.max(self.cfg.hidden_size)).is_err() {
+            return Err(EngineError::Unsupported(format!("a batch of {n} tokens is too large for one step")));
+        }
+        let ctx = |e| oom_or(e, "uploading a batch", b.b, b.t);
+        self.ensure_rope(need).map_err(ctx)?;
+        let g = &self.gpu;
+        Ok(DevBatch {
+            b: b.b,
+            t: b.t,
+            n,
+            ids: Buf::from_u32(g, &b.ids).map_err(ctx)?,
+            pos: Buf::from_u32(g, &b.layout.positions).map_err(ctx)?,
+            lo: Buf::from_i32(g, &b.layout.lo).map_err(ctx)?,
+            hi: Buf::from_i32(g, &b.layout.hi).map_err(ctx)?,
+            sel: Buf::from_u32(g, &b.select).map_err(ctx)?,
+            tgt: Buf::from_u32(g, &b.targets).map_err(ctx)?,
+            select: b.select.len(),
+        })
+    }
+
+    fn attn_shape(&self, bt: &DevBatch) -> AttnShape {
+        let c = &self.cfg;
+        AttnShape {
+            b: bt.b,
+            t: bt.t,
+            hq: c.num_heads,
+            hk: c.num_kv_heads,
+            d: c.head_dim,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            tensor_cores: !super::ops::force_scalar_attention(),
+        }
+    }
+
+    /// The adapter's dropout key in this micro-batch, when it drops anything.
+    fn mask(l: &Lin, dropout: Option<u64>) -> Option<(u64, f64)> {
+        let a = l.lora?;
+        (a.dropout > 0.0).then_some(())?;
+        dropout.map(|batch| (dropout_key(batch, l.id), a.dropout))
+    }
+
+    /// `y [n, out] (+)= x Wᵀ + bias + scale · (x ⊙ mask) Aᵀ Bᵀ`; returns `(x ⊙ mask) Aᵀ` for the
+    /// backward pass of an adapter. `first` is `x`'s first row in the layer's whole input.
+    fn lin_fwd(
+        &self,
+        l: &Lin,
+        x: u64,
+        n: usize,
+        y: u64,
+        accumulate: bool,
+        dropout: Option<u64>,
+        first: usize,
+    ) -> Result<Option<Buf>, GpuError> {
+        let o = self.ops();
+        o.gemm(y, self.dt, x, false, l.w, true, n, l.out, l.inp, 1.0, if accumulate { 1.0 } else { 0.0 })?;
+        if let Some(bias) = l.bias {
+            o.add_bias(y, bias, n, l.out)?;
+        }
+        let Some(a) = l.lora else { return Ok(None) };
+        let masked = match Self::mask(l, dropout) {
+            Some((key, p)) => {
+                let m = self.buf(n * l.inp, self.dt)?;
+                o.dropout(x, m.ptr(), key, first * l.inp, p, n * l.inp)?;
+                Some(m)
+            }
+            None => None,
+        };
+        let xin = masked.as_ref().map_or(x, Buf::ptr);
+        let u = self.buf(n * a.rank, self.dt)?;
+        o.gemm(u.ptr(), self.dt, xin, false, self.pc(a.a), true, n, a.rank, l.inp, 1.0, 0.0)?;
+        o.gemm(y, self.dt, u.ptr(), false, self.pc(a.b), true, n, l.out, a.rank, a.scale, 1.0)?;
+        Ok(Some(u))
+    }
+
+    /// Backward of [`Self::lin_fwd`]: adapter gradients into the flat gradients, and
+    /// `dx (+)= dy W (+ the adapter's share)` when `dx` is given. `x` is the layer's input
+    /// (read only for an adapter's A gradient).
+    fn lin_bwd(
+        &self,
+        l: &Lin,
+        u: Option<&Buf>,
+        x: u64,
+        n: usize,
+        dy: u64,
+        dx: Option<(u64, bool)>,
+        dropout: Option<u64>,
+        first: usize,
+    ) -> Result<(), GpuError> {
+        let o = self.ops();
+        let mut du = None;
+        if let Some(a) = l.lora {
+            let u = u.expect("an adapter's forward pass keeps x Aᵀ");
+            // dB = s · dyᵀ u; du = s · dy B; dA = duᵀ (x ⊙ mask)
+            o.gemm(self.grad(a.b), Dt::F32, dy, true, u.ptr(), false, l.out, a.rank, n, a.scale, 1.0)?;
+            let d = self.buf(n * a.rank, self.dt)?;
+            o.gemm(d.ptr(), self.dt, dy, false, self.pc(a.b), false, n, a.rank, l.out, a.scale, 0.0)?;
+            let masked = match Self::mask(l, dropout) {
+                Some((key, p)) => {
+                    let m = self.buf(n * l.inp, self.dt)?;
+                    o.dropout(x, m.ptr(), key, first * l.inp, p, n * l.inp)?;
+                    Some(m)
+                }
+                None => None,
+            };
+            let xin = masked.as_ref().map_or(x, Buf::ptr);
+            o.gemm(self.grad(a.a), Dt::F32, d.ptr(), true, xin, false, a.rank, l.inp, n, 1.0, 1.0)?;
+            du = Some(d);
+        }
+        let Some((dx, accumulate)) = dx else { return Ok(()) };
+        o.gemm(dx, self.dt, dy, false, l.w, false, n, l.inp, l.out, 1.0, if accumulate { 1.0 } else { 0.0 })?;
+        if let (Some(a), Some(du)) = (l.lora, du) {
+            match Self::mask(l, dropout) {
+                None => o.gemm(dx, self.dt, du.ptr(), false, self.pc(a.a), false, n, l.inp, a.rank, 1.0, 1.0)?,
+                Some((key, p)) => {
+                    let tmp = self.buf(n * l.inp, self.dt)?;
+                    o.gemm(tmp.ptr(), self.dt, du.ptr(), false, self.pc(a.a), false, n, l.inp, a.rank, 1.0, 0.0)?;
+                    o.dropout_acc(tmp.ptr(), dx, key, first * l.inp, p, n * l.inp)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One decoder layer from its input `x`: the output, and with `save` what the backward
+    /// pass needs.
+    fn layer_fwd(
+        &self,
+        li: usize,
+        x: &Buf,
+        bt: &DevBatch,
+        dropout: Option<u64>,
+        save: bool,
+    ) -> Result<(Buf, Option<Saved>), GpuError> {
+        let c = &self.cfg;
+        let (n, h, inter) = (bt.n, c.hidden_size, c.intermediate_size);
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
+        let (cos, sin, _) = self.rope.as_ref().expect("rope tables before a forward pass");
+        let xn = self.buf(n * h, dt)?;
+        let inv1 = self.buf(n, Dt::F32)?;
+        o.rmsnorm_fwd(x.ptr(), l.input_norm, xn.ptr(), inv1.ptr(), n, h, c.rms_norm_eps as f32)?;
+        let mut u: [Option<Buf>; 7] = Default::default();
+        let (q, k, v) = (self.buf(n * qd, dt)?, self.buf(n * kvd, dt)?, self.buf(n * kvd, dt)?);
+        u[Q] = self.lin_fwd(&l.lin[Q], xn.ptr(), n, q.ptr(), false, dropout, 0)?;
+        u[K] = self.lin_fwd(&l.lin[K], xn.ptr(), n, k.ptr(), false, dropout, 0)?;
+        u[V] = self.lin_fwd(&l.lin[V], xn.ptr(), n, v.ptr(), false, dropout, 0)?;
+        drop(xn);
+        o.rope(q.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, false)?;
+        o.rope(k.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, false)?;
+        let attn = self.buf(n * qd, dt)?;
+        let lse = self.buf(bt.b * c.num_heads * bt.t, Dt::F32)?;
+        let s = self.attn_shape(bt);
+        o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), attn.ptr(), lse.ptr(), bt.lo.ptr(), bt.hi.ptr())?;
+        // The residual: o_proj accumulates into a copy of the layer's input.
+        let hid = self.copy(x)?;
+        u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, hid.ptr(), true, dropout, 0)?;
+        let hn = self.buf(n * h, dt)?;
+        let inv2 = self.buf(n, Dt::F32)?;
+        o.rmsnorm_fwd(hid.ptr(), l.post_norm, hn.ptr(), inv2.ptr(), n, h, c.rms_norm_eps as f32)?;
+        let (gate, up) = (self.buf(n * inter, dt)?, self.buf(n * inter, dt)?);
+        u[GATE] = self.lin_fwd(&l.lin[GATE], hn.ptr(), n, gate.ptr(), false, dropout, 0)?;
+        u[UP] = self.lin_fwd(&l.lin[UP], hn.ptr(), n, up.ptr(), false, dropout, 0)?;
+        drop(hn);
+        let act = self.buf(n * inter, dt)?;
+        o.swiglu(gate.ptr(), up.ptr(), act.ptr(), n * inter)?;
+        let next = self.copy(&hid)?;
+        u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, next.ptr(), true, dropout, 0)?;
+        let saved = save.then_some(Saved { inv1, q, k, v, attn, lse, h: hid, inv2, gate, up, u });
+        Ok((next, saved))
+    }
+
+    /// Backward of one decoder layer: `dx` holds the gradient of its output and becomes that
+    /// of its input (left alone for the first layer, whose input is the frozen embedding).
+    fn layer_bwd(
+        &self,
+        li: usize,
+        x: &Buf,
+        s: Saved,
+        dx: &Buf,
+        bt: &DevBatch,
+        dropout: Option<u64>,
+        need_input_grad: bool,
+    ) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        let (n, h, inter) = (bt.n, c.hidden_size, c.intermediate_size);
+        let qd = c.num_heads * c.head_dim;
+        let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
+        let (cos, sin, _) = self.rope.as_ref().expect("rope tables");
+        // MLP. A linear layer's input is only needed for its adapter's gradients.
+        let act = match l.lin[DOWN].lora {
+            Some(_) => {
+                let a = self.buf(n * inter, dt)?;
+                o.swiglu(s.gate.ptr(), s.up.ptr(), a.ptr(), n * inter)?;
+                Some(a)
+            }
+            None => None,
+        };
+        let dact = self.buf(n * inter, dt)?;
+        let act_ptr = act.as_ref().map_or(0, Buf::ptr);
+        self.lin_bwd(&l.lin[DOWN], s.u[DOWN].as_ref(), act_ptr, n, dx.ptr(), Some((dact.ptr(), false)), dropout, 0)?;
+        drop(act);
+        // Gate and up gradients replace the saved activations.
+        o.swiglu_bwd(s.gate.ptr(), s.up.ptr(), dact.ptr(), s.gate.ptr(), s.up.ptr(), n * inter)?;
+        drop(dact);
+        let hn = match l.lin[GATE].lora.is_some() || l.lin[UP].lora.is_some() {
+            true => {
+                let b = self.buf(n * h, dt)?;
+                o.rmsnorm_apply(s.h.ptr(), s.inv2.ptr(), l.post_norm, b.ptr(), n, h)?;
+                Some(b)
+            }
+            false => None,
+        };
+        let hn_ptr = hn.as_ref().map_or(0, Buf::ptr);
+        let dhn = self.buf(n * h, dt)?;
+        self.lin_bwd(&l.lin[GATE], s.u[GATE].as_ref(), hn_ptr, n, s.gate.ptr(), Some((dhn.ptr(), false)), dropout, 0)?;
+        self.lin_bwd(&l.lin[UP], s.u[UP].as_ref(), hn_ptr, n, s.up.ptr(), Some((dhn.ptr(), true)), dropout, 0)?;
+        drop(hn);
+        o.rmsnorm_bwd(s.h.ptr(), s.inv2.ptr(), l.post_norm, dhn.ptr(), dx.ptr(), n, h, true)?;
+        drop(dhn);
+        // Attention; dx is now the gradient of the attention block's output too.
+        let dattn = self.buf(n * qd, dt)?;
+        self.lin_bwd(&l.lin[O], s.u[O].as_ref(), s.attn.ptr(), n, dx.ptr(), Some((dattn.ptr(), false)), dropout, 0)?;
+        let (dq, dk, dv) = (self.buf(s.q.len, dt)?, self.buf(s.k.len, dt)?, self.buf(s.v.len, dt)?);
+        let delta = self.buf(s.lse.len, Dt::F32)?;
+        let shape = self.attn_shape(bt);
+        o.attn_bwd(
+            &shape,
+            s.q.ptr(),
+            s.k.ptr(),
+            s.v.ptr(),
+            s.attn.ptr(),
+            dattn.ptr(),
+            s.lse.ptr(),
+            delta.ptr(),
+            dq.ptr(),
+            dk.ptr(),
+            dv.ptr(),
+            bt.lo.ptr(),
+            bt.hi.ptr(),
+        )?;
+        drop((dattn, delta));
+        o.rope(dq.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, true)?;
+        o.rope(dk.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, true)?;
+        let xn = match [Q, K, V].iter().any(|&i| l.lin[i].lora.is_some()) {
+            true => {
+                let b = self.buf(n * h, dt)?;
+                o.rmsnorm_apply(x.ptr(), s.inv1.ptr(), l.input_norm, b.ptr(), n, h)?;
+                Some(b)
+            }
+            false => None,
+        };
+        let xn_ptr = xn.as_ref().map_or(0, Buf::ptr);
+        if need_input_grad {
+            let dxn = self.buf(n * h, dt)?;
+            self.lin_bwd(&l.lin[Q], s.u[Q].as_ref(), xn_ptr, n, dq.ptr(), Some((dxn.ptr(), false)), dropout, 0)?;
+            self.lin_bwd(&l.lin[K], s.u[K].as_ref(), xn_ptr, n, dk.ptr(), Some((dxn.ptr(), true)), dropout, 0)?;
+            self.lin_bwd(&l.lin[V], s.u[V].as_ref(), xn_ptr, n, dv.ptr(), Some((dxn.ptr(), true)), dropout, 0)?;
+            o.rmsnorm_bwd(x.ptr(), s.inv1.ptr(), l.input_norm, dxn.ptr(), dx.ptr(), n, h, true)?;
+        } else {
+            for (i, dy) in [(Q, &dq), (K, &dk), (V, &dv)] {
+                self.lin_bwd(&l.lin[i], s.u[i].as_ref(), xn_ptr, n, dy.ptr(), None, dropout, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward (and with `train` backward) over a batch: the selected positions' losses, times
+    /// `weight / count` (or `1 / count` without training), are added to the loss accumulator;
+    /// gradients of `loss_scale × weight × mean loss` to the flat gradients.
+    fn pass(&self, bt: &DevBatch, train: Option<Train>) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        let (n, h, vocab) = (bt.n, c.hidden_size, c.vocab_size);
+        let (o, dt) = (self.ops(), self.dt);
+        let dropout = train.and_then(|t| t.dropout);
+        let training = train.is_some();
+        let mut x = self.buf(n * h, dt)?;
+        o.embed(bt.ids.ptr(), self.embed, x.ptr(), n, h)?;
+        // Per layer: its input, and what its backward pass needs unless it is recomputed then.
+        let mut kept: Vec<(Buf, Option<Saved>)> = Vec::with_capacity(self.layers.len());
+        for li in 0..self.layers.len() {
+            let save = training && !self.checkpointing;
+            let (next, saved) = self.layer_fwd(li, &x, bt, dropout, save)?;
+            if training {
+                kept.push((x, saved));
+            }
+            x = next;
+        }
+        let hn = self.buf(n * h, dt)?;
+        let inv = self.buf(n, Dt::F32)?;
+        o.rmsnorm_fwd(x.ptr(), self.norm, hn.ptr(), inv.ptr(), n, h, c.rms_norm_eps as f32)?;
+        // LM head and loss in chunks of selected positions: each chunk's logits gradient goes
+        // straight back through the head, so no [positions, vocabulary] matrix exists whole.
+        let dhn = if training { Some(Buf::zeros(&self.gpu, n * h, dt)?) } else { None };
+        let count = bt.select.max(1);
+        let grad_scale = train.map_or(0.0, |t| (t.weight * t.loss_scale / count as f64) as f32);
+        let loss_rows = self.buf(bt.select, Dt::F32)?;
+        let chunk = (LOGITS_PER_CHUNK / vocab).clamp(1, 8192);
+        for first in (0..bt.select).step_by(chunk) {
+            let rows = chunk.min(bt.select - first);
+            let hs = self.buf(rows * h, dt)?;
+            o.gather_rows(hn.ptr(), bt.sel.at(first), hs.ptr(), rows, h)?;
+            let logits = self.buf(rows * vocab, dt)?;
+            let u = self.lin_fwd(&self.lm_head, hs.ptr(), rows, logits.ptr(), false, dropout, first)?;
+            o.cross_entropy(logits.ptr(), bt.tgt.at(first), loss_rows.at(first), rows, vocab, grad_scale)?;
+            if let Some(dhn) = &dhn {
+                let dhs = self.buf(rows * h, dt)?;
+                self.lin_bwd(
+                    &self.lm_head,
+                    u.as_ref(),
+                    hs.ptr(),
+                    rows,
+                    logits.ptr(),
+                    Some((dhs.ptr(), false)),
+                    dropout,
+                    first,
+                )?;
+                o.scatter_add_rows(dhs.ptr(), bt.sel.at(first), dhn.ptr(), rows, h)?;
+            }
+        }
+        let factor = train.map_or(1.0, |t| t.weight) / count as f64;
+        o.sum_scaled(loss_rows.ptr(), bt.select, factor as f32, self.acc.ptr())?;
+        let Some(dhn) = dhn else { return Ok(()) };
+        drop((hn, loss_rows));
+        let dx = self.buf(n * h, dt)?;
+        o.rmsnorm_bwd(x.ptr(), inv.ptr(), self.norm, dhn.ptr(), dx.ptr(), n, h, false)?;
+        drop((x, inv, dhn));
+        for li in (0..self.layers.len()).rev() {
+            let (input, saved) = kept.pop().expect("one kept input per layer");
+            let saved = match saved {
+                Some(s) => s,
+                None => self.layer_fwd(li, &input, bt, dropout, true)?.1.expect("saved on request"),
+            };
+            self.layer_bwd(li, &input, saved, &dx, bt, dropout, li > 0)?;
+        }
+        Ok(())
+    }
+
+    /// The accumulators `[loss, squared gradient norm]`, then zeroed.
+    fn take_acc(&self) -> Result<(f64, f64), GpuError> {
+        let mut bytes = [0u8; 16];
+        self.gpu.download(self.acc.ptr(), &mut bytes)?;
+        self.gpu.zero(self.acc.ptr(), 16)?;
+        let f = |i: usize| f64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+        Ok((f(0), f(8)))
+    }
+
+    /// Logits of the last position of `ids` (one row, no gradients).
+    fn last_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let t = ids.len();
+        let batch = HostBatch::from_parts(&[ids.to_vec()], &[t], None, vec![t as u32 - 1], vec![0]);
+        let bt = self.upload(&batch)?;
+        let ctx = |e| oom_or(e, "generating", 1, t);
+        let c = &self.cfg;
+        let (h, dt) = (c.hidden_size, self.dt);
+        let o = self.ops();
+        let run = || -> Result<Vec<f32>, GpuError> {
+            let mut x = self.buf(t * h, dt)?;
+            o.embed(bt.ids.ptr(), self.embed, x.ptr(), t, h)?;
+            for li in 0..self.layers.len() {
+                x = self.layer_fwd(li, &x, &bt, None, false)?.0;
+            }
+            let last = self.buf(h, dt)?;
+            let inv = self.buf(1, Dt::F32)?;
+            o.rmsnorm_fwd(x.at((t - 1) * h), self.norm, last.ptr(), inv.ptr(), 1, h, c.rms_norm_eps as f32)?;
+            let logits = self.buf(c.vocab_size, dt)?;
+            self.lin_fwd(&self.lm_head, last.ptr(), 1, logits.ptr(), false, None, 0)?;
+            logits.to_vec()
+        };
+        run().map_err(ctx)
+    }
+}
+
+/// An out-of-memory error with what was being done and the batch shape; other errors as they are.
+fn oom_or(e: GpuError, context: &str, batch: usize, seq: usize) -> EngineError {
+    match e {
+        GpuError::OutOfMemory { requested, free, total } => {
+            EngineError::OutOfMemory { context: context.to_string(), batch, seq, requested, free, total }
+        }
+        source => EngineError::Gpu { context: context.to_string(), source },
+    }
+}
+
+impl Trained {
+    fn new(
+        gpu: &Rc<dyn Gpu>,
+        dt: Dt,
+        slots: Vec<Slot>,
+        values: &[f32],
+        opt: Option<AdamWConfig>,
+        ema: Option<f64>,
+    ) -> Result<Trained, GpuError> {
+        let n = values.len();
+        let params = Buf::from_f32(gpu, values, Dt::F32)?;
+        let params_c = if dt == Dt::F32 { None } else { Some(Buf::new(gpu, n, dt)?) };
+        let training = opt.is_some();
+        let zeros = || if training { Buf::zeros(gpu, n, Dt::F32).map(Some) } else { Ok(None) };
+        let ema = match ema.filter(|_| training) {
+            Some(d) => Some((d, Buf::from_f32(gpu, values, Dt::F32)?)),
+            None => None,
+        };
+        let t = Trained { slots, params, params_c, grads: zeros()?, m: zeros()?, v: zeros()?, ema, opt, opt_step: 0 };
+        t.refresh(gpu, dt)?;
+        Ok(t)
+    }
+
+    /// Recompute the compute-dtype copy after the f32 parameters changed.
+    fn refresh(&self, gpu: &Rc<dyn Gpu>, dt: Dt) -> Result<(), GpuError> {
+        if let Some(c) = &self.params_c {
+            Ops { gpu: &**gpu, dt }.cast_from_f32(self.params.ptr(), c.ptr(), self.params.len)?;
+        }
+        Ok(())
+    }
+
+    fn len(&self) -> usize {
+        self.params.len
+    }
+
+    /// A flat buffer as named CPU tensors.
+    fn named(&self, buf: &Buf) -> Result<BTreeMap<String, Tensor>, EngineError> {
+        let all = buf.to_vec().map_err(gerr("read parameters"))?;
+        self.slots
+            .iter()
+            .map(|s| {
+                let t = Tensor::from_slice(&all[s.off..s.off + s.len], s.shape.as_slice(), &candle_core::Device::Cpu)
+                    .map_err(EngineError::candle(format!("read `{}`", s.name)))?;
+                Ok((s.name.clone(), t))
+            })
+            .collect()
+    }
+
+    /// Named CPU tensors into a flat buffer; every slot must be present with its shape.
+    fn load(&self, buf: &Buf, values: &BTreeMap<String, Tensor>, what: &str) -> Result<(), EngineError> {
+        let mut all = vec![0f32; buf.len];
+        for s in &self.slots {
+            let t = values
+                .get(&s.name)
+                .ok_or_else(|| EngineError::Unsupported(format!("the checkpoint has no {what} for `{}`", s.name)))?;
+            if t.dims() != s.shape.as_slice() {
+                return Err(ModelError::ShapeMismatch {
+                    name: s.name.clone(),
+                    expected: s.shape.clone(),
+                    found: t.dims().to_vec(),
+                }
+                .into());
+            }
+            let v: Vec<f32> = t
+                .to_dtype(candle_core::DType::F32)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1())
+                .map_err(EngineError::candle(format!("read `{}`", s.name)))?;
+            all[s.off..s.off + s.len].copy_from_slice(&v);
+        }
+        buf.write(0, &all).map_err(gerr("restore a checkpoint"))
+    }
+}
+
+impl Engine for GpuEngine {
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+
+    fn trained_count(&self) -> usize {
+        self.trained.as_ref().map_or(0, Trained::len)
+    }
+
+    fn accumulate(
+        &mut self,
+        batch: &HostBatch,
+        weight: f64,
+        loss_scale: f64,
+        dropout: Option<u64>,
+    ) -> Result<(), EngineError> {
+        if self.trained.as_ref().and_then(|t| t.grads.as_ref()).is_none() {
+            return Err(EngineError::Unsupported("this engine was built for evaluation".into()));
+        }
+        let bt = self.upload(batch)?;
+        self.pass(&bt, Some(Train { weight, loss_scale, dropout })).map_err(|e| oom_or(e, "training", bt.b, bt.t))
+    }
+
+    fn gradients(&mut self) -> Result<(f64, f64), EngineError> {
+        let t = self.trained.as_ref().ok_or_else(|| EngineError::Unsupported("nothing trains".into()))?;
+        let grads = t.grads.as_ref().expect("training");
+        self.ops().sum_squares(grads.ptr(), grads.len, self.acc.at(2)).map_err(gerr("gradient norm"))?;
+        let (loss, norm_sq) = self.take_acc().map_err(|e| oom_or(e, "training", 0, 0))?;
+        Ok((loss, norm_sq.sqrt()))
+    }
+
+    fn apply(&mut self, lr: f64, grad_scale: f64) -> Result<(), EngineError> {
+        let (gpu, dt) = (self.gpu.clone(), self.dt);
+        let t = self.trained.as_mut().ok_or_else(|| EngineError::Unsupported("nothing trains".into()))?;
+        let c = t.opt.ok_or_else(|| EngineError::Unsupported("this engine was built for evaluation".into()))?;
+        t.opt_step += 1;
+        let step = t.opt_step as i32;
+        let (bc1, bc2) = (1.0 - c.beta1.powi(step), 1.0 - c.beta2.powi(step));
+        let coef = AdamWCoefficients {
+            decay: (1.0 - lr * c.weight_decay) as f32,
+            one_minus_b1: (1.0 - c.beta1) as f32,
+            b2: c.beta2 as f32,
+            one_minus_b2: (1.0 - c.beta2) as f32,
+            step_size: (lr / bc1) as f32,
+            bc2_sqrt: bc2.sqrt() as f32,
+            eps: c.eps as f32,
+            grad_scale: grad_scale as f32,
+        };
+        let o = Ops { gpu: &*gpu, dt };
+        let (g, m, v) =
+            (t.grads.as_ref().expect("training"), t.m.as_ref().expect("training"), t.v.as_ref().expect("training"));
+        let run = || -> Result<(), GpuError> {
+            o.adamw(t.params.ptr(), g.ptr(), m.ptr(), v.ptr(), t.params.len, &coef)?;
+            if let Some((decay, e)) = &t.ema {
+                o.ema(e.ptr(), t.params.ptr(), *decay, t.params.len)?;
+            }
+            t.refresh(&gpu, dt)?;
+            gpu.zero(g.ptr(), g.len * 4)
+        };
+        run().map_err(gerr("optimizer step"))
+    }
+
+    fn discard(&mut self) -> Result<(), EngineError> {
+        if let Some(g) = self.trained.as_ref().and_then(|t| t.grads.as_ref()) {
+            self.gpu.zero(g.ptr(), g.len * 4).map_err(gerr("discard gradients"))?;
+        }
+        self.take_acc().map_err(gerr("discard gradients"))?;
+        Ok(())
+    }
+
+    fn loss(&mut self, batch: &HostBatch) -> Result<f64, EngineError> {
+        let bt = self.upload(batch)?;
+        self.take_acc().map_err(gerr("evaluate"))?;
+        self.pass(&bt, None).map_err(|e| oom_or(e, "evaluating", bt.b, bt.t))?;
+        Ok(self.take_acc().map_err(gerr("evaluate"))?.0)
+    }
+
+    fn next_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if ids.is_empty() {
+            return Err(EngineError::Unsupported("generation needs at least one prompt token".into()));
+        }
+        self.last_logits(ids)
+    }
+
+    fn state(&self) -> Result<EngineState, EngineError> {
+        let t = self.trained.as_ref().ok_or_else(|| EngineError::Unsupported("nothing trains".into()))?;
+        let (m, v) = (t.m.as_ref(), t.v.as_ref());
+        let (Some(m), Some(v)) = (m, v) else {
+            return Err(EngineError::Unsupported("this engine was built for evaluation".into()));
+        };
+        Ok(EngineState {
+            params: t.named(&t.params)?,
+            ema: t.ema.as_ref().map(|(_, e)| t.named(e)).transpose()?,
+            m: t.named(m)?,
+            v: t.named(v)?,
+            optimizer_step: t.opt_step,
+        })
+    }
+
+    fn restore(&mut self, s: &EngineState) -> Result<(), EngineError> {
+        let (gpu, dt) = (self.gpu.clone(), self.dt);
+        let t = self.trained.as_mut().ok_or_else(|| EngineError::Unsupported("nothing trains".into()))?;
+        t.load(&t.params, &s.params, "parameter")?;
+        if let Some(m) = &t.m {
+            t.load(m, &s.m, "optimizer state")?;
+        }
+        if let Some(v) = &t.v {
+            t.load(v, &s.v, "optimizer state")?;
+        }
+        if let (Some((_, e)), Some(saved)) = (&t.ema, &s.ema) {
+            t.load(e, saved, "EMA value")?;
+        }
+        t.opt_step = s.optimizer_step;
+        t.refresh(&gpu, dt).map_err(gerr("restore a checkpoint"))
+    }
+
+    fn gradient_values(&self) -> Result<BTreeMap<String, Tensor>, EngineError> {
+        match self.trained.as_ref().and_then(|t| t.grads.as_ref().map(|g| (t, g))) {
+            None => Ok(BTreeMap::new()),
+            Some((t, g)) => t.named(g),
+        }
+    }
+
+    fn trained(&self) -> Result<BTreeMap<String, Tensor>, EngineError> {
+        match &self.trained {
+            None => Ok(BTreeMap::new()),
+            Some(t) => t.named(t.ema.as_ref().map_or(&t.params, |(_, e)| e)),
+        }
+    }
+
+    fn peak_memory(&self) -> Option<u64> {
+        Some(self.gpu.memory().peak_used)
+    }
+
+    fn memory_estimate(&self, rows: usize, seq: usize, checkpointing: bool) -> Option<(u64, u64)> {
+        let n = rows * seq;
+        let fixed = self.fixed_bytes();
+        Some((fixed + self.activation_bytes(n, checkpointing) + self.transient_bytes(n), self.gpu.memory().total))
+    }
+
+    fn checkpointing(&self) -> bool {
+        self.checkpointing
+    }
+}

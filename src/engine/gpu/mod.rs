@@ -1,0 +1,70 @@
+//! The GPU engine: LoRA training and evaluation as an explicit forward and backward pass over
+//! device buffers, the GPU counterpart of the fused CPU engine ([`crate::model::fused`]).
+//!
+//! - `kernels.cu` holds every kernel but the matrix products: RMSNorm, rotary embeddings,
+//!   SiLU gating, dropout from a counter-based generator, cross-entropy, AdamW, and attention
+//!   (FlashAttention-2's structure on tensor cores for bf16/f16 with head size 64 or 128, a scalar
+//!   reference kernel otherwise). Attention keeps only each row's log-sum-exp; the backward pass
+//!   recomputes probabilities, so memory never grows with t².
+//! - Frozen and adapter products go to the device's GEMM (cuBLAS) with f32 accumulation; frozen
+//!   weights get no gradient, residual adds and adapter outputs accumulate into the products'
+//!   outputs.
+//! - Activation checkpointing per decoder layer ([`super::Checkpointing`]); the LM head and loss
+//!   run in chunks of selected positions; trained parameters, gradients and AdamW moments are
+//!   flat f32 buffers updated by one kernel per step.
+//!
+//! [`device::Gpu`] is the device seam: [`cuda::CudaGpu`] drives NVIDIA GPUs (feature `cuda`);
+//! the tests drive the same engine on the CPU emulator of `kernels.cu` (crates/gpu-emu).
+
+pub mod device;
+mod engine;
+pub mod ops;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+pub use device::{Arg, Buf, Dt, Gemm, Gpu, GpuError, Memory};
+pub use engine::GpuEngine;
+
+use crate::device::{DeviceClass, Resolution};
+use crate::model::{ModelConfig, Trainable};
+
+/// Why the GPU engine cannot run `trainable` of this model on `device`, or `None` when it can.
+pub fn unsupported(cfg: &ModelConfig, trainable: &Trainable, device: &Resolution) -> Option<String> {
+    if device.class != DeviceClass::Cuda {
+        return Some(format!("the GPU engine runs on CUDA devices, not {}", device.class.as_str()));
+    }
+    if !cfg!(feature = "cuda") {
+        return Some("this build has no CUDA support".into());
+    }
+    model_unsupported(cfg, trainable)
+}
+
+/// Why the GPU engine cannot run `trainable` of this model on any device.
+pub fn model_unsupported(cfg: &ModelConfig, trainable: &Trainable) -> Option<String> {
+    if let Trainable::Weights(_) = trainable {
+        return Some("the GPU engine trains LoRA adapters; base weights train on candle's autograd".into());
+    }
+    if !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > 256 {
+        return Some(format!("the GPU engine's attention takes even head sizes up to 256, not {}", cfg.head_dim));
+    }
+    if cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
+        return Some("the number of attention heads is not a multiple of the key/value heads".into());
+    }
+    None
+}
+
+/// The GPU engine on the device `setup` names.
+pub fn build(setup: &super::Setup<'_>) -> Result<Box<dyn super::Engine>, super::EngineError> {
+    #[cfg(feature = "cuda")]
+    {
+        let gpu = cuda::CudaGpu::new(setup.device.ordinal, setup.tf32)
+            .map_err(|source| super::EngineError::Gpu { context: "cannot open the CUDA device".into(), source })?;
+        Ok(Box::new(GpuEngine::new(std::rc::Rc::new(gpu), setup)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = setup;
+        Err(super::EngineError::Unsupported("this build has no CUDA support (build with `--features cuda`)".into()))
+    }
+}

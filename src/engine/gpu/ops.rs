@@ -1,0 +1,300 @@
+//! One method per kernel of kernels.cu: its launch shape and argument order live here and
+//! nowhere else. Pointers are raw device addresses; the compute dtype picks the kernel variant.
+// The methods mirror the kernels' signatures, argument for argument.
+#![allow(clippy::too_many_arguments)]
+
+use super::device::{Arg, Dt, Gemm, Gpu, GpuError};
+
+type R = Result<(), GpuError>;
+
+const BLOCK: u32 = 256;
+/// Threads per block of the row kernels (norms, cross-entropy).
+const ROW_BLOCK: u32 = 256;
+/// Threads per block of the attention kernels (4 warps).
+const ATT_BLOCK: u32 = 128;
+/// Query (or key) rows per block: 4 in the scalar kernels, 64 in the tensor-core ones.
+const ATT_ROWS: usize = 4;
+const MMA_ROWS: usize = 64;
+
+fn grid(n: usize) -> [u32; 3] {
+    [n.div_ceil(BLOCK as usize).clamp(1, 16384) as u32, 1, 1]
+}
+
+fn i(v: usize) -> Arg {
+    Arg::I32(i32::try_from(v).expect("sizes fit in i32 (checked when the batch is built)"))
+}
+
+/// The kernels of one compute dtype on one device.
+#[derive(Clone, Copy)]
+pub struct Ops<'g> {
+    pub gpu: &'g dyn Gpu,
+    pub dt: Dt,
+}
+
+/// The shape of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub b: usize,
+    pub t: usize,
+    pub hq: usize,
+    pub hk: usize,
+    pub d: usize,
+    pub scale: f32,
+    /// Use the tensor-core kernels where they exist (else the scalar reference kernels).
+    pub tensor_cores: bool,
+}
+
+impl AttnShape {
+    /// Tensor-core kernels exist for bf16/f16 with these head sizes.
+    pub fn has_tensor_cores(dt: Dt, d: usize) -> bool {
+        matches!(dt, Dt::Bf16 | Dt::F16) && matches!(d, 64 | 128)
+    }
+
+    fn mma(&self, dt: Dt) -> bool {
+        self.tensor_cores && Self::has_tensor_cores(dt, self.d)
+    }
+}
+
+/// `RTUNE_GPU_ATTENTION=scalar` runs the reference attention kernels instead of the tensor-core
+/// ones (to compare the two).
+pub fn force_scalar_attention() -> bool {
+    static FORCE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCE.get_or_init(|| std::env::var("RTUNE_GPU_ATTENTION").is_ok_and(|v| v == "scalar"))
+}
+
+impl Ops<'_> {
+    fn k(&self, name: &str) -> String {
+        format!("{name}_{}", self.dt.suffix())
+    }
+
+    fn run(&self, name: &str, n: usize, args: &[Arg]) -> R {
+        self.gpu.launch(&self.k(name), grid(n), BLOCK, args)
+    }
+
+    /// `C (m × n, ld n) = alpha · op(A) · op(B) + beta · C`, A and B in the compute dtype.
+    pub fn gemm(
+        &self,
+        c: u64,
+        c_dt: Dt,
+        a: u64,
+        a_trans: bool,
+        b: u64,
+        b_trans: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        beta: f32,
+    ) -> R {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        self.gpu.gemm(&Gemm {
+            m,
+            n,
+            k,
+            a,
+            a_trans,
+            lda: if a_trans { m } else { k },
+            b,
+            b_trans,
+            ldb: if b_trans { k } else { n },
+            c,
+            ldc: n,
+            alpha,
+            beta,
+            ab: self.dt,
+            c_dt,
+        })
+    }
+
+    pub fn embed(&self, ids: u64, table: u64, out: u64, n: usize, h: usize) -> R {
+        self.run("embed", n * h, &[Arg::Ptr(ids), Arg::Ptr(table), Arg::Ptr(out), i(n), i(h)])
+    }
+
+    pub fn gather_rows(&self, src: u64, idx: u64, dst: u64, rows: usize, width: usize) -> R {
+        self.run("gather_rows", rows * width, &[Arg::Ptr(src), Arg::Ptr(idx), Arg::Ptr(dst), i(rows), i(width)])
+    }
+
+    pub fn scatter_add_rows(&self, src: u64, idx: u64, dst: u64, rows: usize, width: usize) -> R {
+        self.run("scatter_add_rows", rows * width, &[Arg::Ptr(src), Arg::Ptr(idx), Arg::Ptr(dst), i(rows), i(width)])
+    }
+
+    pub fn add_bias(&self, y: u64, bias: u64, rows: usize, width: usize) -> R {
+        self.run("add_bias", rows * width, &[Arg::Ptr(y), Arg::Ptr(bias), i(rows), i(width)])
+    }
+
+    pub fn cast_from_f32(&self, src: u64, dst: u64, n: usize) -> R {
+        self.run("cast_from_f32", n, &[Arg::Ptr(src), Arg::Ptr(dst), i(n)])
+    }
+
+    pub fn rmsnorm_fwd(&self, x: u64, w: u64, y: u64, inv: u64, n: usize, h: usize, eps: f32) -> R {
+        let args = [Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::Ptr(inv), i(h), Arg::F32(eps)];
+        self.gpu.launch(&self.k("rmsnorm_fwd"), [n as u32, 1, 1], ROW_BLOCK, &args)
+    }
+
+    pub fn rmsnorm_apply(&self, x: u64, inv: u64, w: u64, y: u64, n: usize, h: usize) -> R {
+        self.run("rmsnorm_apply", n * h, &[Arg::Ptr(x), Arg::Ptr(inv), Arg::Ptr(w), Arg::Ptr(y), i(n), i(h)])
+    }
+
+    pub fn rmsnorm_bwd(&self, x: u64, inv: u64, w: u64, dy: u64, dx: u64, n: usize, h: usize, accumulate: bool) -> R {
+        let args =
+            [Arg::Ptr(x), Arg::Ptr(inv), Arg::Ptr(w), Arg::Ptr(dy), Arg::Ptr(dx), i(h), Arg::I32(accumulate as i32)];
+        self.gpu.launch(&self.k("rmsnorm_bwd"), [n as u32, 1, 1], ROW_BLOCK, &args)
+    }
+
+    pub fn rope(&self, x: u64, pos: u64, cos: u64, sin: u64, n: usize, heads: usize, d: usize, inverse: bool) -> R {
+        let args =
+            [Arg::Ptr(x), Arg::Ptr(pos), Arg::Ptr(cos), Arg::Ptr(sin), i(n), i(heads), i(d), Arg::I32(inverse as i32)];
+        self.run("rope", n * heads * d / 2, &args)
+    }
+
+    pub fn swiglu(&self, g: u64, u: u64, a: u64, n: usize) -> R {
+        self.run("swiglu", n, &[Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(a), i(n)])
+    }
+
+    pub fn swiglu_bwd(&self, g: u64, u: u64, da: u64, dg: u64, du: u64, n: usize) -> R {
+        self.run("swiglu_bwd", n, &[Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(da), Arg::Ptr(dg), Arg::Ptr(du), i(n)])
+    }
+
+    /// `y = x ⊙ mask` (inverted dropout; `y` may be `x`) for elements `offset ..` of the
+    /// adapter's whole input.
+    pub fn dropout(&self, x: u64, y: u64, key: u64, offset: usize, p: f64, n: usize) -> R {
+        let (threshold, scale) = crate::model::lora::dropout_params(p);
+        let args = [
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+            Arg::U64(key),
+            Arg::U64(offset as u64),
+            Arg::U32(threshold),
+            Arg::F32(scale),
+            i(n),
+        ];
+        self.run("dropout", n, &args)
+    }
+
+    /// `dst += src ⊙ mask`.
+    pub fn dropout_acc(&self, src: u64, dst: u64, key: u64, offset: usize, p: f64, n: usize) -> R {
+        let (threshold, scale) = crate::model::lora::dropout_params(p);
+        let args = [
+            Arg::Ptr(src),
+            Arg::Ptr(dst),
+            Arg::U64(key),
+            Arg::U64(offset as u64),
+            Arg::U32(threshold),
+            Arg::F32(scale),
+            i(n),
+        ];
+        self.run("dropout_acc", n, &args)
+    }
+
+    pub fn cross_entropy(&self, logits: u64, targets: u64, loss: u64, rows: usize, vocab: usize, grad_scale: f32) -> R {
+        let args = [Arg::Ptr(logits), Arg::Ptr(targets), Arg::Ptr(loss), i(vocab), Arg::F32(grad_scale)];
+        self.gpu.launch(&self.k("cross_entropy"), [rows as u32, 1, 1], 512, &args)
+    }
+
+    /// `out[0] += weight · Σ x` in f64.
+    pub fn sum_scaled(&self, x: u64, n: usize, weight: f32, out: u64) -> R {
+        self.gpu.launch("sum_scaled", grid(n), BLOCK, &[Arg::Ptr(x), i(n), Arg::F32(weight), Arg::Ptr(out)])
+    }
+
+    /// `out[0] += Σ x²` in f64.
+    pub fn sum_squares(&self, x: u64, n: usize, out: u64) -> R {
+        self.gpu.launch("sum_squares", grid(n), BLOCK, &[Arg::Ptr(x), i(n), Arg::Ptr(out)])
+    }
+
+    /// `e = e·decay + w·(1 − decay)`, both coefficients rounded from f64 as candle rounds them.
+    pub fn ema(&self, e: u64, w: u64, decay: f64, n: usize) -> R {
+        let args = [Arg::Ptr(e), Arg::Ptr(w), Arg::F32(decay as f32), Arg::F32((1.0 - decay) as f32), i(n)];
+        self.gpu.launch("ema", grid(n), BLOCK, &args)
+    }
+
+    /// AdamW over `n` f32 values; `c` holds the step's coefficients.
+    pub fn adamw(&self, w: u64, g: u64, m: u64, v: u64, n: usize, c: &AdamWCoefficients) -> R {
+        let args = [
+            Arg::Ptr(w),
+            Arg::Ptr(g),
+            Arg::Ptr(m),
+            Arg::Ptr(v),
+            i(n),
+            Arg::F32(c.decay),
+            Arg::F32(c.one_minus_b1),
+            Arg::F32(c.b2),
+            Arg::F32(c.one_minus_b2),
+            Arg::F32(c.step_size),
+            Arg::F32(c.bc2_sqrt),
+            Arg::F32(c.eps),
+            Arg::F32(c.grad_scale),
+        ];
+        self.gpu.launch("adamw", grid(n), BLOCK, &args)
+    }
+
+    /// Attention forward: `o` and the log-sum-exp of every row.
+    pub fn attn_fwd(&self, s: &AttnShape, q: u64, k: u64, v: u64, o: u64, lse: u64, lo: u64, hi: u64) -> R {
+        let ptrs = [q, k, v, o, lse, lo, hi].map(Arg::Ptr);
+        let dims = [i(s.t), i(s.hq), i(s.hk)];
+        if s.mma(self.dt) {
+            let name = format!("attn_fwd_mma_{}_{}", self.dt.suffix(), s.d);
+            let grid = [s.t.div_ceil(MMA_ROWS) as u32, s.hq as u32, s.b as u32];
+            let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([Arg::F32(s.scale)]).collect();
+            return self.gpu.launch(&name, grid, ATT_BLOCK, &args);
+        }
+        let grid = [s.t.div_ceil(ATT_ROWS) as u32, s.hq as u32, s.b as u32];
+        let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([i(s.d), Arg::F32(s.scale)]).collect();
+        self.gpu.launch(&self.k("attn_fwd"), grid, ATT_BLOCK, &args)
+    }
+
+    /// Attention backward: `delta` (scratch, `[b, hq, t]` f32) and the gradients of q, k and v.
+    pub fn attn_bwd(
+        &self,
+        s: &AttnShape,
+        q: u64,
+        k: u64,
+        v: u64,
+        o: u64,
+        dout: u64,
+        lse: u64,
+        delta: u64,
+        dq: u64,
+        dk: u64,
+        dv: u64,
+        lo: u64,
+        hi: u64,
+    ) -> R {
+        let pre_grid = [s.t.div_ceil(ATT_ROWS) as u32, s.hq as u32, s.b as u32];
+        let pre = [Arg::Ptr(o), Arg::Ptr(dout), Arg::Ptr(delta), i(s.t), i(s.hq), i(s.d)];
+        self.gpu.launch(&self.k("attn_bwd_pre"), pre_grid, ATT_BLOCK, &pre)?;
+        let dims = [i(s.t), i(s.hq), i(s.hk)];
+        let dq_args = [q, k, v, dout, lse, delta, dq, lo, hi].map(Arg::Ptr);
+        let dkv_args = [q, k, v, dout, lse, delta, dk, dv, lo, hi].map(Arg::Ptr);
+        if s.mma(self.dt) {
+            let suffix = format!("{}_{}", self.dt.suffix(), s.d);
+            let tail = [Arg::F32(s.scale)];
+            let a: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
+            let grid = [s.t.div_ceil(MMA_ROWS) as u32, s.hq as u32, s.b as u32];
+            self.gpu.launch(&format!("attn_bwd_dq_mma_{suffix}"), grid, ATT_BLOCK, &a)?;
+            let a: Vec<Arg> = dkv_args.into_iter().chain(dims).chain(tail).collect();
+            let grid = [s.t.div_ceil(MMA_ROWS) as u32, s.hk as u32, s.b as u32];
+            return self.gpu.launch(&format!("attn_bwd_dkv_mma_{suffix}"), grid, ATT_BLOCK, &a);
+        }
+        let tail = [i(s.d), Arg::F32(s.scale)];
+        let a: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
+        self.gpu.launch(&self.k("attn_bwd_dq"), pre_grid, ATT_BLOCK, &a)?;
+        let a: Vec<Arg> = dkv_args.into_iter().chain(dims).chain(tail).collect();
+        let grid = [s.t.div_ceil(ATT_ROWS) as u32, s.hk as u32, s.b as u32];
+        self.gpu.launch(&self.k("attn_bwd_dkv"), grid, ATT_BLOCK, &a)
+    }
+}
+
+/// One AdamW step's coefficients, computed in f64 and rounded once, as src/train/optim.rs does.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWCoefficients {
+    pub decay: f32,
+    pub one_minus_b1: f32,
+    pub b2: f32,
+    pub one_minus_b2: f32,
+    pub step_size: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+    pub grad_scale: f32,
+}

@@ -1,0 +1,340 @@
+//! Training engines behind one interface. The model definition (config, weights and their
+//! names, LoRA, attention layout, rotary tables) lives in [`crate::model`]; an engine computes
+//! losses and gradients of that model on one kind of device and owns the trained parameters and
+//! their optimizer state while a stage runs:
+//!
+//! - [`candle::CandleEngine`]: candle's ops and autograd — any candle device, dtype and
+//!   trainable set (the reference the others are checked against); on the CPU in f32 with LoRA
+//!   it runs [`crate::model::fused`], rtune's fused CPU engine, instead;
+//! - [`gpu::GpuEngine`]: an explicit forward and backward pass of LoRA training over device
+//!   buffers — fused kernels (`gpu/kernels.cu`), tensor-core attention that never stores
+//!   probabilities, activation checkpointing, the LM head and loss in chunks, AdamW on device —
+//!   on NVIDIA GPUs through CUDA (`--features cuda`).
+//!
+//! [`build`] picks one for a device and trainable set; the training loop
+//! ([`crate::train`]), evaluation and exports only talk to the [`Engine`] trait. The loop's
+//! "gradients are ready" point is between [`Engine::accumulate`] and [`Engine::apply`], where a
+//! data-parallel run would all-reduce.
+
+pub mod candle;
+pub mod gpu;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::Tensor;
+
+use crate::device::{DeviceClass, Resolution};
+use crate::model::transformer::{AttentionLayout, attention_layout};
+use crate::model::{ModelConfig, ModelFolder, Trainable};
+use crate::train::optim::AdamWConfig;
+
+/// One micro-batch as the host prepares it: padded token ids, the attention structure, and the
+/// positions whose next token the loss counts. No device data: engines upload what they need
+/// on the thread that runs them.
+#[derive(Debug, Clone)]
+pub struct HostBatch {
+    pub b: usize,
+    pub t: usize,
+    /// `[b, t]` token ids, 0 after each row's end.
+    pub ids: Vec<u32>,
+    pub lens: Vec<usize>,
+    pub layout: AttentionLayout,
+    /// Flattened `[b·t]` positions whose next token is a target, ascending.
+    pub select: Vec<u32>,
+    pub targets: Vec<u32>,
+    /// Real (non-padding) tokens.
+    pub tokens: usize,
+}
+
+impl HostBatch {
+    /// Rows of token ids with their packed-document indices and loss masks: position `j` is
+    /// selected when token `j + 1` is a target (`mask[j + 1] == 1`) of the same document.
+    pub fn new(rows: &[(&[u32], &[u16], &[u8])]) -> HostBatch {
+        let b = rows.len();
+        let t = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
+        let mut ids = vec![0u32; b * t];
+        let (mut select, mut targets) = (Vec::new(), Vec::new());
+        for (r, (row, seg, mask)) in rows.iter().enumerate() {
+            ids[r * t..r * t + row.len()].copy_from_slice(row);
+            for j in 1..row.len() {
+                if mask[j] == 1 && seg[j] == seg[j - 1] {
+                    select.push((r * t + j - 1) as u32);
+                    targets.push(row[j]);
+                }
+            }
+        }
+        let lens: Vec<usize> = rows.iter().map(|r| r.0.len()).collect();
+        let segs: Vec<Vec<u16>> = rows.iter().map(|r| r.1.to_vec()).collect();
+        let layout = attention_layout(t, &lens, Some(&segs));
+        let tokens = lens.iter().sum();
+        HostBatch { b, t, ids, lens, layout, select, targets, tokens }
+    }
+
+    /// A batch of padded rows with explicit selected positions (tests, self-checks).
+    pub fn from_parts(
+        rows: &[Vec<u32>],
+        lens: &[usize],
+        segments: Option<&[Vec<u16>]>,
+        select: Vec<u32>,
+        targets: Vec<u32>,
+    ) -> HostBatch {
+        let b = rows.len();
+        let t = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ids = vec![0u32; b * t];
+        for (r, row) in rows.iter().enumerate() {
+            ids[r * t..r * t + row.len()].copy_from_slice(row);
+        }
+        let layout = attention_layout(t, lens, segments);
+        HostBatch { b, t, ids, lens: lens.to_vec(), layout, select, targets, tokens: lens.iter().sum() }
+    }
+
+    /// The rows as candle's [`crate::model::Batch`] expects them (unpadded ids per row).
+    pub fn rows(&self) -> Vec<Vec<u32>> {
+        (0..self.b).map(|r| self.ids[r * self.t..r * self.t + self.lens[r].min(self.t)].to_vec()).collect()
+    }
+}
+
+/// Trained parameters and optimizer state, on the host, by parameter name (checkpoints).
+#[derive(Debug, Clone)]
+pub struct EngineState {
+    pub params: BTreeMap<String, Tensor>,
+    pub ema: Option<BTreeMap<String, Tensor>>,
+    pub m: BTreeMap<String, Tensor>,
+    pub v: BTreeMap<String, Tensor>,
+    pub optimizer_step: u64,
+}
+
+/// What an engine does for training, evaluation and generation.
+pub trait Engine {
+    /// `fused CPU engine`, `candle autograd`, `GPU engine (NVIDIA H100 80GB HBM3, bf16)`.
+    fn describe(&self) -> String;
+
+    /// Trained values (parameters), 0 when nothing trains.
+    fn trained_count(&self) -> usize;
+
+    /// Forward and backward pass of one micro-batch: adds the gradients of
+    /// `loss_scale × weight × loss` (the batch's mean loss) to the step's, and `weight × loss` to
+    /// the step's loss. `loss_scale` keeps f16 gradients from underflowing (1 otherwise);
+    /// `dropout` is the micro-batch's dropout key ([`crate::model::lora::batch_dropout_key`]).
+    fn accumulate(
+        &mut self,
+        batch: &HostBatch,
+        weight: f64,
+        loss_scale: f64,
+        dropout: Option<u64>,
+    ) -> Result<(), EngineError>;
+
+    /// The step's weighted loss and the global norm of its (loss-scaled) gradients, once its
+    /// micro-batches are in.
+    fn gradients(&mut self) -> Result<(f64, f64), EngineError>;
+
+    /// AdamW with learning rate `lr` on the gradients times `grad_scale` (clipping over the loss
+    /// scale), then the EMA update; clears the step's gradients.
+    fn apply(&mut self, lr: f64, grad_scale: f64) -> Result<(), EngineError>;
+
+    /// Clear the step's gradients without an update (a skipped step).
+    fn discard(&mut self) -> Result<(), EngineError>;
+
+    /// Mean loss of a batch's selected positions, no gradients.
+    fn loss(&mut self, batch: &HostBatch) -> Result<f64, EngineError>;
+
+    /// f32 logits of the token after `ids` (generation). Consecutive calls whose `ids` extend
+    /// the previous call's may reuse work.
+    fn next_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>, EngineError>;
+
+    /// Parameters, EMA and optimizer state for a checkpoint.
+    fn state(&self) -> Result<EngineState, EngineError>;
+
+    /// Continue from a checkpoint's state.
+    fn restore(&mut self, state: &EngineState) -> Result<(), EngineError>;
+
+    /// The gradients accumulated since the last step, f32 by parameter name (tests and
+    /// diagnostics).
+    fn gradient_values(&self) -> Result<BTreeMap<String, Tensor>, EngineError>;
+
+    /// The trained values to export: the EMA weights when kept, else the parameters.
+    fn trained(&self) -> Result<BTreeMap<String, Tensor>, EngineError>;
+
+    /// Peak device memory held by this engine's allocations, where the device reports it.
+    fn peak_memory(&self) -> Option<u64> {
+        None
+    }
+
+    /// Estimated device bytes of a training step of `rows × seq` tokens with or without
+    /// activation checkpointing, and the device's total, where the engine models its memory.
+    fn memory_estimate(&self, _rows: usize, _seq: usize, _checkpointing: bool) -> Option<(u64, u64)> {
+        None
+    }
+
+    /// Whether decoder layers recompute their activations in the backward pass.
+    fn checkpointing(&self) -> bool {
+        false
+    }
+}
+
+/// Why an engine failed.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum EngineError {
+    #[error("{context}")]
+    #[diagnostic(code(rtune::engine::compute))]
+    Candle {
+        context: String,
+        #[source]
+        source: candle_core::Error,
+    },
+    #[error("{context}: {source}")]
+    #[diagnostic(code(rtune::engine::device))]
+    Gpu {
+        context: String,
+        #[source]
+        source: gpu::GpuError,
+    },
+    #[error("the GPU ran out of memory while {context} (batch {batch} × {seq} tokens)")]
+    #[diagnostic(code(rtune::engine::out_of_memory))]
+    OutOfMemory { context: String, batch: usize, seq: usize, requested: u64, free: u64, total: u64 },
+    #[error("{0}")]
+    #[diagnostic(code(rtune::engine::unsupported))]
+    Unsupported(String),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Model(#[from] crate::model::ModelError),
+}
+
+impl EngineError {
+    pub fn candle(context: impl Into<String>) -> impl FnOnce(candle_core::Error) -> EngineError {
+        let context = context.into();
+        move |source| EngineError::Candle { context, source }
+    }
+}
+
+/// Which engine runs a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// [`crate::model::fused`] on the CPU.
+    Fused,
+    /// candle's ops and autograd.
+    Candle,
+    /// [`gpu::GpuEngine`].
+    Gpu,
+}
+
+impl EngineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::Fused => "fused",
+            EngineKind::Candle => "candle",
+            EngineKind::Gpu => "gpu",
+        }
+    }
+}
+
+/// Activation checkpointing (recompute each decoder layer's activations in the backward pass
+/// instead of keeping them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Checkpointing {
+    On,
+    Off,
+    /// On when the estimated activations would not fit in free device memory.
+    Auto,
+}
+
+/// Everything an engine is built from.
+pub struct Setup<'a> {
+    pub folder: &'a ModelFolder,
+    pub trainable: Trainable,
+    /// Seeds LoRA initialisation.
+    pub seed: u64,
+    pub device: &'a Resolution,
+    /// None: evaluation only.
+    pub optimizer: Option<AdamWConfig>,
+    pub ema_decay: Option<f64>,
+    pub checkpointing: Checkpointing,
+    /// A train stage's output to start from: a PEFT adapter folder (with a LoRA trainable), or
+    /// a folder with `weights.safetensors` replacing base weights.
+    pub trained: Option<&'a Path>,
+    /// The largest batch the engine will see, `(rows, tokens per row)` (memory planning).
+    pub max_batch: (usize, usize),
+    /// Use TF32 tensor cores for f32 products (CUDA).
+    pub tf32: bool,
+}
+
+/// The engine `RTUNE_ENGINE` asks for, if any (it changes the last bits of results, so plans
+/// fingerprint it).
+pub fn requested() -> Option<String> {
+    std::env::var("RTUNE_ENGINE").ok().filter(|e| !e.is_empty() && e != "auto")
+}
+
+/// The engine for `trainable` on `device`: the GPU engine on CUDA and the fused engine on the CPU
+/// in f32 where they support the model, else candle's autograd. `RTUNE_ENGINE=candle|fused|gpu`
+/// asks for one (to compare engines); asking for one that cannot run the model is an error.
+pub fn choose(cfg: &ModelConfig, trainable: &Trainable, device: &Resolution) -> Result<EngineKind, EngineError> {
+    let adapters_only = matches!(trainable, Trainable::Nothing | Trainable::Lora(_));
+    let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32 && adapters_only;
+    let gpu_why = gpu::unsupported(cfg, trainable, device);
+    match requested().as_deref() {
+        None => {}
+        Some("candle") => return Ok(EngineKind::Candle),
+        Some("fused") if fused_ok => return Ok(EngineKind::Fused),
+        Some("fused") => {
+            return Err(EngineError::Unsupported(
+                "RTUNE_ENGINE=fused: the fused CPU engine trains LoRA adapters in f32 on the CPU".into(),
+            ));
+        }
+        Some("gpu") => {
+            return match gpu_why {
+                None => Ok(EngineKind::Gpu),
+                Some(why) => Err(EngineError::Unsupported(format!("RTUNE_ENGINE=gpu: {why}"))),
+            };
+        }
+        Some(other) => {
+            return Err(EngineError::Unsupported(format!(
+                "RTUNE_ENGINE=`{other}` is not an engine (auto, candle, fused or gpu)"
+            )));
+        }
+    }
+    Ok(if gpu_why.is_none() {
+        EngineKind::Gpu
+    } else if fused_ok {
+        EngineKind::Fused
+    } else {
+        EngineKind::Candle
+    })
+}
+
+/// Build the engine [`choose`] picks.
+pub fn build(setup: &Setup<'_>) -> Result<Box<dyn Engine>, EngineError> {
+    match choose(&setup.folder.config, &setup.trainable, setup.device)? {
+        EngineKind::Gpu => gpu::build(setup),
+        kind => Ok(Box::new(candle::CandleEngine::build(setup, kind == EngineKind::Fused)?)),
+    }
+}
+
+/// Token-weighted mean loss over (at most `max_batches` batches of) a split, and the number of
+/// positions it counted.
+pub fn evaluate(
+    engine: &mut dyn Engine,
+    store: &crate::data::TokenStore,
+    batch_size: usize,
+    max_batches: u64,
+) -> Result<(f64, usize), EngineError> {
+    let (mut sum, mut n) = (0f64, 0usize);
+    let idx: Vec<usize> = (0..store.len()).collect();
+    for (b, chunk) in idx.chunks(batch_size.max(1)).enumerate() {
+        if max_batches > 0 && b as u64 >= max_batches {
+            break;
+        }
+        let rows: Vec<_> = chunk.iter().map(|&i| store.row(i)).collect();
+        let parts: Vec<(&[u32], &[u16], &[u8])> =
+            rows.iter().map(|r| (r.ids.as_slice(), r.seg.as_slice(), r.mask.as_slice())).collect();
+        let batch = HostBatch::new(&parts);
+        if batch.select.is_empty() {
+            continue;
+        }
+        let loss = engine.loss(&batch)?;
+        sum += loss * batch.select.len() as f64;
+        n += batch.select.len();
+    }
+    Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n))
+}

@@ -1,0 +1,750 @@
+//! The GPU engine (src/engine/gpu) on every device this machine has: always the CPU emulator of
+//! its kernels (crates/gpu-emu), and with `--features cuda` on a machine with an NVIDIA GPU the
+//! GPU too. Each kernel is checked against a plain Rust reference on random inputs, and the
+//! engine against candle's autograd (the reference every engine answers to) on the model tests'
+//! fixtures: loss, every gradient, AdamW steps, checkpoints and generation.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use candle_core::{Device, Tensor};
+use rtune::device::{DeviceClass, Resolution};
+use rtune::engine::candle::CandleEngine;
+use rtune::engine::gpu::ops::{AttnShape, Ops};
+use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, Gpu, GpuEngine, GpuError, Memory};
+use rtune::engine::{Checkpointing, Engine, HostBatch, Setup};
+use rtune::model::{LoraSpec, ModelFolder, Trainable, peft};
+use rtune::recipe::Dtype;
+use rtune::rng::Rng;
+use rtune::train::optim::AdamWConfig;
+
+// ---------------------------------------------------------------------------------------------
+// The emulator as a `Gpu`: host memory, kernels through rtune-gpu-emu, products in plain loops.
+
+#[derive(Default)]
+struct EmuGpu {
+    allocs: RefCell<HashMap<u64, Vec<u64>>>,
+    live: Cell<u64>,
+    peak: Cell<u64>,
+}
+
+fn load(dt: Dt, p: u64, i: usize) -> f32 {
+    // SAFETY: `p` addresses a live emulator allocation holding element `i` (callers' shapes).
+    unsafe {
+        match dt {
+            Dt::F32 => *(p as *const f32).add(i),
+            Dt::Bf16 => half::bf16::from_bits(*(p as *const u16).add(i)).to_f32(),
+            Dt::F16 => half::f16::from_bits(*(p as *const u16).add(i)).to_f32(),
+            _ => unreachable!(),
+        }
+    }
+}
+
+fn store(dt: Dt, p: u64, i: usize, v: f32) {
+    // SAFETY: as in `load`.
+    unsafe {
+        match dt {
+            Dt::F32 => *(p as *mut f32).add(i) = v,
+            Dt::Bf16 => *(p as *mut u16).add(i) = half::bf16::from_f32(v).to_bits(),
+            Dt::F16 => *(p as *mut u16).add(i) = half::f16::from_f32(v).to_bits(),
+            _ => unreachable!(),
+        }
+    }
+}
+
+impl Gpu for EmuGpu {
+    fn name(&self) -> String {
+        "CPU emulator".into()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
+        let v = vec![0x7ff8_0000_7fc0_0000u64; bytes.div_ceil(8).max(1)]; // NaN-poisoned
+        let p = v.as_ptr() as u64;
+        self.allocs.borrow_mut().insert(p, v);
+        self.live.set(self.live.get() + bytes as u64);
+        self.peak.set(self.peak.get().max(self.live.get()));
+        Ok(p)
+    }
+
+    fn free(&self, ptr: u64) {
+        if let Some(v) = self.allocs.borrow_mut().remove(&ptr) {
+            self.live.set(self.live.get().saturating_sub(v.len() as u64 * 8));
+        }
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), GpuError> {
+        // SAFETY: `dst` is a live allocation of at least `src.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+        // SAFETY: as in `upload`.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError> {
+        // SAFETY: as in `upload`.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    fn zero(&self, dst: u64, bytes: usize) -> Result<(), GpuError> {
+        // SAFETY: as in `upload`.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
+        Ok(())
+    }
+
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        let mut values: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) | Arg::U64(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::U32(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut _).collect();
+        // SAFETY: ops.rs passes each kernel its signature's arguments; pointers are live.
+        unsafe { rtune_gpu_emu::launch(kernel, grid, block, &mut params) }.map_err(GpuError::Device)
+    }
+
+    fn gemm(&self, g: &Gemm) -> Result<(), GpuError> {
+        let a = |i: usize, l: usize| load(g.ab, g.a, if g.a_trans { l * g.lda + i } else { i * g.lda + l });
+        let b = |l: usize, j: usize| load(g.ab, g.b, if g.b_trans { j * g.ldb + l } else { l * g.ldb + j });
+        for i in 0..g.m {
+            for j in 0..g.n {
+                let mut s = 0f32;
+                for l in 0..g.k {
+                    s += a(i, l) * b(l, j);
+                }
+                let c = i * g.ldc + j;
+                let old = if g.beta != 0.0 { g.beta * load(g.c_dt, g.c, c) } else { 0.0 };
+                store(g.c_dt, g.c, c, g.alpha * s + old);
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), GpuError> {
+        Ok(())
+    }
+
+    fn memory(&self) -> Memory {
+        Memory { peak_used: self.peak.get(), free: 1 << 40, total: 1 << 40 }
+    }
+
+    fn reset_peak(&self) {
+        self.peak.set(self.live.get());
+    }
+}
+
+/// The devices the tests run on: the emulator, and the CUDA GPU when this build and machine
+/// have one.
+fn devices() -> Vec<Rc<dyn Gpu>> {
+    #[allow(unused_mut)]
+    let mut v: Vec<Rc<dyn Gpu>> = vec![Rc::new(EmuGpu::default())];
+    #[cfg(feature = "cuda")]
+    match rtune::engine::gpu::cuda::CudaGpu::new(0, false) {
+        Ok(g) => v.push(Rc::new(g)),
+        Err(e) => eprintln!("no CUDA device for the GPU engine tests: {e}"),
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+fn rand_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale).collect()
+}
+
+/// Values as `dt` stores them (what a kernel reads after an upload).
+fn rounded(dt: Dt, v: &[f32]) -> Vec<f32> {
+    dt.decode(&dt.encode(v))
+}
+
+/// max |a − b| / max(|b|, floor).
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths");
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+    let e = rel_err(got, want);
+    assert!(e <= tol, "{what}: relative error {e} > {tol}");
+}
+
+fn tol(dt: Dt) -> f32 {
+    match dt {
+        Dt::F32 => 2e-5,
+        _ => 2e-2,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels against references.
+
+#[test]
+fn row_kernels_match_references() {
+    for gpu in devices() {
+        for dt in [Dt::F32, Dt::Bf16, Dt::F16] {
+            let o = Ops { gpu: &*gpu, dt };
+            let mut rng = Rng::new(11);
+            let (n, h) = (5, 48);
+            let x = rounded(dt, &rand_vec(&mut rng, n * h, 2.0));
+            let w = rounded(dt, &rand_vec(&mut rng, h, 1.0));
+            let dy = rounded(dt, &rand_vec(&mut rng, n * h, 1.0));
+            let (xb, wb, dyb) = (
+                Buf::from_f32(&gpu, &x, dt).unwrap(),
+                Buf::from_f32(&gpu, &w, dt).unwrap(),
+                Buf::from_f32(&gpu, &dy, dt).unwrap(),
+            );
+            // RMSNorm forward, recompute and backward.
+            let (y, inv) = (Buf::new(&gpu, n * h, dt).unwrap(), Buf::new(&gpu, n, Dt::F32).unwrap());
+            o.rmsnorm_fwd(xb.ptr(), wb.ptr(), y.ptr(), inv.ptr(), n, h, 1e-5).unwrap();
+            let mut want_y = vec![0f32; n * h];
+            let mut want_inv = vec![0f32; n];
+            let mut want_dx = vec![0f32; n * h];
+            for r in 0..n {
+                let row = &x[r * h..][..h];
+                let iv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / h as f32 + 1e-5).sqrt();
+                want_inv[r] = iv;
+                let dot: f32 = (0..h).map(|j| row[j] * dy[r * h + j] * w[j]).sum::<f32>() / h as f32;
+                for j in 0..h {
+                    want_y[r * h + j] = (row[j] * iv) * w[j];
+                    want_dx[r * h + j] = iv * dy[r * h + j] * w[j] - row[j] * iv * iv * iv * dot;
+                }
+            }
+            assert_close(&format!("{dt:?} rmsnorm"), &y.to_vec().unwrap(), &want_y, tol(dt));
+            assert_close(&format!("{dt:?} rmsnorm inv"), &inv.to_vec().unwrap(), &want_inv, 1e-5);
+            let y2 = Buf::new(&gpu, n * h, dt).unwrap();
+            o.rmsnorm_apply(xb.ptr(), inv.ptr(), wb.ptr(), y2.ptr(), n, h).unwrap();
+            assert_eq!(y2.to_vec().unwrap(), y.to_vec().unwrap(), "{dt:?}: recomputed norm differs");
+            let dx = Buf::from_f32(&gpu, &vec![0.5; n * h], dt).unwrap();
+            o.rmsnorm_bwd(xb.ptr(), inv.ptr(), wb.ptr(), dyb.ptr(), dx.ptr(), n, h, true).unwrap();
+            let want_acc: Vec<f32> = want_dx.iter().map(|v| v + 0.5).collect();
+            assert_close(&format!("{dt:?} rmsnorm backward"), &dx.to_vec().unwrap(), &want_acc, tol(dt) * 4.0);
+
+            // SiLU gating and its derivative.
+            let g = rounded(dt, &rand_vec(&mut rng, n * h, 4.0));
+            let gb = Buf::from_f32(&gpu, &g, dt).unwrap();
+            let a = Buf::new(&gpu, n * h, dt).unwrap();
+            o.swiglu(gb.ptr(), xb.ptr(), a.ptr(), n * h).unwrap();
+            let sig = |z: f32| 1.0 / (1.0 + (-z).exp());
+            let want: Vec<f32> = (0..n * h).map(|i| g[i] * sig(g[i]) * x[i]).collect();
+            assert_close(&format!("{dt:?} swiglu"), &a.to_vec().unwrap(), &want, tol(dt));
+            let (dg, du) = (Buf::new(&gpu, n * h, dt).unwrap(), Buf::new(&gpu, n * h, dt).unwrap());
+            o.swiglu_bwd(gb.ptr(), xb.ptr(), dyb.ptr(), dg.ptr(), du.ptr(), n * h).unwrap();
+            let want_du: Vec<f32> = (0..n * h).map(|i| dy[i] * g[i] * sig(g[i])).collect();
+            let want_dg: Vec<f32> =
+                (0..n * h).map(|i| dy[i] * x[i] * sig(g[i]) * (1.0 + g[i] * (1.0 - sig(g[i])))).collect();
+            assert_close(&format!("{dt:?} swiglu du"), &du.to_vec().unwrap(), &want_du, tol(dt));
+            assert_close(&format!("{dt:?} swiglu dg"), &dg.to_vec().unwrap(), &want_dg, tol(dt));
+
+            // Dropout: the same mask as the CPU engines draw, from an offset into the input.
+            let key = 0xfeed_beef;
+            let m = Buf::new(&gpu, n * h, dt).unwrap();
+            o.dropout(xb.ptr(), m.ptr(), key, 7, 0.3, n * h).unwrap();
+            let factors = rtune::model::lora::dropout_factors(key, 7, n * h, 0.3);
+            let want: Vec<f32> = rounded(dt, &x.iter().zip(&factors).map(|(v, f)| v * f).collect::<Vec<_>>());
+            assert_eq!(m.to_vec().unwrap(), want, "{dt:?}: dropout mask");
+            let dropped = factors.iter().filter(|f| **f == 0.0).count() as f64 / factors.len() as f64;
+            assert!((dropped - 0.3).abs() < 0.08, "dropped {dropped}");
+
+            // Cross-entropy: per-row loss and (softmax − onehot) · scale in place.
+            let vocab = 37;
+            let z = rounded(dt, &rand_vec(&mut rng, n * vocab, 5.0));
+            let targets: Vec<u32> = (0..n as u32).map(|r| (r * 11) % vocab as u32).collect();
+            let zb = Buf::from_f32(&gpu, &z, dt).unwrap();
+            let tb = Buf::from_u32(&gpu, &targets).unwrap();
+            let loss = Buf::new(&gpu, n, Dt::F32).unwrap();
+            o.cross_entropy(zb.ptr(), tb.ptr(), loss.ptr(), n, vocab, 0.25).unwrap();
+            let (mut want_l, mut want_g) = (vec![0f32; n], vec![0f32; n * vocab]);
+            for r in 0..n {
+                let row = &z[r * vocab..][..vocab];
+                let m = row.iter().copied().fold(f32::MIN, f32::max);
+                let s: f32 = row.iter().map(|v| (v - m).exp()).sum();
+                want_l[r] = s.ln() - (row[targets[r] as usize] - m);
+                for j in 0..vocab {
+                    want_g[r * vocab + j] =
+                        (row[j] - m).exp() / s * 0.25 - if j == targets[r] as usize { 0.25 } else { 0.0 };
+                }
+            }
+            assert_close(&format!("{dt:?} cross-entropy loss"), &loss.to_vec().unwrap(), &want_l, 1e-5);
+            assert_close(&format!("{dt:?} cross-entropy gradient"), &zb.to_vec().unwrap(), &want_g, tol(dt));
+
+            // Gather and scatter-add of rows.
+            let idx = [3u32, 0, 4];
+            let ib = Buf::from_u32(&gpu, &idx).unwrap();
+            let gathered = Buf::new(&gpu, 3 * h, dt).unwrap();
+            o.gather_rows(xb.ptr(), ib.ptr(), gathered.ptr(), 3, h).unwrap();
+            let want: Vec<f32> = idx.iter().flat_map(|&i| x[i as usize * h..][..h].to_vec()).collect();
+            assert_eq!(gathered.to_vec().unwrap(), want, "{dt:?}: gather");
+            let acc = Buf::from_f32(&gpu, &vec![1.0; n * h], dt).unwrap();
+            o.scatter_add_rows(gathered.ptr(), ib.ptr(), acc.ptr(), 3, h).unwrap();
+            let mut want = vec![1.0f32; n * h];
+            for (k, &i) in idx.iter().enumerate() {
+                for j in 0..h {
+                    want[i as usize * h + j] += x[idx[k] as usize * h + j];
+                }
+            }
+            assert_close(&format!("{dt:?} scatter-add"), &acc.to_vec().unwrap(), &want, tol(dt));
+
+            // Rotary embedding: inverse ∘ forward = identity (cos² + sin² = 1 per pair).
+            let (heads, d) = (3, 16);
+            let q = rounded(dt, &rand_vec(&mut rng, n * heads * d, 1.0));
+            let qb = Buf::from_f32(&gpu, &q, dt).unwrap();
+            let pos: Vec<u32> = (0..n as u32).map(|i| i * 3).collect();
+            let pb = Buf::from_u32(&gpu, &pos).unwrap();
+            let angles: Vec<f32> = (0..16 * d).map(|i| ((i / d) as f32) * 0.1 * ((i % (d / 2)) as f32 + 1.0)).collect();
+            let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+            let (cb, sb) = (Buf::from_f32(&gpu, &cos, Dt::F32).unwrap(), Buf::from_f32(&gpu, &sin, Dt::F32).unwrap());
+            o.rope(qb.ptr(), pb.ptr(), cb.ptr(), sb.ptr(), n, heads, d, false).unwrap();
+            let mut want = q.clone();
+            for r in 0..n {
+                let p = pos[r] as usize;
+                for hh in 0..heads {
+                    for j in 0..d / 2 {
+                        let (a, b) = (q[(r * heads + hh) * d + j], q[(r * heads + hh) * d + j + d / 2]);
+                        want[(r * heads + hh) * d + j] = a * cos[p * d + j] - b * sin[p * d + j];
+                        want[(r * heads + hh) * d + j + d / 2] =
+                            b * cos[p * d + j + d / 2] + a * sin[p * d + j + d / 2];
+                    }
+                }
+            }
+            assert_close(&format!("{dt:?} rope"), &qb.to_vec().unwrap(), &want, tol(dt));
+            o.rope(qb.ptr(), pb.ptr(), cb.ptr(), sb.ptr(), n, heads, d, true).unwrap();
+            assert_close(&format!("{dt:?} rope inverse"), &qb.to_vec().unwrap(), &q, tol(dt) * 2.0);
+        }
+    }
+}
+
+#[test]
+fn adamw_and_reductions_match_the_cpu_optimizer() {
+    use rtune::engine::gpu::ops::AdamWCoefficients;
+    for gpu in devices() {
+        let o = Ops { gpu: &*gpu, dt: Dt::F32 };
+        let mut rng = Rng::new(5);
+        let n = 1000;
+        let (w, g) = (rand_vec(&mut rng, n, 1.0), rand_vec(&mut rng, n, 0.1));
+        // The CPU optimizer, two steps.
+        let var = candle_core::Var::from_slice(&w, n, &Device::Cpu).unwrap();
+        let params = vec![rtune::model::Param { name: "w".into(), var: var.clone() }];
+        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+        let mut opt = rtune::train::optim::AdamW::new(cfg, &params).unwrap();
+        let (wb, gb) = (Buf::from_f32(&gpu, &w, Dt::F32).unwrap(), Buf::from_f32(&gpu, &g, Dt::F32).unwrap());
+        let (mb, vb) = (Buf::zeros(&gpu, n, Dt::F32).unwrap(), Buf::zeros(&gpu, n, Dt::F32).unwrap());
+        for step in 1..=2 {
+            let lr = 0.01;
+            let grads = BTreeMap::from([("w".to_string(), Tensor::from_slice(&g, n, &Device::Cpu).unwrap())]);
+            opt.step(&params, &grads, lr).unwrap();
+            let (bc1, bc2) = (1.0 - 0.9f64.powi(step), 1.0 - 0.999f64.powi(step));
+            let c = AdamWCoefficients {
+                decay: (1.0 - lr * 0.1) as f32,
+                one_minus_b1: (1.0 - 0.9f64) as f32,
+                b2: 0.999,
+                one_minus_b2: (1.0 - 0.999f64) as f32,
+                step_size: (lr / bc1) as f32,
+                bc2_sqrt: bc2.sqrt() as f32,
+                eps: 1e-8,
+                grad_scale: 1.0,
+            };
+            o.adamw(wb.ptr(), gb.ptr(), mb.ptr(), vb.ptr(), n, &c).unwrap();
+        }
+        let want: Vec<f32> = var.as_tensor().to_vec1().unwrap();
+        assert_eq!(wb.to_vec().unwrap(), want, "{}: AdamW equals the CPU optimizer bit for bit", gpu.name());
+        // Σx² and a weighted sum, into f64 accumulators.
+        let acc = Buf::zeros(&gpu, 4, Dt::U32).unwrap();
+        o.sum_squares(gb.ptr(), n, acc.ptr()).unwrap();
+        o.sum_scaled(gb.ptr(), n, 0.5, acc.at(2)).unwrap();
+        let mut bytes = [0u8; 16];
+        gpu.download(acc.ptr(), &mut bytes).unwrap();
+        let got =
+            (f64::from_le_bytes(bytes[..8].try_into().unwrap()), f64::from_le_bytes(bytes[8..].try_into().unwrap()));
+        let want = (g.iter().map(|v| (*v as f64).powi(2)).sum::<f64>(), 0.5 * g.iter().map(|v| *v as f64).sum::<f64>());
+        assert!((got.0 - want.0).abs() < 1e-4 * want.0, "Σx² {} vs {}", got.0, want.0);
+        assert!((got.1 - want.1).abs() < 1e-4 * want.1.abs().max(1.0), "weighted sum {} vs {}", got.1, want.1);
+    }
+}
+
+/// Attention in f64 from the kernels' inputs: O, lse and the gradients of Σ O ⊙ dO.
+#[allow(clippy::type_complexity)]
+fn attention_reference(
+    s: &AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dout: &[f32],
+    lo: &[i32],
+    hi: &[i32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let AttnShape { b, t, hq, hk, d, scale, .. } = *s;
+    let rep = hq / hk;
+    let qi = |bi: usize, i: usize, h: usize, j: usize| ((bi * t + i) * hq + h) * d + j;
+    let ki = |bi: usize, i: usize, g: usize, j: usize| ((bi * t + i) * hk + g) * d + j;
+    let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; b * hq * t]);
+    let (mut dq, mut dk, mut dv) = (vec![0f64; q.len()], vec![0f64; k.len()], vec![0f64; v.len()]);
+    for bi in 0..b {
+        for h in 0..hq {
+            let g = h / rep;
+            for i in 0..t {
+                let keys: Vec<usize> =
+                    (0..t).filter(|&kk| lo[bi * t + i] <= kk as i32 && kk as i32 <= hi[bi * t + i]).collect();
+                let sc: Vec<f64> = keys
+                    .iter()
+                    .map(|&kk| {
+                        (0..d).map(|j| q[qi(bi, i, h, j)] as f64 * k[ki(bi, kk, g, j)] as f64).sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                lse[(bi * hq + h) * t + i] = if keys.is_empty() { f32::INFINITY } else { (m + z.ln()) as f32 };
+                let p: Vec<f64> = sc.iter().map(|x| (x - m).exp() / z).collect();
+                for j in 0..d {
+                    o[qi(bi, i, h, j)] =
+                        keys.iter().zip(&p).map(|(&kk, p)| p * v[ki(bi, kk, g, j)] as f64).sum::<f64>() as f32;
+                }
+                let dp: Vec<f64> = keys
+                    .iter()
+                    .map(|&kk| (0..d).map(|j| dout[qi(bi, i, h, j)] as f64 * v[ki(bi, kk, g, j)] as f64).sum())
+                    .collect();
+                let delta: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+                for (n, &kk) in keys.iter().enumerate() {
+                    let ds = p[n] * (dp[n] - delta);
+                    for j in 0..d {
+                        dq[qi(bi, i, h, j)] += ds * k[ki(bi, kk, g, j)] as f64 * scale as f64;
+                        dk[ki(bi, kk, g, j)] += ds * q[qi(bi, i, h, j)] as f64 * scale as f64;
+                        dv[ki(bi, kk, g, j)] += p[n] * dout[qi(bi, i, h, j)] as f64;
+                    }
+                }
+            }
+        }
+    }
+    let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect();
+    (o, lse, f(dq), f(dk), f(dv))
+}
+
+#[test]
+fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
+    // Row 0: two packed documents; row 1: padded after 29 tokens.
+    let t = 37;
+    let segs = vec![(0..t).map(|i| (i >= 15) as u16).collect::<Vec<_>>(), vec![0; 29]];
+    let layout = rtune::model::transformer::attention_layout(t, &[t, 29], Some(&segs));
+    for gpu in devices() {
+        for (dt, d, tensor_cores) in [
+            (Dt::F32, 16, false),
+            (Dt::Bf16, 64, false),
+            (Dt::Bf16, 64, true),
+            (Dt::F16, 128, true),
+            (Dt::Bf16, 128, true),
+        ] {
+            let s = AttnShape { b: 2, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
+            let o = Ops { gpu: &*gpu, dt };
+            let mut rng = Rng::new(d as u64);
+            let nq = s.b * t * s.hq * d;
+            let nk = s.b * t * s.hk * d;
+            let q = rounded(dt, &rand_vec(&mut rng, nq, 1.5));
+            let k = rounded(dt, &rand_vec(&mut rng, nk, 1.5));
+            let v = rounded(dt, &rand_vec(&mut rng, nk, 1.0));
+            let dout = rounded(dt, &rand_vec(&mut rng, nq, 1.0));
+            let up = |x: &[f32]| Buf::from_f32(&gpu, x, dt).unwrap();
+            let (qb, kb, vb, db) = (up(&q), up(&k), up(&v), up(&dout));
+            let (lo, hi) = (Buf::from_i32(&gpu, &layout.lo).unwrap(), Buf::from_i32(&gpu, &layout.hi).unwrap());
+            let ob = Buf::new(&gpu, nq, dt).unwrap();
+            let lse = Buf::new(&gpu, s.b * s.hq * t, Dt::F32).unwrap();
+            o.attn_fwd(&s, qb.ptr(), kb.ptr(), vb.ptr(), ob.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).unwrap();
+            let (want_o, want_lse, want_dq, want_dk, want_dv) =
+                attention_reference(&s, &q, &k, &v, &dout, &layout.lo, &layout.hi);
+            let what = format!("{}: {dt:?} d={d} tensor cores {tensor_cores}", gpu.name());
+            assert_close(&format!("{what} O"), &ob.to_vec().unwrap(), &want_o, tol(dt));
+            assert_close(&format!("{what} lse"), &lse.to_vec().unwrap(), &want_lse, 1e-3);
+            let (dq, dk, dv) =
+                (Buf::new(&gpu, nq, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap());
+            let delta = Buf::new(&gpu, s.b * s.hq * t, Dt::F32).unwrap();
+            o.attn_bwd(
+                &s,
+                qb.ptr(),
+                kb.ptr(),
+                vb.ptr(),
+                ob.ptr(),
+                db.ptr(),
+                lse.ptr(),
+                delta.ptr(),
+                dq.ptr(),
+                dk.ptr(),
+                dv.ptr(),
+                lo.ptr(),
+                hi.ptr(),
+            )
+            .unwrap();
+            assert_close(&format!("{what} dQ"), &dq.to_vec().unwrap(), &want_dq, tol(dt) * 2.0);
+            assert_close(&format!("{what} dK"), &dk.to_vec().unwrap(), &want_dk, tol(dt) * 2.0);
+            assert_close(&format!("{what} dV"), &dv.to_vec().unwrap(), &want_dv, tol(dt) * 2.0);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine against candle's autograd.
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden").join(name)
+}
+
+fn resolution(dtype: Dtype, class: DeviceClass) -> Resolution {
+    Resolution { class, ordinal: 0, dtype, skipped: Vec::new(), dtype_notes: Vec::new() }
+}
+
+fn setup<'a>(
+    folder: &'a ModelFolder,
+    trainable: Trainable,
+    device: &'a Resolution,
+    trained: Option<&'a Path>,
+) -> Setup<'a> {
+    Setup {
+        folder,
+        trainable,
+        seed: 1,
+        device,
+        optimizer: Some(AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }),
+        ema_decay: None,
+        checkpointing: Checkpointing::Off,
+        trained,
+        max_batch: (4, 32),
+        tf32: false,
+    }
+}
+
+fn golden_batch(name: &str) -> HostBatch {
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected.json")).unwrap()).unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(expected["ids"].clone()).unwrap();
+    let mask: Vec<Vec<u32>> = serde_json::from_value(expected["mask"].clone()).unwrap();
+    let labels: Vec<Vec<i64>> = serde_json::from_value(expected["labels"].clone()).unwrap();
+    let t = rows[0].len();
+    let lens: Vec<usize> = mask.iter().map(|m| m.iter().sum::<u32>() as usize).collect();
+    let (mut select, mut targets) = (Vec::new(), Vec::new());
+    for (r, l) in labels.iter().enumerate() {
+        for i in 0..t - 1 {
+            if l[i + 1] >= 0 {
+                select.push((r * t + i) as u32);
+                targets.push(l[i + 1] as u32);
+            }
+        }
+    }
+    HostBatch::from_parts(&rows, &lens, None, select, targets)
+}
+
+/// Loss and every gradient of the GPU engine against candle autograd's, for the same batch,
+/// weight, loss scale and dropout key.
+fn assert_engine_matches(
+    gpu: &Rc<dyn Gpu>,
+    folder: &ModelFolder,
+    adapter: &Path,
+    batch: &HostBatch,
+    dropout: Option<u64>,
+    dt: Dtype,
+    tol: f32,
+) {
+    let spec = peft::read_config(adapter).unwrap();
+    let cpu = Resolution::cpu();
+    let mut reference =
+        CandleEngine::build(&setup(folder, Trainable::Lora(spec.clone()), &cpu, Some(adapter)), false).unwrap();
+    let dev = resolution(dt, DeviceClass::Cuda);
+    let mut engine = GpuEngine::new(gpu.clone(), &setup(folder, Trainable::Lora(spec), &dev, Some(adapter))).unwrap();
+    let what = format!("{} {dt:?}", gpu.name());
+    let (weight, scale) = (0.75, 4.0);
+    reference.accumulate(batch, weight, scale, dropout).unwrap();
+    engine.accumulate(batch, weight, scale, dropout).unwrap();
+    let want = reference.gradient_values().unwrap();
+    let got = engine.gradient_values().unwrap();
+    let (want_loss, want_norm) = reference.gradients().unwrap();
+    let (loss, norm) = engine.gradients().unwrap();
+    assert!((loss - want_loss).abs() <= tol as f64 * want_loss.abs(), "{what}: loss {loss} vs autograd {want_loss}");
+    assert!((norm - want_norm).abs() <= 4.0 * tol as f64 * want_norm, "{what}: gradient norm {norm} vs {want_norm}");
+    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{what}: the same parameters");
+    for (name, w) in &want {
+        let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
+        assert!(w.iter().any(|v| *v != 0.0), "{name}: zero gradient in the reference");
+        assert_close(&format!("{what} gradient of {name}"), &g, &w, tol * 5.0);
+    }
+    let eval_want = reference.loss(batch).unwrap();
+    let eval = engine.loss(batch).unwrap();
+    assert!((eval - eval_want).abs() <= tol as f64 * eval_want.abs(), "{what}: eval loss {eval} vs {eval_want}");
+}
+
+#[test]
+fn engine_matches_autograd_on_the_golden_models() {
+    // Llama with llama3 rope scaling and GQA; Qwen2 with q/k/v biases and tied embeddings.
+    for gpu in devices() {
+        for name in ["tiny-llama", "tiny-qwen2"] {
+            let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+            let batch = golden_batch(name);
+            assert_engine_matches(&gpu, &folder, &fixture(name).join("adapter"), &batch, None, Dtype::F32, 2e-5);
+        }
+    }
+}
+
+/// A PEFT folder with every projection and the LM head adapted, random B (so every A gets a
+/// gradient), and dropout `p`.
+fn all_targets_adapter(folder: &ModelFolder, p: f64) -> tempfile::TempDir {
+    let targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+        .map(String::from)
+        .to_vec();
+    let spec = LoraSpec { rank: 4, alpha: 8.0, dropout: p, targets };
+    let cpu = Resolution::cpu();
+    let engine = CandleEngine::build(&setup(folder, Trainable::Lora(spec.clone()), &cpu, None), false).unwrap();
+    let mut rng = Rng::new(9);
+    let values: BTreeMap<String, Tensor> = engine
+        .model()
+        .params
+        .iter()
+        .map(|par| {
+            let v = rand_vec(&mut rng, par.var.elem_count(), 0.1);
+            (par.name.clone(), Tensor::from_vec(v, par.var.shape(), &Device::Cpu).unwrap())
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    peft::write(dir.path(), &spec, &values, "").unwrap();
+    dir
+}
+
+fn packed_batch() -> HostBatch {
+    // Row 0: two packed documents; row 1: padded; row 2: one full document.
+    let rows: Vec<Vec<u32>> = vec![
+        (0..20).map(|i| (i * 7 + 3) % 128).collect(),
+        (0..12).map(|i| (i * 5 + 1) % 128).chain([0; 8]).collect(),
+        (0..20).map(|i| (i * 11 + 2) % 128).collect(),
+    ];
+    let lens = [20, 12, 20];
+    let segs: Vec<Vec<u16>> = vec![(0..20).map(|i| (i >= 9) as u16).collect(), vec![0; 20], vec![0; 20]];
+    let (mut select, mut tgt) = (Vec::new(), Vec::new());
+    for (r, row) in rows.iter().enumerate() {
+        for j in 1..lens[r] {
+            if segs[r][j] == segs[r][j - 1] && j % 3 != 0 {
+                select.push((r * 20 + j - 1) as u32);
+                tgt.push(row[j]);
+            }
+        }
+    }
+    HostBatch::from_parts(&rows, &lens, Some(&segs), select, tgt)
+}
+
+#[test]
+fn engine_matches_autograd_with_packing_padding_dropout_and_lm_head() {
+    let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+    let batch = packed_batch();
+    for gpu in devices() {
+        for p in [0.0, 0.1] {
+            let adapter = all_targets_adapter(&folder, p);
+            assert_engine_matches(&gpu, &folder, adapter.path(), &batch, (p > 0.0).then_some(42), Dtype::F32, 2e-5);
+        }
+    }
+}
+
+#[test]
+fn bf16_engine_stays_within_bf16_rounding_of_autograd() {
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let batch = golden_batch("tiny-llama");
+    for gpu in devices() {
+        // bf16 keeps 8 bits of mantissa: each rounding is within 2⁻⁹ relative, and a few dozen
+        // roundings in a row stay within about 1% (the f32 reference has none of them).
+        assert_engine_matches(&gpu, &folder, &fixture("tiny-llama").join("adapter"), &batch, None, Dtype::Bf16, 2e-2);
+    }
+}
+
+/// Steps of accumulate → gradients → apply with gradient accumulation and clipping; returns the
+/// losses and the final parameters.
+fn train_steps(engine: &mut dyn Engine, batches: &[HostBatch], steps: usize) -> (Vec<f64>, BTreeMap<String, Tensor>) {
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let micro = [&batches[(2 * step) % batches.len()], &batches[(2 * step + 1) % batches.len()]];
+        let total: usize = micro.iter().map(|b| b.select.len()).sum();
+        for (i, b) in micro.iter().enumerate() {
+            let key = rtune::model::lora::batch_dropout_key(7, (2 * step + i) as u64);
+            engine.accumulate(b, b.select.len() as f64 / total as f64, 1.0, Some(key)).unwrap();
+        }
+        let (loss, norm) = engine.gradients().unwrap();
+        let clip = (0.5 / (norm + 1e-6)).min(1.0);
+        engine.apply(1e-2, clip).unwrap();
+        losses.push(loss);
+    }
+    (losses, engine.trained().unwrap())
+}
+
+#[test]
+fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
+    let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+    let adapter = all_targets_adapter(&folder, 0.1);
+    let spec = peft::read_config(adapter.path()).unwrap();
+    let golden = golden_batch("tiny-qwen2");
+    let batches = vec![packed_batch(), golden.clone()];
+    let cpu = Resolution::cpu();
+    let mut fused =
+        CandleEngine::build(&setup(&folder, Trainable::Lora(spec.clone()), &cpu, Some(adapter.path())), true).unwrap();
+    let (want_losses, want) = train_steps(&mut fused, &batches, 6);
+    for gpu in devices() {
+        let dev = resolution(Dtype::F32, DeviceClass::Cuda);
+        let mk = || {
+            GpuEngine::new(gpu.clone(), &setup(&folder, Trainable::Lora(spec.clone()), &dev, Some(adapter.path())))
+                .unwrap()
+        };
+        let mut engine = mk();
+        let (losses, got) = train_steps(&mut engine, &batches, 6);
+        for (i, (a, b)) in losses.iter().zip(&want_losses).enumerate() {
+            assert!((a - b).abs() < 1e-4 * b.abs(), "{}: step {i} loss {a} vs fused engine {b}", gpu.name());
+        }
+        assert!(losses[5] < losses[0], "the loss falls: {losses:?}");
+        for (name, w) in &want {
+            let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
+            assert_close(&format!("{} trained {name}", gpu.name()), &g, &w, 1e-3);
+        }
+        // A fresh engine restored from the state continues exactly where this one is.
+        let state = engine.state().unwrap();
+        let mut resumed = mk();
+        resumed.restore(&state).unwrap();
+        let a = train_steps(&mut engine, &batches, 2).0;
+        let b = train_steps(&mut resumed, &batches, 2).0;
+        assert_eq!(a, b, "{}: resumed training differs", gpu.name());
+    }
+}
+
+#[test]
+fn generation_logits_match_candle_and_checkpointing_changes_nothing() {
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let adapter = fixture("tiny-llama").join("adapter");
+    let spec = peft::read_config(&adapter).unwrap();
+    let cpu = Resolution::cpu();
+    let mut reference =
+        CandleEngine::build(&setup(&folder, Trainable::Lora(spec.clone()), &cpu, Some(&adapter)), false).unwrap();
+    let ids = [1u32, 17, 33, 90, 4, 5];
+    let want = reference.next_logits(&ids).unwrap();
+    let batch = golden_batch("tiny-llama");
+    for gpu in devices() {
+        let dev = resolution(Dtype::F32, DeviceClass::Cuda);
+        let mut s = setup(&folder, Trainable::Lora(spec.clone()), &dev, Some(&adapter));
+        let mut engine = GpuEngine::new(gpu.clone(), &s).unwrap();
+        assert_close(&format!("{} next-token logits", gpu.name()), &engine.next_logits(&ids).unwrap(), &want, 1e-5);
+        engine.accumulate(&batch, 1.0, 1.0, Some(3)).unwrap();
+        let plain = engine.gradient_values().unwrap();
+        s.checkpointing = Checkpointing::On;
+        let mut ckpt = GpuEngine::new(gpu.clone(), &s).unwrap();
+        assert!(ckpt.checkpointing());
+        ckpt.accumulate(&batch, 1.0, 1.0, Some(3)).unwrap();
+        for (name, g) in ckpt.gradient_values().unwrap() {
+            let (a, b): (Vec<f32>, Vec<f32>) =
+                (g.flatten_all().unwrap().to_vec1().unwrap(), plain[&name].flatten_all().unwrap().to_vec1().unwrap());
+            assert_eq!(a, b, "{}: recomputed activations give other gradients for {name}", gpu.name());
+        }
+    }
+}
