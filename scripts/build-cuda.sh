@@ -19,7 +19,7 @@ cargo build --locked --release --features cuda
 mkdir -p .gpu
 strip -o .gpu/rtune "$CARGO_TARGET_DIR/release/rtune"
 gzip -f -6 .gpu/rtune
-tests=$(cargo test --locked --features cuda --test gpu_engine --no-run --message-format=json 2>/dev/null |
+tests=$(cargo test --locked --release --features cuda --test gpu_engine --no-run --message-format=json 2>/dev/null |
   grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//')
 for t in $tests; do
   strip -o ".gpu/$(basename "$t" | sed 's/-[0-9a-f]*$//')" "$t"

@@ -39,7 +39,7 @@ run_recipe tiny-cuda /tmp/rtune-cache-cuda
 step "default recipe on the CPU"
 run_recipe tiny-cpu /tmp/rtune-cache-cpu --set 'device.prefer=["cpu"]'
 step "default recipe's training on CUDA in bf16"
-run_recipe tiny-bf16 /tmp/rtune-cache-bf16 --only train --set 'device.dtype=["bf16"]'
+run_recipe tiny-bf16 /tmp/rtune-cache-cuda --only train --set 'device.dtype=["bf16"]'
 
 step "CUDA vs CPU"
 python3 - "$out" <<'PY' || status=1

@@ -469,6 +469,7 @@ fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
             let (dq, dk, dv) =
                 (Buf::new(&gpu, nq, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap());
             let delta = Buf::new(&gpu, s.b * s.hq * t, Dt::F32).unwrap();
+            let partial = Buf::new(&gpu, s.partial_len(), Dt::F32).unwrap();
             o.attn_bwd(
                 &s,
                 qb.ptr(),
@@ -478,6 +479,7 @@ fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
                 db.ptr(),
                 lse.ptr(),
                 delta.ptr(),
+                partial.ptr(),
                 dq.ptr(),
                 dk.ptr(),
                 dv.ptr(),
@@ -746,5 +748,85 @@ fn generation_logits_match_candle_and_checkpointing_changes_nothing() {
                 (g.flatten_all().unwrap().to_vec1().unwrap(), plain[&name].flatten_all().unwrap().to_vec1().unwrap());
             assert_eq!(a, b, "{}: recomputed activations give other gradients for {name}", gpu.name());
         }
+    }
+}
+
+/// Kernel and product timings at the benchmark's shapes (SmolLM2-135M and Qwen2.5-3B attention,
+/// a 3B MLP product), on a CUDA GPU only: `gpu_engine --ignored --nocapture gpu_timings`. Not a
+/// benchmark of rtune (scripts/gpu_bench.sh is), a breakdown of where a step's time goes.
+#[test]
+#[ignore]
+fn gpu_timings() {
+    let Some(gpu) = devices().into_iter().find(|g| g.name() != "CPU emulator") else {
+        eprintln!("no CUDA device");
+        return;
+    };
+    let time = |f: &dyn Fn()| {
+        f();
+        gpu.synchronize().unwrap();
+        let start = std::time::Instant::now();
+        for _ in 0..10 {
+            f();
+        }
+        gpu.synchronize().unwrap();
+        start.elapsed().as_secs_f64() / 10.0
+    };
+    let dt = Dt::Bf16;
+    let o = Ops { gpu: &*gpu, dt };
+    for (name, hq, hk, d) in [("135m", 9, 3, 64), ("3b", 16, 2, 128)] {
+        let (b, t) = (4, 1024);
+        let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores: true };
+        let layout = rtune::model::transformer::attention_layout(t, &vec![t; b], None);
+        let mut rng = Rng::new(1);
+        let (nq, nk) = (b * t * hq * d, b * t * hk * d);
+        let up = |n: usize| Buf::from_f32(&gpu, &rand_vec(&mut Rng::new(n as u64), n, 1.0), dt).unwrap();
+        let _ = &mut rng;
+        let (q, k, v, dout) = (up(nq), up(nk), up(nk + 1), up(nq + 1));
+        let (lo, hi) = (Buf::from_i32(&gpu, &layout.lo).unwrap(), Buf::from_i32(&gpu, &layout.hi).unwrap());
+        let out = Buf::new(&gpu, nq, dt).unwrap();
+        let lse = Buf::new(&gpu, b * hq * t, Dt::F32).unwrap();
+        let (dq, dk, dv) =
+            (Buf::new(&gpu, nq, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap());
+        let delta = Buf::new(&gpu, b * hq * t, Dt::F32).unwrap();
+        let partial = Buf::new(&gpu, s.partial_len(), Dt::F32).unwrap();
+        let fwd =
+            time(&|| o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), out.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).unwrap());
+        let bwd = time(&|| {
+            o.attn_bwd(
+                &s,
+                q.ptr(),
+                k.ptr(),
+                v.ptr(),
+                out.ptr(),
+                dout.ptr(),
+                lse.ptr(),
+                delta.ptr(),
+                partial.ptr(),
+                dq.ptr(),
+                dk.ptr(),
+                dv.ptr(),
+                lo.ptr(),
+                hi.ptr(),
+            )
+            .unwrap()
+        });
+        // Causal: half the t² products; forward 2 of them, backward 4 (not counting recomputation).
+        let flop = (b * hq * t * t / 2 * d * 2) as f64;
+        println!(
+            "attention {name} 4×1024: forward {:.2} ms ({:.0} TFLOP/s), backward {:.2} ms ({:.0} TFLOP/s)",
+            fwd * 1e3,
+            2.0 * flop / fwd / 1e12,
+            bwd * 1e3,
+            4.0 * flop / bwd / 1e12
+        );
+    }
+    for (m, n, k) in
+        [(4096, 11008, 2048), (4096, 2048, 11008), (4096, 2048, 2048), (441, 151936, 2048), (4096, 576, 576)]
+    {
+        let a = Buf::from_f32(&gpu, &vec![0.01; m * k], dt).unwrap();
+        let w = Buf::from_f32(&gpu, &vec![0.02; n * k], dt).unwrap();
+        let c = Buf::new(&gpu, m * n, dt).unwrap();
+        let s = time(&|| o.gemm(c.ptr(), dt, a.ptr(), false, w.ptr(), true, m, n, k, 1.0, 0.0).unwrap());
+        println!("product {m}×{n}×{k} (x·Wᵀ): {:.3} ms, {:.0} TFLOP/s", s * 1e3, 2.0 * (m * n * k) as f64 / s / 1e12);
     }
 }

@@ -256,6 +256,11 @@ struct Trainer<'a> {
     /// Steady-state throughput: seconds and tokens of the optimizer steps after the first of
     /// this run (the first pays one-time costs: kernel compilation, allocator growth).
     timed: (f64, u64),
+    /// Seconds the host spent issuing those steps' forward and backward passes (before waiting
+    /// for their results): near the step time, the host is the bottleneck.
+    issued: f64,
+    last_issue: f64,
+    timed_steps: u64,
 }
 
 /// Run (or resume) training; writes the trained weights, metrics and curve into `job.out`.
@@ -326,6 +331,9 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
             .open(&metrics_path)
             .map_err(ioerr(format!("cannot open `{}`", metrics_path.display())))?,
         timed: (0.0, 0),
+        issued: 0.0,
+        last_issue: 0.0,
+        timed_steps: 0,
     };
     let resumed = checkpoint::latest(&job.work).map(|ck| t.restore(&ck)).transpose()?;
     let n_params = t.engine.trained_count();
@@ -363,6 +371,8 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         if t.state.step > first_step + 1 {
             t.timed.0 += step_started.elapsed().as_secs_f64();
             t.timed.1 += t.state.tokens_seen - tokens_before;
+            t.issued += t.last_issue;
+            t.timed_steps += 1;
         }
         let step = t.state.step;
         let rate = t.tokens_per_second().map(|r| format!(" {r:.0} tok/s")).unwrap_or_default();
@@ -498,6 +508,7 @@ impl Trainer<'_> {
         let micros: Vec<HostBatch> = (0..n_micro).map(|_| self.next_micro()).collect::<Result<_, _>>()?;
         let total: usize = micros.iter().map(|m| m.select.len()).sum();
         let scale = self.state.loss_scale;
+        let issue = Instant::now();
         for (i, mb) in micros.iter().enumerate().filter(|(_, m)| !m.select.is_empty()) {
             let weight = mb.select.len() as f64 / total as f64;
             let key = crate::model::lora::batch_dropout_key(self.job.seed, self.state.micro + i as u64);
@@ -505,6 +516,7 @@ impl Trainer<'_> {
                 .accumulate(mb, weight, scale, Some(key))
                 .map_err(|e| out_of_memory(e, s, Some(&*self.engine)))?;
         }
+        self.last_issue = issue.elapsed().as_secs_f64();
         // Gradients are ready: a data-parallel run would all-reduce them here.
         let (loss_sum, scaled_norm) = self.engine.gradients()?;
         let norm = scaled_norm / scale;
@@ -646,6 +658,17 @@ impl Trainer<'_> {
         }
         if let Some(p) = peak_gpu {
             speed.push_str(&format!(", peak GPU {}", crate::ui::human_bytes(p)));
+        }
+        if std::env::var_os("RTUNE_PROFILE").is_some() && self.timed.0 > 0.0 {
+            let steps = self.timed_steps.max(1) as f64;
+            self.job.ui.status(
+                "profile",
+                format!(
+                    "{:.2} ms per step, of which the host spent {:.2} ms issuing the passes",
+                    1e3 * self.timed.0 / steps,
+                    1e3 * self.issued / steps
+                ),
+            );
         }
         self.job.ui.status("train", format!("eval loss {first:.4} → {last:.4} in {} steps ({speed})", self.state.step));
         Ok(summary)

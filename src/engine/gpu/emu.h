@@ -320,6 +320,25 @@ inline void emu_mma16816(float* d, const uint32_t* a, const uint32_t* b) {
     for (int r = 0; r < 4; r++) d[r] = out[r];
 }
 
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8m .. 8m + 7 give the row addresses of
+// 8×8 matrix m (8 consecutive 16-bit values each); lane l receives in r[m] row l/4, columns
+// 2(l%4) and 2(l%4)+1 of matrix m — or with `.trans` column l/4, rows 2(l%4) and 2(l%4)+1.
+template <bool TRANS>
+inline void emu_ldmatrix_x4(uint32_t* r, const void* row) {
+    uint64_t mine = reinterpret_cast<uint64_t>(row);
+    int lane = emu::tid.x & 31, g = lane >> 2, c = lane & 3;
+    emu::exchange(&mine, 1, [&](uint64_t (*x)[10]) {
+        for (int m = 0; m < 4; m++) {
+            auto at = [&](int rr, int cc) {
+                return reinterpret_cast<const uint16_t*>(x[8 * m + rr][0])[cc];
+            };
+            uint32_t lo = TRANS ? at(2 * c, g) : at(g, 2 * c);
+            uint32_t hi = TRANS ? at(2 * c + 1, g) : at(g, 2 * c + 1);
+            r[m] = lo | (hi << 16);
+        }
+    });
+}
+
 // Runs `name` over `grid` × `block` (1-D blocks); 0 on success, -1 for an unknown kernel, -2
 // when the block's threads deadlock at a barrier.
 inline int emu_launch(const char* name, void** params, dim3 grid, dim3 block) {

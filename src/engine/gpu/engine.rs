@@ -659,6 +659,7 @@ impl GpuEngine {
         let (dq, dk, dv) = (self.buf(s.q.len, dt)?, self.buf(s.k.len, dt)?, self.buf(s.v.len, dt)?);
         let delta = self.buf(s.lse.len, Dt::F32)?;
         let shape = self.attn_shape(bt);
+        let partial = self.buf(shape.partial_len(), Dt::F32)?;
         o.attn_bwd(
             &shape,
             s.q.ptr(),
@@ -668,13 +669,14 @@ impl GpuEngine {
             dattn.ptr(),
             s.lse.ptr(),
             delta.ptr(),
+            partial.ptr(),
             dq.ptr(),
             dk.ptr(),
             dv.ptr(),
             bt.lo.ptr(),
             bt.hi.ptr(),
         )?;
-        drop((dattn, delta));
+        drop((dattn, delta, partial));
         o.rope(dq.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, true)?;
         o.rope(dk.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, true)?;
         let xn = match [Q, K, V].iter().any(|&i| l.lin[i].lora.is_some()) {

@@ -647,12 +647,23 @@ KERNEL_T(attn_bwd_dkv,
 //   B (16×8, k × n):      b0 = (k 2c..2c+1, n g), b1 = (k 2c+8..2c+9, n g)
 //   C (16×8):             c0, c1 = (g, 2c), (g, 2c+1); c2, c3 = (g+8, 2c), (g+8, 2c+1)
 // so the accumulators of two neighbouring 8-column tiles, rounded to T, are the A fragment of
-// the next product (P·V, dS·K, ...) without a trip through shared memory. Operands that are
-// needed as B with k along rows (V in P·V, K in dS·K, Q and dO in the dK/dV products) are staged
-// transposed in shared memory so that every B fragment is one 32-bit load.
+// the next product (P·V, dS·K, ...) without a trip through shared memory. Tiles are staged
+// row-major in shared memory with cp.async; B fragments come from them with ldmatrix — plain
+// for products with the tile's rows as n (Q·Kᵀ), transposed for products with them as k (P·V).
 
 template <typename T>
 __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, const uint32_t* b);
+
+// Four 8×8 matrices of 16-bit values from shared memory; `row` is this lane's row address
+// (lanes 8m..8m+7 address the rows of matrix m).
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* row);
+
+// A 16-byte copy from global to shared memory that completes at the next cp_async_wait (zeros
+// when `valid` is false).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid);
+__device__ __forceinline__ void cp_async_wait();
+
 #ifdef RTUNE_EMU
 template <>
 __device__ __forceinline__ void mma16816<bf16>(float* d, const uint32_t* a, const uint32_t* b) {
@@ -662,6 +673,15 @@ template <>
 __device__ __forceinline__ void mma16816<f16>(float* d, const uint32_t* a, const uint32_t* b) {
     emu_mma16816<f16>(d, a, b);
 }
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* row) {
+    emu_ldmatrix_x4<TRANS>(r, row);
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    if (valid) std::memcpy(dst, src, 16);
+    else std::memset(dst, 0, 16);
+}
+__device__ __forceinline__ void cp_async_wait() {}
 #else
 template <>
 __device__ __forceinline__ void mma16816<bf16>(float* d, const uint32_t* a, const uint32_t* b) {
@@ -679,10 +699,32 @@ __device__ __forceinline__ void mma16816<f16>(float* d, const uint32_t* a, const
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+template <>
+__device__ __forceinline__ void ldsm_x4<false>(uint32_t* r, const void* row) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+template <>
+__device__ __forceinline__ void ldsm_x4<true>(uint32_t* r, const void* row) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
+}
 #endif
 
 #define MMA_BM 64  // rows per block
-#define MMA_PAD 8  // elements of padding per shared row: conflict-free fragment loads
+#define MMA_PAD 8  // elements of padding per shared row: conflict-free ldmatrix rows
 
 // A fragments of 16 rows × D columns starting at row `r` of a [rows, stride] matrix (rows ≥ t
 // read as zeros).
@@ -701,54 +743,56 @@ __device__ __forceinline__ void load_a(uint32_t (*a)[4], const T* m, long long s
     }
 }
 
-// Stage `rows` rows × D of a [.., stride] matrix from row `r` into shared memory, row-major
-// (`rm`, row pitch D + pad) and/or transposed (`tr`, [D][rows + pad]); rows ≥ t are zeros.
+// Stage `rows` rows × D of a [.., stride] matrix from row `r` into shared memory, row pitch
+// D + pad (rows ≥ t are zeros). Every thread of the block takes part.
 template <typename T, int D>
-__device__ __forceinline__ void stage(T* rm, T* tr, const T* m, long long stride, int r, int rows, int t) {
-    for (int e = threadIdx.x; e < rows * D / 2; e += blockDim.x) {
-        const int i = e / (D / 2), j = (e % (D / 2)) * 2;
-        const uint32_t w = r + i < t ? ld32(m + (long long)(r + i) * stride + j) : 0u;
-        if (rm) st32(rm + i * (D + MMA_PAD) + j, w);
-        if (tr) {
-            T a, b;
-            unpack2<T>(w, &a, &b);
-            tr[j * (rows + MMA_PAD) + i] = a;
-            tr[(j + 1) * (rows + MMA_PAD) + i] = b;
-        }
+__device__ __forceinline__ void stage(T* sm, const T* m, long long stride, int r, int rows, int t) {
+    constexpr int CHUNKS = D / 8;  // 16-byte pieces per row
+    for (int e = threadIdx.x; e < rows * CHUNKS; e += blockDim.x) {
+        const int i = e / CHUNKS, j = (e % CHUNKS) * 8;
+        const bool ok = r + i < t;
+        cp_async16(sm + i * (D + MMA_PAD) + j, m + (long long)(ok ? r + i : 0) * stride + j, ok);
     }
 }
 
-// s[N/8][4] = A (16 × D, fragments) · Bᵀ where B is staged row-major [N][D + pad] in shared.
+// s[N/8][4] = A (16 × D, fragments) · Bᵀ, B staged row-major [N][D + pad] in shared memory.
 template <typename T, int D, int N>
 __device__ __forceinline__ void mma_abt(float (*s)[4], const uint32_t (*a)[4], const T* b) {
-    const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+    const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
 #pragma unroll
-    for (int j = 0; j < N / 8; j++) {
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-        const T* row = b + (8 * j + g) * (D + MMA_PAD) + 2 * c;
+    for (int j = 0; j < N / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < N / 8; j += 2) {
+        // Matrices: (rows 8j.., cols 16kk..), (8j.., 16kk+8..), (8j+8.., 16kk..), (8j+8.., 16kk+8..).
+        const T* row = b + (8 * j + 8 * (m >> 1) + r) * (D + MMA_PAD) + 8 * (m & 1);
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t bb[2] = {ld32(row + 16 * kk), ld32(row + 16 * kk + 8)};
+            uint32_t bb[4];
+            ldsm_x4<false>(bb, row + 16 * kk);
             mma16816<T>(s[j], a[kk], bb);
+            mma16816<T>(s[j + 1], a[kk], bb + 2);
         }
     }
 }
 
-// acc[D/8][4] += P (16 × N, accumulator layout, rounded to T) · B where B is staged transposed
-// [D][N + pad] in shared.
+// acc[D/8][4] += P (16 × N, accumulator layout, rounded to T) · B, B staged row-major
+// [N][D + pad] in shared memory (its rows are the products' k).
 template <typename T, int D, int N>
-__device__ __forceinline__ void mma_pb(float (*acc)[4], const float (*p)[4], const T* bt) {
-    const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+__device__ __forceinline__ void mma_pb(float (*acc)[4], const float (*p)[4], const T* b) {
+    const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int kk = 0; kk < N / 16; kk++) {
         const uint32_t a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
                                pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
                                pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        // Matrices: (k 16kk.., n 8jd..), (16kk+8.., 8jd..), (16kk.., 8jd+8..), (16kk+8.., 8jd+8..).
+        const T* row = b + (16 * kk + 8 * (m & 1) + r) * (D + MMA_PAD) + 8 * (m >> 1);
 #pragma unroll
-        for (int jd = 0; jd < D / 8; jd++) {
-            const T* row = bt + (8 * jd + g) * (N + MMA_PAD) + 16 * kk + 2 * c;
-            uint32_t bb[2] = {ld32(row), ld32(row + 8)};
+        for (int jd = 0; jd < D / 8; jd += 2) {
+            uint32_t bb[4];
+            ldsm_x4<true>(bb, row + 8 * jd);
             mma16816<T>(acc[jd], a, bb);
+            mma16816<T>(acc[jd + 1], a, bb + 2);
         }
     }
 }
@@ -760,7 +804,7 @@ __device__ void attn_fwd_mma(const T* q, const T* k, const T* v, T* o, float* ls
                              int hq, int hk, float scale) {
     constexpr int BN = 64;
     __shared__ __align__(16) T ks[BN * (D + MMA_PAD)];
-    __shared__ __align__(16) T vt[D * (BN + MMA_PAD)];
+    __shared__ __align__(16) T vs[BN * (D + MMA_PAD)];
     __shared__ int span[2];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int bi = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * MMA_BM, kvh = h / (hq / hk);
@@ -784,8 +828,9 @@ __device__ void attn_fwd_mma(const T* q, const T* k, const T* v, T* o, float* ls
     const int first = span[1] < 0 ? 1 : (span[0] / BN) * BN;
     for (int k0 = first; k0 <= span[1]; k0 += BN) {
         __syncthreads();
-        stage<T, D>(ks, nullptr, kb, kvs, k0, BN, t);
-        stage<T, D>(nullptr, vt, vb, kvs, k0, BN, t);
+        stage<T, D>(ks, kb, kvs, k0, BN, t);
+        stage<T, D>(vs, vb, kvs, k0, BN, t);
+        cp_async_wait();
         __syncthreads();
         float s[BN / 8][4];
         mma_abt<T, D, BN>(s, qa, ks);
@@ -807,8 +852,8 @@ __device__ void attn_fwd_mma(const T* q, const T* k, const T* v, T* o, float* ls
         mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
         const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
         // With nothing visible yet the maximum is -inf: shift by 0 so that exp2 gives zeros.
-        const float ba = na == -INF_F ? 0.0f : na, bb = nb == -INF_F ? 0.0f : nb;
-        const float ca = exp2f(ma - ba), cb = exp2f(mb - bb);
+        const float ba = na == -INF_F ? 0.0f : na, bbb = nb == -INF_F ? 0.0f : nb;
+        const float ca = exp2f(ma - ba), cb = exp2f(mb - bbb);
         ma = na;
         mb = nb;
         float pa = 0.0f, pb = 0.0f;
@@ -816,8 +861,8 @@ __device__ void attn_fwd_mma(const T* q, const T* k, const T* v, T* o, float* ls
         for (int j = 0; j < BN / 8; j++) {
             s[j][0] = exp2f(s[j][0] - ba);
             s[j][1] = exp2f(s[j][1] - ba);
-            s[j][2] = exp2f(s[j][2] - bb);
-            s[j][3] = exp2f(s[j][3] - bb);
+            s[j][2] = exp2f(s[j][2] - bbb);
+            s[j][3] = exp2f(s[j][3] - bbb);
             pa += s[j][0] + s[j][1];
             pb += s[j][2] + s[j][3];
         }
@@ -830,7 +875,7 @@ __device__ void attn_fwd_mma(const T* q, const T* k, const T* v, T* o, float* ls
             acc[j][2] *= cb;
             acc[j][3] *= cb;
         }
-        mma_pb<T, D, BN>(acc, s, vt);
+        mma_pb<T, D, BN>(acc, s, vs);
     }
     la += __shfl_xor_sync(0xffffffffu, la, 1);
     la += __shfl_xor_sync(0xffffffffu, la, 2);
@@ -855,10 +900,9 @@ template <typename T, int D>
 __device__ void attn_bwd_dq_mma(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                                 const float* delta, T* dq, const int* lo, const int* hi, int t, int hq, int hk,
                                 float scale) {
-    constexpr int BN = 32;
+    constexpr int BN = 64;
     __shared__ __align__(16) T ks[BN * (D + MMA_PAD)];
     __shared__ __align__(16) T vs[BN * (D + MMA_PAD)];
-    __shared__ __align__(16) T kt[D * (BN + MMA_PAD)];
     __shared__ int span[2];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int bi = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * MMA_BM, kvh = h / (hq / hk);
@@ -885,8 +929,9 @@ __device__ void attn_bwd_dq_mma(const T* q, const T* k, const T* v, const T* dou
     const int first = span[1] < 0 ? 1 : (span[0] / BN) * BN;
     for (int k0 = first; k0 <= span[1]; k0 += BN) {
         __syncthreads();
-        stage<T, D>(ks, kt, kb, kvs, k0, BN, t);
-        stage<T, D>(vs, nullptr, vb, kvs, k0, BN, t);
+        stage<T, D>(ks, kb, kvs, k0, BN, t);
+        stage<T, D>(vs, vb, kvs, k0, BN, t);
+        cp_async_wait();
         __syncthreads();
         float s[BN / 8][4], dp[BN / 8][4];
         mma_abt<T, D, BN>(s, qa, ks);
@@ -902,7 +947,7 @@ __device__ void attn_bwd_dq_mma(const T* q, const T* k, const T* v, const T* dou
                 s[j][2 + e] = pb * (dp[j][2 + e] - Db);
             }
         }
-        mma_pb<T, D, BN>(acc, s, kt);
+        mma_pb<T, D, BN>(acc, s, ks);
     }
     T* qb = dq + base * qs + (long long)h * D;
 #pragma unroll
@@ -912,21 +957,20 @@ __device__ void attn_bwd_dq_mma(const T* q, const T* k, const T* v, const T* dou
     }
 }
 
-// dK = scale · Σ dSᵀ Q and dV = Σ Pᵀ dO over the query heads sharing a kv head, one block per 64
-// key rows; the products are formed transposed (rows = keys), so Sᵀ = K Qᵀ.
+// One query head's share of dK = scale · Σ dSᵀ Q and dV = Σ Pᵀ dO, one block per 64 key rows;
+// the products are formed transposed (rows = keys), so Sᵀ = K Qᵀ. Written as f32 partials
+// [b·t, hq, D] (`part_k`, `part_v`); attn_reduce_heads sums the query heads of each kv head.
 template <typename T, int D>
 __device__ void attn_bwd_dkv_mma(const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                                 const float* delta, T* dk, T* dv, const int* lo, const int* hi, int t, int hq, int hk,
-                                 float scale) {
-    constexpr int BN = 32;
+                                 const float* delta, float* part_k, float* part_v, const int* lo, const int* hi, int t,
+                                 int hq, int hk, float scale) {
+    constexpr int BN = D == 128 ? 32 : 64;
     __shared__ __align__(16) T qsm[BN * (D + MMA_PAD)];
     __shared__ __align__(16) T dsm[BN * (D + MMA_PAD)];
-    __shared__ __align__(16) T qt[D * (BN + MMA_PAD)];
-    __shared__ __align__(16) T dt[D * (BN + MMA_PAD)];
     __shared__ float lsh[BN], dlt[BN];
     __shared__ int losh[BN], hish[BN];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int bi = blockIdx.z, kvh = blockIdx.y, k0 = blockIdx.x * MMA_BM, rep = hq / hk;
+    const int bi = blockIdx.z, h = blockIdx.y, k0 = blockIdx.x * MMA_BM, kvh = h / (hq / hk);
     const long long qs = (long long)hq * D, kvs = (long long)hk * D, base = (long long)bi * t;
     const int ra = k0 + warp * 16 + g, rb = ra + 8;  // this thread's key rows
     uint32_t ka[D / 16][4], va[D / 16][4];
@@ -939,60 +983,86 @@ __device__ void attn_bwd_dkv_mma(const T* q, const T* k, const T* v, const T* do
         gv[j][0] = gv[j][1] = gv[j][2] = gv[j][3] = 0.0f;
     }
     const float sl2 = scale * LOG2E_F;
-    for (int hh = 0; hh < rep; hh++) {
-        const int h = kvh * rep + hh;
-        const T* qb = q + base * qs + (long long)h * D;
-        const T* db = dout + base * qs + (long long)h * D;
-        const float* lh = lse + ((long long)bi * hq + h) * t;
-        const float* dh = delta + ((long long)bi * hq + h) * t;
-        for (int q0 = (k0 / BN) * BN; q0 < t; q0 += BN) {
-            __syncthreads();
-            stage<T, D>(qsm, qt, qb, qs, q0, BN, t);
-            stage<T, D>(dsm, dt, db, qs, q0, BN, t);
-            for (int e = threadIdx.x; e < BN; e += blockDim.x) {
-                const int qr = q0 + e;
-                const bool ok = qr < t;
-                lsh[e] = ok ? lh[qr] * LOG2E_F : 0.0f;
-                dlt[e] = ok ? dh[qr] : 0.0f;
-                losh[e] = ok ? lo[base + qr] : 1;
-                hish[e] = ok ? hi[base + qr] : 0;
-            }
-            __syncthreads();
-            float s[BN / 8][4], dp[BN / 8][4];
-            mma_abt<T, D, BN>(s, ka, qsm);  // Sᵀ: rows are keys, columns queries
-            mma_abt<T, D, BN>(dp, va, dsm);  // dPᵀ = V dOᵀ
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int col = 8 * j + 2 * c + e;  // query within the tile
-                    const int l_ = losh[col], h_ = hish[col];
-                    const float pa = (ra >= l_ && ra <= h_) ? exp2f(s[j][e] * sl2 - lsh[col]) : 0.0f;
-                    const float pb = (rb >= l_ && rb <= h_) ? exp2f(s[j][2 + e] * sl2 - lsh[col]) : 0.0f;
-                    s[j][e] = pa;
-                    s[j][2 + e] = pb;
-                    dp[j][e] = pa * (dp[j][e] - dlt[col]);
-                    dp[j][2 + e] = pb * (dp[j][2 + e] - dlt[col]);
-                }
-            }
-            mma_pb<T, D, BN>(gv, s, dt);   // dV += Pᵀ dO
-            mma_pb<T, D, BN>(gk, dp, qt);  // dK += dSᵀ Q
+    const T* qb = q + base * qs + (long long)h * D;
+    const T* db = dout + base * qs + (long long)h * D;
+    const float* lh = lse + ((long long)bi * hq + h) * t;
+    const float* dh = delta + ((long long)bi * hq + h) * t;
+    // A query i sees key j only if j ≤ hi[i] ≤ i: queries before this block's keys see none.
+    for (int q0 = (k0 / BN) * BN; q0 < t; q0 += BN) {
+        __syncthreads();
+        stage<T, D>(qsm, qb, qs, q0, BN, t);
+        stage<T, D>(dsm, db, qs, q0, BN, t);
+        for (int e = threadIdx.x; e < BN; e += blockDim.x) {
+            const int qr = q0 + e;
+            const bool ok = qr < t;
+            lsh[e] = ok ? lh[qr] * LOG2E_F : 0.0f;
+            dlt[e] = ok ? dh[qr] : 0.0f;
+            losh[e] = ok ? lo[base + qr] : 1;
+            hish[e] = ok ? hi[base + qr] : 0;
         }
+        cp_async_wait();
+        __syncthreads();
+        float s[BN / 8][4], dp[BN / 8][4];
+        mma_abt<T, D, BN>(s, ka, qsm);  // Sᵀ: rows are keys, columns queries
+        mma_abt<T, D, BN>(dp, va, dsm);  // dPᵀ = V dOᵀ
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int col = 8 * j + 2 * c + e;  // query within the tile
+                const int l_ = losh[col], h_ = hish[col];
+                const float pa = (ra >= l_ && ra <= h_) ? exp2f(s[j][e] * sl2 - lsh[col]) : 0.0f;
+                const float pb = (rb >= l_ && rb <= h_) ? exp2f(s[j][2 + e] * sl2 - lsh[col]) : 0.0f;
+                s[j][e] = pa;
+                s[j][2 + e] = pb;
+                dp[j][e] = pa * (dp[j][e] - dlt[col]);
+                dp[j][2 + e] = pb * (dp[j][2 + e] - dlt[col]);
+            }
+        }
+        mma_pb<T, D, BN>(gv, s, dsm);   // dV += Pᵀ dO
+        mma_pb<T, D, BN>(gk, dp, qsm);  // dK += dSᵀ Q
     }
-    T* kout = dk + base * kvs + (long long)kvh * D;
-    T* vout = dv + base * kvs + (long long)kvh * D;
+    float* kout = part_k + base * qs + (long long)h * D;
+    float* vout = part_v + base * qs + (long long)h * D;
 #pragma unroll
     for (int j = 0; j < D / 8; j++) {
+        const int col = 8 * j + 2 * c;
         if (ra < t) {
-            st32(kout + (long long)ra * kvs + 8 * j + 2 * c, pack2<T>(gk[j][0] * scale, gk[j][1] * scale));
-            st32(vout + (long long)ra * kvs + 8 * j + 2 * c, pack2<T>(gv[j][0], gv[j][1]));
+            kout[(long long)ra * qs + col] = gk[j][0] * scale;
+            kout[(long long)ra * qs + col + 1] = gk[j][1] * scale;
+            vout[(long long)ra * qs + col] = gv[j][0];
+            vout[(long long)ra * qs + col + 1] = gv[j][1];
         }
         if (rb < t) {
-            st32(kout + (long long)rb * kvs + 8 * j + 2 * c, pack2<T>(gk[j][2] * scale, gk[j][3] * scale));
-            st32(vout + (long long)rb * kvs + 8 * j + 2 * c, pack2<T>(gv[j][2], gv[j][3]));
+            kout[(long long)rb * qs + col] = gk[j][2] * scale;
+            kout[(long long)rb * qs + col + 1] = gk[j][3] * scale;
+            vout[(long long)rb * qs + col] = gv[j][2];
+            vout[(long long)rb * qs + col + 1] = gv[j][3];
         }
     }
 }
+
+// dk[i, g, :] = Σ over the query heads h of kv head g of part_k[i, h, :] (and dv likewise), in
+// head order: deterministic, unlike atomics.
+template <typename T>
+__device__ void attn_reduce_heads(const float* part_k, const float* part_v, T* dk, T* dv, int n, int hq, int hk,
+                                  int d) {
+    const int rep = hq / hk;
+    FOR_EACH(i, (long long)n * hk * d) {
+        const long long row = i / ((long long)hk * d);
+        const int rem = (int)(i % ((long long)hk * d)), g = rem / d, j = rem % d;
+        float sk = 0.0f, sv = 0.0f;
+        for (int r = 0; r < rep; r++) {
+            const long long at = (row * hq + g * rep + r) * d + j;
+            sk += part_k[at];
+            sv += part_v[at];
+        }
+        dk[i] = from_f<T>(sk);
+        dv[i] = from_f<T>(sv);
+    }
+}
+KERNEL_T(attn_reduce_heads, (const float* part_k, const float* part_v, T* dk, T* dv, int n, int hq, int hk, int d),
+         (part_k, part_v, dk, dv, n, hq, hk, d))
 
 #define MMA_KERNELS(T, SUF, D)                                                                                       \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_##SUF##_##D(                                      \
@@ -1008,9 +1078,9 @@ __device__ void attn_bwd_dkv_mma(const T* q, const T* k, const T* v, const T* do
     }                                                                                                                \
     EMU_REGISTER(attn_bwd_dq_mma_##SUF##_##D)                                                                        \
     extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkv_mma_##SUF##_##D(                                  \
-        const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, T* dk, T* dv,       \
-        const int* lo, const int* hi, int t, int hq, int hk, float scale) {                                          \
-        attn_bwd_dkv_mma<T, D>(q, k, v, dout, lse, delta, dk, dv, lo, hi, t, hq, hk, scale);                         \
+        const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, float* part_k,      \
+        float* part_v, const int* lo, const int* hi, int t, int hq, int hk, float scale) {                           \
+        attn_bwd_dkv_mma<T, D>(q, k, v, dout, lse, delta, part_k, part_v, lo, hi, t, hq, hk, scale);                 \
     }                                                                                                                \
     EMU_REGISTER(attn_bwd_dkv_mma_##SUF##_##D)
 

@@ -53,6 +53,11 @@ impl AttnShape {
     fn mma(&self, dt: Dt) -> bool {
         self.tensor_cores && Self::has_tensor_cores(dt, self.d)
     }
+
+    /// f32 elements of the backward pass's per-query-head scratch (dK and dV partials).
+    pub fn partial_len(&self) -> usize {
+        2 * self.b * self.t * self.hq * self.d
+    }
 }
 
 /// `RTUNE_GPU_ATTENTION=scalar` runs the reference attention kernels instead of the tensor-core
@@ -244,7 +249,9 @@ impl Ops<'_> {
         self.gpu.launch(&self.k("attn_fwd"), grid, ATT_BLOCK, &args)
     }
 
-    /// Attention backward: `delta` (scratch, `[b, hq, t]` f32) and the gradients of q, k and v.
+    /// Attention backward: `delta` (scratch, `[b, hq, t]` f32), `partial` (scratch of
+    /// [`AttnShape::partial_len`] f32: per-query-head dK and dV before they are summed per kv
+    /// head) and the gradients of q, k and v.
     pub fn attn_bwd(
         &self,
         s: &AttnShape,
@@ -255,6 +262,7 @@ impl Ops<'_> {
         dout: u64,
         lse: u64,
         delta: u64,
+        partial: u64,
         dq: u64,
         dk: u64,
         dv: u64,
@@ -266,20 +274,26 @@ impl Ops<'_> {
         self.gpu.launch(&self.k("attn_bwd_pre"), pre_grid, ATT_BLOCK, &pre)?;
         let dims = [i(s.t), i(s.hq), i(s.hk)];
         let dq_args = [q, k, v, dout, lse, delta, dq, lo, hi].map(Arg::Ptr);
-        let dkv_args = [q, k, v, dout, lse, delta, dk, dv, lo, hi].map(Arg::Ptr);
         if s.mma(self.dt) {
             let suffix = format!("{}_{}", self.dt.suffix(), s.d);
             let tail = [Arg::F32(s.scale)];
             let a: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
             let grid = [s.t.div_ceil(MMA_ROWS) as u32, s.hq as u32, s.b as u32];
             self.gpu.launch(&format!("attn_bwd_dq_mma_{suffix}"), grid, ATT_BLOCK, &a)?;
-            let a: Vec<Arg> = dkv_args.into_iter().chain(dims).chain(tail).collect();
-            let grid = [s.t.div_ceil(MMA_ROWS) as u32, s.hk as u32, s.b as u32];
-            return self.gpu.launch(&format!("attn_bwd_dkv_mma_{suffix}"), grid, ATT_BLOCK, &a);
+            // One block per 64 keys and query head (a grid as wide as the forward pass's), then a
+            // sum over the query heads that share each kv head.
+            let (part_k, part_v) = (partial, partial + (s.partial_len() / 2 * 4) as u64);
+            let dkv = [q, k, v, dout, lse, delta, part_k, part_v, lo, hi].map(Arg::Ptr);
+            let a: Vec<Arg> = dkv.into_iter().chain(dims).chain(tail).collect();
+            self.gpu.launch(&format!("attn_bwd_dkv_mma_{suffix}"), grid, ATT_BLOCK, &a)?;
+            let n = s.b * s.t;
+            let args = [Arg::Ptr(part_k), Arg::Ptr(part_v), Arg::Ptr(dk), Arg::Ptr(dv), i(n), i(s.hq), i(s.hk), i(s.d)];
+            return self.run("attn_reduce_heads", n * s.hk * s.d, &args);
         }
         let tail = [i(s.d), Arg::F32(s.scale)];
         let a: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
         self.gpu.launch(&self.k("attn_bwd_dq"), pre_grid, ATT_BLOCK, &a)?;
+        let dkv_args = [q, k, v, dout, lse, delta, dk, dv, lo, hi].map(Arg::Ptr);
         let a: Vec<Arg> = dkv_args.into_iter().chain(dims).chain(tail).collect();
         let grid = [s.t.div_ceil(ATT_ROWS) as u32, s.hk as u32, s.b as u32];
         self.gpu.launch(&self.k("attn_bwd_dkv"), grid, ATT_BLOCK, &a)
