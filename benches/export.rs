@@ -16,7 +16,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use rtune::model::{Batch, LoraSpec, Trainable, Transformer, fused};
+use rtune::engine::fused;
+use rtune::model::{Batch, LoraSpec, Trainable, Transformer};
 use rtune::recipe::ExportFormat;
 use rtune::rng::Rng;
 

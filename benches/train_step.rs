@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use rtune::model::{LoraSpec, Trainable, Transformer, fused, lora::FROZEN_MATMUL};
+use rtune::engine::fused;
+use rtune::model::{LoraSpec, Trainable, Transformer, lora::FROZEN_MATMUL};
 use rtune::rng::Rng;
 use rtune::train::optim::{AdamW, AdamWConfig};
 

@@ -6,14 +6,13 @@
 #
 #   . scripts/gpu-env.sh && .gpu/rtune doctor && scripts/gpu-verify.sh
 #
-# `--check` only type-checks and compiles the CUDA build and its kernels (what CI does).
+# `--ci` also lints the CUDA code (clippy with `--features cuda`, warnings denied) first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/cuda-toolkit.sh)"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda}"
-if [ "${1:-}" = "--check" ]; then
-  cargo build --locked --features cuda --all-targets
-  exit 0
+if [ "${1:-}" = "--ci" ]; then
+  cargo clippy --locked --features cuda --all-targets -- -D warnings
 fi
 cargo build --locked --release --features cuda
 mkdir -p .gpu

@@ -206,12 +206,22 @@ pub struct NoDevice {
 
 /// Pick the first preferred device that is present, then the first preferred dtype it supports.
 pub fn resolve(prefer: &[String], dtypes: &[Dtype], inv: &Inventory) -> Result<Resolution, NoDevice> {
+    resolve_with(prefer, |_| dtypes.to_vec(), inv)
+}
+
+/// [`resolve`] with a dtype preference per device (`dtypes_for("rocm")`).
+pub fn resolve_with(
+    prefer: &[String],
+    dtypes_for: impl Fn(&str) -> Vec<Dtype>,
+    inv: &Inventory,
+) -> Result<Resolution, NoDevice> {
     let mut skipped = Vec::new();
     for want in prefer {
         match find(want, inv) {
             Ok(dev) => {
                 let mut notes = Vec::new();
-                for d in dtypes {
+                let dtypes = dtypes_for(want);
+                for d in &dtypes {
                     if dev.dtypes.contains(d) {
                         return Ok(Resolution {
                             class: dev.class,
@@ -348,6 +358,16 @@ mod tests {
         let e = resolve(&s(&["rocm", "metal"]), &[Dtype::F32], &Inventory::cpu_only(2)).unwrap_err();
         assert_eq!(e.tried.len(), 2);
         assert!(e.to_string().starts_with("no preferred device is usable: rocm: candle has no ROCm"));
+    }
+
+    #[test]
+    fn a_device_can_have_its_own_dtypes() {
+        // `[device.cuda] dtype = ["bf16"]` with `dtype = ["f32"]` for the rest.
+        let dtypes = |d: &str| if d.starts_with("cuda") { vec![Dtype::Bf16] } else { vec![Dtype::F32] };
+        let r = resolve_with(&s(&["cuda:1", "cuda", "cpu"]), dtypes, &gpu_box(1)).unwrap();
+        assert_eq!((r.device_name(), r.dtype), ("cuda:0".to_string(), Dtype::Bf16));
+        let r = resolve_with(&s(&["cuda", "cpu"]), dtypes, &Inventory::cpu_only(2)).unwrap();
+        assert_eq!(r.dtype, Dtype::F32);
     }
 
     #[test]

@@ -28,6 +28,8 @@ struct EmuGpu {
     allocs: RefCell<HashMap<u64, Vec<u64>>>,
     live: Cell<u64>,
     peak: Cell<u64>,
+    /// Bytes the emulated device has (unlimited when None).
+    limit: Cell<Option<u64>>,
 }
 
 fn load(dt: Dt, p: u64, i: usize) -> f32 {
@@ -60,6 +62,11 @@ impl Gpu for EmuGpu {
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
+        if let Some(limit) = self.limit.get()
+            && self.live.get() + bytes as u64 > limit
+        {
+            return Err(GpuError::OutOfMemory { requested: bytes as u64, free: limit - self.live.get(), total: limit });
+        }
         let v = vec![0x7ff8_0000_7fc0_0000u64; bytes.div_ceil(8).max(1)]; // NaN-poisoned
         let p = v.as_ptr() as u64;
         self.allocs.borrow_mut().insert(p, v);
@@ -135,7 +142,8 @@ impl Gpu for EmuGpu {
     }
 
     fn memory(&self) -> Memory {
-        Memory { peak_used: self.peak.get(), free: 1 << 40, total: 1 << 40 }
+        let total = self.limit.get().unwrap_or(1 << 40);
+        Memory { peak_used: self.peak.get(), free: total.saturating_sub(self.live.get()), total }
     }
 
     fn reset_peak(&self) {
@@ -749,6 +757,49 @@ fn generation_logits_match_candle_and_checkpointing_changes_nothing() {
             assert_eq!(a, b, "{}: recomputed activations give other gradients for {name}", gpu.name());
         }
     }
+}
+
+#[test]
+fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
+    use miette::Diagnostic;
+    // An 8-layer model, and an emulated GPU that holds a step with activation checkpointing but
+    // not one without.
+    let dir = tempfile::tempdir().unwrap();
+    let spec: rtune::recipe::ScratchModel =
+        toml::from_str("hidden_size = 32\nnum_layers = 8\nnum_heads = 4\nintermediate_size = 64\nvocab_size = 300")
+            .unwrap();
+    let texts: Vec<String> = (0..200).map(|i| format!("sample {i}: some words to train a tokenizer on")).collect();
+    rtune::model::scratch::create(dir.path(), &spec, &texts, 0).unwrap();
+    let folder = ModelFolder::open(dir.path()).unwrap();
+    let lora = LoraSpec { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "v_proj".into()] };
+    let dev = resolution(Dtype::F32, DeviceClass::Cuda);
+    let emu = Rc::new(EmuGpu::default());
+    let gpu: Rc<dyn Gpu> = emu.clone();
+    let mut s = setup(&folder, Trainable::Lora(lora), &dev, None);
+    let mut engine = GpuEngine::new(gpu.clone(), &s).unwrap();
+    let (b, t) = (4, 32);
+    let with = engine.memory_estimate(b, t, true).unwrap().0;
+    let without = engine.memory_estimate(b, t, false).unwrap().0;
+    assert!(with < without, "{with} vs {without}");
+    emu.limit.set(Some((with + without) / 2 * 10 / 9));
+    let mut rng = Rng::new(4);
+    let rows: Vec<Vec<u32>> = (0..b).map(|_| (0..t).map(|_| (rng.next_u64() % 300) as u32).collect()).collect();
+    let select: Vec<u32> = (0..(b * t) as u32).filter(|i| i % t as u32 != t as u32 - 1).collect();
+    let targets = select.iter().map(|&i| rows[i as usize / t][i as usize % t + 1]).collect();
+    let batch = HostBatch::from_parts(&rows, &vec![t; b], None, select, targets);
+    let err = engine.accumulate(&batch, 1.0, 1.0, None).unwrap_err();
+    assert!(matches!(err, rtune::engine::EngineError::OutOfMemory { .. }), "{err}");
+    let settings: rtune::recipe::TrainSettings = toml::from_str("batch_size = 4\ngrad_accum = 2").unwrap();
+    let e = rtune::train::out_of_memory(err, &settings, Some(&engine));
+    let (message, help) = (e.to_string(), e.help().map(|h| h.to_string()).unwrap_or_default());
+    assert!(message.starts_with("the GPU ran out of memory while training (batch 4 × 32 tokens)"), "{message}");
+    assert!(help.contains("`stages.train.gradient_checkpointing = true`"), "{help}");
+    assert!(help.contains("checkpoints and cached stages are kept"), "{help}");
+    // And the suggestion holds: the same step with checkpointing fits.
+    drop(engine);
+    s.checkpointing = Checkpointing::On;
+    let mut engine = GpuEngine::new(gpu, &s).unwrap();
+    engine.accumulate(&batch, 1.0, 1.0, None).unwrap();
 }
 
 /// Kernel and product timings at the benchmark's shapes (SmolLM2-135M and Qwen2.5-3B attention,

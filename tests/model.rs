@@ -491,13 +491,13 @@ fn autograd(
 
 /// The fused engine's loss and gradients equal candle autograd's to float rounding.
 fn assert_fused_matches(model: &Transformer, batch: &Batch, select: &[u32], targets: &[u32], dropout: Option<u64>) {
-    assert_eq!(rtune::model::fused::unsupported(model), None);
+    assert_eq!(rtune::engine::fused::unsupported(model), None);
     let weight = 0.75;
     let (want_loss, want) = autograd(model, batch, select, targets, weight, dropout);
     let (loss, got) =
-        rtune::model::fused::loss_and_grads(model, batch, select, targets, weight as f32, dropout).unwrap();
+        rtune::engine::fused::loss_and_grads(model, batch, select, targets, weight as f32, dropout).unwrap();
     assert!((loss - want_loss).abs() < 1e-5 * want_loss.abs().max(1.0), "loss {loss} vs autograd {want_loss}");
-    let eval = rtune::model::fused::loss(model, batch, select, targets).unwrap();
+    let eval = rtune::engine::fused::loss(model, batch, select, targets).unwrap();
     let select_t = Tensor::new(select, &Device::Cpu).unwrap();
     let targets_t = Tensor::new(targets, &Device::Cpu).unwrap();
     let eval_want = model.loss(batch, &select_t, &targets_t, None).unwrap().to_scalar::<f32>().unwrap() as f64;

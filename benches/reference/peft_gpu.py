@@ -12,7 +12,9 @@ import json
 import sys
 import time
 
+import peft
 import torch
+import transformers
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -53,7 +55,8 @@ loss.item()
 torch.cuda.synchronize()
 seconds = time.perf_counter() - start
 print(json.dumps({
-    "impl": f"torch {torch.__version__} + peft, sdpa, autocast bf16, fused AdamW" + (", gradient checkpointing" if checkpointing else ""),
+    "impl": f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
+            "SDPA attention, autocast bf16, fused AdamW" + (", gradient checkpointing" if checkpointing else ""),
     "device": torch.cuda.get_device_name(),
     "batch": batch, "seq": seq, "steps": steps,
     "seconds": seconds,

@@ -1,6 +1,6 @@
 //! The candle engine: the [`Transformer`] built from candle ops, trained with candle's
 //! autograd — or, on the CPU in f32 with LoRA, with the fused CPU engine
-//! ([`crate::model::fused`]) computing the same loss and gradients — and rtune's AdamW over
+//! ([`crate::engine::fused`]) computing the same loss and gradients — and rtune's AdamW over
 //! candle tensors.
 
 use std::collections::BTreeMap;
@@ -115,8 +115,15 @@ impl Engine for CandleEngine {
         let (batch, select, targets) = self.candle_batch(b)?;
         let grad_weight = weight * loss_scale;
         let (loss, g) = if self.fused {
-            crate::model::fused::loss_and_grads(&self.model, &batch, &b.select, &b.targets, grad_weight as f32, dropout)
-                .map_err(cerr("forward and backward pass"))?
+            crate::engine::fused::loss_and_grads(
+                &self.model,
+                &batch,
+                &b.select,
+                &b.targets,
+                grad_weight as f32,
+                dropout,
+            )
+            .map_err(cerr("forward and backward pass"))?
         } else {
             let loss = self.model.loss(&batch, &select, &targets, dropout).map_err(cerr("forward pass"))?;
             let scaled = (&loss * grad_weight).map_err(cerr("scale the loss"))?;
@@ -188,7 +195,7 @@ impl Engine for CandleEngine {
     fn loss(&mut self, b: &HostBatch) -> Result<f64, EngineError> {
         let (batch, select, targets) = self.candle_batch(b)?;
         if self.fused {
-            return crate::model::fused::loss(&self.model, &batch, &b.select, &b.targets).map_err(cerr("evaluate"));
+            return crate::engine::fused::loss(&self.model, &batch, &b.select, &b.targets).map_err(cerr("evaluate"));
         }
         self.model
             .loss(&batch, &select, &targets, None)

@@ -5,7 +5,7 @@
 //!
 //! - [`candle::CandleEngine`]: candle's ops and autograd — any candle device, dtype and
 //!   trainable set (the reference the others are checked against); on the CPU in f32 with LoRA
-//!   it runs [`crate::model::fused`], rtune's fused CPU engine, instead;
+//!   it runs [`crate::engine::fused`], rtune's fused CPU engine, instead;
 //! - [`gpu::GpuEngine`]: an explicit forward and backward pass of LoRA training over device
 //!   buffers — fused kernels (`gpu/kernels.cu`), tensor-core attention that never stores
 //!   probabilities, activation checkpointing, the LM head and loss in chunks, AdamW on device —
@@ -17,6 +17,7 @@
 //! data-parallel run would all-reduce.
 
 pub mod candle;
+pub mod fused;
 pub mod gpu;
 
 use std::collections::BTreeMap;
@@ -212,7 +213,7 @@ impl EngineError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
-    /// [`crate::model::fused`] on the CPU.
+    /// [`crate::engine::fused`] on the CPU.
     Fused,
     /// candle's ops and autograd.
     Candle,

@@ -118,7 +118,12 @@ pub fn write(
     for m in weights {
         let hf = m.name.as_str();
         let Some(gname) = tensor_name(hf) else { continue };
-        let mut t = m.tensor().map_err(err(hf))?.to_dtype(DType::F32).map_err(err(hf))?;
+        // Merged where the model lives (a GPU for big models), quantized on the CPU.
+        let mut t = m
+            .tensor()
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.to_device(&candle_core::Device::Cpu))
+            .map_err(err(hf))?;
         if cfg.arch == Arch::Llama && hf.ends_with("q_proj.weight") {
             t = permute(&t, cfg.num_heads).map_err(err(hf))?;
         } else if cfg.arch == Arch::Llama && hf.ends_with("k_proj.weight") {

@@ -95,7 +95,8 @@ impl Linear {
         let inp = *dims.last().expect("input has a feature dimension");
         let x2 = x.reshape(((), inp))?;
         let frozen_op = FROZEN_MATMUL.load(std::sync::atomic::Ordering::Relaxed);
-        let mut y = if frozen_op && !self.weight.is_variable() && x2.device().is_cpu() {
+        let fused_device = x2.device().is_cpu() || x2.device().is_cuda();
+        let mut y = if frozen_op && !self.weight.is_variable() && fused_device {
             x2.apply_op1(FrozenMatmul { wt: self.weight.t()? })?
         } else {
             x2.matmul(&self.weight.to_dtype(x2.dtype())?.t()?)?
@@ -187,7 +188,7 @@ pub static FROZEN_MATMUL: std::sync::atomic::AtomicBool = std::sync::atomic::Ato
 ///
 /// candle's `matmul` backward also computes `xᵀ g`, a weight-shaped gradient, for every frozen
 /// linear layer of a LoRA model — the same cost again as the forward matmul, plus the memory, for a
-/// result nobody reads. This op keeps `W` out of the graph. (CPU only; on other devices the
+/// result nobody reads. This op keeps `W` out of the graph. (CPU and CUDA; on other devices the
 /// plain matmul is used.)
 struct FrozenMatmul {
     /// `Wᵀ`, `[in, out]` (a transposed view; the CPU matmul takes strided operands).
@@ -216,6 +217,26 @@ impl candle_core::CustomOp1 for FrozenMatmul {
         }
         if x.dtype() != w.dtype() {
             candle_core::bail!("frozen-matmul: input is {:?}, the weight {:?}", x.dtype(), w.dtype())
+        }
+        let out = x.matmul(w, (1, m, n, k), xl, wl)?;
+        Ok((out, candle_core::Shape::from((m, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (m, k) = xl.shape().dims2()?;
+        let (storage, wl) = self.wt.storage_and_layout();
+        let candle_core::Storage::Cuda(w) = &*storage else {
+            candle_core::bail!("frozen-matmul: the weight is not on the GPU")
+        };
+        let (k2, n) = wl.shape().dims2()?;
+        if k != k2 {
+            candle_core::bail!("frozen-matmul: input has {k} features, the weight expects {k2}")
         }
         let out = x.matmul(w, (1, m, n, k), xl, wl)?;
         Ok((out, candle_core::Shape::from((m, n))))

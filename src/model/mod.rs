@@ -3,7 +3,6 @@
 
 pub mod config;
 pub mod folder;
-pub mod fused;
 pub mod gguf;
 pub mod lora;
 pub mod peft;

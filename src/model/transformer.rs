@@ -16,8 +16,9 @@ use super::lora::{Linear, LoraSpec};
 use crate::rng::Rng;
 
 /// A large negative number for masked attention scores; finite so rows with nothing to attend to
-/// give a uniform distribution instead of NaN.
-const MASKED: f32 = -1e9;
+/// give a uniform distribution instead of NaN — also in f16, whose largest finite magnitude this
+/// is (-1e9 became −inf there). exp(MASKED − max) is 0 in f32 for any realistic score.
+pub(crate) const MASKED: f32 = -65504.0;
 
 /// Which weights train.
 #[derive(Debug, Clone)]

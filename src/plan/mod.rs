@@ -131,7 +131,7 @@ pub fn make(
             return Err(p);
         }
     }
-    let device = device::resolve(&recipe.device.prefer, &recipe.device.dtype, inv).map_err(|e| {
+    let device = device::resolve_with(&recipe.device.prefer, |d| recipe.device.dtypes_for(d), inv).map_err(|e| {
         Problem::new("rtune::device::none", e.to_string())
             .at(loaded.origin(&["device", "prefer"]), "none of these is usable")
             .help("add `\"cpu\"` at the end of `device.prefer` as a last resort")

@@ -20,7 +20,8 @@ impl<'a> Checker<'a> {
         Checker { root, problems: Vec::new() }
     }
 
-    fn resolve<'s>(&self, schema: &'s J) -> &'s J
+    /// `schema` with `$ref`s followed.
+    pub fn resolve<'s>(&self, schema: &'s J) -> &'s J
     where
         'a: 's,
     {

@@ -170,6 +170,14 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
     let kind_names: Vec<&str> = StageKind::ALL.iter().map(|k| k.as_str()).collect();
     for (name, entry) in table {
         let path = format!("stages.{name}");
+        if name == DEVICE_DTYPE_KEY {
+            problems.push(
+                Problem::new("rtune::recipe::reserved_name", format!("a stage cannot be named `{name}`"))
+                    .at(entry.key.as_ref(), "reserved")
+                    .help("`[device.<name>] dtype = [...]` sets a device's dtypes; name the stage otherwise"),
+            );
+            continue;
+        }
         let Some(st) = entry.node.as_table() else {
             problems.push(
                 Problem::new(
@@ -448,7 +456,12 @@ fn topo_order(specs: Vec<StageSpec>) -> Vec<StageSpec> {
     out
 }
 
-/// `[device.<name>.<stage>]` tables: the stage must exist and the keys must fit its kind.
+/// The key of a `[device.<name>]` table that holds the device's dtype preference rather than a
+/// stage's overrides.
+pub const DEVICE_DTYPE_KEY: &str = "dtype";
+
+/// `[device.<name>.<stage>]` tables: the stage must exist and the keys must fit its kind; and
+/// `[device.<name>] dtype`, the device's own dtype preference.
 fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems: &mut Vec<Problem>) {
     let Some(device) = tree.get(&["device"]).and_then(Node::as_table) else { return };
     for (dev, entry) in device.iter().filter(|(k, _)| super::is_device_name(k)) {
@@ -462,6 +475,14 @@ fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems
         };
         for (stage, st) in stages {
             let path = format!("device.{dev}.{stage}");
+            if stage == DEVICE_DTYPE_KEY {
+                // This device's own dtype preference, checked as `device.dtype` is.
+                let mut checker = Checker::new(schema);
+                let device = checker.resolve(&schema["properties"]["device"]);
+                checker.check(&st.node, &device["properties"]["dtype"], &path);
+                problems.append(&mut checker.problems);
+                continue;
+            }
             match specs.iter().find(|s| &s.name == stage) {
                 None => problems.push(
                     unknown_key(

@@ -290,7 +290,8 @@ impl LoraTarget {
 
 /// Device policy. Besides the keys below, `[device.<name>]` tables (`cpu`, `cuda`, `cuda:N`,
 /// `metal`, `rocm`) hold stage overrides applied only when that device is chosen, e.g.
-/// `[device.cpu] train.batch_size = 1`.
+/// `[device.cpu] train.batch_size = 1`, and the device's own dtype preference, e.g.
+/// `[device.rocm] dtype = ["f32"]`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct DevicePolicy {
     /// Devices in order of preference; the first one available wins.
@@ -313,6 +314,21 @@ pub struct DevicePolicy {
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub overrides: BTreeMap<String, serde_json::Value>,
+}
+
+impl DevicePolicy {
+    /// The dtypes to try on `device` (`cuda:1`, `rocm`): its own `[device.<name>] dtype` list
+    /// (the exact name first, then the class), else `dtype`.
+    pub fn dtypes_for(&self, device: &str) -> Vec<Dtype> {
+        let class = device.split(':').next().unwrap_or(device);
+        [device, class]
+            .iter()
+            .find_map(|name| {
+                let list = self.overrides.get(*name)?.get(crate::recipe::stages::DEVICE_DTYPE_KEY)?;
+                serde_json::from_value(list.clone()).ok()
+            })
+            .unwrap_or_else(|| self.dtype.clone())
+    }
 }
 
 impl Default for DevicePolicy {
@@ -820,7 +836,7 @@ impl Recipe {
             "additionalProperties": { "anyOf": kinds }
         });
         root["properties"]["device"]["additionalProperties"] = serde_json::json!({
-            "description": "Stage overrides applied when this device is chosen: `[device.cpu] train.batch_size = 1`.",
+            "description": "Stage overrides applied when this device is chosen (`[device.cpu] train.batch_size = 1`), and the device's own dtype preference (`[device.rocm] dtype = [\"f32\"]`).",
             "type": "object",
             "additionalProperties": { "type": "object" }
         });

@@ -11,6 +11,7 @@ use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
 use crate::data::TokenStore;
+use crate::device::Resolution;
 use crate::engine::candle::CandleEngine;
 use crate::engine::{Checkpointing, Setup};
 use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safetensors_sharded, gguf, peft};
@@ -27,8 +28,10 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let model_dir = ctx.input("model")?.join("model");
     let weights_dir = ctx.input("weights")?;
     let folder = ModelFolder::open(&model_dir)?;
-    // Exports are computed on the CPU in f32: exact merges, whatever device trained.
-    let mut engine = tuned_cpu_engine(&folder, &weights_dir)?;
+    // Exports are computed in f32 (exact merges, whatever dtype trained), on the stage's device.
+    let device = Resolution { dtype: crate::recipe::Dtype::F32, ..ctx.device.clone() };
+    let mut engine = tuned_engine(&folder, &weights_dir, &device)?;
+    let candle_device = engine.model().device().clone();
     let base_name = ctx.loaded.recipe.model.repo.clone().unwrap_or_default();
     let mut report = serde_json::Map::new();
     let mut self_check: Option<(TokenStore, f64)> = None;
@@ -98,7 +101,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                     }
                 };
                 let reference = *reference;
-                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval)?;
+                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, &candle_device)?;
                 let ratio = (loss - reference).exp();
                 ctx.ui.status(
                     "quantize",
@@ -129,10 +132,9 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     Ok(metrics)
 }
 
-/// The base model with the train stage's result applied, on the CPU in f32 (exact merges,
-/// whatever device trained), computing with the fused CPU engine where it can.
-fn tuned_cpu_engine(folder: &ModelFolder, weights_dir: &Path) -> Result<CandleEngine, StageError> {
-    let cpu = crate::device::Resolution::cpu();
+/// The base model with the train stage's result applied, as candle tensors on `device` (in
+/// f32), computing with the fused CPU engine where it can.
+fn tuned_engine(folder: &ModelFolder, weights_dir: &Path, device: &Resolution) -> Result<CandleEngine, StageError> {
     let trainable = match weights_dir.join("adapter_config.json").is_file() {
         true => Trainable::Lora(peft::read_config(weights_dir)?),
         false => Trainable::Nothing,
@@ -141,7 +143,7 @@ fn tuned_cpu_engine(folder: &ModelFolder, weights_dir: &Path) -> Result<CandleEn
         folder,
         trainable,
         seed: 0,
-        device: &cpu,
+        device,
         optimizer: None,
         ema_decay: None,
         checkpointing: Checkpointing::Off,
@@ -149,7 +151,8 @@ fn tuned_cpu_engine(folder: &ModelFolder, weights_dir: &Path) -> Result<CandleEn
         max_batch: (1, 1),
         tf32: false,
     };
-    Ok(CandleEngine::build(&setup, true)?)
+    let fused = device.class == crate::device::DeviceClass::Cpu;
+    Ok(CandleEngine::build(&setup, fused)?)
 }
 
 /// Eval rows used by the GGUF self-check (token-by-token decoding is slow on big models).
@@ -158,7 +161,12 @@ const SELF_CHECK_ROWS: usize = 64;
 /// Mean next-token loss of a GGUF file over the first eval rows, decoded token by token with
 /// candle's quantized Llama/Qwen2 (llama.cpp's conventions: it is a check of names, layout and
 /// metadata as much as of quantization error).
-fn gguf_eval_loss(path: &Path, arch: crate::recipe::Arch, eval: &TokenStore) -> Result<(f64, usize), StageError> {
+fn gguf_eval_loss(
+    path: &Path,
+    arch: crate::recipe::Arch,
+    eval: &TokenStore,
+    device: &Device,
+) -> Result<(f64, usize), StageError> {
     use candle_transformers::models::{quantized_llama, quantized_qwen2};
     enum Q {
         Llama(quantized_llama::ModelWeights),
@@ -169,17 +177,17 @@ fn gguf_eval_loss(path: &Path, arch: crate::recipe::Arch, eval: &TokenStore) -> 
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(ctx("read"))?;
     let mut model = match arch {
         crate::recipe::Arch::Llama => {
-            Q::Llama(quantized_llama::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).map_err(ctx("load"))?)
+            Q::Llama(quantized_llama::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
         }
         crate::recipe::Arch::Qwen2 => {
-            Q::Qwen2(quantized_qwen2::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).map_err(ctx("load"))?)
+            Q::Qwen2(quantized_qwen2::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
         }
     };
     let (mut sum, mut n) = (0f64, 0usize);
     for r in 0..eval.len().min(SELF_CHECK_ROWS) {
         let row = eval.row(r);
         for j in 0..row.ids.len().saturating_sub(1) {
-            let x = candle_core::Tensor::new(&[[row.ids[j]]], &Device::Cpu).map_err(ctx("input"))?;
+            let x = candle_core::Tensor::new(&[[row.ids[j]]], device).map_err(ctx("input"))?;
             let logits = match &mut model {
                 Q::Llama(m) => m.forward(&x, j),
                 Q::Qwen2(m) => m.forward(&x, j),
@@ -204,12 +212,13 @@ fn mkdir(dir: &Path) -> Result<(), StageError> {
 /// Load the merged folder back and compare its logits with the adapter model's on a fixed batch.
 fn check_merged(adapter_model: &Transformer, dir: &Path) -> Result<f64, StageError> {
     let folder = ModelFolder::open(dir)?;
-    let weights = folder.load_weights(&Device::Cpu, DType::F32)?;
+    let device = adapter_model.device();
+    let weights = folder.load_weights(device, DType::F32)?;
     let merged = Transformer::new(&folder.config, &weights, &Trainable::Nothing, &mut Rng::new(0))?;
     let vocab = folder.config.vocab_size as u64;
     let mut rng = Rng::new(7);
     let rows: Vec<Vec<u32>> = (0..2).map(|_| (0..16).map(|_| (rng.next_u64() % vocab) as u32).collect()).collect();
-    let batch = Batch::new(&rows, &[16, 16], None, &Device::Cpu).map_err(StageError::candle("self-check batch"))?;
+    let batch = Batch::new(&rows, &[16, 16], None, device).map_err(StageError::candle("self-check batch"))?;
     let a = adapter_model.logits(&batch).map_err(StageError::candle("self-check"))?;
     let b = merged.logits(&batch).map_err(StageError::candle("self-check"))?;
     let d = (a - b).and_then(|d| d.abs()).and_then(|d| d.max_all()).and_then(|d| d.to_scalar::<f32>());

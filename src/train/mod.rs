@@ -405,8 +405,9 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
     t.finish(started.elapsed().as_secs_f64(), stopped_early, &metrics_path)
 }
 
-/// An out-of-memory error of the engine as a train error that says what would fit.
-fn out_of_memory(e: EngineError, s: &TrainSettings, engine: Option<&dyn Engine>) -> TrainError {
+/// An out-of-memory error of the engine as a train error that says what would fit (other errors
+/// pass through).
+pub fn out_of_memory(e: EngineError, s: &TrainSettings, engine: Option<&dyn Engine>) -> TrainError {
     let EngineError::OutOfMemory { context, batch, seq, requested, free, total } = e else {
         return TrainError::Engine(e);
     };

@@ -436,7 +436,11 @@ impl GpuEngine {
             return Err(EngineError::Unsupported(format!("position {s} is outside the batch of {n} tokens")));
         }
         if i32::try_from(n * self.cfg.intermediate_size.max(self.cfg.hidden_size)).is_err() {
-            return Err(EngineError::Unsupported(format!("a batch of {n} tokens is too large for one step")));
+            return Err(EngineError::Unsupported(format!(
+                "a batch of {n} tokens is too large for one step of the GPU engine (its MLP activations \
+                 would pass 2³¹ elements): lower `stages.train.batch_size` (and raise `grad_accum`) or \
+                 `dataset.max_seq_len`"
+            )));
         }
         let ctx = |e| oom_or(e, "uploading a batch", b.b, b.t);
         self.ensure_rope(need).map_err(ctx)?;

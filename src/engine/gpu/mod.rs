@@ -1,5 +1,5 @@
 //! The GPU engine: LoRA training and evaluation as an explicit forward and backward pass over
-//! device buffers, the GPU counterpart of the fused CPU engine ([`crate::model::fused`]).
+//! device buffers, the GPU counterpart of the fused CPU engine ([`crate::engine::fused`]).
 //!
 //! - `kernels.cu` holds every kernel but the matrix products: RMSNorm, rotary embeddings,
 //!   SiLU gating, dropout from a counter-based generator, cross-entropy, AdamW, and attention

@@ -16,7 +16,7 @@
 //! It is used when the model computes in f32 on the CPU and only LoRA adapters train (see
 //! [`unsupported`]); anything else runs through candle. Both give the same loss and gradients
 //! to float rounding (`cargo test --test model fused_`), and draw the same LoRA dropout masks
-//! (keyed per element, [`super::lora::dropout_keep`]).
+//! (keyed per element, [`crate::model::lora::dropout_keep`]).
 
 use std::collections::BTreeMap;
 
@@ -24,7 +24,7 @@ use candle_core::{CpuStorage, Device, Layout, Result, Storage, Tensor, bail};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::transformer::{Batch, Transformer};
+use crate::model::transformer::{Batch, Transformer};
 
 /// Why `model` cannot run on the fused engine, or `None` when it can.
 pub fn unsupported(model: &Transformer) -> Option<String> {
@@ -285,7 +285,9 @@ fn run(
         bail!("fused engine: token {id} outside the vocabulary of {}", dims.vocab)
     }
     // Attention skips keys after each query block, which is exact only for causal masks.
-    let causal = mask.chunks(t * t).all(|m| (0..t).all(|q| m[q * t + q + 1..(q + 1) * t].iter().all(|&v| v <= -1e8)));
+    let causal = mask
+        .chunks(t * t)
+        .all(|m| (0..t).all(|q| m[q * t + q + 1..(q + 1) * t].iter().all(|&v| v <= crate::model::transformer::MASKED)));
     if mask.len() != b * t * t || !causal {
         bail!("fused engine: the attention mask is not a causal [b, 1, t, t] mask")
     }
@@ -667,8 +669,8 @@ fn linear_forward(l: &LinW<'_>, x: &[f32], n: usize, dropout: Option<u64>, first
     let Some(lo) = &l.lora else { return LinSave::default() };
     let mask = match dropout {
         Some(batch) if lo.dropout > 0.0 => {
-            let key = super::lora::dropout_key(batch, l.id);
-            Some(super::lora::dropout_factors(key, first_row * l.inp, n * l.inp, lo.dropout))
+            let key = crate::model::lora::dropout_key(batch, l.id);
+            Some(crate::model::lora::dropout_factors(key, first_row * l.inp, n * l.inp, lo.dropout))
         }
         _ => None,
     };
@@ -746,7 +748,7 @@ fn lora_input<'x>(x: &'x [f32], mask: Option<&[f32]>) -> std::borrow::Cow<'x, [f
 
 /// The gradient accumulator of adapter matrix `which` of `prefix`, created zeroed.
 fn grad_slot<'g>(grads: &'g mut Grads, prefix: &str, which: &str, len: usize) -> &'g mut [f32] {
-    grads.entry(super::lora::param_name(prefix, which)).or_insert_with(|| vec![0f32; len])
+    grads.entry(crate::model::lora::param_name(prefix, which)).or_insert_with(|| vec![0f32; len])
 }
 
 // ---------------------------------------------------------------------------------------------
