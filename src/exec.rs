@@ -26,7 +26,8 @@ pub struct StageReport {
     pub name: String,
     pub kind: String,
     pub fingerprint: String,
-    /// `cached`, `built`, `skipped`, or `reused` (built meanwhile by another rtune run).
+    /// `cached`, `built`, `restored` (an upload's destination copied again from the store),
+    /// `skipped`, or `reused` (built meanwhile by another rtune run).
     pub outcome: String,
     pub artifact: Option<PathBuf>,
     pub metrics: serde_json::Value,
@@ -124,6 +125,27 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
                 report.stages.push(StageReport::new(planned, "cached", Some(store.artifact_dir(fp)), metrics, seconds));
                 continue;
             }
+            Action::Restore => {
+                let _lock = store.lock(fp, || {
+                    ui.status(
+                        "waiting",
+                        format!("another rtune run is building {} ({})", planned.name, planned.short()),
+                    )
+                })?;
+                ui.status("restoring", format!("{} ({}) — {}", planned.name, planned.short(), planned.reason));
+                restore(loaded, store, plan, planned, ui, false)?;
+                record_in_lock(&lock_file, plan, &planned.name)?;
+                let metrics = store.manifest(fp).map(|m| m.metrics).unwrap_or(json!(null));
+                let seconds = started.elapsed().as_secs_f64();
+                report.stages.push(StageReport::new(
+                    planned,
+                    "restored",
+                    Some(store.artifact_dir(fp)),
+                    metrics,
+                    seconds,
+                ));
+                continue;
+            }
             Action::Run => {}
         }
         let _lock = store.lock(fp, || {
@@ -132,6 +154,10 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         let forced = planned.reason.starts_with("forced");
         if let Some(m) = store.manifest(fp).filter(|m| !forced && store.quick_check(m).is_ok()) {
             ui.status("reused", format!("{} ({}) was built by another run meanwhile", planned.name, planned.short()));
+            // An upload built by another checkout wrote its files there, not here.
+            if planned.kind == crate::recipe::StageKind::Upload {
+                restore(loaded, store, plan, planned, ui, true)?;
+            }
             let seconds = started.elapsed().as_secs_f64();
             report.stages.push(StageReport::new(planned, "reused", Some(store.artifact_dir(fp)), m.metrics, seconds));
             continue;
@@ -213,6 +239,27 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         }
     }
     Ok(report)
+}
+
+/// Copy an upload's files to its destination again from the store (only when the destination
+/// is found stale, with `check`).
+fn restore(
+    loaded: &LoadedRecipe,
+    store: &Store,
+    plan: &Plan,
+    planned: &crate::plan::PlannedStage,
+    ui: &Ui,
+    check: bool,
+) -> Result<(), Error> {
+    use stage::destination::{self, Verdict};
+    let hub = crate::hub::HubEnv::from_env(None, plan.offline);
+    if check && !matches!(destination::check(loaded, store, &planned.fingerprint, &hub), Verdict::Stale(_)) {
+        return Ok(());
+    }
+    let summary = destination::restore(loaded, store, &planned.fingerprint, &hub, ui)
+        .map_err(|source| Error::Stage { stage: planned.name.clone(), source })?;
+    ui.status(planned.kind.as_str(), &summary);
+    Ok(())
 }
 
 /// Record one stage's fingerprint in the lock file (read-modify-write, atomic).

@@ -32,7 +32,9 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         Train => 4,
         Evaluate | Quantize => 3,
         // 2: uploads carry a generated model card and the loss curve.
-        Upload => 2,
+        // 3: upload.json records each file's digest, size and the store file it copies, so
+        // `plan` can check the destination and `run` restore it.
+        Upload => 3,
     }
 }
 

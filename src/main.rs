@@ -433,7 +433,7 @@ fn summary(r: &exec::RunReport) -> String {
     let w = r.stages.iter().map(|s| s.name.len()).max().unwrap_or(0);
     for s in &r.stages {
         let path = s.artifact.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "-".into());
-        out.push_str(&format!("  {:<w$}  {:<7}  {path}\n", s.name, s.outcome));
+        out.push_str(&format!("  {:<w$}  {:<8}  {path}\n", s.name, s.outcome));
     }
     let evals: Vec<String> = r
         .stages

@@ -437,6 +437,20 @@ fn a_recipe_with_hub_sources_downloads_trains_and_uploads() {
     let up = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "upload").unwrap();
     assert_eq!(up["metrics"]["commit"].as_str().unwrap().len(), 40);
 
+    // Issue 19: with the Hub reachable, `plan` checks the uploaded files are still there; a
+    // file deleted on the Hub makes the upload restore (re-commit) it from the store.
+    let plan = stdout(&env.ok(&["plan", "hub.toml"], &auth));
+    assert!(plan.contains("0 to run, 6 cached"), "{plan}");
+    env.server.delete_files("model", "test-org/tiny-llama-tuned", &["README.md"]);
+    let plan = stdout(&env.ok(&["plan", "hub.toml"], &auth));
+    assert!(plan.contains("restore  destination changed on the Hub: README.md"), "{plan}");
+    let o = env.ok(&["run", "hub.toml"], &auth);
+    assert!(stderr(&o).contains("re-uploaded"), "{}", stderr(&o));
+    let restored = env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap();
+    assert_eq!(restored, uploaded);
+    let plan = stdout(&env.ok(&["plan", "hub.toml", "--offline"], &[]));
+    assert!(plan.contains("cached  destination not checked (offline)"), "{plan}");
+
     // Offline afterwards: every stage is cached and the Hub is not asked anything.
     env.server.state.lock().unwrap().log.clear();
     let o = env.ok(&["run", "hub.toml", "--offline", "--json"], &[]);

@@ -515,3 +515,72 @@ fn a_full_disk_fails_cleanly_and_loses_nothing() {
     assert!(outcomes(&done).iter().any(|(_, o)| o == "built"));
     assert!(p.run(&["cache", "verify"]).status.success());
 }
+
+/// Every file under `dir`, relative path → bytes.
+fn tree(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            } else {
+                let rel = e.path().strip_prefix(dir).unwrap().to_string_lossy().replace('\\', "/");
+                out.insert(rel, std::fs::read(e.path()).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Issue 19: a `dir://` upload's destination is an output too. A second checkout sharing the
+/// cache gets the same files; a deleted or edited exported file is restored from the store
+/// (nothing upstream re-runs), and `plan` says why.
+#[test]
+fn exports_are_restored_in_a_second_checkout_and_after_deletion_or_edit() {
+    let first = Project::tiny_offline();
+    first.run_json(&args(&["tiny.toml"], FAST));
+    let second = Project::tiny_offline();
+    let run2 = |a: &[&str]| rtune(second.path(), &first.cache(), a);
+    let o = run2(&args(&["run", "tiny.toml", "--json"], FAST));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let got = outcomes(&report);
+    assert!(got.iter().all(|(n, x)| x == if n == "upload" { "restored" } else { "cached" }), "{got:?}");
+    let (a, b) = (first.path().join("out/tiny-offline"), second.path().join("out/tiny-offline"));
+    let exported = tree(&a);
+    assert!(exported.contains_key("gguf/model-q8_0.gguf") && exported.contains_key("merged/config.json"));
+    assert_eq!(exported, tree(&b), "the two checkouts' exports differ");
+
+    // Deleted: `plan` names it, `run` copies it back from the store.
+    std::fs::remove_file(b.join("gguf/model-q8_0.gguf")).unwrap();
+    let plan = stdout(&run2(&args(&["plan", "tiny.toml"], FAST)));
+    assert!(plan.contains("restore  destination incomplete: gguf/model-q8_0.gguf missing"), "{plan}");
+    assert!(plan.contains("0 to run, 1 to restore, 6 cached"), "{plan}");
+    let o = run2(&args(&["run", "tiny.toml"], FAST));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(tree(&b), exported);
+
+    // Edited (same size, so only the digest can tell): restored, the edit kept beside.
+    let card = b.join("README.md");
+    let mut bytes = std::fs::read(&card).unwrap();
+    bytes[0] = b'#';
+    std::fs::write(&card, &bytes).unwrap();
+    let plan = stdout(&run2(&args(&["plan", "tiny.toml"], FAST)));
+    assert!(plan.contains("destination changed: README.md"), "{plan}");
+    let o = run2(&args(&["run", "tiny.toml"], FAST));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("had changed since rtune wrote it"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(b.join("README.md.rtune-replaced")).unwrap(), bytes);
+    std::fs::remove_file(b.join("README.md.rtune-replaced")).unwrap();
+    assert_eq!(tree(&b), exported);
+
+    // The whole folder gone; then an intact destination is simply cached.
+    std::fs::remove_dir_all(&b).unwrap();
+    let plan = stdout(&run2(&args(&["plan", "tiny.toml"], FAST)));
+    assert!(plan.contains("restore  destination missing"), "{plan}");
+    run2(&args(&["run", "tiny.toml"], FAST));
+    let plan = stdout(&run2(&args(&["plan", "tiny.toml"], FAST)));
+    assert!(plan.contains("0 to run, 7 cached"), "{plan}");
+    assert_eq!(tree(&b), exported);
+}

@@ -110,6 +110,33 @@ pub fn resolve_commit(client: &Client, repo: &RepoRef) -> Result<String, HubErro
     Ok(sha)
 }
 
+/// A repository's files at `repo.revision`: the commit and each file's size.
+pub struct Listing {
+    pub commit: String,
+    pub files: std::collections::BTreeMap<String, u64>,
+}
+
+/// List `repo` at its revision; `None` when the repository or the revision does not exist.
+pub fn list_files(client: &Client, repo: &RepoRef) -> Result<Option<Listing>, HubError> {
+    let what = format!("listing {}", repo.display());
+    let url = format!("{}?blobs=true", info_url(client, repo, &repo.revision));
+    let info: RepoInfo = match client.get_json(&what, &url) {
+        Ok(i) => i,
+        Err(HubError::NotFound { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let files = info
+        .siblings
+        .unwrap_or_default()
+        .into_iter()
+        .map(|s| {
+            let size = s.lfs.as_ref().map(|l| l.size).or(s.size).unwrap_or(0);
+            (s.rfilename, size)
+        })
+        .collect();
+    Ok(Some(Listing { commit: info.sha.unwrap_or_default(), files }))
+}
+
 /// Download the wanted files of `repo` into the cache (or, offline, find them there).
 pub fn snapshot(
     client: &Client,

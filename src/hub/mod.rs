@@ -16,7 +16,9 @@ mod upload;
 use std::path::PathBuf;
 
 pub use cache::{CachedSnapshot, HubCache};
-pub use download::{DownloadReport, FileReport, Wanted, download_command, resolve_commit, snapshot};
+pub use download::{
+    DownloadReport, FileReport, Listing, Wanted, download_command, list_files, resolve_commit, snapshot,
+};
 pub use glob::fnmatch;
 pub use http::Client;
 pub use upload::{CommitFile, CommitReport, commit, create_repo};

@@ -21,6 +21,7 @@ use crate::recipe::stages::Port;
 use crate::recipe::{
     EvaluateSettings, LoadedRecipe, Problem, QuantizeSettings, StageKind, StageSpec, TrainSettings, UploadSettings,
 };
+use crate::stage::destination::Verdict;
 use crate::store::Store;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -30,6 +31,9 @@ pub enum Action {
     Cached,
     /// The stage will run.
     Run,
+    /// The artifact is cached, but the files it put outside the store (an upload's
+    /// destination) are missing or changed: they are copied again from the store.
+    Restore,
     /// Not selected by `--only`.
     Skip,
 }
@@ -39,6 +43,7 @@ impl Action {
         match self {
             Action::Cached => "cached",
             Action::Run => "run",
+            Action::Restore => "restore",
             Action::Skip => "skip",
         }
     }
@@ -200,16 +205,23 @@ pub fn make(
                     "forced (--force)".to_string()
                 },
             ),
+            (Some(Ok(())), false) if spec.kind == StageKind::Upload => {
+                match crate::stage::destination::check(loaded, store, &fp, &hub) {
+                    Verdict::Intact => (Action::Cached, String::new()),
+                    Verdict::NotChecked(why) => (Action::Cached, why),
+                    Verdict::Stale(why) => (Action::Restore, why),
+                }
+            }
             (Some(Ok(())), false) => (Action::Cached, String::new()),
             (Some(Err(why)), false) => (Action::Run, format!("artifact damaged ({why}); rebuilding")),
             (None, false) => (Action::Run, why_run(old, &doc, &fp, spec, &planned)),
         };
         if let Some(only) = &only_set
             && !only.contains(&spec.name)
-            && action == Action::Run
+            && matches!(action, Action::Run | Action::Restore)
         {
             let upstream_of_only = loaded.stages.upstream(sel.only.as_deref().unwrap_or_default());
-            if upstream_of_only.contains(&spec.name) {
+            if upstream_of_only.contains(&spec.name) && action == Action::Run {
                 return Err(Problem::new(
                     "rtune::plan::input_not_built",
                     format!(

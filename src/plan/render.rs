@@ -52,7 +52,9 @@ pub fn render_text(plan: &Plan) -> String {
     }
     let runs = plan.stages.iter().filter(|s| s.action == Action::Run).count();
     let cached = plan.stages.iter().filter(|s| s.action == Action::Cached).count();
-    let _ = writeln!(out, "\n{runs} to run, {cached} cached");
+    let restores = plan.stages.iter().filter(|s| s.action == Action::Restore).count();
+    let restore = if restores > 0 { format!(", {restores} to restore") } else { String::new() };
+    let _ = writeln!(out, "\n{runs} to run{restore}, {cached} cached");
     if plan.stages.iter().any(|s| s.implicit) {
         out.push_str("* added by rtune because another stage needs it\n");
     }
@@ -66,6 +68,7 @@ pub fn render_dot(plan: &Plan) -> String {
         let color = match s.action {
             Action::Cached => "gray",
             Action::Run => "black",
+            Action::Restore => "blue",
             Action::Skip => "lightgray",
         };
         let _ =

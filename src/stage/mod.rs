@@ -1,6 +1,7 @@
 //! One executor per stage kind. Each reads its inputs' artifact folders, writes its output
 //! into a staging folder, and returns metrics; the executor in [`crate::exec`] commits it.
 
+pub mod destination;
 mod download;
 mod evaluate;
 mod quantize;

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use serde_json::json;
 
+use super::destination::{self, Record, Written};
 use super::{StageCtx, StageError, write_json};
 use crate::plan::Action;
 use crate::recipe::{StageKind, UploadSettings};
@@ -20,21 +21,35 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let s: UploadSettings = serde_json::from_value(ctx.stage.settings()["upload"].clone())
         .map_err(|e| StageError::Internal(format!("resolved upload settings: {e}")))?;
     let exports = ctx.input("exports")?;
-    let mut files: Vec<(String, PathBuf)> = crate::store::walk(&exports)
+    let exports_fp = ctx.stage.input("exports").unwrap_or_default().to_string();
+    // (destination path, store file, `<fingerprint>/<path>` it is restored from)
+    let mut files: Vec<(String, PathBuf, String)> = crate::store::walk(&exports)
         .map_err(StageError::io("cannot list the exports"))?
         .into_iter()
-        .map(|rel| (rel.to_string_lossy().replace('\\', "/"), exports.join(rel)))
+        .map(|rel| {
+            let rel_s = rel.to_string_lossy().replace('\\', "/");
+            (rel_s.clone(), exports.join(rel), format!("{exports_fp}/{rel_s}"))
+        })
         .collect();
     // The card and the loss curve travel with the models.
     let card_dir = ctx.out.join("card");
     std::fs::create_dir_all(&card_dir).map_err(StageError::io("cannot create the card folder"))?;
-    if let Some(curve) = train_artifact(ctx).map(|d| d.join("loss_curve.svg")).filter(|p| p.exists()) {
-        files.push(("loss_curve.svg".into(), curve));
+    if let Some(st) = train_stage(ctx) {
+        let curve = ctx.store.artifact_dir(&st.fingerprint).join("loss_curve.svg");
+        if curve.exists() {
+            files.push(("loss_curve.svg".into(), curve, format!("{}/loss_curve.svg", st.fingerprint)));
+        }
     }
     let card = model_card(ctx, &files);
     std::fs::write(card_dir.join("README.md"), card).map_err(StageError::io("cannot write the model card"))?;
-    files.retain(|(p, _)| p != "README.md");
-    files.push(("README.md".into(), card_dir.join("README.md")));
+    files.retain(|(p, _, _)| p != "README.md");
+    files.push(("README.md".into(), card_dir.join("README.md"), format!("{}/card/README.md", ctx.stage.fingerprint)));
+    let mut written = BTreeMap::new();
+    for (rel, local, from) in &files {
+        let (digest, size) =
+            crate::store::hash_file(local).map_err(StageError::io(format!("cannot hash `{}`", local.display())))?;
+        written.insert(rel.clone(), Written { digest, size, from: from.clone() });
+    }
 
     if let Some(rest) = s.to.strip_prefix("hf://") {
         let repo = crate::hub::parse_hf_url(rest)?;
@@ -53,38 +68,34 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
             crate::hub::create_repo(&client, &repo, s.private)?;
         }
         let commit_files: Vec<crate::hub::CommitFile> =
-            files.iter().map(|(p, l)| crate::hub::CommitFile { path: p.clone(), local: l.clone() }).collect();
+            files.iter().map(|(p, l, _)| crate::hub::CommitFile { path: p.clone(), local: l.clone() }).collect();
         let message =
             s.message.clone().unwrap_or_else(|| format!("Upload {} with rtune", ctx.loaded.recipe.recipe.name));
         let report = crate::hub::commit(&client, &repo, &commit_files, &message, ctx.ui)?;
         ctx.ui.status("upload", format!("{} files → {} (commit {})", files.len(), repo.display(), &report.commit));
-        let record = json!({ "destination": s.to, "commit": report.commit, "url": report.url, "files": files.iter().map(|f| &f.0).collect::<Vec<_>>() });
-        write_json(&ctx.out.join("upload.json"), &record)?;
+        let record = Record {
+            destination: s.to.clone(),
+            commit: Some(report.commit.clone()),
+            url: Some(report.url.clone()),
+            files: written,
+        };
+        write_record(ctx, &record)?;
         return Ok(json!({ "destination": s.to, "commit": report.commit, "url": report.url, "files": files.len(),
             "lfs_files": report.lfs_files, "bytes_uploaded": report.bytes_uploaded }));
     }
 
     let rel = s.to.strip_prefix("dir://").ok_or_else(|| StageError::Internal(format!("`{}` passed planning", s.to)))?;
     let dest = ctx.loaded.resolve_path(rel);
-    let mut record = BTreeMap::new();
-    for (relpath, src) in &files {
-        let target = dest.join(relpath);
-        let parent = target.parent().unwrap_or(&dest).to_path_buf();
-        std::fs::create_dir_all(&parent).map_err(StageError::io(format!("cannot create `{}`", parent.display())))?;
-        let tmp = parent.join(format!(".rtune-upload-{}", std::process::id()));
-        std::fs::copy(src, &tmp).map_err(StageError::io(format!("cannot write `{}`", tmp.display())))?;
-        // Copies of read-only cache objects are read-only too; the user owns these.
-        let mut perm = std::fs::metadata(&tmp).map_err(StageError::io("cannot stat a copy"))?.permissions();
-        #[allow(clippy::permissions_set_readonly_false)]
-        perm.set_readonly(false);
-        std::fs::set_permissions(&tmp, perm).map_err(StageError::io("cannot set permissions"))?;
-        std::fs::rename(&tmp, &target).map_err(StageError::io(format!("cannot write `{}`", target.display())))?;
-        let (digest, size) = crate::store::hash_file(&target).map_err(StageError::io("cannot hash a copy"))?;
-        record.insert(relpath.clone(), json!({ "digest": digest, "size": size }));
-    }
-    ctx.ui.status("upload", format!("{} files → {}", record.len(), dest.display()));
-    write_json(&ctx.out.join("upload.json"), &json!({ "destination": s.to, "files": record }))?;
-    Ok(json!({ "destination": s.to, "path": dest, "files": record.len() }))
+    let copied = destination::write_dir(ctx.store, &dest, &files, None, ctx.ui)?;
+    debug_assert_eq!(copied, written);
+    ctx.ui.status("upload", format!("{} files → {}", written.len(), dest.display()));
+    let record = Record { destination: s.to.clone(), commit: None, url: None, files: written };
+    write_record(ctx, &record)?;
+    Ok(json!({ "destination": s.to, "path": dest, "files": record.files.len() }))
+}
+
+fn write_record(ctx: &StageCtx<'_>, record: &Record) -> Result<(), StageError> {
+    write_json(&ctx.out.join("upload.json"), &serde_json::to_value(record).expect("record serialises"))
 }
 
 /// The train stage upstream of this upload, if any.
@@ -93,12 +104,8 @@ fn train_stage<'a>(ctx: &'a StageCtx<'_>) -> Option<&'a crate::plan::PlannedStag
     ctx.plan.stages.iter().find(|s| s.kind == StageKind::Train && upstream.contains(&s.name))
 }
 
-fn train_artifact(ctx: &StageCtx<'_>) -> Option<PathBuf> {
-    train_stage(ctx).map(|s| ctx.store.artifact_dir(&s.fingerprint))
-}
-
 /// A Hugging Face model card: YAML front matter the Hub understands, then what was built and how.
-fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf)]) -> String {
+fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf, String)]) -> String {
     let r = &ctx.loaded.recipe;
     let base = r.model.repo.clone().or_else(|| r.model.path.clone()).unwrap_or_else(|| "a scratch model".into());
     let lora = r.adapter.kind != crate::recipe::AdapterKind::None;
@@ -106,7 +113,7 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf)]) -> String {
     if lora {
         tags.push("lora");
     }
-    if files.iter().any(|(p, _)| p.ends_with(".gguf")) {
+    if files.iter().any(|(p, _, _)| p.ends_with(".gguf")) {
         tags.push("gguf");
     }
     let mut s = String::from("---\n");
@@ -130,7 +137,7 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf)]) -> String {
     }
     let _ = writeln!(s, "Fine-tuned from {base} with rtune (`rtune run {}`).\n", ctx.loaded.name());
     s.push_str("## Files\n\n| file | size |\n|---|---|\n");
-    for (p, local) in files {
+    for (p, local, _) in files {
         let size = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
         let _ = writeln!(s, "| `{p}` | {} |", human_bytes(size));
     }
@@ -163,7 +170,7 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf)]) -> String {
                 let _ = writeln!(s, "- {key}: {v}");
             }
         }
-        if files.iter().any(|(p, _)| p == "loss_curve.svg") {
+        if files.iter().any(|(p, _, _)| p == "loss_curve.svg") {
             s.push_str("\n![loss curve](loss_curve.svg)\n");
         }
     }

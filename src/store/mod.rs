@@ -98,6 +98,11 @@ impl Store {
         self.base.join("artifacts").join(fp)
     }
 
+    /// Bookkeeping that is not an artifact (e.g. stamps of exported files); never collected.
+    pub fn state_dir(&self) -> PathBuf {
+        self.base.join("state")
+    }
+
     pub fn work_dir(&self, fp: &str) -> PathBuf {
         self.base.join("work").join(fp)
     }

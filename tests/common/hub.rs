@@ -120,6 +120,21 @@ impl HubServer {
         sha
     }
 
+    /// Add a commit on `main` that deletes `paths`; returns the commit id.
+    pub fn delete_files(&self, kind: &str, id: &str, paths: &[&str]) -> String {
+        let mut st = self.state.lock().unwrap();
+        let repo = st.repos.get_mut(&key(kind, id)).expect("repo exists");
+        let parent = repo.branches.get("main").cloned().unwrap_or_default();
+        let mut tree = repo.commits.get(&parent).cloned().unwrap_or_default();
+        for p in paths {
+            tree.remove(*p);
+        }
+        let sha = commit_id(&parent, &tree);
+        repo.commits.insert(sha.clone(), tree);
+        repo.branches.insert("main".into(), sha.clone());
+        sha
+    }
+
     pub fn files(&self, kind: &str, id: &str, rev: &str) -> Option<BTreeMap<String, Vec<u8>>> {
         let st = self.state.lock().unwrap();
         let repo = st.repos.get(&key(kind, id))?;
