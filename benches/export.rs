@@ -98,7 +98,7 @@ fn main() {
     for format in [ExportFormat::GgufF16, ExportFormat::GgufQ8_0, ExportFormat::GgufQ4K] {
         let path = out.join(format!("{format:?}.gguf"));
         let start = Instant::now();
-        rtune::model::gguf::write(&path, &cfg, &model.merged_tensors(), &model_dir, "bench", format).unwrap();
+        rtune::model::gguf::write(&path, &cfg, &model.merged_tensors(), &model_dir, "bench", format, None).unwrap();
         let size = std::fs::metadata(&path).unwrap().len();
         println!(
             "  export {:<18} {:>6.2} s  {}",

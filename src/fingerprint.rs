@@ -10,8 +10,11 @@ use std::path::Path;
 use serde_json::Value;
 
 /// Version of the fingerprint document's layout. Bump it when what goes into every fingerprint
-/// changes. History: 1 — first version.
-pub const FINGERPRINT_VERSION: u32 = 1;
+/// changes. History:
+/// - 1: first version.
+/// - 2: a scratch model's `download` includes the dataset format and column map its tokenizer
+///   is trained on (`model.corpus`); every stage downstream of it changes with it.
+pub const FINGERPRINT_VERSION: u32 = 2;
 
 /// Version of each stage kind's output. Bump a kind's number when its output for the same
 /// inputs changes, so artifacts built by an older rtune are not reused.
@@ -30,7 +33,11 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // micro-batch, layer and element (the same on every engine and device), not from one
         // sequential stream; runs with dropout train on other masks than version 3's.
         Train => 4,
-        Evaluate | Quantize => 3,
+        Evaluate => 3,
+        // 4: exported folders and GGUF carry the chat template the data was rendered with
+        // (and its turn-end token as a stop token), the full tokenizer files, and PEFT names a
+        // local base by its recipe path.
+        Quantize => 4,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
         // `plan` can check the destination and `run` restore it.

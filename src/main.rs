@@ -171,6 +171,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
         }
         Command::Validate { recipe: args } => {
             let loaded = load(&args)?;
+            plan::check_stages(&loaded).map_err(recipe::LoadError::Invalid)?;
             let names: Vec<String> = loaded.stages.list.iter().map(|s| s.name.clone()).collect();
             if g.json {
                 ui.out(format!("{}\n", json!({"recipe": loaded.recipe.recipe.name, "valid": true, "stages": names})));

@@ -141,6 +141,7 @@ fn damaged_gguf_files_are_errors() {
         dir.path(),
         "t",
         rtune::recipe::ExportFormat::GgufQ8_0,
+        None,
     )
     .unwrap();
     let bytes = std::fs::read(&path).unwrap();

@@ -362,6 +362,7 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
         dir.path(),
         "t",
         rtune::recipe::ExportFormat::GgufF32,
+        None,
     )
     .unwrap();
     let mut f = std::fs::File::open(&path).unwrap();
@@ -433,7 +434,7 @@ fn every_gguf_type_round_trips() {
         (F::GgufQ4K, GgmlDType::Q4K, 15, 0.95),
     ] {
         let path = dir.path().join(format!("{format:?}.gguf"));
-        let report = rtune::model::gguf::write(&path, &folder.config, &merged, dir.path(), "t", format).unwrap();
+        let report = rtune::model::gguf::write(&path, &folder.config, &merged, dir.path(), "t", format, None).unwrap();
         let mut f = std::fs::File::open(&path).unwrap();
         let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
         assert_eq!(content.metadata["general.file_type"].to_u32().unwrap(), file_type, "{format:?}");

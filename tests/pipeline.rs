@@ -584,3 +584,157 @@ fn exports_are_restored_in_a_second_checkout_and_after_deletion_or_edit() {
     assert!(plan.contains("0 to run, 7 cached"), "{plan}");
     assert_eq!(tree(&b), exported);
 }
+
+/// A model folder as transformers 5 saves it: `rope_parameters` and `dtype` in config.json, the
+/// chat template only in `chat_template.jinja`, tokenizer_config.json fields users rely on.
+fn transformers5_folder(dir: &Path, rows: &[String]) -> String {
+    let spec: rtune::recipe::ScratchModel = toml::from_str(
+        "arch = \"llama\"\nhidden_size = 32\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 1\nintermediate_size = 64\nvocab_size = 400",
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    rtune::model::scratch::create(dir, &spec, rows, 3).unwrap();
+    let read = |n: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(n)).unwrap()).unwrap()
+    };
+    let write = |n: &str, v: &serde_json::Value| std::fs::write(dir.join(n), serde_json::to_string_pretty(v).unwrap());
+    let mut config = read("config.json");
+    let theta = config.as_object_mut().unwrap().remove("rope_theta").unwrap();
+    config["rope_parameters"] = serde_json::json!({ "rope_type": "default", "rope_theta": theta });
+    config["dtype"] = config.as_object_mut().unwrap().remove("torch_dtype").unwrap();
+    write("config.json", &config).unwrap();
+    let mut tc = read("tokenizer_config.json");
+    tc["padding_side"] = "left".into();
+    tc["model_max_length"] = 2048.into();
+    tc["added_tokens_decoder"] = serde_json::json!({
+        "2": { "content": "</s>", "special": true, "lstrip": false, "rstrip": false, "normalized": false, "single_word": false }
+    });
+    write("tokenizer_config.json", &tc).unwrap();
+    // Zephyr's layout: turns end with EOS.
+    let template = "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}";
+    std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
+    template.to_string()
+}
+
+fn gguf_chat_template(path: &Path) -> (String, Option<u32>) {
+    use candle_core::quantized::gguf_file::{Content, Value};
+    let mut f = std::fs::File::open(path).unwrap();
+    let c = Content::read(&mut f).unwrap();
+    let t = match c.metadata.get("tokenizer.chat_template") {
+        Some(Value::String(s)) => s.clone(),
+        other => panic!("tokenizer.chat_template: {other:?}"),
+    };
+    let eot = match c.metadata.get("tokenizer.ggml.eot_token_id") {
+        Some(Value::U32(v)) => Some(*v),
+        _ => None,
+    };
+    (t, eot)
+}
+
+/// Issue 19: the template the model was trained with ships with every export, byte for byte,
+/// and renders a conversation exactly as training did; the base folder's tokenizer settings,
+/// generation config and layout (transformers 5) carry over.
+#[test]
+fn exports_carry_the_trained_chat_template_and_the_folders_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    let alpaca = std::fs::read_to_string(root().join("recipes/data/synthetic-alpaca.jsonl")).unwrap();
+    let rows: Vec<String> = alpaca
+        .lines()
+        .take(64)
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            serde_json::json!({ "messages": [
+                { "role": "user", "content": v["instruction"] },
+                { "role": "assistant", "content": v["output"] },
+            ] })
+            .to_string()
+        })
+        .collect();
+    std::fs::create_dir_all(p.join("data")).unwrap();
+    std::fs::write(p.join("data/chat.jsonl"), rows.join("\n")).unwrap();
+    let template = transformers5_folder(&p.join("base"), &rows);
+    std::fs::write(
+        p.join("chat.toml"),
+        r#"[recipe]
+name = "chat"
+[model]
+path = "base"
+[dataset]
+path = "data/chat.jsonl"
+format = "chat"
+eval_fraction = 0.1
+max_seq_len = 256
+[adapter]
+kind = "lora"
+rank = 4
+alpha = 8
+targets = ["q_proj", "v_proj"]
+[device]
+prefer = ["cpu"]
+[stages.train]
+max_steps = 2
+batch_size = 4
+[stages.quantize]
+formats = ["peft-adapter", "safetensors-merged", "gguf-q8_0"]
+[stages.upload]
+to = "dir://out"
+"#,
+    )
+    .unwrap();
+    let cache = p.join("cache");
+    let conversation: Vec<serde_json::Value> = serde_json::from_value(serde_json::json!([
+        { "role": "system", "content": "Be brief." },
+        { "role": "user", "content": "Name a colour." },
+        { "role": "assistant", "content": "Blue." },
+        { "role": "user", "content": "Another?" },
+    ]))
+    .unwrap();
+    let base = rtune::model::ModelFolder::open(&p.join("base")).unwrap();
+    let render = |source: &str, dir: &Path| {
+        let (bos, eos) = rtune::data::chat::special_tokens(dir);
+        rtune::data::chat::ChatTemplate::new(source, &bos, &eos).unwrap().render(&conversation, true).unwrap()
+    };
+
+    for over in [None, Some("chatml")] {
+        let mut cmd = vec!["run", "chat.toml"];
+        if over.is_some() {
+            cmd.extend(["--set", "dataset.chat_template=\"chatml\""]);
+        }
+        let o = rtune(p, &cache, &cmd);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let trained = rtune::data::chat::ChatTemplate::for_model(&base, over).unwrap();
+        let expected_source = if over.is_some() { rtune::data::chat::CHATML.to_string() } else { template.clone() };
+        let want = trained.render(&conversation, true).unwrap();
+        let out = p.join("out");
+        for folder in ["merged", "peft-adapter"] {
+            let d = out.join(folder);
+            let jinja = std::fs::read_to_string(d.join("chat_template.jinja")).unwrap();
+            assert_eq!(jinja, expected_source, "{folder}/chat_template.jinja");
+            let tc: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(d.join("tokenizer_config.json")).unwrap()).unwrap();
+            assert_eq!(tc["chat_template"], expected_source.as_str(), "{folder}/tokenizer_config.json");
+            assert_eq!(tc["padding_side"], "left");
+            assert_eq!(tc["model_max_length"], 2048);
+            assert_eq!(tc["added_tokens_decoder"]["2"]["content"], "</s>");
+            assert_eq!(render(&jinja, &d), want, "{folder} renders otherwise than training");
+        }
+        let merged_cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("merged/config.json")).unwrap()).unwrap();
+        assert!(merged_cfg["rope_parameters"]["rope_theta"].is_number() && merged_cfg["dtype"] == "float32");
+        assert!(out.join("merged/generation_config.json").is_file());
+        let adapter: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("peft-adapter/adapter_config.json")).unwrap())
+                .unwrap();
+        assert_eq!(adapter["base_model_name_or_path"], "base");
+        let (gguf_template, eot) = gguf_chat_template(&out.join("gguf/model-q8_0.gguf"));
+        assert_eq!(gguf_template.as_bytes(), expected_source.as_bytes(), "GGUF tokenizer.chat_template");
+        assert_eq!(render(&gguf_template, &out.join("merged")), want);
+        // Zephyr ends turns with EOS; the scratch vocabulary has no `<|im_end|>` to stop at.
+        assert_eq!(eot, None);
+        let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+        let origin =
+            if over.is_some() { "dataset.chat_template = \"chatml\"" } else { "base model's chat_template.jinja" };
+        assert!(card.contains("## Chat template") && card.contains(origin), "{card}");
+    }
+}

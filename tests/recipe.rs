@@ -104,8 +104,8 @@ fn golden_fingerprint() {
             .unwrap()
             .to_string()
     };
-    assert_eq!(fp("download"), "3d5f8e2aa5602ef9d1e475918d3897fcdda98adb906e400ee454ae0f7ef452d3");
-    assert_eq!(fp("train"), "6075a7d0531d9d23eee0236764c952422185e9eb756f9d8d7565b9a5d3ad5dc0");
+    assert_eq!(fp("download"), "de7370f3cb1b97e1b7dcf352834cefe0cca79c9d172215df2729707009b21379");
+    assert_eq!(fp("train"), "17249d4284fd759f6f369dd4523677e43244905bd3838352e98d41c7c57308ea");
 }
 
 #[test]
@@ -119,4 +119,24 @@ fn equivalent_spellings_share_a_fingerprint() {
     assert_eq!(fp("stages.train.learning_rate=1e-2"), fp("stages.train.learning_rate=0.01"));
     assert_eq!(fp("stages.train.weight_decay=0"), fp("stages.train.weight_decay=0.0"));
     assert_ne!(fp("stages.train.learning_rate=1e-2"), fp("stages.train.learning_rate=2e-2"));
+}
+
+/// Issue 20: a scratch model's tokenizer is trained on the dataset rendered with its format and
+/// column map, so changing either changes the download fingerprint (it used to stay cached and
+/// hand a stale tokenizer downstream).
+#[test]
+fn scratch_tokenizer_corpus_settings_change_the_download_fingerprint() {
+    let p = Project::tiny_offline();
+    let fp = |extra: &[&str]| {
+        let mut args = vec!["plan", "tiny.toml", "--json"];
+        args.extend_from_slice(extra);
+        let o = p.run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        plan["stages"][0]["fingerprint"].as_str().unwrap().to_string()
+    };
+    let base = fp(&[]);
+    assert_ne!(base, fp(&["--set", "dataset.format=text"]));
+    assert_ne!(base, fp(&["--set", r#"dataset.column_map={instruction="input", input="instruction"}"#]));
+    assert_eq!(base, fp(&["--set", "stages.train.learning_rate=1e-3"]));
 }

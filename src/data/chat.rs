@@ -3,6 +3,8 @@
 //! Python string methods, `raise_exception`), and the assistant spans found by rendering each
 //! prefix of the conversation.
 
+use std::path::Path;
+
 use minijinja::{Environment, ErrorKind, Value as J, context};
 use serde_json::Value;
 
@@ -49,35 +51,18 @@ impl ChatTemplate {
     }
 
     /// The template for a model folder: `dataset.chat_template` (`"chatml"` or a Jinja
-    /// string) wins; else `chat_template.jinja`, else `chat_template` in tokenizer_config.json.
+    /// string) wins; else the folder's own ([`model_template`]).
     pub fn for_model(folder: &crate::model::ModelFolder, over: Option<&str>) -> Result<ChatTemplate, DataError> {
-        let cfg = folder.tokenizer_config().unwrap_or(Value::Null);
-        let token = |k: &str| match &cfg[k] {
-            Value::String(s) => s.clone(),
-            Value::Object(o) => o.get("content").and_then(|c| c.as_str()).unwrap_or_default().to_string(),
-            _ => String::new(),
-        };
         let source = match over {
             Some("chatml") => CHATML.to_string(),
             Some(t) => t.to_string(),
-            None => std::fs::read_to_string(folder.dir.join("chat_template.jinja"))
-                .ok()
-                .or_else(|| match &cfg["chat_template"] {
-                    Value::String(s) => Some(s.clone()),
-                    // A list of named templates: the default one.
-                    Value::Array(list) => list
-                        .iter()
-                        .find(|t| t["name"] == "default")
-                        .and_then(|t| t["template"].as_str())
-                        .map(str::to_string),
-                    _ => None,
-                })
-                .ok_or_else(|| DataError::Invalid {
-                    message: "the model has no chat template (no `chat_template` in tokenizer_config.json)".into(),
-                    help: Some("set `[dataset] chat_template = \"chatml\"` (or a Jinja template string)".into()),
-                })?,
+            None => model_template(&folder.dir).map(|(t, _)| t).ok_or_else(|| DataError::Invalid {
+                message: "the model has no chat template (no `chat_template.jinja`, `chat_template.json` or `chat_template` in tokenizer_config.json)".into(),
+                help: Some("set `[dataset] chat_template = \"chatml\"` (or a Jinja template string)".into()),
+            })?,
         };
-        ChatTemplate::new(&source, &token("bos_token"), &token("eos_token"))
+        let (bos, eos) = special_tokens(&folder.dir);
+        ChatTemplate::new(&source, &bos, &eos)
     }
 
     pub fn render(&self, messages: &[Value], add_generation_prompt: bool) -> Result<String, String> {
@@ -119,6 +104,114 @@ impl ChatTemplate {
     }
 }
 
+/// The BOS and EOS token strings of a model folder's tokenizer_config.json (empty if unset).
+pub fn special_tokens(dir: &Path) -> (String, String) {
+    let cfg = read_json(&dir.join("tokenizer_config.json")).unwrap_or(Value::Null);
+    let token = |k: &str| match &cfg[k] {
+        Value::String(s) => s.clone(),
+        Value::Object(o) => o.get("content").and_then(|c| c.as_str()).unwrap_or_default().to_string(),
+        _ => String::new(),
+    };
+    (token("bos_token"), token("eos_token"))
+}
+
+fn read_json(path: &Path) -> Option<Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+/// A model folder's own chat template and the file it came from, in transformers' order of
+/// precedence: `chat_template.jinja` (transformers ≥ 4.43; the only place transformers 5
+/// writes it), then `chat_template.json`, then `chat_template` in tokenizer_config.json (a
+/// string, or a list of named templates of which `default` is used).
+pub fn model_template(dir: &Path) -> Option<(String, &'static str)> {
+    if let Ok(t) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
+        return Some((t, "chat_template.jinja"));
+    }
+    let named = |v: &Value| match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(list) => {
+            list.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str()).map(str::to_string)
+        }
+        _ => None,
+    };
+    if let Some(t) = read_json(&dir.join("chat_template.json")).and_then(|v| named(&v["chat_template"])) {
+        return Some((t, "chat_template.json"));
+    }
+    read_json(&dir.join("tokenizer_config.json"))
+        .and_then(|v| named(&v["chat_template"]))
+        .map(|t| (t, "tokenizer_config.json"))
+}
+
+/// The Alpaca prompt as a chat template: a user turn is the instruction (a system turn, if
+/// any, is its input), an assistant turn the response followed by EOS, as `alpaca` rows train.
+pub const ALPACA: &str = "{{ bos_token }}{% set ns = namespace(input='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.input = message['content'] %}{% elif message['role'] == 'user' %}{% if ns.input | trim %}{{ 'Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.\\n\\n### Instruction:\\n' + message['content'] + '\\n\\n### Input:\\n' + ns.input + '\\n\\n### Response:\\n' }}{% else %}{{ 'Below is an instruction that describes a task. Write a response that appropriately completes the request.\\n\\n### Instruction:\\n' + message['content'] + '\\n\\n### Response:\\n' }}{% endif %}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}";
+
+/// The chat template a fine-tuned model ships with: the one its data was rendered with.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Shipped {
+    /// The Jinja source.
+    pub source: String,
+    /// Where it came from, for the model card (`dataset.chat_template`, `chat_template.jinja`, …).
+    pub origin: String,
+    /// The special token that ends an assistant turn (a stop token for inference), if the
+    /// template ends turns with one.
+    pub turn_end: Option<(String, u32)>,
+}
+
+/// The template exports carry for a model trained on `format` data from the folder `dir`:
+/// `chat` rows were rendered with `dataset.chat_template` or the folder's template, `alpaca`
+/// rows with the Alpaca prompt ([`ALPACA`]); `text` rows with none, so the base model's template
+/// (if any) is kept.
+pub fn shipped(
+    dir: &Path,
+    format: crate::recipe::DataFormat,
+    over: Option<&str>,
+    tokenizer: &tokenizers::Tokenizer,
+) -> Result<Option<Shipped>, DataError> {
+    use crate::recipe::DataFormat;
+    let (source, origin) = match (format, over) {
+        (DataFormat::Chat, Some("chatml")) => (CHATML.to_string(), "dataset.chat_template = \"chatml\"".to_string()),
+        (DataFormat::Chat, Some(t)) => (t.to_string(), "dataset.chat_template".to_string()),
+        (DataFormat::Alpaca, _) => (ALPACA.to_string(), "the Alpaca prompt (dataset.format = \"alpaca\")".to_string()),
+        (DataFormat::Chat | DataFormat::Text, None) | (DataFormat::Text, Some(_)) => match model_template(dir) {
+            Some((t, file)) => (t, format!("the base model's {file}")),
+            None => return Ok(None),
+        },
+    };
+    let (bos, eos) = special_tokens(dir);
+    let template = ChatTemplate::new(&source, &bos, &eos)?;
+    let turn_end = turn_end(&template, tokenizer);
+    Ok(Some(Shipped { source, origin, turn_end }))
+}
+
+/// The special token right after an assistant turn's content: render a two-turn conversation,
+/// take what its assistant span adds after the reply text, and find the first special token in
+/// it (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3, EOS for Alpaca).
+fn turn_end(template: &ChatTemplate, tokenizer: &tokenizers::Tokenizer) -> Option<(String, u32)> {
+    const REPLY: &str = "Reply.";
+    let msgs: Vec<Value> = vec![
+        serde_json::json!({"role": "user", "content": "Question?"}),
+        serde_json::json!({"role": "assistant", "content": REPLY}),
+    ];
+    let (text, spans) = template.spans(&msgs).ok()?;
+    let &(a, b) = spans.last()?;
+    let span = &text[a..b];
+    let after = &span[span.find(REPLY)? + REPLY.len()..];
+    let specials: std::collections::BTreeMap<String, u32> = tokenizer
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| t.special)
+        .map(|(id, t)| (t.content, id))
+        .collect();
+    // The earliest special token that starts the text after the reply (whitespace aside).
+    let after = after.trim_start();
+    specials
+        .iter()
+        .filter(|(s, _)| !s.is_empty() && after.starts_with(s.as_str()))
+        .map(|(s, id)| (s.clone(), *id))
+        .next()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,5 +239,40 @@ mod tests {
         let bad: Vec<Value> = serde_json::from_str(r#"[{"role":"tool","content":"x"}]"#).unwrap();
         assert!(t.render(&bad, false).unwrap_err().contains("bad role tool"));
         assert!(ChatTemplate::new("{% for %}", "", "").is_err());
+    }
+
+    #[test]
+    fn the_alpaca_template_renders_what_alpaca_rows_train_on() {
+        let t = ChatTemplate::new(ALPACA, "<s>", "</s>").unwrap();
+        let conv = |v: serde_json::Value| -> Vec<Value> { serde_json::from_value(v).unwrap() };
+        let plain = conv(
+            serde_json::json!([{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"}]),
+        );
+        let want = format!("<s>{}5</s>", crate::data::format::alpaca_prompt("Add 2 and 3.", ""));
+        assert_eq!(t.render(&plain, false).unwrap(), want);
+        let with_input = conv(
+            serde_json::json!([{"role": "system", "content": "2, 3"}, {"role": "user", "content": "Add."}, {"role": "assistant", "content": "5"}]),
+        );
+        let want = format!("<s>{}5</s>", crate::data::format::alpaca_prompt("Add.", "2, 3"));
+        assert_eq!(t.render(&with_input, false).unwrap(), want);
+        // The generation prompt is the prompt itself: rendering stops after `### Response:\n`.
+        let (full, spans) = t.spans(&plain).unwrap();
+        assert_eq!(&full[spans[0].0..spans[0].1], "5</s>");
+    }
+
+    #[test]
+    fn turn_end_is_the_special_token_after_the_reply() {
+        let mut tok = tokenizers::Tokenizer::new(tokenizers::models::bpe::BPE::default());
+        tok.add_special_tokens([
+            tokenizers::AddedToken::from("</s>", true),
+            tokenizers::AddedToken::from("<|im_end|>", true),
+        ])
+        .unwrap();
+        let chatml = ChatTemplate::new(CHATML, "<s>", "</s>").unwrap();
+        assert_eq!(turn_end(&chatml, &tok).map(|t| t.0), Some("<|im_end|>".to_string()));
+        let alpaca = ChatTemplate::new(ALPACA, "<s>", "</s>").unwrap();
+        assert_eq!(turn_end(&alpaca, &tok).map(|t| t.0), Some("</s>".to_string()));
+        let plain = ChatTemplate::new("{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "", "").unwrap();
+        assert_eq!(turn_end(&plain, &tok), None);
     }
 }

@@ -81,6 +81,7 @@ pub fn write(
     model_dir: &Path,
     name: &str,
     format: ExportFormat,
+    chat: Option<&crate::data::chat::Shipped>,
 ) -> Result<GgufReport, ModelError> {
     let (qtype, file_type) =
         target(format).ok_or_else(|| ModelError::Unsupported { what: format!("{format:?} as GGUF") })?;
@@ -109,7 +110,7 @@ pub fn write(
         md.push((a("attention.key_length"), Value::U32(cfg.head_dim as u32)));
         md.push((a("attention.value_length"), Value::U32(cfg.head_dim as u32)));
     }
-    md.extend(tokenizer_metadata(cfg, model_dir)?);
+    md.extend(tokenizer_metadata(cfg, model_dir, chat)?);
 
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut fallbacks = Vec::new();
@@ -199,7 +200,11 @@ fn llama3_rope_factors(cfg: &ModelConfig) -> Option<Vec<f32>> {
 }
 
 /// `tokenizer.ggml.*` from tokenizer.json and tokenizer_config.json (byte-level BPE only).
-fn tokenizer_metadata(cfg: &ModelConfig, model_dir: &Path) -> Result<Vec<(String, Value)>, ModelError> {
+fn tokenizer_metadata(
+    cfg: &ModelConfig,
+    model_dir: &Path,
+    chat: Option<&crate::data::chat::Shipped>,
+) -> Result<Vec<(String, Value)>, ModelError> {
     let path = model_dir.join("tokenizer.json");
     let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
     let text = std::fs::read_to_string(&path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
@@ -271,12 +276,17 @@ fn tokenizer_metadata(cfg: &ModelConfig, model_dir: &Path) -> Result<Vec<(String
     let tc: Option<serde_json::Value> = std::fs::read_to_string(model_dir.join("tokenizer_config.json"))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());
-    if let Some(tc) = tc {
-        if let Some(add_bos) = tc["add_bos_token"].as_bool() {
-            md.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(add_bos)));
-        }
-        if let Some(t) = tc["chat_template"].as_str() {
-            md.push(("tokenizer.chat_template".into(), Value::String(t.into())));
+    if let Some(add_bos) = tc.as_ref().and_then(|tc| tc["add_bos_token"].as_bool()) {
+        md.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(add_bos)));
+    }
+    // The template the model was trained with, and the token its turns end with: llama.cpp
+    // stops generation at EOS and at `eot_token_id`.
+    if let Some(chat) = chat {
+        md.push(("tokenizer.chat_template".into(), Value::String(chat.source.clone())));
+        if let Some((_, id)) = chat.turn_end
+            && cfg.eos_token_ids.first() != Some(&id)
+        {
+            md.push(("tokenizer.ggml.eot_token_id".into(), Value::U32(id)));
         }
     }
     Ok(md)

@@ -324,7 +324,10 @@ fn resolve_settings(spec: &StageSpec, loaded: &LoadedRecipe, device: &Resolution
         StageKind::Download => {
             let model = &recipe.model;
             let model = match (&model.scratch, &model.path, &model.repo) {
-                (Some(s), _, _) => json!({ "scratch": s, "seed": seed, "vocab_from": "dataset" }),
+                // The tokenizer is trained on the dataset's rows rendered with its format and
+                // column map, so those shape this artifact too.
+                (Some(s), _, _) => json!({ "scratch": s, "seed": seed, "vocab_from": "dataset",
+                    "corpus": { "format": recipe.dataset.format, "column_map": recipe.dataset.column_map } }),
                 (_, Some(_), _) => json!({ "path": "(by content)" }),
                 (_, _, Some(r)) => {
                     json!({ "repo": r, "revision": model.revision.clone().unwrap_or_else(|| "main".into()) })
@@ -574,6 +577,14 @@ fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &Value) -> Re
     )
     .at(first_at.and_then(|at| loaded.origin(&at)), "needs these files")
     .help(format!("on a machine with access (same HF_HOME), run:\n{}", commands.join("\n"))))
+}
+
+/// Every check `plan` makes on the recipe's stages (destinations, export formats, sizes), all
+/// at once: `rtune validate` runs them too, so it and `plan` give the same verdict.
+pub fn check_stages(loaded: &LoadedRecipe) -> Result<(), crate::recipe::Problems> {
+    let problems: Vec<Problem> =
+        loaded.stages.list.iter().filter_map(|spec| support::check(spec, loaded).err()).collect();
+    if problems.is_empty() { Ok(()) } else { Err(crate::recipe::Problems::new(loaded.name(), problems)) }
 }
 
 /// Which stage kinds and sources this build implements, checked at plan time so nothing

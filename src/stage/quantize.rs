@@ -18,9 +18,17 @@ use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safe
 use crate::recipe::{ExportFormat, QuantizeSettings};
 use crate::rng::Rng;
 
-/// Files of a model folder that travel with merged weights.
-const FOLDER_FILES: [&str; 5] =
-    ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"];
+/// Tokenizer files of the base folder that travel with every exported folder, as they are
+/// (tokenizer_config.json gains the shipped chat template, nothing else changes).
+const TOKENIZER_FILES: [&str; 7] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+];
 
 pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let s: QuantizeSettings = serde_json::from_value(ctx.stage.settings()["quantize"].clone())
@@ -32,7 +40,14 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let device = Resolution { dtype: crate::recipe::Dtype::F32, ..ctx.device.clone() };
     let mut engine = tuned_engine(&folder, &weights_dir, &device)?;
     let candle_device = engine.model().device().clone();
-    let base_name = ctx.loaded.recipe.model.repo.clone().unwrap_or_default();
+    // PEFT's `base_model_name_or_path`: the Hub id, else the folder as the recipe names it.
+    let model = &ctx.loaded.recipe.model;
+    let base_name = model.repo.clone().or_else(|| model.path.clone()).unwrap_or_default();
+    // The template the data was rendered with (dataset.format and dataset.chat_template are in
+    // this stage's fingerprint through its `tokens` input, the folder through `model`).
+    let dataset = &ctx.loaded.recipe.dataset;
+    let tokenizer = folder.tokenizer()?;
+    let chat = crate::data::chat::shipped(&model_dir, dataset.format, dataset.chat_template.as_deref(), &tokenizer)?;
     let mut report = serde_json::Map::new();
     let mut self_check: Option<(TokenStore, f64)> = None;
     for format in &s.formats {
@@ -43,6 +58,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 let spec = peft::read_config(&weights_dir)?;
                 let weights = peft::read_weights(&weights_dir, &Device::Cpu)?;
                 peft::write(&dir, &spec, &weights, &base_name)?;
+                write_tokenizer_files(&dir, &model_dir, chat.as_ref(), false)?;
                 report.insert("peft-adapter".into(), json!({ "dir": "peft-adapter", "tensors": weights.len() }));
             }
             ExportFormat::SafetensorsMerged => {
@@ -53,12 +69,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 // Each merged tensor is computed, written and dropped in turn.
                 let files = save_safetensors_sharded(&dir, &tensors, shard)?;
                 let unties = tensors.iter().any(|t| t.name == "lm_head.weight");
-                for f in FOLDER_FILES.iter().filter(|f| **f != "config.json") {
-                    let src = model_dir.join(f);
-                    if src.is_file() {
-                        std::fs::copy(&src, dir.join(f)).map_err(StageError::io(format!("cannot copy `{f}`")))?;
-                    }
-                }
+                write_tokenizer_files(&dir, &model_dir, chat.as_ref(), true)?;
                 // An adapter on a tied LM head unties it: the merged head is its own tensor.
                 let mut config = folder.raw_config.clone();
                 if unties && folder.config.tie_word_embeddings {
@@ -90,7 +101,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 mkdir(&ctx.out.join("gguf"))?;
                 let path = ctx.out.join("gguf").join(&file);
                 let name = ctx.loaded.recipe.recipe.name.clone();
-                let written = gguf::write(&path, &folder.config, &merged, &model_dir, &name, *other)?;
+                let written = gguf::write(&path, &folder.config, &merged, &model_dir, &name, *other, chat.as_ref())?;
                 // The eval rows and the unquantized model's loss on them, once for all GGUF formats.
                 let (eval, reference) = match &self_check {
                     Some(c) => c,
@@ -127,7 +138,11 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
             }
         }
     }
-    let metrics = json!({ "formats": report });
+    let metrics = json!({ "formats": report, "chat_template": chat.as_ref().map(|c| json!({
+        "origin": c.origin,
+        "turn_end": c.turn_end.as_ref().map(|t| &t.0),
+        "source": c.source,
+    })) });
     write_json(&ctx.out.join("exports.json"), &metrics)?;
     Ok(metrics)
 }
@@ -203,6 +218,64 @@ fn gguf_eval_loss(
         }
     }
     Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n))
+}
+
+/// Copy the base folder's tokenizer files (and, for a full model folder, generation_config.json)
+/// into `dir`, then make the shipped chat template the folder's: `chat_template.jinja` (read
+/// first by transformers ≥ 4.43, and llama.cpp's converter) and `chat_template` in
+/// tokenizer_config.json (older transformers), with the turn-end token among the EOS ids that
+/// `generate` stops at.
+fn write_tokenizer_files(
+    dir: &Path,
+    model_dir: &Path,
+    chat: Option<&crate::data::chat::Shipped>,
+    generation: bool,
+) -> Result<(), StageError> {
+    let names = TOKENIZER_FILES.iter().chain(generation.then_some(&"generation_config.json"));
+    for f in names {
+        let src = model_dir.join(f);
+        if src.is_file() {
+            std::fs::copy(&src, dir.join(f)).map_err(StageError::io(format!("cannot copy `{f}`")))?;
+        }
+    }
+    let Some(chat) = chat else { return Ok(()) };
+    std::fs::write(dir.join("chat_template.jinja"), &chat.source)
+        .map_err(StageError::io("cannot write chat_template.jinja"))?;
+    let read = |name: &str| -> Option<serde_json::Value> {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
+    };
+    let mut tc = read("tokenizer_config.json").unwrap_or_else(|| json!({}));
+    match tc.get_mut("chat_template") {
+        // Named templates: the default one is replaced, tool-use and others are kept.
+        Some(serde_json::Value::Array(list)) if list.iter().any(|t| t["name"] == "default") => {
+            for t in list.iter_mut().filter(|t| t["name"] == "default") {
+                t["template"] = json!(chat.source);
+            }
+        }
+        _ => tc["chat_template"] = json!(chat.source),
+    }
+    write_json(&dir.join("tokenizer_config.json"), &tc)?;
+    if let (true, Some((_, id))) = (generation, &chat.turn_end) {
+        let mut gc = read("generation_config.json").unwrap_or_else(|| json!({}));
+        let ids = |v: &serde_json::Value| match v {
+            serde_json::Value::Array(a) => a.clone(),
+            serde_json::Value::Null => vec![],
+            one => vec![one.clone()],
+        };
+        let mut eos = ids(&gc["eos_token_id"]);
+        if eos.is_empty() {
+            // No generation_config.json: `generate` falls back to config.json's EOS; keep it.
+            let cfg: Option<serde_json::Value> =
+                std::fs::read_to_string(model_dir.join("config.json")).ok().and_then(|t| serde_json::from_str(&t).ok());
+            eos = cfg.map(|c| ids(&c["eos_token_id"])).unwrap_or_default();
+        }
+        if !eos.contains(&json!(id)) {
+            eos.push(json!(id));
+            gc["eos_token_id"] = if eos.len() == 1 { eos[0].clone() } else { json!(eos) };
+            write_json(&dir.join("generation_config.json"), &gc)?;
+        }
+    }
+    Ok(())
 }
 
 fn mkdir(dir: &Path) -> Result<(), StageError> {

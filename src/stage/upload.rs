@@ -174,6 +174,25 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf, String)]) -> String
             s.push_str("\n![loss curve](loss_curve.svg)\n");
         }
     }
+    if let Some(chat) = ctx
+        .input("exports")
+        .ok()
+        .and_then(|d| std::fs::read_to_string(d.join("exports.json")).ok())
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .map(|e| e["chat_template"].clone())
+        .filter(|c| c.is_object())
+    {
+        s.push_str("\n## Chat template\n\n");
+        let _ = writeln!(
+            s,
+            "Trained with {}; every export carries it (`chat_template.jinja`, `tokenizer_config.json`, GGUF `tokenizer.chat_template`).",
+            chat["origin"].as_str().unwrap_or("the model's template")
+        );
+        if let Some(end) = chat["turn_end"].as_str() {
+            let _ = writeln!(s, "Assistant turns end with `{end}`, a stop token of every export.");
+        }
+        let _ = writeln!(s, "\n```jinja\n{}\n```", chat["source"].as_str().unwrap_or_default().trim_end());
+    }
     s.push_str("\n## Recipe\n\n```toml\n");
     s.push_str(ctx.loaded.text.trim_end());
     s.push_str("\n```\n");
