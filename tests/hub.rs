@@ -504,3 +504,73 @@ fn shipped_hub_recipes_plan_against_a_local_hub() {
     assert_eq!(o.status.code(), Some(1), "{e}");
     assert!(e.contains("rtune::hub::unreachable") && e.contains("--offline"), "{e}");
 }
+
+/// Issue 21: a lock file is input too. A commit in it that is not a commit id is never used
+/// (it would be printed into a command to paste), and suggested commands are shell-quoted.
+#[test]
+fn a_hostile_lock_file_commit_is_not_believed() {
+    let env = Env::new();
+    publish_tiny_model_and_data(&env.server);
+    std::fs::write(env.dir.path().join("hub.toml"), HUB_RECIPE).unwrap();
+    env.ok(&["run", "hub.toml", "--only", "download"], &[]);
+    let lock_path = env.dir.path().join("rtune.lock");
+    let lock = std::fs::read_to_string(&lock_path).unwrap();
+    let commit = lock.split("\"commit\": \"").nth(1).unwrap()[..40].to_string();
+    std::fs::write(&lock_path, lock.replace(&commit, "$(touch pwned)")).unwrap();
+    std::fs::remove_dir_all(env.hub_cache()).unwrap();
+    let o = env.rtune(&["plan", "hub.toml", "--offline"], &[]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(e.contains("rtune::hub::offline_missing") && !e.contains("pwned"), "{e}");
+}
+
+/// Issue 21: a blob damaged in the HF cache is verified when reused and fetched again (bit rot
+/// must not become permanent); a symlink planted as `.incomplete` is never followed; a listing
+/// and headers that disagree on a size stop the transfer.
+#[test]
+fn damaged_blobs_planted_links_and_size_lies_are_caught() {
+    let env = Env::new();
+    let o = env.ok(&["download", "test-org/tiny-model"], &[]);
+    let snap = PathBuf::from(stdout(&o).trim());
+    let config = std::fs::canonicalize(snap.join("config.json")).unwrap();
+    let good = std::fs::read(&config).unwrap();
+    let mut bad = good.clone();
+    bad[3] ^= 1;
+    std::fs::write(&config, &bad).unwrap();
+    let o = env.ok(&["download", "test-org/tiny-model"], &[]);
+    assert!(stderr(&o).contains("does not match its digest"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(snap.join("config.json")).unwrap(), good);
+
+    // A link planted where a download resumes: its target is left alone.
+    let env = Env::new();
+    let victim = env.dir.path().join("victim.txt");
+    std::fs::write(&victim, b"precious").unwrap();
+    let notes = &fixture_repo()[1].1;
+    let blobs = env.hub_cache().join("models--test-org--tiny-model/blobs");
+    std::fs::create_dir_all(&blobs).unwrap();
+    #[cfg(unix)]
+    std::os::unix::fs::symlink(&victim, blobs.join(format!("{}.incomplete", common::hub::blob_id(notes)))).unwrap();
+    env.ok(&["download", "test-org/tiny-model"], &[]);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+
+    // The listing says 5 bytes; the file has 12: nothing is fetched.
+    let env = Env::new();
+    env.server.state.lock().unwrap().listed_size.insert("sub/notes.txt".into(), 5);
+    let o = env.rtune(&["download", "test-org/tiny-model", "--include", "sub/*"], &[]);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("the listing says the file has 5 bytes but its headers say 12"), "{e}");
+    let log = env.server.state.lock().unwrap().log.clone();
+    assert!(!log.iter().any(|(r, _)| r.starts_with("GET ") && r.contains("notes.txt")), "{log:?}");
+}
+
+/// Issue 21: what a server sends back is redacted and escaped before it is printed: a proxy
+/// that echoes the Authorization header cannot put the token (or terminal escapes) on screen.
+#[test]
+fn echoed_tokens_and_escape_sequences_never_reach_the_terminal() {
+    let env = Env::new();
+    env.server.state.lock().unwrap().echo_auth = true;
+    let o = env.rtune(&["download", "test-org/tiny-model"], &[("HF_TOKEN", TOKEN)]);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("rtune::hub::bad_response"), "{e}");
+    assert!(!e.contains(TOKEN) && !e.contains('\u{1b}'), "{e}");
+}

@@ -283,6 +283,15 @@ fn bad_model_folders_are_clear_errors() {
         "tensor `model.layers.0.mlp.gate_proj.weight` has shape [64, 32], but config.json implies [65, 32]"
     );
 
+    // Issue 21: absurd sizes are errors naming the field, not allocation aborts.
+    for (field, value) in [("num_hidden_layers", "1000000000000000"), ("max_position_embeddings", "1099511627776")] {
+        let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+        v[field] = serde_json::from_str(value).unwrap();
+        std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+        let err = ModelFolder::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(&format!("`{field}` = {value}")), "{err}");
+    }
+
     std::fs::write(dir.path().join("config.json"), &cfg).unwrap();
     let bytes: Vec<u8> = [1u32, 2].iter().flat_map(|x| x.to_le_bytes()).collect();
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![2], &bytes).unwrap();

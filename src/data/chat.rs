@@ -17,6 +17,30 @@ pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + messa
 /// templates put "Today Date" into the system prompt; this is their own default date).
 pub const FIXED_DATE: &str = "26 Jul 2024";
 
+/// Steps one rendering may take (minijinja fuel). Real templates take a few thousand per turn;
+/// a 4000-turn conversation through Llama 3's needs under a million.
+const FUEL: u64 = 50_000_000;
+
+/// Bytes one rendering may produce: far beyond any sequence rtune trains on.
+const MAX_OUTPUT: usize = 64 << 20;
+
+/// A writer that fails past [`MAX_OUTPUT`] bytes.
+struct Capped(Vec<u8>);
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_OUTPUT {
+            return Err(std::io::Error::other("output cap"));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
@@ -34,6 +58,8 @@ impl ChatTemplate {
                 .expect("default delimiters"),
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // A template is code from a model folder: bounded in work and in output.
+        env.set_fuel(Some(FUEL));
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
@@ -67,16 +93,29 @@ impl ChatTemplate {
 
     pub fn render(&self, messages: &[Value], add_generation_prompt: bool) -> Result<String, String> {
         let t = self.env.get_template("chat").map_err(|e| e.to_string())?;
-        t.render(context! {
-            messages => J::from(minijinja::value::Serde(messages)),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.as_str(),
-            eos_token => self.eos_token.as_str(),
-        })
-        .map_err(|e| match e.detail() {
-            Some(d) => format!("{}: {d}", e.kind()),
-            None => e.to_string(),
-        })
+        let mut out = Capped(Vec::new());
+        t.render_captured_to(
+            context! {
+                messages => J::from(minijinja::value::Serde(messages)),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.as_str(),
+                eos_token => self.eos_token.as_str(),
+            },
+            &mut out,
+        )
+        .map_err(|e| match e.kind() {
+            ErrorKind::OutOfFuel => {
+                format!("the chat template did not finish within its budget of {FUEL} steps (a runaway loop?)")
+            }
+            ErrorKind::WriteFailure => {
+                format!("the chat template's output passed {} MiB (a runaway repetition?)", MAX_OUTPUT >> 20)
+            }
+            _ => match e.detail() {
+                Some(d) => format!("{}: {d}", e.kind()),
+                None => e.to_string(),
+            },
+        })?;
+        String::from_utf8(out.0).map_err(|_| "the chat template rendered invalid UTF-8".to_string())
     }
 
     /// The rendered conversation and the byte ranges of the assistant turns in it: turn i spans
@@ -274,5 +313,16 @@ mod tests {
         assert_eq!(turn_end(&alpaca, &tok).map(|t| t.0), Some("</s>".to_string()));
         let plain = ChatTemplate::new("{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "", "").unwrap();
         assert_eq!(turn_end(&plain, &tok), None);
+    }
+
+    #[test]
+    fn runaway_templates_stop_with_a_clear_error() {
+        let msgs: Vec<Value> = vec![serde_json::json!({"role": "user", "content": "x"})];
+        let hang = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        let err = ChatTemplate::new(hang, "", "").unwrap().render(&msgs, false).unwrap_err();
+        assert!(err.contains("budget"), "{err}");
+        let big = "{% for a in range(100) %}{{ 'x' * 50000000 }}{% endfor %}";
+        let err = ChatTemplate::new(big, "", "").unwrap().render(&msgs, false).unwrap_err();
+        assert!(err.contains("MiB"), "{err}");
     }
 }

@@ -195,7 +195,7 @@ pub fn snapshot(
     for (i, s) in chosen.iter().enumerate() {
         let size = s.lfs.as_ref().map(|l| l.size).or(s.size).unwrap_or(0);
         bar.start_file(&s.rfilename, size, i + 1, chosen.len());
-        let r = fetch_file(client, cache, repo, &commit, s, &mut |n| {
+        let r = fetch_file(client, cache, repo, &commit, s, ui, &mut |n| {
             bar.set(n, done + n);
         })?;
         done += r.size;
@@ -267,17 +267,25 @@ fn from_cache(cache: &HubCache, repo: &RepoRef, wanted: &Wanted) -> Result<Downl
 
 /// The command that fetches `files` of `repo` (all files when empty).
 pub fn download_command(repo: &RepoRef, files: &[String]) -> String {
-    let mut cmd = format!("rtune download {}", repo.id);
+    let mut cmd = format!("rtune download {}", shell_quote(&repo.id));
     if repo.kind == super::RepoKind::Dataset {
         cmd.push_str(" --repo-type dataset");
     }
     if repo.revision != "main" {
-        cmd.push_str(&format!(" --revision {}", repo.revision));
+        cmd.push_str(&format!(" --revision {}", shell_quote(&repo.revision)));
     }
     for f in files {
-        cmd.push_str(&format!(" --include '{f}'"));
+        cmd.push_str(&format!(" --include {}", shell_quote(f)));
     }
     cmd
+}
+
+/// `s` as one word for POSIX shells: as is when it holds only characters no shell treats
+/// specially, else in single quotes (a quote inside becomes `'\''`). Suggested commands are
+/// pasted into terminals, and names come from listings, lock files and recipes.
+pub fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-./:@=+,%".contains(&b));
+    if plain { s.to_string() } else { format!("'{}'", s.replace('\'', r"'\''")) }
 }
 
 fn fetch_file(
@@ -286,23 +294,42 @@ fn fetch_file(
     repo: &RepoRef,
     commit: &str,
     s: &Sibling,
+    ui: &Ui,
     progress: &mut dyn FnMut(u64),
 ) -> Result<FileReport, HubError> {
     let path = &s.rfilename;
     let expected_size = s.lfs.as_ref().map(|l| l.size).or(s.size);
     let pointer = cache.pointer_path(repo, commit, path);
-    // Already linked, and the blob is whole: nothing to fetch.
+    // Already linked, and the blob is whole and still has its digest (bit rot in a cache
+    // must not become permanent by being reused): nothing to fetch.
     if let Ok(meta) = fs::metadata(&pointer)
         && expected_size.is_none_or(|n| n == meta.len())
         && let Ok(target) = fs::read_link(&pointer)
         && let Some(etag) = target.file_name().map(|n| n.to_string_lossy().to_string())
         && check_etag(&etag)
+        && verify(&pointer, &etag).is_ok()
     {
         return Ok(FileReport { path: path.clone(), size: meta.len(), etag, fetched: false });
     }
     let url = resolve_url(client, repo, commit, path);
     let what = format!("{path} from {}", repo.display());
-    let (etag, size) = head(client, &url, &what, commit)?;
+    let (etag, head_size) = head(client, &url, &what, commit)?;
+    // The listing's size bounds the transfer; the headers must agree with it.
+    let size = match (expected_size, head_size) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(HubError::BadResponse {
+                what,
+                reason: format!("the listing says the file has {a} bytes but its headers say {b}"),
+            });
+        }
+        (Some(n), _) | (None, Some(n)) => n,
+        (None, None) => {
+            return Err(HubError::BadResponse {
+                what,
+                reason: "neither the listing nor the headers give a size".into(),
+            });
+        }
+    };
     // The listing and the file's headers must agree on what the file is.
     let listed = s.lfs.as_ref().map(|l| l.sha256.as_str()).or(s.blob_id.as_deref());
     if let Some(listed) = listed
@@ -316,8 +343,13 @@ fn fetch_file(
     let blob = cache.blob_path(repo, &etag);
     let _lock = cache.lock_blob(repo, &etag)?;
     let mut fetched = false;
-    if !fs::metadata(&blob).is_ok_and(|m| size.is_none_or(|n| n == m.len())) {
-        fetch_blob(client, &url, &what, &blob, size, progress)?;
+    let whole = fs::metadata(&blob).is_ok_and(|m| m.is_file() && m.len() == size);
+    if !whole || verify(&blob, &etag).is_err() {
+        if whole {
+            ui.warn(format!("`{}` in the HF cache does not match its digest; downloading it again", blob.display()));
+            fs::remove_file(&blob).map_err(HubError::io(format!("cannot remove `{}`", blob.display())))?;
+        }
+        fetch_blob(client, &url, &what, &blob, Some(size), progress)?;
         verify(&blob, &etag).map_err(|actual| {
             let _ = fs::remove_file(&blob);
             HubError::DigestMismatch {
@@ -384,13 +416,16 @@ fn fetch_blob(
     let part = blob.with_extension("incomplete");
     let parent = blob.parent().expect("blob has a parent");
     fs::create_dir_all(parent).map_err(HubError::io(format!("cannot create `{}`", parent.display())))?;
-    let mut file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&part)
-        .map_err(HubError::io(format!("cannot write `{}`", part.display())))?;
+    // `.incomplete` is ours, but the folder may be shared: never follow a link planted there
+    // (it would make the download overwrite the link's target), and only resume a plain file.
+    if fs::symlink_metadata(&part).is_ok_and(|m| !m.is_file()) {
+        fs::remove_file(&part).map_err(HubError::io(format!("cannot remove `{}`", part.display())))?;
+    }
+    let mut options = fs::OpenOptions::new();
+    options.create(true).truncate(false).read(true).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NOFOLLOW);
+    let mut file = options.open(&part).map_err(HubError::io(format!("cannot write `{}`", part.display())))?;
     let io = |e| HubError::Io { context: format!("cannot write `{}`", part.display()), source: e };
     for attempt in 0..client.env.attempts {
         let have = file.seek(std::io::SeekFrom::End(0)).map_err(io)?;
@@ -482,4 +517,25 @@ fn digest_file<D: sha2::Digest>(mut h: D, path: &std::path::Path) -> std::io::Re
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod quote_tests {
+    use super::shell_quote;
+
+    #[test]
+    fn suggested_commands_quote_for_posix_shells() {
+        assert_eq!(shell_quote("org/model-1.5B"), "org/model-1.5B");
+        assert_eq!(shell_quote("*.safetensors"), "'*.safetensors'");
+        assert_eq!(shell_quote("a'; touch pwned; echo '"), r"'a'\''; touch pwned; echo '\'''");
+        assert_eq!(shell_quote("$(touch pwned)"), "'$(touch pwned)'");
+        assert_eq!(shell_quote(""), "''");
+        // What a shell makes of the quoted word is the original string.
+        for s in ["a'b", "$(x)", "`x`", "a b\tc", "'"] {
+            let out = std::process::Command::new("sh").arg("-c").arg(format!("printf %s {}", shell_quote(s))).output();
+            if let Ok(out) = out {
+                assert_eq!(String::from_utf8_lossy(&out.stdout), s);
+            }
+        }
+    }
 }

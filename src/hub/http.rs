@@ -139,12 +139,31 @@ impl Client {
         }
     }
 
+    /// A server-derived string made safe to print: the token redacted (a server may echo the
+    /// Authorization header back) and control characters escaped (no terminal escapes).
+    pub fn sanitize(&self, text: &str) -> String {
+        escape_controls(&self.redact(text))
+    }
+
+    /// [`Client::sanitize`] applied to what a malformed answer put into an error.
+    fn sanitize_error(&self, e: HubError) -> HubError {
+        match e {
+            HubError::BadResponse { what, reason } => {
+                HubError::BadResponse { what: self.sanitize(&what), reason: self.sanitize(&reason) }
+            }
+            HubError::Status { what, status, body } => {
+                HubError::Status { what: self.sanitize(&what), status, body: self.sanitize(&body) }
+            }
+            e => e,
+        }
+    }
+
     /// GET a JSON document from the Hub API.
     pub fn get_json<T: serde::de::DeserializeOwned>(&self, what: &str, url: &str) -> Result<T, HubError> {
         let resp = self.send(what, false, || {
             self.authorize(self.agent.get(url).header("Accept", "application/json"), url).call()
         })?;
-        read_json(what, resp)
+        read_json(what, resp).map_err(|e| self.sanitize_error(e))
     }
 
     /// POST JSON to the Hub API and read a JSON answer.
@@ -159,7 +178,7 @@ impl Client {
             let req = self.agent.post(url).header("Content-Type", content_type).header("Accept", "application/json");
             self.authorize(req, url).send(body)
         })?;
-        read_json(what, resp)
+        read_json(what, resp).map_err(|e| self.sanitize_error(e))
     }
 }
 
@@ -178,6 +197,14 @@ pub fn read_json<T: serde::de::DeserializeOwned>(what: &str, mut resp: Response<
         return Err(bad(format!("expected JSON, got {kind} (`{head}`)")));
     }
     serde_json::from_slice(&bytes).map_err(|e| bad(format!("unexpected JSON: {e}")))
+}
+
+/// Control characters (ESC, CR, …) as `\u{1b}`-style escapes; everything else as is.
+pub fn escape_controls(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_string();
+    }
+    text.chars().map(|c| if c.is_control() { c.escape_unicode().to_string() } else { c.to_string() }).collect()
 }
 
 /// A response header as text.

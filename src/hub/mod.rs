@@ -238,7 +238,7 @@ pub fn check_repo_path(p: &str) -> Result<(), HubError> {
         || p.chars().any(char::is_control)
         || p.split('/').any(|c| c.is_empty() || c == "." || c == "..");
     if bad {
-        return Err(HubError::UnsafePath { path: p.to_string() });
+        return Err(HubError::UnsafePath { path: http::escape_controls(p) });
     }
     Ok(())
 }

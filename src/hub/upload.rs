@@ -185,7 +185,7 @@ pub fn commit(
             if let Some(err) = &obj.error {
                 return Err(HubError::BadResponse {
                     what: format!("LFS upload of `{}`", l.file.path),
-                    reason: err.to_string(),
+                    reason: client.sanitize(&err.to_string()),
                 });
             }
             let Some(actions) = &obj.actions else { continue }; // already on the Hub

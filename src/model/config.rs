@@ -161,6 +161,26 @@ impl ModelConfig {
             });
         }
         let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        // A hostile or broken config.json must not size allocations: every dimension is bounded
+        // well above any released model's (weights are then checked against these shapes).
+        for (field, value, max) in [
+            ("hidden_size", raw.hidden_size, 1 << 16),
+            ("intermediate_size", raw.intermediate_size, 1 << 18),
+            ("num_hidden_layers", raw.num_hidden_layers, 1 << 10),
+            ("num_attention_heads", raw.num_attention_heads, 1 << 10),
+            ("head_dim", head_dim, 1 << 10),
+            ("vocab_size", raw.vocab_size, 1 << 22),
+            ("max_position_embeddings", raw.max_position_embeddings, 1 << 24),
+        ] {
+            if value == 0 || value > max {
+                return Err(ModelError::Unsupported {
+                    what: format!("config.json `{field}` = {value} (expected 1 to {max})"),
+                });
+            }
+        }
+        if !head_dim.is_multiple_of(2) {
+            return Err(ModelError::Unsupported { what: format!("config.json `head_dim` = {head_dim} (odd)") });
+        }
         let attention_bias = raw.attention_bias.unwrap_or(false);
         Ok(ModelConfig {
             arch,

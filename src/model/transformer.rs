@@ -459,9 +459,15 @@ pub fn composed_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tenso
     (lse - picked)?.mean_all()
 }
 
-/// cos/sin tables `[max_positions, head_dim]`, with llama3 frequency scaling when configured.
+/// Rows of the rotary tables: positions past this are never trained or evaluated (sequences
+/// are bounded by `dataset.max_seq_len`), and a config claiming millions of positions must not
+/// size a multi-gigabyte table.
+pub const ROPE_TABLE_MAX: usize = 1 << 17;
+
+/// cos/sin tables `[positions, head_dim]` (`max_position_embeddings`, at most
+/// [`ROPE_TABLE_MAX`]), with llama3 frequency scaling when configured.
 fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
-    let (n, d) = (cfg.max_position_embeddings, cfg.head_dim);
+    let (n, d) = (cfg.max_position_embeddings.min(ROPE_TABLE_MAX), cfg.head_dim);
     let (cos, sin) = rope_values(cfg, n);
     let cos = Tensor::from_vec(cos, (n, d), device)?.to_dtype(dtype)?;
     let sin = Tensor::from_vec(sin, (n, d), device)?.to_dtype(dtype)?;

@@ -482,6 +482,9 @@ fn resolve_hub(
         locked
             .filter(|l| l["hub"] == json!(src.repo.id) && l["revision"] == json!(src.repo.revision))
             .and_then(|l| l["commit"].as_str())
+            // A lock file is an input like any other: only a commit id is believed (it is
+            // printed in commands to paste and used in URLs).
+            .filter(|c| crate::hub::is_commit(c))
             .map(str::to_string)
     };
     let offline_fallback = || cache.resolve(&src.repo).map(|s| s.commit).or_else(from_lock);

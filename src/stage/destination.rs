@@ -130,7 +130,8 @@ fn check_hub(rest: &str, record: &Record, hub: &HubEnv) -> Verdict {
     let Ok(repo) = crate::hub::parse_hf_url(rest) else {
         return Verdict::NotChecked(format!("destination not checked: `hf://{rest}` does not parse"));
     };
-    let client = crate::hub::Client::new(hub.clone());
+    // One attempt: `plan` must not stall on an unreachable Hub.
+    let client = crate::hub::Client::new(HubEnv { attempts: 1, ..hub.clone() });
     let listing = match crate::hub::list_files(&client, &repo) {
         Ok(Some(l)) => l,
         Ok(None) => return Verdict::Stale("destination missing on the Hub".into()),
@@ -207,6 +208,7 @@ pub fn write_dir(
         tmp_path
             .persist(&target)
             .map_err(|e| StageError::Io { context: format!("cannot write `{}`", target.display()), source: e.error })?;
+        crate::store::sync_dir(&parent);
         if let Ok(meta) = std::fs::metadata(&target) {
             stamps.insert(&target, &meta, &digest);
         }

@@ -85,8 +85,8 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     Ok(json!({ "model": model, "dataset": { "files": files.len(), "hub": fetched.get("dataset") } }))
 }
 
-/// Fetch a Hub source at the planned commit into the HF cache, then hard-link its files into
-/// `dest` (a copy across file systems).
+/// Fetch a Hub source at the planned commit into the HF cache (reused blobs re-verified), then
+/// copy its files into `dest`.
 fn fetch_hub(
     ctx: &StageCtx<'_>,
     src: &crate::plan::HubSource,
@@ -119,9 +119,10 @@ fn fetch_hub(
         if let Some(parent) = to.parent() {
             std::fs::create_dir_all(parent).map_err(StageError::io(format!("cannot create `{}`", parent.display())))?;
         }
-        if std::fs::hard_link(&from, &to).is_err() {
-            std::fs::copy(&from, &to).map_err(StageError::io(format!("cannot copy `{}`", f.path)))?;
-        }
+        // A copy, never a hard link: the store makes its objects read-only and trusts their
+        // bytes, and a shared inode would let damage (or a permission change) in one cache reach
+        // the other. Where the file system supports it the kernel copies by reflink.
+        std::fs::copy(&from, &to).map_err(StageError::io(format!("cannot copy `{}`", f.path)))?;
     }
     ctx.ui.status("download", format!("{} at {}: {} files", src.repo.display(), &commit[..12], report.files.len()));
     Ok(report)

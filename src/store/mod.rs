@@ -230,7 +230,10 @@ impl Store {
                 let parent = obj.parent().expect("objects have a parent");
                 fs::create_dir_all(parent).map_err(io_err("create", parent))?;
                 set_readonly(&src).map_err(io_err("protect", &src))?;
+                // The bytes reach the disk before anything can name them.
+                File::open(&src).and_then(|f| f.sync_all()).map_err(io_err("sync", &src))?;
                 fs::rename(&src, &obj).map_err(io_err("store", &obj))?;
+                sync_dir(parent);
             }
             let view = tmp_view.path().join(&rel);
             if let Some(parent) = view.parent() {
@@ -250,6 +253,7 @@ impl Store {
         }
         let view = tmp_view.keep();
         fs::rename(&view, &dir).map_err(io_err("commit", &dir))?;
+        sync_dir(dir.parent().expect("artifacts have a parent"));
         manifest.files = files;
         let text = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
         write_atomic(&self.manifest_path(&fp), &text)?;
@@ -359,7 +363,21 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     tmp.write_all(bytes).map_err(io_err("write", path))?;
     tmp.as_file().sync_all().map_err(io_err("write", path))?;
     tmp.persist(path).map_err(|e| io_err("write", path)(e.error))?;
+    // The rename is only durable once the directory entry is: a power loss must not leave a
+    // manifest (or lock file) naming bytes that never reached the disk, or an old one back.
+    sync_dir(dir);
     Ok(())
+}
+
+/// fsync a directory, so renames and creations in it survive a power loss (best effort: some
+/// file systems and platforms cannot open or sync a directory).
+pub fn sync_dir(dir: &Path) {
+    #[cfg(unix)]
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
 }
 
 /// Relative paths of every file under `dir`, sorted.

@@ -41,10 +41,15 @@ pub struct State {
     pub corrupt: Vec<String>,
     /// API answers are an HTML page.
     pub html_api: bool,
+    /// API answers are plain text echoing the request's Authorization header, with a terminal
+    /// escape sequence (a hostile or broken proxy).
+    pub echo_auth: bool,
     /// Cut the body of the next file GET after this many bytes.
     pub cut_next_body: Option<usize>,
     /// Token required for every request (401 without, 403 with another).
     pub require_token: Option<String>,
+    /// Listed sizes that differ from the real ones (path → size).
+    pub listed_size: HashMap<String, u64>,
     /// "METHOD path" of every request, and whether it carried a token.
     pub log: Vec<(String, bool)>,
 }
@@ -313,6 +318,15 @@ fn handle(req: &Req, st: &Mutex<State>, base: &str, cdn_base: &str) -> Resp {
             Resp::json(200, json!({ "url": format!("{base}/{id}") }))
         }
         ("GET", ["api", plural, owner, name, "revision", rev @ ..]) => {
+            if s.echo_auth {
+                let auth = req.headers.get("authorization").cloned().unwrap_or_default();
+                return Resp {
+                    status: 200,
+                    headers: vec![("Content-Type".into(), "text/plain".into())],
+                    body: format!("{auth}\x1b[2J").into_bytes(),
+                    cut: None,
+                };
+            }
             if s.html_api {
                 return Resp {
                     status: 200,
@@ -334,7 +348,7 @@ fn handle(req: &Req, st: &Mutex<State>, base: &str, cdn_base: &str) -> Resp {
                     let real = resolve_lfs(b, &s.lfs);
                     let mut e = json!({ "rfilename": path });
                     if blobs {
-                        e["size"] = json!(real.len());
+                        e["size"] = json!(s.listed_size.get(path).copied().unwrap_or(real.len() as u64));
                         e["blobId"] = json!(blob_id(b));
                         if b.starts_with(b"lfs:") {
                             e["lfs"] = json!({ "sha256": sha256(&real), "size": real.len(), "pointerSize": 134 });
