@@ -104,6 +104,8 @@ pub fn check_locked(loaded: &LoadedRecipe, plan: &Plan, lock: &LockFile) -> Resu
 /// Run every stage of `plan` that is not cached.
 pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result<RunReport, Error> {
     let lock_file = lock_path(loaded);
+    // Held until the run ends: `cache gc` refuses to run meanwhile.
+    let _in_use = store.use_shared()?;
     let mut report = RunReport { recipe: plan.recipe.clone(), stages: Vec::new() };
     let mut verified = std::collections::BTreeSet::new();
     for planned in &plan.stages {

@@ -738,3 +738,26 @@ to = "dir://out"
         assert!(card.contains("## Chat template") && card.contains(origin), "{card}");
     }
 }
+
+/// Issue 21: `cache gc` never runs beside a build (it used to delete a long run's staging and
+/// could remove objects between their move into the store and the manifest naming them).
+#[test]
+fn cache_gc_refuses_while_a_run_uses_the_cache() {
+    let set = ["--set", "stages.train.max_steps=400", "--set", "stages.train.checkpoint_every=2"];
+    let p = Project::tiny_offline();
+    let mut cmd = common::rtune_cmd();
+    cmd.args(args(&["run", "tiny.toml"], &set))
+        .current_dir(p.path())
+        .env("RTUNE_CACHE_DIR", p.cache())
+        .env("RTUNE_NO_PROGRESS", "1");
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let reached = wait_for_checkpoint(&p.cache().join("store-v1/work"), 2, &mut child);
+    let gc = p.run(&["cache", "gc"]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(reached, "training finished or stalled before its first checkpoint");
+    assert!(!gc.status.success() && stderr(&gc).contains("rtune::store::busy"), "{}", stderr(&gc));
+    let gc = p.run(&["cache", "gc"]);
+    assert!(gc.status.success(), "{}", stderr(&gc));
+}

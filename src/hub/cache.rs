@@ -43,9 +43,12 @@ pub struct TreeEntry {
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), HubError> {
-    crate::store::write_atomic(path, bytes).map_err(|crate::store::StoreError::Io { source, .. }| HubError::Io {
+    crate::store::write_atomic(path, bytes).map_err(|e| HubError::Io {
         context: format!("cannot write `{}`", path.display()),
-        source,
+        source: match e {
+            crate::store::StoreError::Io { source, .. } => source,
+            other => std::io::Error::other(other.to_string()),
+        },
     })
 }
 

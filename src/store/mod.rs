@@ -29,6 +29,12 @@ pub const LAYOUT: &str = "store-v1";
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum StoreError {
+    #[error("the cache `{root}` is in use by another rtune run")]
+    #[diagnostic(
+        code(rtune::store::busy),
+        help("`cache gc` removes unreferenced files, so it waits for no run: run it when the other rtune is done")
+    )]
+    Busy { root: PathBuf },
     #[error("cannot {action} `{path}`")]
     #[diagnostic(code(rtune::store::io), help("check that the cache directory is writable and the disk is not full"))]
     Io {
@@ -40,6 +46,13 @@ pub enum StoreError {
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// Held (shared) by every `rtune run` for its whole length, and exclusively by `cache gc`: gc
+/// never removes staging or objects a running build is about to commit.
+#[derive(Debug)]
+pub struct UseLock {
+    _file: File,
+}
 
 fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
     move |source| StoreError::Io { action, path: path.to_path_buf(), source }
@@ -210,6 +223,18 @@ impl Store {
         Ok(BuildLock { _file: file })
     }
 
+    fn use_lock_file(&self) -> Result<File> {
+        let path = self.base.join("locks").join("store.lock");
+        File::options().create(true).truncate(false).write(true).open(&path).map_err(io_err("open", &path))
+    }
+
+    /// Take the store's use lock shared, for a run (waits only while a gc holds it).
+    pub fn use_shared(&self) -> Result<UseLock> {
+        let file = self.use_lock_file()?;
+        file.lock_shared().map_err(io_err("lock", &self.base.join("locks/store.lock")))?;
+        Ok(UseLock { _file: file })
+    }
+
     /// A fresh staging folder inside the store (same filesystem, so commits are renames).
     pub fn staging(&self) -> Result<tempfile::TempDir> {
         let tmp = self.base.join("tmp");
@@ -279,6 +304,12 @@ impl Store {
     /// Remove what no manifest reaches: orphan artifact folders, objects, stale staging and the
     /// work folders of stages that finished. Returns (files removed, bytes freed).
     pub fn gc(&self) -> Result<(u64, u64)> {
+        let lock = self.use_lock_file()?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => return Err(StoreError::Busy { root: self.root.clone() }),
+            Err(fs::TryLockError::Error(e)) => return Err(io_err("lock", &self.base.join("locks/store.lock"))(e)),
+        }
         let manifests = self.manifests();
         let live_fps: BTreeSet<String> = manifests.iter().map(|m| m.fingerprint.clone()).collect();
         let live_objects: BTreeSet<String> =
