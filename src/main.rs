@@ -285,6 +285,11 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
         }
         Command::Upload { repo_id, paths, repo_type, create, public, message, token } => {
             let env = hub::HubEnv::from_env(token.as_deref(), false);
+            if env.offline {
+                return Err(recipe::Problem::new("rtune::hub::offline", "cannot upload with HF_HUB_OFFLINE set")
+                    .help("unset HF_HUB_OFFLINE (or set it to 0) to upload")
+                    .into());
+            }
             let (id, rev) = match repo_id.split_once('@') {
                 Some((i, r)) => (i, Some(r)),
                 None => (repo_id.as_str(), None),

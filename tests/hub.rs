@@ -574,3 +574,34 @@ fn echoed_tokens_and_escape_sequences_never_reach_the_terminal() {
     assert!(!o.status.success() && e.contains("rtune::hub::bad_response"), "{e}");
     assert!(!e.contains(TOKEN) && !e.contains('\u{1b}'), "{e}");
 }
+
+/// Issue 21, item 10: `rtune upload` honours HF_HUB_OFFLINE; a server that wants a large file
+/// inline gets it through LFS (never read whole into a JSON body); a leftover `.incomplete`
+/// longer than the file does not spoil a download that has one attempt.
+#[test]
+fn uploads_respect_offline_and_big_files_go_through_lfs_and_leftovers_restart() {
+    let env = Env::new();
+    let src = env.dir.path().join("to-upload");
+    std::fs::create_dir_all(&src).unwrap();
+    let big: Vec<u8> = (0..(11u32 << 20)).map(|i| (i % 253) as u8).collect();
+    std::fs::write(src.join("big.bin"), &big).unwrap();
+    let o =
+        env.rtune(&["upload", "me/m", src.to_str().unwrap(), "--create", "--token", TOKEN], &[("HF_HUB_OFFLINE", "1")]);
+    assert!(!o.status.success() && stderr(&o).contains("rtune::hub::offline"), "{}", stderr(&o));
+    assert!(env.server.state.lock().unwrap().log.is_empty(), "nothing was sent offline");
+
+    env.server.state.lock().unwrap().all_regular = true;
+    let o = env.ok(&["upload", "me/m", src.to_str().unwrap(), "--create", "--json", "--token", TOKEN], &[]);
+    let rep: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(rep["lfs_files"], 1, "{rep}");
+    assert_eq!(env.server.files("model", "me/m", "main").unwrap()["big.bin"], big);
+
+    let env = Env::new();
+    let notes = &fixture_repo()[1].1;
+    let blobs = env.hub_cache().join("models--test-org--tiny-model/blobs");
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::fs::write(blobs.join(format!("{}.incomplete", common::hub::blob_id(notes))), vec![b'x'; 100]).unwrap();
+    let o = env.ok(&["download", "test-org/tiny-model", "--include", "sub/*"], &[("RTUNE_HUB_ATTEMPTS", "1")]);
+    let snap = PathBuf::from(stdout(&o).trim());
+    assert_eq!(&std::fs::read(snap.join("sub/notes.txt")).unwrap(), notes);
+}

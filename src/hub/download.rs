@@ -428,10 +428,11 @@ fn fetch_blob(
     let mut file = options.open(&part).map_err(HubError::io(format!("cannot write `{}`", part.display())))?;
     let io = |e| HubError::Io { context: format!("cannot write `{}`", part.display()), source: e };
     for attempt in 0..client.env.attempts {
-        let have = file.seek(std::io::SeekFrom::End(0)).map_err(io)?;
+        let mut have = file.seek(std::io::SeekFrom::End(0)).map_err(io)?;
         if size.is_some_and(|n| have > n) {
+            // A leftover longer than the file cannot be resumed: start over, in this attempt.
             file.set_len(0).map_err(io)?;
-            continue;
+            have = file.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
         }
         if size == Some(have) && have > 0 {
             break;

@@ -110,6 +110,10 @@ pub fn create_repo(client: &Client, repo: &RepoRef, private: bool) -> Result<(),
     }
 }
 
+/// The largest file sent inline (base64 in the commit body, held in memory); the Hub itself
+/// sends files over 10 MB to LFS.
+const MAX_REGULAR: u64 = 10 << 20;
+
 /// Commit `files` to `repo` at `repo.revision` (a branch).
 pub fn commit(
     client: &Client,
@@ -145,7 +149,9 @@ pub fn commit(
     for l in &locals {
         match mode(&l.file.path) {
             Some(p) if p.should_ignore => {}
-            Some(p) if p.upload_mode == "lfs" => lfs.push(l),
+            // Regular files travel base64-encoded inside one JSON commit held in memory: past
+            // MAX_REGULAR a file goes through LFS whatever the server says.
+            Some(p) if p.upload_mode == "lfs" || l.size > MAX_REGULAR => lfs.push(l),
             Some(_) => regular.push(l),
             None => {
                 return Err(HubError::BadResponse {

@@ -48,6 +48,8 @@ pub struct State {
     pub cut_next_body: Option<usize>,
     /// Token required for every request (401 without, 403 with another).
     pub require_token: Option<String>,
+    /// Preupload answers `regular` for every file, however large (a hostile server).
+    pub all_regular: bool,
     /// Listed sizes that differ from the real ones (path → size).
     pub listed_size: HashMap<String, u64>,
     /// "METHOD path" of every request, and whether it carried a token.
@@ -405,7 +407,7 @@ fn handle(req: &Req, st: &Mutex<State>, base: &str, cdn_base: &str) -> Resp {
                 .unwrap_or_default()
                 .iter()
                 .map(|f| {
-                    let lfs = f["size"].as_u64().unwrap_or(0) as usize >= LFS_THRESHOLD;
+                    let lfs = !s.all_regular && f["size"].as_u64().unwrap_or(0) as usize >= LFS_THRESHOLD;
                     json!({ "path": f["path"], "uploadMode": if lfs { "lfs" } else { "regular" }, "shouldIgnore": false })
                 })
                 .collect();
