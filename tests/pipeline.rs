@@ -66,6 +66,8 @@ fn artifact(report: &serde_json::Value, stage: &str) -> PathBuf {
 #[test]
 fn default_recipe_end_to_end() {
     let p = Project::tiny_offline();
+    // README's tour runs exactly this, in a checkout's layout: its output blocks must be true.
+    let readme = ReadmeTour::new();
     let report = p.run_json(&["tiny.toml"]);
     let model_dir = artifact(&report, "download").join("model");
     let folder = rtune::model::ModelFolder::open(&model_dir).unwrap();
@@ -125,6 +127,116 @@ fn default_recipe_end_to_end() {
     assert!(out.join("gguf/model-q8_0.gguf").is_file());
     let again = p.run(&["run", "tiny.toml"]);
     assert!(stderr(&again).matches("    cached  ").count() == 7, "{}", stderr(&again));
+    readme.check();
+}
+
+/// README.md's "30-second tour", run as a newcomer runs it (from a checkout's root, on
+/// `recipes/tiny-offline.toml`, with a fresh cache), and compared with its output blocks: the
+/// plan table byte for byte; the run's lines and the `--set` plan's rows with timings, the
+/// cache path and fingerprints (shown as `…`) normalised.
+struct ReadmeTour {
+    dir: tempfile::TempDir,
+    plan: String,
+}
+
+impl ReadmeTour {
+    fn new() -> ReadmeTour {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("recipes/data")).unwrap();
+        std::fs::copy(root().join("recipes/tiny-offline.toml"), dir.path().join("recipes/tiny-offline.toml")).unwrap();
+        std::fs::copy(
+            root().join("recipes/data/synthetic-alpaca.jsonl"),
+            dir.path().join("recipes/data/synthetic-alpaca.jsonl"),
+        )
+        .unwrap();
+        let o = rtune(dir.path(), &dir.path().join("cache"), &["plan", "recipes/tiny-offline.toml"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        ReadmeTour { plan: stdout(&o), dir }
+    }
+
+    /// The lines of the README block that starts with `$ <command>`.
+    fn block(command: &str) -> Vec<String> {
+        let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+        let start = readme.find(&format!("$ {command}\n")).unwrap_or_else(|| panic!("README has no `$ {command}`"));
+        let body = &readme[start..];
+        let body = &body[body.find('\n').unwrap() + 1..body.find("```").unwrap()];
+        body.lines().map(str::to_string).collect()
+    }
+
+    fn check(&self) {
+        let (dir, cache) = (self.dir.path(), self.dir.path().join("cache"));
+        assert_eq!(
+            Self::block("rtune plan recipes/tiny-offline.toml").join("\n") + "\n",
+            self.plan,
+            "README's plan block"
+        );
+
+        let o = rtune(dir, &cache, &["run", "recipes/tiny-offline.toml"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let home = cache.display().to_string();
+        let actual: Vec<String> = format!("{}{}", stderr(&o), stdout(&o))
+            .lines()
+            .map(|l| normalise(&l.replace(&home, "~/.cache/rtune")))
+            .collect();
+        for line in Self::block("rtune run recipes/tiny-offline.toml").iter().filter(|l| l.as_str() != "…") {
+            let want = normalise(line);
+            assert!(
+                actual.contains(&want),
+                "README's run block says\n{want}\nbut the run printed\n{}",
+                actual.join("\n")
+            );
+        }
+
+        let command = "rtune plan recipes/tiny-offline.toml --set stages.train.learning_rate=5e-3";
+        let args: Vec<&str> = command.split(' ').skip(1).collect();
+        let o = rtune(dir, &cache, &args);
+        let actual: Vec<String> = stdout(&o).lines().map(hide_fingerprint).collect();
+        for line in Self::block(command) {
+            assert!(
+                actual.contains(&line),
+                "README's --set block says\n{line}\nbut plan printed\n{}",
+                actual.join("\n")
+            );
+        }
+    }
+}
+
+/// `(7.3s, 69688 tok/s)` → `(…)`, as the two floating-point noise figures of the quantize
+/// lines; artifact paths cut to their 8-digit prefix and `…`, as the
+/// README shows them; trailing spaces dropped.
+fn normalise(line: &str) -> String {
+    let mut out = line.trim_end().to_string();
+    if let Some(i) = out.find(" steps (") {
+        out = format!("{} steps (…)", &out[..i]);
+    }
+    // Rounding-level noise that differs between the test build and a release build.
+    if let Some(i) = out.find("vs the adapter model ") {
+        out = format!("{}vs the adapter model …", &out[..i]);
+    }
+    if let (Some(a), Some(b)) = (out.find("unquantized ("), out.find("%)")) {
+        out = format!("{}unquantized (…){}", &out[..a], &out[b + 2..]);
+    }
+    if let Some(i) = out.find("/store-v1/artifacts/") {
+        let fp_start = i + "/store-v1/artifacts/".len();
+        let fp: String = out[fp_start..].chars().take(8).collect();
+        out = format!("{}{fp}…", &out[..fp_start]);
+    }
+    out
+}
+
+/// A plan row with its 12-digit fingerprint shown as `…`, as README's `--set` block does.
+fn hide_fingerprint(line: &str) -> String {
+    line.split("  ")
+        .map(|cell| {
+            let c = cell.trim();
+            if c.len() == 12 && c.bytes().all(|b| b.is_ascii_hexdigit()) {
+                cell.replace(c, "…")
+            } else {
+                cell.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("  ")
 }
 
 fn wait_for_checkpoint(work_root: &Path, min_step: u64, child: &mut std::process::Child) -> bool {
