@@ -11,7 +11,7 @@ use std::sync::Arc;
 use miette::{Diagnostic, LabeledSpan, NamedSource, SourceCode};
 
 pub use format::{Encoded, Renderer};
-pub use source::{Row, read_rows};
+pub use source::{Row, Skipped, for_each_row, read_rows, total_bytes};
 pub use tokens::{TokenStore, TokenWriter};
 
 /// A problem with the data.

@@ -19,6 +19,76 @@ pub struct Row {
 /// Read every row of a file or folder. A malformed row is an error, unless `skip_bad` is set,
 /// in which case it is returned in the second list.
 pub fn read_rows(path: &Path, skip_bad: bool) -> Result<(Vec<Row>, Vec<DataError>), DataError> {
+    let mut rows = Vec::new();
+    let skipped = for_each_row(
+        path,
+        skip_bad,
+        &mut |r| {
+            rows.push(r);
+            Ok(())
+        },
+        &mut |_| {},
+    )?;
+    Ok((rows, skipped.first))
+}
+
+/// Rows skipped as malformed (with `skip_bad`): how many, and the first few errors.
+#[derive(Debug, Default)]
+pub struct Skipped {
+    pub count: usize,
+    pub first: Vec<DataError>,
+}
+
+impl Skipped {
+    const KEPT: usize = 100;
+
+    pub fn push(&mut self, e: DataError) {
+        self.count += 1;
+        if self.first.len() < Self::KEPT {
+            self.first.push(e);
+        }
+    }
+}
+
+/// Stream every row of a file or folder to `each`, in file order, holding one line (one
+/// Parquet row, or for `.json` arrays the whole file) at a time: a dataset is never read into
+/// memory whole. Malformed rows stop the read, or with `skip_bad` are counted. `progress` hears
+/// the bytes read so far (of [`total_bytes`]) now and then.
+pub fn for_each_row(
+    path: &Path,
+    skip_bad: bool,
+    each: &mut dyn FnMut(Row) -> Result<(), DataError>,
+    progress: &mut dyn FnMut(u64),
+) -> Result<Skipped, DataError> {
+    let files = dataset_files(path)?;
+    let mut skipped = Skipped::default();
+    let mut done = 0u64;
+    for f in files {
+        let mut push = |r: Result<Row, DataError>| -> Result<(), DataError> {
+            match r {
+                Ok(row) => each(row),
+                Err(e) if skip_bad => {
+                    skipped.push(e);
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        };
+        let base = done;
+        done += read_file(&f, &mut push, &mut |n| progress(base + n))?;
+        progress(done);
+    }
+    Ok(skipped)
+}
+
+/// The bytes [`for_each_row`] will read.
+pub fn total_bytes(path: &Path) -> u64 {
+    dataset_files(path)
+        .map(|fs| fs.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum())
+        .unwrap_or(0)
+}
+
+fn dataset_files(path: &Path) -> Result<Vec<std::path::PathBuf>, DataError> {
     let mut files = Vec::new();
     if path.is_dir() {
         for rel in
@@ -38,12 +108,7 @@ pub fn read_rows(path: &Path, skip_bad: bool) -> Result<(Vec<Row>, Vec<DataError
     } else {
         files.push(path.to_path_buf());
     }
-    let mut rows = Vec::new();
-    let mut bad = Vec::new();
-    for f in files {
-        read_file(&f, skip_bad, &mut rows, &mut bad)?;
-    }
-    Ok((rows, bad))
+    Ok(files)
 }
 
 fn supported(name: &str) -> bool {
@@ -52,10 +117,9 @@ fn supported(name: &str) -> bool {
 
 /// Parquet rows as JSON objects (lists and structs nest, as in `datasets`); row N of the file is
 /// reported as "line" N.
-fn read_parquet(path: &Path, name: &str, rows: &mut Vec<Row>) -> Result<(), DataError> {
+fn read_parquet(path: &Path, name: &str, push: Push<'_>) -> Result<(), DataError> {
     // The parquet crate asserts on some malformed metadata: a damaged file is an error here.
-    let mut out = Vec::new();
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_parquet_inner(path, name, &mut out))) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_parquet_inner(path, name, push))) {
         Ok(r) => r?,
         Err(_) => {
             return Err(DataError::Invalid {
@@ -64,11 +128,13 @@ fn read_parquet(path: &Path, name: &str, rows: &mut Vec<Row>) -> Result<(), Data
             });
         }
     }
-    rows.extend(out);
     Ok(())
 }
 
-fn read_parquet_inner(path: &Path, name: &str, rows: &mut Vec<Row>) -> Result<(), DataError> {
+/// Where a reader sends each row (or the error that replaced it).
+type Push<'a> = &'a mut dyn FnMut(Result<Row, DataError>) -> Result<(), DataError>;
+
+fn read_parquet_inner(path: &Path, name: &str, push: Push<'_>) -> Result<(), DataError> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let bad = |e: parquet::errors::ParquetError| DataError::Invalid {
         message: format!("`{name}` is not a readable Parquet file: {e}"),
@@ -78,7 +144,7 @@ fn read_parquet_inner(path: &Path, name: &str, rows: &mut Vec<Row>) -> Result<()
     let reader = SerializedFileReader::new(file).map_err(bad)?;
     for (i, row) in reader.get_row_iter(None).map_err(bad)?.enumerate() {
         match row.map_err(bad)?.to_json_value() {
-            Value::Object(fields) => rows.push(Row { fields, file: name.to_string(), line: i + 1 }),
+            Value::Object(fields) => push(Ok(Row { fields, file: name.to_string(), line: i + 1 }))?,
             other => {
                 return Err(DataError::bad_row(
                     name,
@@ -94,72 +160,63 @@ fn read_parquet_inner(path: &Path, name: &str, rows: &mut Vec<Row>) -> Result<()
     Ok(())
 }
 
-fn read_file(path: &Path, skip_bad: bool, rows: &mut Vec<Row>, bad: &mut Vec<DataError>) -> Result<(), DataError> {
+/// Read one file's rows into `push`; returns the bytes read.
+fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Result<u64, DataError> {
     let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let ext = name.rsplit('.').next().unwrap_or_default().to_ascii_lowercase();
+    let io = |e| DataError::Io { path: path.display().to_string(), source: e };
+    let size = std::fs::metadata(path).map_err(io)?.len();
     if ext == "parquet" {
-        return read_parquet(path, &name, rows);
+        read_parquet(path, &name, push)?;
+        return Ok(size);
     }
-    let bytes = std::fs::read(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })?;
-    let text = String::from_utf8(bytes).map_err(|e| {
-        let line = 1 + e.as_bytes()[..e.utf8_error().valid_up_to()].iter().filter(|b| **b == b'\n').count();
-        DataError::bad_row(&name, line, "", None, "the file is not valid UTF-8".into(), None)
-    })?;
-    let mut push = |r: Result<Row, DataError>| -> Result<(), DataError> {
-        match r {
-            Ok(row) => rows.push(row),
-            Err(e) if skip_bad => bad.push(e),
-            Err(e) => return Err(e),
+    if ext == "json" {
+        // A JSON array is parsed whole (JSON Lines is the format for large datasets).
+        let bytes = std::fs::read(path).map_err(io)?;
+        let text = utf8(&name, bytes, 0)?;
+        read_json_array(&name, &text, push)?;
+        return Ok(size);
+    }
+    // Line formats stream: one line in memory at a time.
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
+    let mut buf = Vec::new();
+    let mut header: Option<Vec<String>> = None;
+    let (mut i, mut read) = (0usize, 0u64);
+    loop {
+        buf.clear();
+        let n = std::io::BufRead::read_until(&mut reader, b'\n', &mut buf).map_err(io)?;
+        if n == 0 {
+            break;
         }
-        Ok(())
-    };
-    match ext.as_str() {
-        "jsonl" => {
-            for (i, line) in text.lines().enumerate() {
+        i += 1;
+        read += n as u64;
+        if i.is_multiple_of(4096) {
+            progress(read);
+        }
+        while matches!(buf.last(), Some(b'\n' | b'\r')) {
+            buf.pop();
+        }
+        let line = utf8(&name, std::mem::take(&mut buf), i - 1)?;
+        match ext.as_str() {
+            "jsonl" => {
+                if !line.trim().is_empty() {
+                    push(parse_object(&name, i, &line))?;
+                }
+            }
+            "csv" => {
+                let Some(header) = &header else {
+                    header = Some(split_csv(&line));
+                    continue;
+                };
                 if line.trim().is_empty() {
                     continue;
                 }
-                push(parse_object(&name, i + 1, line))?;
-            }
-        }
-        "json" => {
-            let v: Value = serde_json::from_str(&text).map_err(|e| json_error(&name, &text, e))?;
-            let Value::Array(items) = v else {
-                return Err(DataError::Invalid {
-                    message: format!("`{name}` is not a JSON array of objects"),
-                    help: Some("write one object per line as .jsonl, or wrap the objects in [ … ]".into()),
-                });
-            };
-            for (i, item) in items.into_iter().enumerate() {
-                match item {
-                    Value::Object(fields) => push(Ok(Row { fields, file: name.clone(), line: i + 1 }))?,
-                    other => push(Err(DataError::bad_row(
-                        &name,
-                        i + 1,
-                        &other.to_string(),
-                        None,
-                        format!("item {} is not an object", i + 1),
-                        None,
-                    )))?,
-                }
-            }
-        }
-        "csv" => {
-            let mut lines = text.lines().enumerate();
-            let header = match lines.next() {
-                Some((_, h)) => split_csv(h),
-                None => Vec::new(),
-            };
-            for (i, line) in lines {
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let cells = split_csv(line);
+                let cells = split_csv(&line);
                 if cells.len() != header.len() {
                     push(Err(DataError::bad_row(
                         &name,
-                        i + 1,
-                        line,
+                        i,
+                        &line,
                         Some(0..line.len()),
                         format!("row has {} cells, the header has {}", cells.len(), header.len()),
                         Some("quote cells that contain commas: \"a, b\"".into()),
@@ -167,16 +224,48 @@ fn read_file(path: &Path, skip_bad: bool, rows: &mut Vec<Row>, bad: &mut Vec<Dat
                     continue;
                 }
                 let fields = header.iter().cloned().zip(cells.into_iter().map(Value::String)).collect();
-                push(Ok(Row { fields, file: name.clone(), line: i + 1 }))?;
+                push(Ok(Row { fields, file: name.clone(), line: i }))?;
             }
-        }
-        _ => {
-            for (i, line) in text.lines().enumerate() {
+            _ => {
                 if !line.trim().is_empty() {
-                    let fields = Map::from_iter([("text".to_string(), Value::String(line.to_string()))]);
-                    push(Ok(Row { fields, file: name.clone(), line: i + 1 }))?;
+                    let fields = Map::from_iter([("text".to_string(), Value::String(line))]);
+                    push(Ok(Row { fields, file: name.clone(), line: i }))?;
                 }
             }
+        }
+    }
+    Ok(read)
+}
+
+/// `bytes` as text, or an error naming the line (`lines_before` + the newlines before the bad
+/// byte, 1-based).
+fn utf8(name: &str, bytes: Vec<u8>, lines_before: usize) -> Result<String, DataError> {
+    String::from_utf8(bytes).map_err(|e| {
+        let line =
+            lines_before + 1 + e.as_bytes()[..e.utf8_error().valid_up_to()].iter().filter(|b| **b == b'\n').count();
+        DataError::bad_row(name, line, "", None, "the file is not valid UTF-8".into(), None)
+    })
+}
+
+fn read_json_array(name: &str, text: &str, push: Push<'_>) -> Result<(), DataError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| json_error(name, text, e))?;
+    let Value::Array(items) = v else {
+        return Err(DataError::Invalid {
+            message: format!("`{name}` is not a JSON array of objects"),
+            help: Some("write one object per line as .jsonl, or wrap the objects in [ … ]".into()),
+        });
+    };
+    for (i, item) in items.into_iter().enumerate() {
+        match item {
+            Value::Object(fields) => push(Ok(Row { fields, file: name.to_string(), line: i + 1 }))?,
+            other => push(Err(DataError::bad_row(
+                name,
+                i + 1,
+                &other.to_string(),
+                None,
+                format!("item {} is not an object", i + 1),
+                None,
+            )))?,
         }
     }
     Ok(())

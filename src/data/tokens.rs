@@ -68,6 +68,54 @@ impl TokenWriter {
     }
 }
 
+/// A split read front to back through buffered reads (ids and mask only): for one pass over a
+/// store larger than memory, where a mapping would leave every page it touched resident.
+pub struct SequentialReader {
+    ids: std::io::BufReader<File>,
+    mask: std::io::BufReader<File>,
+    lengths: Vec<u64>,
+    next: usize,
+    path: String,
+}
+
+impl SequentialReader {
+    pub fn open(dir: &Path, split: &str) -> Result<SequentialReader, DataError> {
+        let open = |ext: &str| -> Result<std::io::BufReader<File>, DataError> {
+            let p = dir.join(format!("{split}.{ext}"));
+            Ok(std::io::BufReader::with_capacity(1 << 20, File::open(&p).map_err(io(&p))?))
+        };
+        let off_path = dir.join(format!("{split}.offsets"));
+        let raw = std::fs::read(&off_path).map_err(io(&off_path))?;
+        let offsets: Vec<u64> =
+            raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        let lengths = offsets.windows(2).map(|w| w[1].saturating_sub(w[0])).collect();
+        Ok(SequentialReader {
+            ids: open("ids")?,
+            mask: open("mask")?,
+            lengths,
+            next: 0,
+            path: dir.join(split).display().to_string(),
+        })
+    }
+
+    /// The next row's ids and mask.
+    pub fn next_row(&mut self) -> Result<(Vec<u32>, Vec<u8>), DataError> {
+        use std::io::Read as _;
+        let err = |e| DataError::Io { path: self.path.clone(), source: e };
+        let n = *self.lengths.get(self.next).ok_or_else(|| DataError::Invalid {
+            message: format!("token store `{}` has fewer rows than read", self.path),
+            help: None,
+        })? as usize;
+        self.next += 1;
+        let mut raw = vec![0u8; n * 4];
+        self.ids.read_exact(&mut raw).map_err(err)?;
+        let ids = raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+        let mut mask = vec![0u8; n];
+        self.mask.read_exact(&mut mask).map_err(err)?;
+        Ok((ids, mask))
+    }
+}
+
 /// A memory-mapped split.
 pub struct TokenStore {
     ids: Mmap,

@@ -79,6 +79,9 @@ pub enum StageError {
     #[error(transparent)]
     #[diagnostic(transparent)]
     Hub(#[from] crate::hub::HubError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Store(#[from] crate::store::StoreError),
     #[error("internal error: {0}")]
     #[diagnostic(code(rtune::internal), help("this is a bug in rtune; please report it"))]
     Internal(String),

@@ -4,30 +4,24 @@
 use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
-use crate::data::{DataError, Encoded, Renderer, TokenWriter, read_rows};
+use crate::data::{DataError, Encoded, Renderer, Row, Skipped, TokenWriter, for_each_row, total_bytes};
 use crate::model::ModelFolder;
 use crate::rng::Rng;
 
 const CHUNK: usize = 2048;
 
 /// Read `data` (a file or folder) and encode every row with `[dataset]`'s format and the
-/// model's tokenizer, in parallel chunks with progress. Returns the encoded rows, the bad rows
-/// (skipped when `skip_bad_rows`, else the first is the error) and the number of rows read.
-pub(super) fn encode_dataset(
+/// model's tokenizer, streaming: rows are read, encoded (in parallel chunks) and handed to
+/// `each` one chunk at a time, so memory does not grow with the dataset. Returns the rows
+/// skipped as bad (when `skip_bad_rows`; else the first is the error) and the rows read.
+pub(super) fn encode_each(
     ctx: &StageCtx<'_>,
     folder: &ModelFolder,
     data: &std::path::Path,
-) -> Result<(Vec<Encoded>, Vec<DataError>, usize), StageError> {
+    each: &mut dyn FnMut(Encoded) -> Result<(), StageError>,
+) -> Result<(Skipped, usize), StageError> {
     let d = &ctx.loaded.recipe.dataset;
     let tokenizer = folder.tokenizer()?;
-    let (rows, mut bad) = read_rows(data, d.skip_bad_rows)?;
-    if rows.is_empty() {
-        return Err(DataError::Invalid {
-            message: format!("`{}` has no rows", data.display()),
-            help: Some("check the dataset's path and format".into()),
-        }
-        .into());
-    }
     let chat = match d.format {
         crate::recipe::DataFormat::Chat => {
             Some(crate::data::chat::ChatTemplate::for_model(folder, d.chat_template.as_deref())?)
@@ -45,79 +39,154 @@ pub(super) fn encode_dataset(
         column_map: &d.column_map,
         chat: chat.as_ref(),
     };
-    let mut encoded: Vec<Encoded> = Vec::with_capacity(rows.len());
-    let mut bar = ctx.ui.bar("tokenize", rows.len() as u64);
-    for (i, chunk) in rows.chunks(CHUNK).enumerate() {
+    let mut bar = ctx.ui.bar("tokenize", total_bytes(data));
+    let (mut rows, mut bad) = (0usize, Skipped::default());
+    let mut chunk: Vec<Row> = Vec::with_capacity(CHUNK);
+    let mut failure: Option<StageError> = None;
+    let mut flush = |chunk: &mut Vec<Row>, bad: &mut Skipped| -> Result<(), StageError> {
         for r in renderer.encode(chunk)? {
             match r {
-                Ok(e) => encoded.push(e),
+                Ok(e) => each(e)?,
                 Err(e) if d.skip_bad_rows => bad.push(e),
                 Err(e) => return Err(e.into()),
             }
         }
-        bar.set(((i + 1) * CHUNK).min(rows.len()) as u64, "rows");
+        chunk.clear();
+        Ok(())
+    };
+    let pos = std::cell::Cell::new(0u64);
+    let read = for_each_row(
+        data,
+        d.skip_bad_rows,
+        &mut |row| {
+            rows += 1;
+            chunk.push(row);
+            if chunk.len() == CHUNK {
+                if let Err(e) = flush(&mut chunk, &mut bad) {
+                    failure = Some(e);
+                    return Err(DataError::Invalid { message: "stopped".into(), help: None });
+                }
+                bar.set(pos.get(), "bytes");
+            }
+            Ok(())
+        },
+        &mut |n| pos.set(n),
+    );
+    if let Some(e) = failure {
+        return Err(e);
     }
+    let skipped = read?;
+    flush(&mut chunk, &mut bad)?;
     bar.finish();
-    if encoded.is_empty() {
+    // Rows the reader rejected come before those the renderer did, as they were read.
+    let mut all = skipped;
+    all.count += bad.count;
+    all.first.extend(bad.first);
+    Ok((all, rows))
+}
+
+/// [`encode_each`], collected (for small datasets: evaluate's own data).
+pub(super) fn encode_dataset(
+    ctx: &StageCtx<'_>,
+    folder: &ModelFolder,
+    data: &std::path::Path,
+) -> Result<(Vec<Encoded>, Vec<DataError>, usize), StageError> {
+    let mut encoded = Vec::new();
+    let (bad, rows) = encode_each(ctx, folder, data, &mut |e| {
+        encoded.push(e);
+        Ok(())
+    })?;
+    check_rows(rows, encoded.len(), &bad, data)?;
+    Ok((encoded, bad.first, rows))
+}
+
+/// A dataset with no rows, or with every row dropped, is an error.
+fn check_rows(rows: usize, used: usize, bad: &Skipped, data: &std::path::Path) -> Result<(), StageError> {
+    if rows == 0 && bad.count == 0 {
         return Err(DataError::Invalid {
-            message: format!("every row was dropped ({} bad rows)", bad.len()),
-            help: bad.first().map(|b| b.to_string()),
+            message: format!("`{}` has no rows", data.display()),
+            help: Some("check the dataset's path and format".into()),
         }
         .into());
     }
-    Ok((encoded, bad, rows.len()))
+    if used == 0 {
+        return Err(DataError::Invalid {
+            message: format!("every row was dropped ({} bad rows)", bad.count),
+            help: bad.first.first().map(|b| b.to_string()),
+        }
+        .into());
+    }
+    Ok(())
 }
 
 pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let d = &ctx.loaded.recipe.dataset;
     let folder = ModelFolder::open(&ctx.input("model")?.join("model"))?;
     let data_dir = ctx.input("dataset")?.join("dataset");
-    let (encoded, bad, rows) = encode_dataset(ctx, &folder, &data_dir)?;
+    // Pass 1: every encoded row, in order, into a scratch token store on disk; only counts
+    // stay in memory.
+    let scratch = ctx.store.staging()?;
+    let mut all = TokenWriter::create(scratch.path(), "all")?;
+    let mut acc = Totals::default();
+    let (bad, rows) = encode_each(ctx, &folder, &data_dir, &mut |e| {
+        acc.add(&e);
+        all.push(&e.ids, &e.mask, &vec![0; e.ids.len()])?;
+        Ok(())
+    })?;
+    all.finish(scratch.path(), "all")?;
+    let used = acc.rows;
+    check_rows(rows, used, &bad, &data_dir)?;
     // Seeded split by row.
-    let mut order: Vec<usize> = (0..encoded.len()).collect();
+    let mut order: Vec<usize> = (0..used).collect();
     Rng::derive(ctx.seed(), "split").shuffle(&mut order);
-    let mut n_eval = (encoded.len() as f64 * d.eval_fraction).round() as usize;
-    if d.eval_fraction > 0.0 && encoded.len() > 1 {
-        n_eval = n_eval.clamp(1, encoded.len() - 1);
+    let mut n_eval = (used as f64 * d.eval_fraction).round() as usize;
+    if d.eval_fraction > 0.0 && used > 1 {
+        n_eval = n_eval.clamp(1, used - 1);
     }
-    let mut is_eval = vec![false; encoded.len()];
+    let mut is_eval = vec![false; used];
     for &i in &order[..n_eval] {
         is_eval[i] = true;
     }
+    drop(order);
+    // Pass 2: read the scratch store back in order (sequentially, not mapped, so the pages
+    // do not stay resident) into the train and eval splits, packing train rows.
     let mut train = TokenWriter::create(ctx.out, "train")?;
     let mut eval = TokenWriter::create(ctx.out, "eval")?;
     let mut packer = Packer::new(d.max_seq_len);
-    for (e, ev) in encoded.iter().zip(&is_eval) {
+    let mut reader = crate::data::tokens::SequentialReader::open(scratch.path(), "all")?;
+    for ev in &is_eval {
+        let (ids, mask) = reader.next_row()?;
         if *ev {
-            eval.push(&e.ids, &e.mask, &vec![0; e.ids.len()])?;
+            eval.push(&ids, &mask, &vec![0; ids.len()])?;
         } else if d.packing {
-            if let Some((ids, mask, seg)) = packer.add(e) {
+            if let Some((ids, mask, seg)) = packer.add(&ids, &mask) {
                 train.push(&ids, &mask, &seg)?;
             }
         } else {
-            train.push(&e.ids, &e.mask, &vec![0; e.ids.len()])?;
+            train.push(&ids, &mask, &vec![0; ids.len()])?;
         }
     }
     if let Some((ids, mask, seg)) = packer.flush() {
         train.push(&ids, &mask, &seg)?;
     }
+    drop(reader);
+    drop(scratch);
     let train_seqs = train.finish(ctx.out, "train")?;
     let eval_seqs = eval.finish(ctx.out, "eval")?;
-    let tokens: usize = encoded.iter().map(|e| e.ids.len()).sum();
     let stats = json!({
-        "rows": rows + bad.len(),
-        "used_rows": encoded.len(),
-        "train_rows": encoded.len() - n_eval,
+        "rows": rows + bad.count,
+        "used_rows": used,
+        "train_rows": used - n_eval,
         "eval_rows": n_eval,
         "train_sequences": train_seqs,
         "eval_sequences": eval_seqs,
-        "tokens": tokens,
-        "prompt_tokens": encoded.iter().map(|e| e.prompt_tokens).sum::<usize>(),
-        "response_tokens": encoded.iter().map(|e| e.response_tokens).sum::<usize>(),
-        "truncated_rows": encoded.iter().filter(|e| e.truncated).count(),
-        "dropped_rows": bad.len(),
-        "dropped_reasons": bad.iter().take(5).map(|b| b.to_string()).collect::<Vec<_>>(),
-        "longest_row": encoded.iter().map(|e| e.ids.len()).max().unwrap_or(0),
+        "tokens": acc.tokens,
+        "prompt_tokens": acc.prompt_tokens,
+        "response_tokens": acc.response_tokens,
+        "truncated_rows": acc.truncated,
+        "dropped_rows": bad.count,
+        "dropped_reasons": bad.first.iter().take(5).map(|b| b.to_string()).collect::<Vec<_>>(),
+        "longest_row": acc.longest,
         "packing": d.packing,
         "format_version": crate::data::tokens::TOKENS_VERSION,
     });
@@ -125,18 +194,41 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     ctx.ui.status(
         "tokenize",
         format!(
-            "{} rows → {} train / {} eval, {tokens} tokens, {} truncated, {} dropped",
-            rows + bad.len(),
-            encoded.len() - n_eval,
+            "{} rows → {} train / {} eval, {} tokens, {} truncated, {} dropped",
+            rows + bad.count,
+            used - n_eval,
             n_eval,
-            stats["truncated_rows"],
-            bad.len()
+            acc.tokens,
+            acc.truncated,
+            bad.count
         ),
     );
-    for b in bad.iter().take(3) {
+    for b in bad.first.iter().take(3) {
         ctx.ui.warn(format!("dropped: {b}"));
     }
     Ok(stats)
+}
+
+/// Running totals of the encoded rows, for stats.json.
+#[derive(Default)]
+struct Totals {
+    rows: usize,
+    tokens: usize,
+    prompt_tokens: usize,
+    response_tokens: usize,
+    truncated: usize,
+    longest: usize,
+}
+
+impl Totals {
+    fn add(&mut self, e: &Encoded) {
+        self.rows += 1;
+        self.tokens += e.ids.len();
+        self.prompt_tokens += e.prompt_tokens;
+        self.response_tokens += e.response_tokens;
+        self.truncated += usize::from(e.truncated);
+        self.longest = self.longest.max(e.ids.len());
+    }
 }
 
 /// Greedy packing of rows into sequences of at most `max` tokens; each row keeps its own
@@ -155,13 +247,13 @@ impl Packer {
         Packer { max, ids: Vec::new(), mask: Vec::new(), seg: Vec::new() }
     }
 
-    fn add(&mut self, e: &Encoded) -> Option<Packed> {
-        let out = if !self.ids.is_empty() && self.ids.len() + e.ids.len() > self.max { self.flush() } else { None };
+    fn add(&mut self, ids: &[u32], mask: &[u8]) -> Option<Packed> {
+        let out = if !self.ids.is_empty() && self.ids.len() + ids.len() > self.max { self.flush() } else { None };
         // Neighbouring rows only need different indices, so wrapping is fine.
         let s = self.seg.last().map(|s| s.wrapping_add(1)).unwrap_or(0);
-        self.ids.extend(&e.ids);
-        self.mask.extend(&e.mask);
-        self.seg.extend(std::iter::repeat_n(s, e.ids.len()));
+        self.ids.extend(ids);
+        self.mask.extend(mask);
+        self.seg.extend(std::iter::repeat_n(s, ids.len()));
         out
     }
 
