@@ -239,6 +239,20 @@ fn hide_fingerprint(line: &str) -> String {
         .join("  ")
 }
 
+/// Start `rtune run tiny.toml` with `set` in the background and wait until training has
+/// checkpointed at `step` (false if it finished or stalled first); the child is still running.
+fn run_until_checkpoint(p: &Project, set: &[&str], step: u64) -> (std::process::Child, bool) {
+    let mut cmd = common::rtune_cmd();
+    cmd.args(args(&["run", "tiny.toml"], set))
+        .current_dir(p.path())
+        .env("RTUNE_CACHE_DIR", p.cache())
+        .env("RTUNE_NO_PROGRESS", "1");
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let reached = wait_for_checkpoint(&p.cache().join("store-v1/work"), step, &mut child);
+    (child, reached)
+}
+
 fn wait_for_checkpoint(work_root: &Path, min_step: u64, child: &mut std::process::Child) -> bool {
     let deadline = Instant::now() + Duration::from_secs(300);
     while Instant::now() < deadline {
@@ -275,14 +289,7 @@ fn resume_after_sigkill_matches_an_uninterrupted_run() {
         "stages.train.batch_size=8",
     ];
     let p = Project::tiny_offline();
-    let mut cmd = common::rtune_cmd();
-    cmd.args(args(&["run", "tiny.toml"], &set))
-        .current_dir(p.path())
-        .env("RTUNE_CACHE_DIR", p.cache())
-        .env("RTUNE_NO_PROGRESS", "1");
-    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
-    let mut child = cmd.spawn().unwrap();
-    let reached = wait_for_checkpoint(&p.cache().join("store-v1/work"), 8, &mut child);
+    let (mut child, reached) = run_until_checkpoint(&p, &set, 8);
     let _ = child.kill();
     let _ = child.wait();
     assert!(reached, "training finished or stalled before a checkpoint at step 8");
@@ -857,14 +864,7 @@ to = "dir://out"
 fn cache_gc_refuses_while_a_run_uses_the_cache() {
     let set = ["--set", "stages.train.max_steps=400", "--set", "stages.train.checkpoint_every=2"];
     let p = Project::tiny_offline();
-    let mut cmd = common::rtune_cmd();
-    cmd.args(args(&["run", "tiny.toml"], &set))
-        .current_dir(p.path())
-        .env("RTUNE_CACHE_DIR", p.cache())
-        .env("RTUNE_NO_PROGRESS", "1");
-    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
-    let mut child = cmd.spawn().unwrap();
-    let reached = wait_for_checkpoint(&p.cache().join("store-v1/work"), 2, &mut child);
+    let (mut child, reached) = run_until_checkpoint(&p, &set, 2);
     let gc = p.run(&["cache", "gc"]);
     let _ = child.kill();
     let _ = child.wait();
