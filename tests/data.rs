@@ -205,3 +205,33 @@ fn an_evaluate_stage_can_measure_its_own_dataset() {
     let plan = common::stdout(&run(&["plan", "r.toml"]));
     assert!(plan.contains("source changed: dataset") && plan.contains("1 to run"), "{plan}");
 }
+
+/// Issue 21: a 4000-turn conversation used to take ~32 s (every assistant turn rendered two
+/// prefixes of the whole conversation). Only turns that start inside the kept `max_seq_len`
+/// tokens are located now; the masks of what is kept are the same as a short conversation's.
+#[test]
+fn long_conversations_are_located_only_up_to_the_truncation_point() {
+    let tokenizer = tokenizers::Tokenizer::from_file(fixtures().join("tokenizer.json")).unwrap();
+    let column_map = BTreeMap::new();
+    let template = ChatTemplate::new(rtune::data::chat::CHATML, "", "").unwrap();
+    let mut r = renderer(&tokenizer, DataFormat::Chat, (None, None), &column_map, Some(&template));
+    r.max_seq_len = 64;
+    let turns = |n: usize| -> Vec<rtune::data::Row> {
+        let msgs: Vec<serde_json::Value> = (0..n)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                serde_json::json!({ "role": role, "content": format!("turn {i}") })
+            })
+            .collect();
+        let fields = serde_json::Map::from_iter([("messages".to_string(), serde_json::Value::Array(msgs))]);
+        vec![rtune::data::Row { fields, file: "t.jsonl".into(), line: 1 }]
+    };
+    let started = std::time::Instant::now();
+    let long = r.encode(&turns(4000)).unwrap().remove(0).unwrap();
+    assert!(started.elapsed().as_secs_f64() < 5.0, "took {:?}", started.elapsed());
+    let short = r.encode(&turns(40)).unwrap().remove(0).unwrap();
+    assert!(long.truncated && long.ids.len() == 64);
+    assert_eq!(long.ids, short.ids[..64]);
+    assert_eq!(long.mask, short.mask[..64]);
+    assert!(long.mask.contains(&1));
+}

@@ -123,12 +123,23 @@ impl ChatTemplate {
     /// `messages[..=i]` rendered without one.
     pub fn spans(&self, messages: &[Value]) -> Result<(String, Vec<(usize, usize)>), String> {
         let full = self.render(messages, false)?;
+        let spans = self.spans_before(messages, &full, full.len())?;
+        Ok((full, spans))
+    }
+
+    /// The assistant spans of `full` (this conversation, rendered) that start before byte
+    /// `limit`: rows are truncated to `max_seq_len` tokens, so turns past the cut need no
+    /// prefix renders (each costs time linear in the turns before it).
+    pub fn spans_before(&self, messages: &[Value], full: &str, limit: usize) -> Result<Vec<(usize, usize)>, String> {
         let mut spans = Vec::new();
         for (i, m) in messages.iter().enumerate() {
             if m["role"] != "assistant" {
                 continue;
             }
             let prefix = self.render(&messages[..i], true)?;
+            if prefix.len() >= limit {
+                break;
+            }
             let upto = self.render(&messages[..=i], false)?;
             if !upto.starts_with(&prefix) || !full.starts_with(&upto) {
                 return Err(format!(
@@ -139,7 +150,7 @@ impl ChatTemplate {
                 spans.push((prefix.len(), upto.len()));
             }
         }
-        Ok((full, spans))
+        Ok(spans)
     }
 }
 

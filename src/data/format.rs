@@ -39,8 +39,8 @@ pub struct Encoded {
     pub truncated: bool,
 }
 
-/// A rendered conversation and its assistant byte spans.
-type Rendered = (String, Vec<(usize, usize)>);
+/// A rendered conversation and its messages (whose assistant spans are found after tokenizing).
+type Rendered<'r> = (String, &'r Vec<Value>);
 
 pub struct Renderer<'a> {
     pub tokenizer: &'a Tokenizer,
@@ -140,7 +140,7 @@ impl Renderer<'_> {
         let bad = |row: &Row, msg: String, help: Option<String>| {
             DataError::bad_row(&row.file, row.line, &Value::Object(row.fields.clone()).to_string(), None, msg, help)
         };
-        let rendered: Vec<Result<Rendered, DataError>> = rows
+        let rendered: Vec<Result<Rendered<'_>, DataError>> = rows
             .iter()
             .map(|row| {
                 let msgs = match row.fields.get(col) {
@@ -172,7 +172,10 @@ impl Renderer<'_> {
                 if !msgs.iter().any(|m| m["role"] == "assistant") {
                     return Err(bad(row, "the conversation has no assistant message to learn from".into(), None));
                 }
-                template.spans(msgs).map_err(|e| bad(row, format!("chat template: {e}"), None))
+                template
+                    .render(msgs, false)
+                    .map(|full| (full, msgs))
+                    .map_err(|e| bad(row, format!("chat template: {e}"), None))
             })
             .collect();
         let ok: Vec<&str> = rendered.iter().filter_map(|r| r.as_ref().ok().map(|(t, _)| t.as_str())).collect();
@@ -185,9 +188,19 @@ impl Renderer<'_> {
             .iter()
             .zip(rendered)
             .map(|(row, r)| {
-                r.and_then(|(_, spans)| {
+                r.and_then(|(full, msgs)| {
                     let e = enc.next().expect("one encoding per valid row");
                     let ids = e.get_ids().to_vec();
+                    // Only turns that start inside the kept tokens need locating; a row too
+                    // long without `truncate` is rejected by `finish` anyway.
+                    let limit = match e.get_offsets().get(self.max_seq_len) {
+                        Some(&(start, _)) if self.truncate => start,
+                        Some(_) => 0,
+                        None => full.len(),
+                    };
+                    let spans = template
+                        .spans_before(msgs, &full, limit)
+                        .map_err(|e| bad(row, format!("chat template: {e}"), None))?;
                     let mask: Vec<u8> = e
                         .get_offsets()
                         .iter()
