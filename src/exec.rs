@@ -253,13 +253,13 @@ fn restore(
     ui: &Ui,
     check: bool,
 ) -> Result<(), Error> {
-    use stage::destination::{self, Verdict};
+    use crate::destination::{self, Verdict};
     let hub = crate::hub::HubEnv::from_env(None, plan.offline);
     if check && !matches!(destination::check(loaded, store, &planned.fingerprint, &hub), Verdict::Stale(_)) {
         return Ok(());
     }
     let summary = destination::restore(loaded, store, &planned.fingerprint, &hub, ui)
-        .map_err(|source| Error::Stage { stage: planned.name.clone(), source })?;
+        .map_err(|e| Error::Stage { stage: planned.name.clone(), source: e.into() })?;
     ui.status(planned.kind.as_str(), &summary);
     Ok(())
 }

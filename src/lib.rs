@@ -10,6 +10,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod data;
+pub mod destination;
 pub mod device;
 pub mod engine;
 pub mod error;

@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 pub use lockfile::{LockFile, LockedStage};
 pub use render::{render_dot, render_text};
 
+use crate::destination::Verdict;
 use crate::device::{self, Inventory, Resolution};
 use crate::fingerprint::{self, FINGERPRINT_VERSION};
 use crate::hub::{HubEnv, RepoKind, RepoRef};
@@ -21,7 +22,6 @@ use crate::recipe::stages::Port;
 use crate::recipe::{
     EvaluateSettings, LoadedRecipe, Problem, QuantizeSettings, StageKind, StageSpec, TrainSettings, UploadSettings,
 };
-use crate::stage::destination::Verdict;
 use crate::store::Store;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -206,7 +206,7 @@ pub fn make(
                 },
             ),
             (Some(Ok(())), false) if spec.kind == StageKind::Upload => {
-                match crate::stage::destination::check(loaded, store, &fp, &hub) {
+                match crate::destination::check(loaded, store, &fp, &hub) {
                     Verdict::Intact => (Action::Cached, String::new()),
                     Verdict::NotChecked(why) => (Action::Cached, why),
                     Verdict::Stale(why) => (Action::Restore, why),

@@ -1,7 +1,6 @@
 //! One executor per stage kind. Each reads its inputs' artifact folders, writes its output
 //! into a staging folder, and returns metrics; the executor in [`crate::exec`] commits it.
 
-pub mod destination;
 mod download;
 mod evaluate;
 mod quantize;
@@ -82,6 +81,9 @@ pub enum StageError {
     #[error(transparent)]
     #[diagnostic(transparent)]
     Store(#[from] crate::store::StoreError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Destination(#[from] crate::destination::DestinationError),
     #[error("internal error: {0}")]
     #[diagnostic(code(rtune::internal), help("this is a bug in rtune; please report it"))]
     Internal(String),

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 
 use serde_json::json;
 
-use super::destination::{self, Record, Written};
 use super::{StageCtx, StageError, write_json};
+use crate::destination::{self, Record, Written};
 use crate::plan::Action;
 use crate::recipe::{StageKind, UploadSettings};
 use crate::ui::human_bytes;

@@ -16,11 +16,34 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::StageError;
 use crate::hub::HubEnv;
 use crate::recipe::LoadedRecipe;
+use crate::recipe::Problem;
 use crate::store::Store;
 use crate::ui::Ui;
+
+/// Why writing or restoring a destination failed.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum DestinationError {
+    #[error("{context}")]
+    #[diagnostic(code(rtune::upload::io))]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Hub(#[from] crate::hub::HubError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Problem(#[from] Problem),
+}
+
+fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> DestinationError {
+    let context = context.into();
+    move |source| DestinationError::Io { context, source }
+}
 
 /// `upload.json`: what an upload wrote.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -159,13 +182,13 @@ pub fn write_dir(
     files: &[(String, PathBuf, String)],
     expected: Option<&Record>,
     ui: &Ui,
-) -> Result<BTreeMap<String, Written>, StageError> {
+) -> Result<BTreeMap<String, Written>, DestinationError> {
     let mut stamps = Stamps::load(store);
     let mut out = BTreeMap::new();
     for (rel, src, from) in files {
         let target = dest.join(rel);
         let parent = target.parent().unwrap_or(dest).to_path_buf();
-        std::fs::create_dir_all(&parent).map_err(StageError::io(format!("cannot create `{}`", parent.display())))?;
+        std::fs::create_dir_all(&parent).map_err(io(format!("cannot create `{}`", parent.display())))?;
         if let Some(w) = expected.and_then(|r| r.files.get(rel)) {
             match file_state(&target, w, &stamps) {
                 FileState::Intact => {
@@ -177,7 +200,7 @@ pub fn write_dir(
                     let mut aside = target.clone().into_os_string();
                     aside.push(".rtune-replaced");
                     std::fs::rename(&target, &aside)
-                        .map_err(StageError::io(format!("cannot move `{}` aside", target.display())))?;
+                        .map_err(io(format!("cannot move `{}` aside", target.display())))?;
                     ui.warn(format!(
                         "`{}` had changed since rtune wrote it; restored, and the changed file kept as `{}`",
                         target.display(),
@@ -189,25 +212,26 @@ pub fn write_dir(
         let tmp = tempfile::Builder::new()
             .prefix(".rtune-upload-")
             .tempfile_in(&parent)
-            .map_err(StageError::io(format!("cannot write in `{}`", parent.display())))?;
-        let mut reader =
-            std::fs::File::open(src).map_err(StageError::io(format!("cannot read `{}`", src.display())))?;
-        std::io::copy(&mut reader, &mut tmp.as_file())
-            .map_err(StageError::io(format!("cannot write `{}`", target.display())))?;
-        tmp.as_file().sync_all().map_err(StageError::io(format!("cannot write `{}`", target.display())))?;
+            .map_err(io(format!("cannot write in `{}`", parent.display())))?;
+        let mut reader = std::fs::File::open(src).map_err(io(format!("cannot read `{}`", src.display())))?;
+        std::io::copy(&mut reader, &mut tmp.as_file()).map_err(io(format!("cannot write `{}`", target.display())))?;
+        tmp.as_file().sync_all().map_err(io(format!("cannot write `{}`", target.display())))?;
         let tmp_path = tmp.into_temp_path();
-        let (digest, size) = crate::store::hash_file(&tmp_path).map_err(StageError::io("cannot hash a copy"))?;
+        let (digest, size) = crate::store::hash_file(&tmp_path).map_err(io("cannot hash a copy"))?;
         if let Some(w) = expected.and_then(|r| r.files.get(rel))
             && w.digest != digest
         {
-            return Err(StageError::Internal(format!(
-                "`{}` in the store no longer has the digest the upload recorded; run again with `--force` on the upload stage",
-                src.display()
-            )));
+            return Err(Problem::new(
+                "rtune::upload::source_changed",
+                format!("`{}` in the store no longer has the digest the upload recorded", src.display()),
+            )
+            .help("run again with `--force upload` to upload what the store holds now")
+            .into());
         }
-        tmp_path
-            .persist(&target)
-            .map_err(|e| StageError::Io { context: format!("cannot write `{}`", target.display()), source: e.error })?;
+        tmp_path.persist(&target).map_err(|e| DestinationError::Io {
+            context: format!("cannot write `{}`", target.display()),
+            source: e.error,
+        })?;
         crate::store::sync_dir(&parent);
         if let Ok(meta) = std::fs::metadata(&target) {
             stamps.insert(&target, &meta, &digest);
@@ -226,14 +250,22 @@ pub fn source_path(store: &Store, from: &str) -> PathBuf {
 
 /// Restore the destination of the upload artifact `fp` from the store. Returns a one-line
 /// summary.
-pub fn restore(loaded: &LoadedRecipe, store: &Store, fp: &str, hub: &HubEnv, ui: &Ui) -> Result<String, StageError> {
-    let record =
-        Record::read(store, fp).ok_or_else(|| StageError::Internal(format!("upload artifact {fp} has no record")))?;
+pub fn restore(
+    loaded: &LoadedRecipe,
+    store: &Store,
+    fp: &str,
+    hub: &HubEnv,
+    ui: &Ui,
+) -> Result<String, DestinationError> {
+    let record = Record::read(store, fp).ok_or_else(|| {
+        Problem::new("rtune::upload::no_record", format!("the upload artifact {fp} has no readable upload.json"))
+            .help("run `rtune cache verify`, then run again with `--force upload`")
+    })?;
     let mut files = Vec::new();
     for (rel, w) in &record.files {
         let src = source_path(store, &w.from);
         if !src.is_file() {
-            return Err(crate::recipe::Problem::new(
+            return Err(Problem::new(
                 "rtune::upload::source_gone",
                 format!("cannot restore `{rel}`: its store copy `{}` is gone", src.display()),
             )
@@ -256,7 +288,7 @@ pub fn restore(loaded: &LoadedRecipe, store: &Store, fp: &str, hub: &HubEnv, ui:
         let report = crate::hub::commit(&client, &repo, &commit_files, &message, ui)?;
         return Ok(format!("re-uploaded {} → {} (commit {})", plural(files.len()), repo.display(), report.commit));
     }
-    Err(StageError::Internal(format!("`{}` cannot be restored", record.destination)))
+    Err(Problem::new("rtune::upload::bad_record", format!("`{}` cannot be restored", record.destination)).into())
 }
 
 fn plural(n: usize) -> String {
