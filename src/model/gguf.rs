@@ -73,6 +73,13 @@ fn permute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     w.reshape((heads, 2, out / heads / 2, inp))?.transpose(1, 2)?.contiguous()?.reshape((out, inp))
 }
 
+/// The chat template a GGUF carries and the token id that ends an assistant turn.
+#[derive(Debug, Clone, Copy)]
+pub struct ChatMetadata<'a> {
+    pub template: &'a str,
+    pub turn_end: Option<u32>,
+}
+
 /// Write `weights` (HF names, merged, computed one by one) of a model with `cfg` and its tokenizer as GGUF.
 pub fn write(
     path: &Path,
@@ -81,7 +88,7 @@ pub fn write(
     model_dir: &Path,
     name: &str,
     format: ExportFormat,
-    chat: Option<&crate::data::chat::Shipped>,
+    chat: Option<ChatMetadata<'_>>,
 ) -> Result<GgufReport, ModelError> {
     let (qtype, file_type) =
         target(format).ok_or_else(|| ModelError::Unsupported { what: format!("{format:?} as GGUF") })?;
@@ -203,7 +210,7 @@ fn llama3_rope_factors(cfg: &ModelConfig) -> Option<Vec<f32>> {
 fn tokenizer_metadata(
     cfg: &ModelConfig,
     model_dir: &Path,
-    chat: Option<&crate::data::chat::Shipped>,
+    chat: Option<ChatMetadata<'_>>,
 ) -> Result<Vec<(String, Value)>, ModelError> {
     let path = model_dir.join("tokenizer.json");
     let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
@@ -282,8 +289,8 @@ fn tokenizer_metadata(
     // The template the model was trained with, and the token its turns end with: llama.cpp
     // stops generation at EOS and at `eot_token_id`.
     if let Some(chat) = chat {
-        md.push(("tokenizer.chat_template".into(), Value::String(chat.source.clone())));
-        if let Some((_, id)) = chat.turn_end
+        md.push(("tokenizer.chat_template".into(), Value::String(chat.template.to_string())));
+        if let Some(id) = chat.turn_end
             && cfg.eos_token_ids.first() != Some(&id)
         {
             md.push(("tokenizer.ggml.eot_token_id".into(), Value::U32(id)));

@@ -48,6 +48,8 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let dataset = &ctx.loaded.recipe.dataset;
     let tokenizer = folder.tokenizer()?;
     let chat = crate::data::chat::shipped(&model_dir, dataset.format, dataset.chat_template.as_deref(), &tokenizer)?;
+    let gguf_chat =
+        chat.as_ref().map(|c| gguf::ChatMetadata { template: &c.source, turn_end: c.turn_end.as_ref().map(|t| t.1) });
     let mut report = serde_json::Map::new();
     let mut self_check: Option<(TokenStore, f64)> = None;
     for format in &s.formats {
@@ -101,7 +103,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 mkdir(&ctx.out.join("gguf"))?;
                 let path = ctx.out.join("gguf").join(&file);
                 let name = ctx.loaded.recipe.recipe.name.clone();
-                let written = gguf::write(&path, &folder.config, &merged, &model_dir, &name, *other, chat.as_ref())?;
+                let written = gguf::write(&path, &folder.config, &merged, &model_dir, &name, *other, gguf_chat)?;
                 // The eval rows and the unquantized model's loss on them, once for all GGUF formats.
                 let (eval, reference) = match &self_check {
                     Some(c) => c,
