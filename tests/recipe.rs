@@ -140,3 +140,26 @@ fn scratch_tokenizer_corpus_settings_change_the_download_fingerprint() {
     assert_ne!(base, fp(&["--set", r#"dataset.column_map={instruction="input", input="instruction"}"#]));
     assert_eq!(base, fp(&["--set", "stages.train.learning_rate=1e-3"]));
 }
+
+/// Issue 20: the engine changes the last bits of training, so asking for one (`RTUNE_ENGINE`)
+/// is in the fingerprint of the stages that compute; without it, fingerprints stay as they were.
+#[test]
+fn the_requested_engine_is_in_the_fingerprint() {
+    let p = Project::tiny_offline();
+    let fps = |engine: Option<&str>| -> Vec<String> {
+        let mut c = rtune_cmd();
+        c.args(["plan", "tiny.toml", "--json"]).current_dir(p.path()).env("RTUNE_CACHE_DIR", p.cache());
+        match engine {
+            Some(e) => c.env("RTUNE_ENGINE", e),
+            None => c.env_remove("RTUNE_ENGINE"),
+        };
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        plan["stages"].as_array().unwrap().iter().map(|s| s["fingerprint"].as_str().unwrap().to_string()).collect()
+    };
+    let (none, candle, fused) = (fps(None), fps(Some("candle")), fps(Some("fused")));
+    assert_eq!(none[..2], candle[..2], "download and tokenize do not compute with an engine");
+    assert_ne!(none[2], candle[2]);
+    assert_ne!(candle[2], fused[2]);
+}
