@@ -156,10 +156,25 @@ pub fn make(
     let mut planned: Vec<PlannedStage> = Vec::new();
     for spec in &loaded.stages.list {
         support::check(spec, loaded)?;
-        let settings = resolve_settings(spec, loaded, &device).map_err(|e| {
+        let mut settings = resolve_settings(spec, loaded, &device).map_err(|e| {
             Problem::new("rtune::plan::settings", format!("stage `{}`: {e}", spec.name))
                 .at(loaded.origin(&["stages", &spec.name]), "in this stage")
         })?;
+        if spec.kind == StageKind::Upload {
+            // The model card shows the recipe (its text, name and description) and the
+            // evaluations planned before it, so they are part of what the upload writes.
+            let evaluations: Vec<&str> = planned
+                .iter()
+                .filter(|p| p.kind == StageKind::Evaluate && p.action != Action::Skip)
+                .map(|p| p.fingerprint.as_str())
+                .collect();
+            settings["card"] = json!({
+                "name": recipe.recipe.name,
+                "description": recipe.recipe.description,
+                "recipe_text": blake3::hash(loaded.text.as_bytes()).to_hex().to_string(),
+                "evaluations": evaluations,
+            });
+        }
         let uses_device = matches!(spec.kind, StageKind::Train | StageKind::Evaluate | StageKind::Quantize);
         let mut inputs = serde_json::Map::new();
         for (port, producer) in spec.inputs(&loaded.stages) {
@@ -374,7 +389,8 @@ fn resolve_settings(spec: &StageSpec, loaded: &LoadedRecipe, device: &Resolution
         }
         StageKind::Quantize => {
             let q: QuantizeSettings = serde_json::from_value(table)?;
-            json!({ "quantize": q, "adapter": recipe.adapter })
+            // The recipe's name is the GGUF's `general.name`.
+            json!({ "quantize": q, "adapter": recipe.adapter, "name": recipe.recipe.name })
         }
         StageKind::Upload => {
             let u: UploadSettings = serde_json::from_value(table)?;

@@ -1,0 +1,196 @@
+//! Issue 20: what is hashed is what the stages get. For every key of the recipe schema, a
+//! change either changes the fingerprint of some stage, or the key is listed below as not
+//! affecting outputs, with the reason. The list of keys comes from `rtune schema`, so a new
+//! setting cannot be added without deciding which it is.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::*;
+
+/// Keys whose value does not reach any output, and why.
+const NO_EFFECT: &[(&str, &str)] = &[
+    ("device.threads", "CPU threads change speed, not results (sums are split the same way)"),
+    ("device.prefer", "the device it resolves to is fingerprinted (its class), not the list"),
+    ("device.dtype", "the dtype it resolves to is fingerprinted, not the list (tested: device_overrides_and_plan_explanation)"),
+    ("device.tf32", "fingerprinted only where it applies (on CUDA); on the CPU it changes nothing"),
+    ("stages.train.keep_checkpoints", "how many resumable checkpoints stay in the work folder"),
+    ("stages.train.checkpoint_every", "resumable state only; a resumed run equals an uninterrupted one"),
+    ("stages.*.needs", "ordering; the inputs a stage reads are fingerprinted themselves"),
+    ("stages.*.kind", "a stage's kind is part of the fingerprint; changing it is tested as a new stage"),
+];
+
+/// Keys that name a different source (a Hub repo, a revision, a file list, a local path): their
+/// content, not their value, is fingerprinted, and tests/hub.rs and tests/pipeline.rs change it.
+const SOURCES: &[&str] = &[
+    "model.path",
+    "model.repo",
+    "model.revision",
+    "dataset.path",
+    "dataset.repo",
+    "dataset.revision",
+    "dataset.files",
+    "stages.evaluate.dataset",
+];
+
+/// A changed value for every other key, as `--set` arguments.
+const CHANGES: &[(&str, &str)] = &[
+    ("recipe.name", "other-name"),
+    ("recipe.description", "\"another description\""),
+    ("recipe.seed", "7"),
+    ("model.scratch.arch", "\"qwen2\""),
+    ("model.scratch.hidden_size", "32"),
+    ("model.scratch.intermediate_size", "96"),
+    ("model.scratch.num_layers", "3"),
+    ("model.scratch.num_heads", "8"),
+    ("model.scratch.num_kv_heads", "4"),
+    ("model.scratch.vocab_size", "600"),
+    ("model.scratch.max_position_embeddings", "1024"),
+    ("model.scratch.rms_norm_eps", "1e-4"),
+    ("model.scratch.rope_theta", "500000.0"),
+    ("model.scratch.initializer_range", "0.05"),
+    ("model.scratch.tie_word_embeddings", "false"),
+    ("dataset.format", "\"text\""),
+    ("dataset.column_map", "{instruction=\"input\", input=\"instruction\"}"),
+    ("dataset.chat_template", "\"chatml\""),
+    ("dataset.eval_fraction", "0.1"),
+    ("dataset.max_seq_len", "128"),
+    ("dataset.truncate", "false"),
+    ("dataset.packing", "true"),
+    ("dataset.train_on_prompt", "true"),
+    ("dataset.skip_bad_rows", "true"),
+    ("adapter.kind", "\"none\""),
+    ("adapter.rank", "4"),
+    ("adapter.alpha", "8"),
+    ("adapter.dropout", "0.1"),
+    ("adapter.targets", "[\"q_proj\"]"),
+    ("stages.train.epochs", "2"),
+    ("stages.train.max_steps", "9"),
+    ("stages.train.batch_size", "8"),
+    ("stages.train.grad_accum", "2"),
+    ("stages.train.learning_rate", "1e-3"),
+    ("stages.train.weight_decay", "0.1"),
+    ("stages.train.betas", "[0.8, 0.99]"),
+    ("stages.train.adam_eps", "1e-6"),
+    ("stages.train.clip_grad_norm", "0.5"),
+    ("stages.train.schedule", "{kind = \"linear\", warmup_steps = 3}"),
+    ("stages.train.eval_every", "50"),
+    ("stages.train.eval_batches", "3"),
+    ("stages.train.early_stopping", "{patience = 2}"),
+    ("stages.train.ema", "{decay = 0.99}"),
+    ("stages.train.loss_guard", "{max_bad_steps = 2}"),
+    ("stages.train.group_by_length", "true"),
+    ("stages.train.gradient_checkpointing", "true"),
+    ("stages.train.trainable", "[\"adapter\", \"lm_head\"]"),
+    ("stages.evaluate.model", "\"base\""),
+    ("stages.evaluate.batch_size", "2"),
+    ("stages.evaluate.prompts", "[\"Hi?\"]"),
+    ("stages.evaluate.max_new_tokens", "8"),
+    ("stages.evaluate.temperature", "0.5"),
+    ("stages.evaluate.top_k", "5"),
+    ("stages.evaluate.top_p", "0.9"),
+    ("stages.quantize.formats", "[\"gguf-f16\"]"),
+    ("stages.quantize.max_shard_size", "\"1MB\""),
+    ("stages.upload.to", "\"dir://out/elsewhere\""),
+    ("stages.upload.message", "\"a message\""),
+    ("stages.upload.create", "true"),
+    ("stages.upload.private", "false"),
+];
+
+/// Every leaf key of the schema (`stages.<kind>.<key>` for stage settings).
+fn schema_keys() -> BTreeSet<String> {
+    let cache = tempfile::tempdir().unwrap();
+    let schema: serde_json::Value =
+        serde_json::from_str(&stdout(&rtune(&root(), cache.path(), &["schema"]))).unwrap();
+    let defs = &schema["$defs"];
+    fn walk(node: &serde_json::Value, defs: &serde_json::Value, path: String, out: &mut BTreeSet<String>, depth: u32) {
+        if depth > 8 {
+            return;
+        }
+        if let Some(r) = node["$ref"].as_str() {
+            return walk(&defs[r.rsplit('/').next().unwrap()], defs, path, out, depth + 1);
+        }
+        let mut nested = false;
+        for k in ["allOf", "anyOf", "oneOf"] {
+            for x in node[k].as_array().into_iter().flatten() {
+                let before = out.len();
+                walk(x, defs, path.clone(), out, depth + 1);
+                nested |= out.len() > before;
+            }
+        }
+        match node["properties"].as_object() {
+            Some(props) if !props.is_empty() => {
+                for (k, v) in props {
+                    walk(v, defs, if path.is_empty() { k.clone() } else { format!("{path}.{k}") }, out, depth + 1);
+                }
+            }
+            _ if !nested && !path.is_empty() && !path.starts_with("stages") => {
+                out.insert(path);
+            }
+            _ => {}
+        }
+    }
+    let mut keys = BTreeSet::new();
+    for (name, def) in defs.as_object().unwrap() {
+        if let Some(kind) = name.strip_suffix("Stage") {
+            for k in def["properties"].as_object().unwrap().keys() {
+                keys.insert(format!("stages.{}.{k}", kind.to_lowercase()));
+            }
+        }
+    }
+    for section in ["recipe", "model", "dataset", "adapter", "device"] {
+        walk(&schema["properties"][section], defs, section.to_string(), &mut keys, 0);
+    }
+    // `model.scratch` is an object or null: its fields are the keys.
+    keys.retain(|k| k != "model.scratch");
+    keys
+}
+
+fn fingerprints(p: &Project, set: &[&str]) -> Result<BTreeMap<String, String>, String> {
+    let mut args = vec!["plan", "tiny.toml", "--json"];
+    args.extend_from_slice(set);
+    let o = p.run(&args);
+    if !o.status.success() {
+        return Err(stderr(&o));
+    }
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    Ok(plan["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap().to_string(), s["fingerprint"].as_str().unwrap().to_string()))
+        .collect())
+}
+
+#[test]
+fn every_recipe_key_changes_a_fingerprint_or_is_listed_as_not_affecting_outputs() {
+    let listed = |k: &str| {
+        let wild = k.split('.').enumerate().map(|(i, p)| if i == 1 && k.starts_with("stages.") { "*" } else { p });
+        let wild = wild.collect::<Vec<_>>().join(".");
+        NO_EFFECT.iter().any(|(n, _)| *n == k || *n == wild)
+            || SOURCES.contains(&k)
+            || CHANGES.iter().any(|(n, _)| *n == k)
+            || (k.starts_with("stages.download.") || k.starts_with("stages.tokenize."))
+                && (k.ends_with(".kind") || k.ends_with(".needs"))
+    };
+    let unlisted: Vec<String> = schema_keys().into_iter().filter(|k| !listed(k)).collect();
+    assert!(unlisted.is_empty(), "schema keys neither changed here nor listed: {unlisted:?}");
+
+    let p = Project::tiny_offline();
+    let base = fingerprints(&p, &[]).unwrap();
+    let mut silent = Vec::new();
+    for (key, value) in CHANGES {
+        let set = format!("{key}={value}");
+        let mut args = vec!["--set", &set];
+        // A full fine-tune has no adapter to export.
+        if *key == "adapter.kind" {
+            args.extend(["--set", "stages.quantize.formats=[\"safetensors-merged\"]"]);
+        }
+        let changed = fingerprints(&p, &args).unwrap_or_else(|e| panic!("--set {set}: {e}"));
+        if changed.iter().all(|(stage, fp)| base.get(stage) == Some(fp)) {
+            silent.push(set);
+        }
+    }
+    assert!(silent.is_empty(), "changing these changes no stage's fingerprint: {silent:?}");
+}
