@@ -13,7 +13,10 @@ use common::*;
 const NO_EFFECT: &[(&str, &str)] = &[
     ("device.threads", "CPU threads change speed, not results (sums are split the same way)"),
     ("device.prefer", "the device it resolves to is fingerprinted (its class), not the list"),
-    ("device.dtype", "the dtype it resolves to is fingerprinted, not the list (tested: device_overrides_and_plan_explanation)"),
+    (
+        "device.dtype",
+        "the dtype it resolves to is fingerprinted, not the list (tested: device_overrides_and_plan_explanation)",
+    ),
     ("device.tf32", "fingerprinted only where it applies (on CUDA); on the CPU it changes nothing"),
     ("stages.train.keep_checkpoints", "how many resumable checkpoints stay in the work folder"),
     ("stages.train.checkpoint_every", "resumable state only; a resumed run equals an uninterrupted one"),
@@ -101,8 +104,7 @@ const CHANGES: &[(&str, &str)] = &[
 /// Every leaf key of the schema (`stages.<kind>.<key>` for stage settings).
 fn schema_keys() -> BTreeSet<String> {
     let cache = tempfile::tempdir().unwrap();
-    let schema: serde_json::Value =
-        serde_json::from_str(&stdout(&rtune(&root(), cache.path(), &["schema"]))).unwrap();
+    let schema: serde_json::Value = serde_json::from_str(&stdout(&rtune(&root(), cache.path(), &["schema"]))).unwrap();
     let defs = &schema["$defs"];
     fn walk(node: &serde_json::Value, defs: &serde_json::Value, path: String, out: &mut BTreeSet<String>, depth: u32) {
         if depth > 8 {
