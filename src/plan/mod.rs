@@ -161,18 +161,12 @@ pub fn make(
                 .at(loaded.origin(&["stages", &spec.name]), "in this stage")
         })?;
         if spec.kind == StageKind::Upload {
-            // The model card shows the recipe (its text, name and description) and the
-            // evaluations planned before it, so they are part of what the upload writes.
-            let evaluations: Vec<&str> = planned
-                .iter()
-                .filter(|p| p.kind == StageKind::Evaluate && p.action != Action::Skip)
-                .map(|p| p.fingerprint.as_str())
-                .collect();
+            // The model card shows the recipe (its text, name and description), so they are
+            // part of what the upload writes (the evaluations it shows are inputs, below).
             settings["card"] = json!({
                 "name": recipe.recipe.name,
                 "description": recipe.recipe.description,
                 "recipe_text": blake3::hash(loaded.text.as_bytes()).to_hex().to_string(),
-                "evaluations": evaluations,
             });
         }
         let uses_device = matches!(spec.kind, StageKind::Train | StageKind::Evaluate | StageKind::Quantize);
@@ -180,6 +174,12 @@ pub fn make(
         for (port, producer) in spec.inputs(&loaded.stages) {
             let fp = planned.iter().find(|p| p.name == producer.name).map(|p| p.fingerprint.clone());
             inputs.insert(port_name(port).into(), json!(fp));
+        }
+        if spec.kind == StageKind::Upload {
+            // The card's evaluation table reads the evaluations planned before the upload.
+            for p in planned.iter().filter(|p| p.kind == StageKind::Evaluate && p.action != Action::Skip) {
+                inputs.insert(format!("card:{}", p.name), json!(p.fingerprint));
+            }
         }
         let mut doc = json!({
             "fingerprint_version": FINGERPRINT_VERSION,
