@@ -110,10 +110,6 @@ fn check_dir(dest: &Path, record: &Record, stamps: &Stamps) -> Verdict {
             FileState::Changed => changed.push(rel.as_str()),
         }
     }
-    let list = |v: &[&str]| {
-        let more = if v.len() > 3 { format!(" (+{} more)", v.len() - 3) } else { String::new() };
-        format!("{}{more}", v.iter().take(3).copied().collect::<Vec<_>>().join(", "))
-    };
     let mut parts = Vec::new();
     if missing.len() == record.files.len() {
         parts.push("destination missing".to_string());
@@ -169,8 +165,13 @@ fn check_hub(rest: &str, record: &Record, hub: &HubEnv) -> Verdict {
     if gone.is_empty() {
         return Verdict::Intact;
     }
-    let more = if gone.len() > 3 { format!(" (+{} more)", gone.len() - 3) } else { String::new() };
-    Verdict::Stale(format!("destination changed on the Hub: {}{more}", gone[..gone.len().min(3)].join(", ")))
+    Verdict::Stale(format!("destination changed on the Hub: {}", list(&gone)))
+}
+
+/// The first three paths, and how many more.
+fn list(paths: &[&str]) -> String {
+    let more = if paths.len() > 3 { format!(" (+{} more)", paths.len() - 3) } else { String::new() };
+    format!("{}{more}", paths.iter().take(3).copied().collect::<Vec<_>>().join(", "))
 }
 
 /// Copy `files` (destination path → store file) into the folder `dest`, each through a

@@ -24,6 +24,7 @@ use candle_core::{CpuStorage, Device, Layout, Result, Storage, Tensor, bail};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use super::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::transformer::{Batch, Transformer};
 
 /// Why `model` cannot run on the fused engine, or `None` when it can.
@@ -108,14 +109,6 @@ struct Weights<'a> {
     cos: W<'a>,
     sin: W<'a>,
 }
-
-const Q: usize = 0;
-const K: usize = 1;
-const V: usize = 2;
-const O: usize = 3;
-const GATE: usize = 4;
-const UP: usize = 5;
-const DOWN: usize = 6;
 
 /// The model's tensors in the order [`Weights::new`] consumes them.
 fn tensors(model: &Transformer) -> Vec<&Tensor> {

@@ -30,6 +30,16 @@ use crate::model::transformer::{AttentionLayout, attention_layout};
 use crate::model::{ModelConfig, ModelFolder, Trainable};
 use crate::train::optim::AdamWConfig;
 
+/// Where each projection sits in a decoder layer's list of linears, in both fused engines
+/// (CPU and GPU): attention q, k, v, o, then the MLP's gate, up and down.
+pub(crate) const Q: usize = 0;
+pub(crate) const K: usize = 1;
+pub(crate) const V: usize = 2;
+pub(crate) const O: usize = 3;
+pub(crate) const GATE: usize = 4;
+pub(crate) const UP: usize = 5;
+pub(crate) const DOWN: usize = 6;
+
 /// One micro-batch as the host prepares it: padded token ids, the attention structure, and the
 /// positions whose next token the loss counts. No device data: engines upload what they need
 /// on the thread that runs them.

@@ -44,12 +44,6 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     std::fs::write(card_dir.join("README.md"), card).map_err(StageError::io("cannot write the model card"))?;
     files.retain(|(p, _, _)| p != "README.md");
     files.push(("README.md".into(), card_dir.join("README.md"), format!("{}/card/README.md", ctx.stage.fingerprint)));
-    let mut written = BTreeMap::new();
-    for (rel, local, from) in &files {
-        let (digest, size) =
-            crate::store::hash_file(local).map_err(StageError::io(format!("cannot hash `{}`", local.display())))?;
-        written.insert(rel.clone(), Written { digest, size, from: from.clone() });
-    }
 
     if let Some(rest) = s.to.strip_prefix("hf://") {
         let repo = crate::hub::parse_hf_url(rest)?;
@@ -72,6 +66,12 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         let message =
             s.message.clone().unwrap_or_else(|| format!("Upload {} with rtune", ctx.loaded.recipe.recipe.name));
         let report = crate::hub::commit(&client, &repo, &commit_files, &message, ctx.ui)?;
+        let mut written = BTreeMap::new();
+        for (rel, local, from) in &files {
+            let (digest, size) =
+                crate::store::hash_file(local).map_err(StageError::io(format!("cannot hash `{}`", local.display())))?;
+            written.insert(rel.clone(), Written { digest, size, from: from.clone() });
+        }
         ctx.ui.status("upload", format!("{} files → {} (commit {})", files.len(), repo.display(), &report.commit));
         let record = Record {
             destination: s.to.clone(),
@@ -86,8 +86,8 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
 
     let rel = s.to.strip_prefix("dir://").ok_or_else(|| StageError::Internal(format!("`{}` passed planning", s.to)))?;
     let dest = ctx.loaded.resolve_path(rel);
-    let copied = destination::write_dir(ctx.store, &dest, &files, None, ctx.ui)?;
-    debug_assert_eq!(copied, written);
+    // The digests are the copies' (hashed once, as they are written).
+    let written = destination::write_dir(ctx.store, &dest, &files, None, ctx.ui)?;
     ctx.ui.status("upload", format!("{} files → {}", written.len(), dest.display()));
     let record = Record { destination: s.to.clone(), commit: None, url: None, files: written };
     write_record(ctx, &record)?;

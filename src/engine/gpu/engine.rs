@@ -12,6 +12,7 @@ use candle_core::Tensor;
 use super::device::{Buf, Dt, Gpu, GpuError};
 use super::ops::{AdamWCoefficients, AttnShape, Ops};
 use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Setup};
+use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::transformer::rope_values;
 use crate::model::{ModelConfig, ModelError, Trainable, peft};
@@ -19,13 +20,6 @@ use crate::recipe::Dtype;
 use crate::rng::Rng;
 use crate::train::optim::AdamWConfig;
 
-const Q: usize = 0;
-const K: usize = 1;
-const V: usize = 2;
-const O: usize = 3;
-const GATE: usize = 4;
-const UP: usize = 5;
-const DOWN: usize = 6;
 const MODULES: [&str; 7] = [
     "self_attn.q_proj",
     "self_attn.k_proj",
