@@ -42,7 +42,7 @@ fn main() {
     let model_dir = root.join("model");
     std::fs::create_dir_all(&model_dir).unwrap();
     let texts: Vec<String> = (0..200).map(|i| format!("row {i}: the quick brown fox {}", i * 7)).collect();
-    let cfg = rtune::model::scratch::create(&model_dir, &spec, &texts, 0).unwrap();
+    let cfg = rtune::model::scratch::create(&model_dir, &spec, texts.iter(), 0).unwrap();
 
     // The rows: token ids, and how many of them are prompt.
     let mut rng = Rng::new(7);

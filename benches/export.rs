@@ -35,7 +35,7 @@ fn main() {
     let model_dir = root.join("model");
     std::fs::create_dir_all(&model_dir).unwrap();
     let texts: Vec<String> = (0..200).map(|i| format!("row {i}: the quick brown fox {}", i * 7)).collect();
-    let cfg = rtune::model::scratch::create(&model_dir, &common::shape(&which, 256), &texts, 0).unwrap();
+    let cfg = rtune::model::scratch::create(&model_dir, &common::shape(&which, 256), texts.iter(), 0).unwrap();
     let weights = rtune::model::ModelFolder::open(&model_dir).unwrap().load_weights(&Device::Cpu, DType::F32).unwrap();
     let lora = LoraSpec {
         rank: 8,

@@ -32,7 +32,7 @@ fn main() {
     drop(f);
     let texts: Vec<String> =
         base.iter().map(|r| format!("{} {} {}", r["instruction"], r["input"], r["output"])).collect();
-    let tokenizer = rtune::model::scratch::train_tokenizer(&texts, 8192).unwrap();
+    let tokenizer = rtune::model::scratch::train_tokenizer(texts.iter(), 8192).unwrap();
     tokenizer.save(out.join("tokenizer.json"), false).unwrap();
     let bos = tokenizer.token_to_id("<s>");
     let eos = tokenizer.token_to_id("</s>");

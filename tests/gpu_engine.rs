@@ -14,11 +14,11 @@ use rtune::device::{DeviceClass, Resolution};
 use rtune::engine::candle::CandleEngine;
 use rtune::engine::gpu::ops::{AttnShape, Ops};
 use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, Gpu, GpuEngine, GpuError, Memory};
+use rtune::train::optim::AdamWConfig;
 use rtune::engine::{Checkpointing, Engine, HostBatch, Setup};
 use rtune::model::{LoraSpec, ModelFolder, Trainable, peft};
 use rtune::recipe::Dtype;
 use rtune::rng::Rng;
-use rtune::train::optim::AdamWConfig;
 
 // ---------------------------------------------------------------------------------------------
 // The emulator as a `Gpu`: host memory, kernels through rtune-gpu-emu, products in plain loops.
@@ -769,7 +769,7 @@ fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
         toml::from_str("hidden_size = 32\nnum_layers = 8\nnum_heads = 4\nintermediate_size = 64\nvocab_size = 300")
             .unwrap();
     let texts: Vec<String> = (0..200).map(|i| format!("sample {i}: some words to train a tokenizer on")).collect();
-    rtune::model::scratch::create(dir.path(), &spec, &texts, 0).unwrap();
+    rtune::model::scratch::create(dir.path(), &spec, texts.iter(), 0).unwrap();
     let folder = ModelFolder::open(dir.path()).unwrap();
     let lora = LoraSpec { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "v_proj".into()] };
     let dev = resolution(Dtype::F32, DeviceClass::Cuda);

@@ -340,7 +340,7 @@ fn publish_tiny_model_and_data(server: &HubServer) -> (String, String) {
         "arch = \"llama\"\nhidden_size = 32\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 1\nintermediate_size = 64\nvocab_size = 400",
     )
     .unwrap();
-    rtune::model::scratch::create(dir.path(), &spec, &texts, 7).unwrap();
+    rtune::model::scratch::create(dir.path(), &spec, texts.iter(), 7).unwrap();
     let mut files = Vec::new();
     for name in ["config.json", "tokenizer.json", "model.safetensors"] {
         files.push((name, std::fs::read(dir.path().join(name)).unwrap()));

@@ -1,6 +1,7 @@
 //! Peak memory of the tokenize stage (issue 21, item 11): rows stream from the file through the
 //! tokenizer into the token store, so peak RSS does not grow with the dataset. Its own test
-//! binary, so that the children's peak RSS (`getrusage(RUSAGE_CHILDREN)`) is only rtune's here.
+//! binary, so that the children's peak RSS (`getrusage(RUSAGE_CHILDREN)`, the largest of the
+//! runs: JSON Lines, then the same rows as one JSON array) is only rtune's here.
 
 mod common;
 
@@ -20,7 +21,7 @@ fn tokenize_memory_does_not_grow_with_the_dataset() {
     )
     .unwrap();
     std::fs::create_dir_all(p.join("model")).unwrap();
-    rtune::model::scratch::create(&p.join("model"), &spec, &rows, 1).unwrap();
+    rtune::model::scratch::create(&p.join("model"), &spec, rows.iter(), 1).unwrap();
     // 16 MB of rows (the old reader held ~13× the file in memory: over 200 MB here).
     let mut data = String::new();
     let mut k = 0;
@@ -35,18 +36,23 @@ fn tokenize_memory_does_not_grow_with_the_dataset() {
     }
     std::fs::create_dir_all(p.join("data")).unwrap();
     std::fs::write(p.join("data/big.jsonl"), &data).unwrap();
+    // The same rows as one JSON array: streamed item by item too.
+    let array = format!("[\n{}\n]\n", data.trim_end().replace('\n', ",\n"));
+    std::fs::write(p.join("data/big.json"), array).unwrap();
     drop(data);
-    std::fs::write(
-        p.join("bench.toml"),
-        "[recipe]\nname = \"mem\"\n[model]\npath = \"model\"\n[dataset]\npath = \"data/big.jsonl\"\nformat = \"alpaca\"\neval_fraction = 0.01\nmax_seq_len = 256\npacking = true\n[stages.train]\n",
-    )
-    .unwrap();
-    let cache = p.join("cache");
-    let o = rtune(p, &cache, &["run", "bench.toml", "--only", "download"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = rtune(p, &cache, &["run", "bench.toml", "--only", "tokenize"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("tokenize") && stderr(&o).contains("train /"), "{}", stderr(&o));
+    for file in ["big.jsonl", "big.json"] {
+        std::fs::write(
+            p.join("bench.toml"),
+            format!("[recipe]\nname = \"mem\"\n[model]\npath = \"model\"\n[dataset]\npath = \"data/{file}\"\nformat = \"alpaca\"\neval_fraction = 0.01\nmax_seq_len = 256\npacking = true\n[stages.train]\n"),
+        )
+        .unwrap();
+        let cache = p.join(format!("cache-{file}"));
+        let o = rtune(p, &cache, &["run", "bench.toml", "--only", "download"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let o = rtune(p, &cache, &["run", "bench.toml", "--only", "tokenize"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stderr(&o).contains("tokenize") && stderr(&o).contains("train /"), "{}", stderr(&o));
+    }
     // SAFETY: getrusage only writes the struct it is given.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) }, 0);

@@ -712,7 +712,7 @@ fn transformers5_folder(dir: &Path, rows: &[String]) -> String {
     )
     .unwrap();
     std::fs::create_dir_all(dir).unwrap();
-    rtune::model::scratch::create(dir, &spec, rows, 3).unwrap();
+    rtune::model::scratch::create(dir, &spec, rows.iter(), 3).unwrap();
     let read = |n: &str| -> serde_json::Value {
         serde_json::from_str(&std::fs::read_to_string(dir.join(n)).unwrap()).unwrap()
     };

@@ -171,10 +171,7 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
         return Ok(size);
     }
     if ext == "json" {
-        // A JSON array is parsed whole (JSON Lines is the format for large datasets).
-        let bytes = std::fs::read(path).map_err(io)?;
-        let text = utf8(&name, bytes, 0)?;
-        read_json_array(&name, &text, push)?;
+        read_json_array(path, &name, push, progress)?;
         return Ok(size);
     }
     // Line formats stream: one line in memory at a time.
@@ -247,28 +244,114 @@ fn utf8(name: &str, bytes: Vec<u8>, lines_before: usize) -> Result<String, DataE
     })
 }
 
-fn read_json_array(name: &str, text: &str, push: Push<'_>) -> Result<(), DataError> {
-    let v: Value = serde_json::from_str(text).map_err(|e| json_error(name, text, e))?;
-    let Value::Array(items) = v else {
-        return Err(DataError::Invalid {
-            message: format!("`{name}` is not a JSON array of objects"),
-            help: Some("write one object per line as .jsonl, or wrap the objects in [ … ]".into()),
-        });
-    };
-    for (i, item) in items.into_iter().enumerate() {
-        match item {
-            Value::Object(fields) => push(Ok(Row { fields, file: name.to_string(), line: i + 1 }))?,
-            other => push(Err(DataError::bad_row(
-                name,
-                i + 1,
-                &other.to_string(),
-                None,
-                format!("item {} is not an object", i + 1),
-                None,
-            )))?,
-        }
+/// Stream the items of a JSON array: one item is parsed and handed on before the next is read,
+/// so a `.json` dataset costs one item of memory, not the file. Item N is reported as "line" N.
+fn read_json_array(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Result<(), DataError> {
+    let file = std::fs::File::open(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })?;
+    let counted = Counted { inner: std::io::BufReader::with_capacity(1 << 20, file), read: 0, progress };
+    let mut de = serde_json::Deserializer::from_reader(counted);
+    let mut stopped = None;
+    let items = Items { name, push, stopped: &mut stopped };
+    let result = serde::de::DeserializeSeed::deserialize(items, &mut de).and_then(|()| de.end());
+    if let Some(e) = stopped {
+        return Err(e);
     }
-    Ok(())
+    result.map_err(|e| {
+        if e.is_data() && e.to_string().starts_with(NOT_AN_ARRAY) {
+            DataError::Invalid {
+                message: format!("`{name}` is not a JSON array of objects"),
+                help: Some("write one object per line as .jsonl, or wrap the objects in [ … ]".into()),
+            }
+        } else {
+            json_error(name, path, e)
+        }
+    })
+}
+
+const NOT_AN_ARRAY: &str = "not an array";
+
+/// A reader that tells `progress` how far it has read, every 4 MiB.
+struct Counted<'p, R> {
+    inner: R,
+    read: u64,
+    progress: &'p mut dyn FnMut(u64),
+}
+
+impl<R: std::io::Read> std::io::Read for Counted<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if (self.read + n as u64) >> 22 != self.read >> 22 {
+            (self.progress)(self.read + n as u64);
+        }
+        self.read += n as u64;
+        Ok(n)
+    }
+}
+
+/// The top-level array, visited item by item. An error from `push` (a bad row without
+/// `skip_bad`, or the consumer's own) stops the parse and is kept in `stopped`.
+struct Items<'a, 'p> {
+    name: &'a str,
+    push: Push<'p>,
+    stopped: &'a mut Option<DataError>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Items<'_, '_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Items<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON array of objects")
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut i = 0;
+        while let Some(item) = seq.next_element::<Value>()? {
+            i += 1;
+            let row = match item {
+                Value::Object(fields) => Ok(Row { fields, file: self.name.to_string(), line: i }),
+                other => Err(DataError::bad_row(
+                    self.name,
+                    i,
+                    &other.to_string(),
+                    None,
+                    format!("item {i} is not an object"),
+                    None,
+                )),
+            };
+            if let Err(e) = (self.push)(row) {
+                *self.stopped = Some(e);
+                return Err(serde::de::Error::custom("stopped"));
+            }
+        }
+        Ok(())
+    }
+    // Anything but an array.
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        Err(serde::de::Error::custom(NOT_AN_ARRAY))
+    }
+    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<(), E> {
+        Err(E::custom(NOT_AN_ARRAY))
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
+        Err(E::custom(NOT_AN_ARRAY))
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
+        Err(E::custom(NOT_AN_ARRAY))
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
+        Err(E::custom(NOT_AN_ARRAY))
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
+        Err(E::custom(NOT_AN_ARRAY))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        Err(E::custom(NOT_AN_ARRAY))
+    }
 }
 
 fn parse_object(file: &str, line: usize, text: &str) -> Result<Row, DataError> {
@@ -289,10 +372,17 @@ fn parse_object(file: &str, line: usize, text: &str) -> Result<Row, DataError> {
     }
 }
 
-fn json_error(file: &str, text: &str, e: serde_json::Error) -> DataError {
-    let line_text = text.lines().nth(e.line().saturating_sub(1)).unwrap_or_default();
+/// A JSON parse error located in its file: the line is read back (bounded) for the snippet.
+fn json_error(file: &str, path: &Path, e: serde_json::Error) -> DataError {
+    use std::io::BufRead;
+    let line_text = std::fs::File::open(path)
+        .ok()
+        .and_then(|f| std::io::BufReader::new(f).split(b'\n').nth(e.line().saturating_sub(1)))
+        .and_then(Result::ok)
+        .map(|l| String::from_utf8_lossy(&l[..l.len().min(4096)]).trim_end_matches('\r').to_string())
+        .unwrap_or_default();
     let col = e.column().saturating_sub(1);
-    DataError::bad_row(file, e.line(), line_text, Some(col..col + 1), format!("malformed JSON: {e}"), None)
+    DataError::bad_row(file, e.line(), &line_text, Some(col..col + 1), format!("malformed JSON: {e}"), None)
 }
 
 pub fn kind(v: &Value) -> &'static str {
@@ -330,6 +420,65 @@ fn split_csv(line: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn rows_of(text: &str, skip_bad: bool) -> (Result<Skipped, DataError>, Vec<Row>, Vec<u64>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.json");
+        std::fs::write(&path, text).unwrap();
+        let (mut rows, mut seen) = (Vec::new(), Vec::new());
+        let r = for_each_row(
+            &path,
+            skip_bad,
+            &mut |row| {
+                rows.push(row);
+                Ok(())
+            },
+            &mut |n| seen.push(n),
+        );
+        (r, rows, seen)
+    }
+
+    #[test]
+    fn json_arrays_stream_item_by_item_with_located_errors() {
+        let (r, rows, seen) = rows_of("[\n {\"a\": 1},\n {\"a\": \"x\"}\n]\n", false);
+        r.unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[1].line, rows[1].fields["a"].as_str()), (2, Some("x")));
+        assert_eq!(seen.last(), Some(&27));
+        // A non-object item is a bad row: skipped with `skip_bad`, an error without.
+        let (r, rows, _) = rows_of("[{\"a\": 1}, 7, {\"a\": 3}]", true);
+        assert_eq!((r.unwrap().count, rows.len()), (1, 2));
+        let (r, rows, _) = rows_of("[{\"a\": 1}, 7, {\"a\": 3}]", false);
+        assert!(r.unwrap_err().to_string().contains("item 2 is not an object"));
+        assert_eq!(rows.len(), 1, "rows before the bad one were already handed on");
+        // Malformed JSON names its line, and the line is shown.
+        let (r, _, _) = rows_of("[\n {\"a\": 1},\n {\"a\": 2,,}\n]", false);
+        let e = r.unwrap_err();
+        assert!(matches!(&e, DataError::BadRow { line: 3, .. }), "{e:?}");
+        assert!(e.to_string().contains("malformed JSON"), "{e}");
+        // Not an array at all; trailing garbage after the array.
+        for text in ["{\"a\": 1}", "\"rows\"", "[{\"a\": 1}] [2]"] {
+            let (r, _, _) = rows_of(text, false);
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("not a JSON array of objects") || e.contains("trailing characters"), "{text}: {e}");
+        }
+        // The consumer's own error stops the read and is returned as it was.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.json");
+        std::fs::write(&path, "[{}, {}, {}]").unwrap();
+        let mut n = 0;
+        let e = for_each_row(
+            &path,
+            false,
+            &mut |_| {
+                n += 1;
+                Err(DataError::Invalid { message: "enough".into(), help: None })
+            },
+            &mut |_| {},
+        )
+        .unwrap_err();
+        assert_eq!((e.to_string(), n), ("enough".to_string(), 1));
+    }
 
     #[test]
     fn csv_quotes() {

@@ -23,7 +23,12 @@ pub const EOS: &str = "</s>";
 
 /// Train a byte-level BPE tokenizer (GPT-2 style, as SmolLM and Qwen use) of `vocab_size`
 /// tokens, with `<pad>`, `<s>`, `</s>` as ids 0, 1, 2 and a post-processor that adds `<s>`.
-pub fn train_tokenizer(texts: &[String], vocab_size: usize) -> Result<Tokenizer, ModelError> {
+/// `texts` is consumed as it comes (the trainer keeps word counts, not the texts).
+pub fn train_tokenizer<I, S>(texts: I, vocab_size: usize) -> Result<Tokenizer, ModelError>
+where
+    I: Iterator<Item = S> + Send,
+    S: AsRef<str> + Send,
+{
     let specials = [PAD, BOS, EOS].map(|t| AddedToken::from(t, true));
     let trainer = BpeTrainerBuilder::new()
         .vocab_size(vocab_size)
@@ -36,9 +41,7 @@ pub fn train_tokenizer(texts: &[String], vocab_size: usize) -> Result<Tokenizer,
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tokenizer.with_decoder(Some(ByteLevel::default()));
     let mut trainer = TrainerWrapper::BpeTrainer(trainer);
-    tokenizer
-        .train(&mut trainer, texts.iter().map(String::as_str))
-        .map_err(ModelError::tokenizer("cannot train the scratch tokenizer"))?;
+    tokenizer.train(&mut trainer, texts).map_err(ModelError::tokenizer("cannot train the scratch tokenizer"))?;
     tokenizer.add_special_tokens(specials.clone()).map_err(ModelError::tokenizer("cannot add special tokens"))?;
     let bos_id = tokenizer.token_to_id(BOS).unwrap_or(1);
     let post = TemplateProcessing::builder()
@@ -112,7 +115,11 @@ pub fn init_weights(
 
 /// Write a complete HF model folder for a scratch model: tokenizer trained on `texts`, config,
 /// random weights, tokenizer_config.json and generation_config.json.
-pub fn create(dir: &Path, spec: &ScratchModel, texts: &[String], seed: u64) -> Result<ModelConfig, ModelError> {
+pub fn create<I, S>(dir: &Path, spec: &ScratchModel, texts: I, seed: u64) -> Result<ModelConfig, ModelError>
+where
+    I: Iterator<Item = S> + Send,
+    S: AsRef<str> + Send,
+{
     let tokenizer = train_tokenizer(texts, spec.vocab_size)?;
     let id = |t: &str| tokenizer.token_to_id(t).unwrap_or(0);
     let (pad, bos, eos) = (id(PAD), id(BOS), id(EOS));

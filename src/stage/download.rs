@@ -11,7 +11,8 @@ use std::path::Path;
 use serde_json::json;
 
 use super::{StageCtx, StageError};
-use crate::data::{format::alpaca_prompt, read_rows};
+use crate::data::format::alpaca_prompt;
+use crate::data::{DataError, Row, for_each_row};
 use crate::recipe::{DataFormat, Problem};
 
 pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
@@ -37,37 +38,41 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     let model_out = ctx.out.join("model");
     std::fs::create_dir_all(&model_out).map_err(StageError::io("cannot create the model folder"))?;
     let model = if let Some(spec) = &recipe.model.scratch {
-        let (rows, _) = read_rows(&ds_out, true)?;
-        let texts: Vec<String> = rows
-            .iter()
-            .filter_map(|r| {
-                let get = |k: &str| {
-                    let col = recipe.dataset.column_map.get(k).map(String::as_str).unwrap_or(k);
-                    r.fields.get(col).and_then(|v| v.as_str()).unwrap_or_default().to_string()
-                };
-                match recipe.dataset.format {
-                    DataFormat::Alpaca => {
-                        Some(format!("{}{}", alpaca_prompt(&get("instruction"), &get("input")), get("output")))
-                    }
-                    DataFormat::Text => Some(get("text")).filter(|t| !t.is_empty()),
-                    DataFormat::Chat => {
-                        let col = recipe.dataset.column_map.get("messages").map(String::as_str).unwrap_or("messages");
-                        let msgs = r.fields.get(col).and_then(|m| m.as_array())?;
-                        Some(msgs.iter().filter_map(|m| m["content"].as_str()).collect::<Vec<_>>().join("\n"))
-                    }
-                }
-            })
-            .collect();
         ctx.ui.status(
             "scratch",
             format!(
-                "training a {}-token tokenizer on {} rows, initialising {:?} weights",
-                spec.vocab_size,
-                texts.len(),
-                spec.arch
+                "training a {}-token tokenizer on the dataset, initialising {:?} weights",
+                spec.vocab_size, spec.arch
             ),
         );
-        let cfg = crate::model::scratch::create(&model_out, spec, &texts, ctx.seed())?;
+        // Rows stream from the dataset through a bounded channel into the tokenizer trainer,
+        // which keeps word counts, not texts: memory does not grow with the dataset.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<String>(1024);
+        let (created, read) = std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let mut n = 0usize;
+                let r = for_each_row(
+                    &ds_out,
+                    true,
+                    &mut |row| {
+                        if let Some(text) = corpus_text(&row, recipe) {
+                            n += 1;
+                            // The trainer hung up: it failed, and says why below.
+                            tx.send(text).map_err(|_| DataError::Invalid { message: "stopped".into(), help: None })?;
+                        }
+                        Ok(())
+                    },
+                    &mut |_| {},
+                );
+                drop(tx);
+                r.map(|_| n)
+            });
+            let created = crate::model::scratch::create(&model_out, spec, rx.into_iter(), ctx.seed());
+            (created, reader.join().expect("the row reader does not panic"))
+        });
+        let cfg = created?;
+        let rows = read?;
+        ctx.ui.status("scratch", format!("tokenizer trained on {rows} rows"));
         json!({ "source": "scratch", "arch": cfg.arch, "vocab_size": cfg.vocab_size, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size })
     } else if let Some(p) = &recipe.model.path {
         let src = ctx.loaded.resolve_path(p);
@@ -162,4 +167,22 @@ fn check_digest(
 ) -> Result<(), StageError> {
     let target = if src.is_dir() { copy.to_path_buf() } else { copy.join(src.file_name().unwrap_or_default()) };
     super::check_source(ctx, &target, &src.display().to_string(), planned, at)
+}
+
+/// The text a scratch tokenizer learns from one row: the row as training will see it (the
+/// Alpaca prompt and response, the text, or the conversation's contents).
+fn corpus_text(r: &Row, recipe: &crate::recipe::Recipe) -> Option<String> {
+    let get = |k: &str| {
+        let col = recipe.dataset.column_map.get(k).map(String::as_str).unwrap_or(k);
+        r.fields.get(col).and_then(|v| v.as_str()).unwrap_or_default().to_string()
+    };
+    match recipe.dataset.format {
+        DataFormat::Alpaca => Some(format!("{}{}", alpaca_prompt(&get("instruction"), &get("input")), get("output"))),
+        DataFormat::Text => Some(get("text")).filter(|t| !t.is_empty()),
+        DataFormat::Chat => {
+            let col = recipe.dataset.column_map.get("messages").map(String::as_str).unwrap_or("messages");
+            let msgs = r.fields.get(col).and_then(|m| m.as_array())?;
+            Some(msgs.iter().filter_map(|m| m["content"].as_str()).collect::<Vec<_>>().join("\n"))
+        }
+    }
 }
