@@ -277,6 +277,8 @@ impl Store {
             fs::remove_dir_all(&dir).map_err(io_err("remove", &dir))?;
         }
         let view = tmp_view.keep();
+        // The view's directory entries (links to the objects) reach the disk before it is named.
+        sync_tree(&view).map_err(io_err("sync", &view))?;
         fs::rename(&view, &dir).map_err(io_err("commit", &dir))?;
         sync_dir(dir.parent().expect("artifacts have a parent"));
         manifest.files = files;
@@ -397,6 +399,24 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     // The rename is only durable once the directory entry is: a power loss must not leave a
     // manifest (or lock file) naming bytes that never reached the disk, or an old one back.
     sync_dir(dir);
+    Ok(())
+}
+
+/// fsync every file and folder under `dir` (and `dir`), before a rename makes the tree visible
+/// under its real name: after a power loss the name then never points at missing bytes.
+pub fn sync_tree(dir: &Path) -> io::Result<()> {
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d)? {
+            let e = e?;
+            if e.file_type()?.is_dir() {
+                stack.push(e.path());
+            } else {
+                File::open(e.path())?.sync_all()?;
+            }
+        }
+        sync_dir(&d);
+    }
     Ok(())
 }
 

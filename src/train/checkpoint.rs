@@ -1,7 +1,8 @@
 //! Resumable checkpoints in the train stage's work folder: `ckpt-<step>/` with the trained
 //! parameters, AdamW moments, EMA weights and the loop state (step, data cursor — which also
-//! keys dropout masks —, loss-guard, loss-scale and early-stopping state). Written to a temporary folder and renamed, so a kill
-//! at any moment leaves either the previous checkpoint or the new one, never half of one.
+//! keys dropout masks —, loss-guard, loss-scale and early-stopping state). Written to a temporary folder,
+//! fsynced and renamed, so a kill or a power loss at any moment leaves either the previous
+//! checkpoint or the new one, never half of one.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -42,8 +43,12 @@ pub fn save(work: &Path, engine: &EngineState, state: &LoopState, keep: usize) -
     if dir.exists() {
         std::fs::remove_dir_all(&dir).map_err(ioerr(format!("cannot replace `{}`", dir.display())))?;
     }
+    // Durable before it is named, and named durably before older checkpoints are removed: a
+    // power loss leaves the previous checkpoint or this one, never a name without its bytes.
+    crate::store::sync_tree(tmp.path()).map_err(ioerr("cannot sync the checkpoint".into()))?;
     let kept = tmp.keep();
     std::fs::rename(&kept, &dir).map_err(ioerr(format!("cannot commit checkpoint `{}`", dir.display())))?;
+    crate::store::sync_dir(work);
     let mut all = list(work);
     while all.len() > keep.max(1) {
         let old = all.remove(0);
