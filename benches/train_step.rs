@@ -17,9 +17,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use rtune::engine::fused;
+use rtune::engine::optim::{AdamW, AdamWConfig};
 use rtune::model::{LoraSpec, Trainable, Transformer, lora::FROZEN_MATMUL};
 use rtune::rng::Rng;
-use rtune::train::optim::{AdamW, AdamWConfig};
 
 fn main() {
     if std::env::var_os("RTUNE_COMPOSED_CE").is_some() {

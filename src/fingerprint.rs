@@ -9,6 +9,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use crate::recipe::diag::show;
+
 /// Version of the fingerprint document's layout. Bump it when what goes into every fingerprint
 /// changes. History:
 /// - 1: first version.
@@ -101,20 +103,6 @@ fn walk_diff(path: &str, old: &Value, new: &Value, out: &mut Vec<String>) {
         }
         _ if old != new => out.push(format!("{path}: {} → {}", show(old), show(new))),
         _ => {}
-    }
-}
-
-/// A value as a recipe would write it (floats in short form: 1e-4 rather than 0.0001).
-pub fn show(v: &Value) -> String {
-    match v {
-        Value::Number(n) if n.is_f64() => {
-            let f = n.as_f64().unwrap_or_default();
-            let plain = format!("{f}");
-            let sci = format!("{f:e}");
-            if sci.len() < plain.len() { sci } else { plain }
-        }
-        Value::String(s) => format!("\"{s}\""),
-        other => other.to_string(),
     }
 }
 

@@ -14,7 +14,7 @@ use rtune::device::{DeviceClass, Resolution};
 use rtune::engine::candle::CandleEngine;
 use rtune::engine::gpu::ops::{AttnShape, Ops};
 use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, Gpu, GpuEngine, GpuError, Memory};
-use rtune::train::optim::AdamWConfig;
+use rtune::engine::optim::AdamWConfig;
 use rtune::engine::{Checkpointing, Engine, HostBatch, Setup};
 use rtune::model::{LoraSpec, ModelFolder, Trainable, peft};
 use rtune::recipe::Dtype;
@@ -346,7 +346,7 @@ fn adamw_and_reductions_match_the_cpu_optimizer() {
         let var = candle_core::Var::from_slice(&w, n, &Device::Cpu).unwrap();
         let params = vec![rtune::model::Param { name: "w".into(), var: var.clone() }];
         let cfg = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
-        let mut opt = rtune::train::optim::AdamW::new(cfg, &params).unwrap();
+        let mut opt = rtune::engine::optim::AdamW::new(cfg, &params).unwrap();
         let (wb, gb) = (Buf::from_f32(&gpu, &w, Dt::F32).unwrap(), Buf::from_f32(&gpu, &g, Dt::F32).unwrap());
         let (mb, vb) = (Buf::zeros(&gpu, n, Dt::F32).unwrap(), Buf::zeros(&gpu, n, Dt::F32).unwrap());
         for step in 1..=2 {

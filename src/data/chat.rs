@@ -292,25 +292,6 @@ mod tests {
     }
 
     #[test]
-    fn the_alpaca_template_renders_what_alpaca_rows_train_on() {
-        let t = ChatTemplate::new(ALPACA, "<s>", "</s>").unwrap();
-        let conv = |v: serde_json::Value| -> Vec<Value> { serde_json::from_value(v).unwrap() };
-        let plain = conv(
-            serde_json::json!([{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"}]),
-        );
-        let want = format!("<s>{}5</s>", crate::data::format::alpaca_prompt("Add 2 and 3.", ""));
-        assert_eq!(t.render(&plain, false).unwrap(), want);
-        let with_input = conv(
-            serde_json::json!([{"role": "system", "content": "2, 3"}, {"role": "user", "content": "Add."}, {"role": "assistant", "content": "5"}]),
-        );
-        let want = format!("<s>{}5</s>", crate::data::format::alpaca_prompt("Add.", "2, 3"));
-        assert_eq!(t.render(&with_input, false).unwrap(), want);
-        // The generation prompt is the prompt itself: rendering stops after `### Response:\n`.
-        let (full, spans) = t.spans(&plain).unwrap();
-        assert_eq!(&full[spans[0].0..spans[0].1], "5</s>");
-    }
-
-    #[test]
     fn turn_end_is_the_special_token_after_the_reply() {
         let mut tok = tokenizers::Tokenizer::new(tokenizers::models::bpe::BPE::default());
         tok.add_special_tokens([

@@ -274,3 +274,28 @@ impl Renderer<'_> {
         Ok(Encoded { response_tokens: ids.len() - prompt_tokens, prompt_tokens, ids, mask, truncated })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::alpaca_prompt;
+    use crate::data::chat::{ALPACA, ChatTemplate};
+
+    #[test]
+    fn the_alpaca_template_renders_what_alpaca_rows_train_on() {
+        let t = ChatTemplate::new(ALPACA, "<s>", "</s>").unwrap();
+        let conv = |v: serde_json::Value| -> Vec<serde_json::Value> { serde_json::from_value(v).unwrap() };
+        let plain = conv(
+            serde_json::json!([{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"}]),
+        );
+        let want = format!("<s>{}5</s>", alpaca_prompt("Add 2 and 3.", ""));
+        assert_eq!(t.render(&plain, false).unwrap(), want);
+        let with_input = conv(
+            serde_json::json!([{"role": "system", "content": "2, 3"}, {"role": "user", "content": "Add."}, {"role": "assistant", "content": "5"}]),
+        );
+        let want = format!("<s>{}5</s>", alpaca_prompt("Add.", "2, 3"));
+        assert_eq!(t.render(&with_input, false).unwrap(), want);
+        // The generation prompt is the prompt itself: rendering stops after `### Response:\n`.
+        let (full, spans) = t.spans(&plain).unwrap();
+        assert_eq!(&full[spans[0].0..spans[0].1], "5</s>");
+    }
+}

@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::{Engine, EngineError, EngineState, HostBatch, Setup};
+use crate::engine::optim::AdamW;
 use crate::model::{Batch, KvCache, ModelFolder, Trainable, Transformer, peft};
 use crate::rng::Rng;
-use crate::train::optim::AdamW;
 
 pub struct CandleEngine {
     model: Transformer,
@@ -74,7 +74,7 @@ impl CandleEngine {
     pub fn new(
         model: Transformer,
         fused: bool,
-        optimizer: Option<crate::train::optim::AdamWConfig>,
+        optimizer: Option<crate::engine::optim::AdamWConfig>,
         ema: Option<f64>,
     ) -> CandleEngine {
         let opt = optimizer.map(|c| AdamW::new(c, &model.params).expect("zero moments"));

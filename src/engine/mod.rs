@@ -19,6 +19,7 @@
 pub mod candle;
 pub mod fused;
 pub mod gpu;
+pub mod optim;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -26,9 +27,9 @@ use std::path::Path;
 use candle_core::Tensor;
 
 use crate::device::{DeviceClass, Resolution};
+use crate::engine::optim::AdamWConfig;
 use crate::model::transformer::{AttentionLayout, attention_layout};
 use crate::model::{ModelConfig, ModelFolder, Trainable};
-use crate::train::optim::AdamWConfig;
 
 /// Where each projection sits in a decoder layer's list of linears, in both fused engines
 /// (CPU and GPU): attention q, k, v, o, then the MLP's gate, up and down.

@@ -3,8 +3,14 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use super::transformer::Param;
 use crate::rng::Rng;
+
+/// A trained parameter: its name in the checkpoint format and its variable.
+#[derive(Debug, Clone)]
+pub struct Param {
+    pub name: String,
+    pub var: Var,
+}
 
 /// Where adapters go and how they are shaped.
 #[derive(Debug, Clone, PartialEq)]

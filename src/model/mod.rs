@@ -11,8 +11,8 @@ pub mod transformer;
 
 pub use config::{ModelConfig, RawConfig};
 pub use folder::ModelFolder;
-pub use lora::{Linear, LoraSpec};
-pub use transformer::{Batch, KvCache, Param, Trainable, Transformer};
+pub use lora::{Linear, LoraSpec, Param};
+pub use transformer::{Batch, KvCache, Trainable, Transformer};
 
 /// Why a model could not be loaded, built or saved.
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use candle_core::{D, DType, Device, IndexOp, Module, Result, Tensor, Var};
 
 use super::config::ModelConfig;
-use super::lora::{Linear, LoraSpec};
+use super::lora::{Linear, LoraSpec, Param};
 use crate::rng::Rng;
 
 /// A large negative number for masked attention scores; finite so rows with nothing to attend to
@@ -30,13 +30,6 @@ pub enum Trainable {
     /// Base weights whose HF names match any of these patterns train (`*` is a wildcard;
     /// `["*"]` is a full fine-tune).
     Weights(Vec<String>),
-}
-
-/// A trained parameter: its name in the checkpoint format and its variable.
-#[derive(Debug, Clone)]
-pub struct Param {
-    pub name: String,
-    pub var: Var,
 }
 
 struct Attention {

@@ -334,7 +334,7 @@ fn show(x: f64) -> String {
 fn show_num(node: &Node) -> String {
     match node.value {
         Value::Int(i) => i.to_string(),
-        Value::Float(f) => crate::fingerprint::show(&serde_json::json!(f)),
+        Value::Float(f) => super::diag::show(&serde_json::json!(f)),
         _ => String::new(),
     }
 }

@@ -166,6 +166,20 @@ fn levenshtein(a: &str, b: &str) -> usize {
     d[a.len()][b.len()]
 }
 
+/// A value as a recipe would write it (floats in short form: 1e-4 rather than 0.0001).
+pub fn show(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or_default();
+            let plain = format!("{f}");
+            let sci = format!("{f:e}");
+            if sci.len() < plain.len() { sci } else { plain }
+        }
+        serde_json::Value::String(s) => format!("\"{s}\""),
+        other => other.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

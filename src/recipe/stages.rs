@@ -12,7 +12,7 @@ use serde_json::Value as J;
 use super::check::{Checker, unknown_key};
 use super::diag::{Problem, did_you_mean};
 use super::tree::{Node, Value};
-use super::types::StageKind;
+use super::types::{DEVICE_DTYPE_KEY, StageKind};
 
 /// A kind of artifact that flows between stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -455,10 +455,6 @@ fn topo_order(specs: Vec<StageSpec>) -> Vec<StageSpec> {
     }
     out
 }
-
-/// The key of a `[device.<name>]` table that holds the device's dtype preference rather than a
-/// stage's overrides.
-pub const DEVICE_DTYPE_KEY: &str = "dtype";
 
 /// `[device.<name>.<stage>]` tables: the stage must exist and the keys must fit its kind; and
 /// `[device.<name>] dtype`, the device's own dtype preference.

@@ -324,7 +324,7 @@ impl DevicePolicy {
         [device, class]
             .iter()
             .find_map(|name| {
-                let list = self.overrides.get(*name)?.get(crate::recipe::stages::DEVICE_DTYPE_KEY)?;
+                let list = self.overrides.get(*name)?.get(DEVICE_DTYPE_KEY)?;
                 serde_json::from_value(list.clone()).ok()
             })
             .unwrap_or_else(|| self.dtype.clone())
@@ -848,3 +848,7 @@ fn capitalise(s: &str) -> String {
     let mut c = s.chars();
     c.next().map(|f| f.to_ascii_uppercase().to_string() + c.as_str()).unwrap_or_default()
 }
+
+/// The key of a `[device.<name>]` table that holds the device's dtype preference rather than a
+/// stage's overrides.
+pub const DEVICE_DTYPE_KEY: &str = "dtype";

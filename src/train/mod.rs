@@ -10,7 +10,6 @@
 
 mod checkpoint;
 mod curve;
-pub mod optim;
 pub mod schedule;
 
 use std::io::Write;
@@ -23,12 +22,12 @@ use serde_json::json;
 
 use crate::data::{TokenStore, tokens::TokenRow};
 use crate::device::Resolution;
+use crate::engine::optim::AdamWConfig;
 use crate::engine::{Checkpointing, Engine, EngineError, HostBatch, Setup};
 use crate::model::{LoraSpec, ModelFolder, Trainable};
 use crate::recipe::{Adapter, AdapterKind, GradientCheckpointing, TrainSettings};
 use crate::rng::Rng;
 use crate::ui::Ui;
-use optim::AdamWConfig;
 
 /// Set by the binary's Ctrl-C handler; the loop saves a checkpoint and stops.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);

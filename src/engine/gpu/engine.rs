@@ -11,6 +11,7 @@ use candle_core::Tensor;
 
 use super::device::{Buf, Dt, Gpu, GpuError};
 use super::ops::{AdamWCoefficients, AttnShape, Ops};
+use crate::engine::optim::AdamWConfig;
 use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Setup};
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
@@ -18,7 +19,6 @@ use crate::model::transformer::rope_values;
 use crate::model::{ModelConfig, ModelError, Trainable, peft};
 use crate::recipe::Dtype;
 use crate::rng::Rng;
-use crate::train::optim::AdamWConfig;
 
 const MODULES: [&str; 7] = [
     "self_attn.q_proj",

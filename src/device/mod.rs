@@ -5,6 +5,9 @@
 //! Resolution is a pure function of the policy and an [`Inventory`], so it is tested with fake
 //! inventories; only [`Inventory::probe`] touches the machine.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 use serde::Serialize;
 
 use crate::recipe::Dtype;
@@ -72,8 +75,8 @@ impl Inventory {
         }];
         #[cfg(feature = "cuda")]
         {
-            let build_cap = crate::engine::gpu::cuda::BUILD_COMPUTE_CAP;
-            for (i, d) in crate::engine::gpu::cuda::devices().into_iter().enumerate() {
+            let build_cap = cuda::BUILD_COMPUTE_CAP;
+            for (i, d) in cuda::devices().into_iter().enumerate() {
                 let (major, minor) = d.compute_capability;
                 let cap = (major * 10 + minor) as u32;
                 let unusable = (cap < build_cap).then(|| {
