@@ -16,13 +16,13 @@ fn main() -> miette::Result<()> {
     let loaded = recipe::load(&path, &overrides)?;
     let store = Store::open(&Store::default_root()).map_err(|e| miette::miette!("{e}"))?;
     let lock = LockFile::read(&rtune::exec::lock_path(&loaded)).map_err(|e| miette::miette!("{e}"))?;
-    let plan = plan::make(&loaded, &store, &lock, &Inventory::probe(), &Selection::default())?;
+    let plan = plan::make(&loaded, &store, &lock, &Inventory::probe(false), &Selection::default())?;
     print!("{}", plan::render_text(&plan));
 
     // Build only the first stage; the others are skipped.
     let first = plan.stages.first().map(|s| s.name.clone()).ok_or_else(|| miette::miette!("no stages"))?;
     let only = Selection { only: Some(first.clone()), ..Selection::default() };
-    let plan = plan::make(&loaded, &store, &lock, &Inventory::probe(), &only)?;
+    let plan = plan::make(&loaded, &store, &lock, &Inventory::probe(false), &only)?;
     let report = rtune::exec::run(&loaded, &plan, &store, &Ui::new(false, false))?;
     let stage = report.stage(&first).ok_or_else(|| miette::miette!("`{first}` did not run"))?;
     println!(

@@ -11,7 +11,7 @@ use clap::Parser;
 use serde_json::json;
 
 use cli::{CacheCommand, Cli, Command, PlanFormat, RecipeArgs, SelectArgs};
-use rtune::device::Inventory;
+use rtune::device::{self, Inventory};
 use rtune::plan::{self, LockFile, Selection};
 use rtune::recipe::{self, Overrides, Problem, builtin};
 use rtune::store::Store;
@@ -88,7 +88,8 @@ fn make_plan(
     let loaded = load(args)?;
     let store = store(g)?;
     let lock = LockFile::read(&exec::lock_path(&loaded))?;
-    let plan = plan::make(&loaded, &store, &lock, &Inventory::probe(), &selection(sel))?;
+    let inventory = Inventory::probe(device::served_through_vulkan(&loaded.recipe.device.prefer));
+    let plan = plan::make(&loaded, &store, &lock, &inventory, &selection(sel))?;
     Ok((loaded, store, lock, plan))
 }
 
@@ -389,16 +390,17 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             Ok(0)
         }
         Command::Doctor => {
-            let inv = Inventory::probe();
+            let inv = Inventory::probe(true);
             if g.json {
                 ui.out(format!("{}\n", serde_json::to_string_pretty(&inv).expect("json")));
                 return Ok(0);
             }
             let mut out = format!(
-                "rtune {}\nbuild features: cuda={} metal={}\ncpu threads: {}\n\ndevices:\n",
+                "rtune {}\nbuild features: cuda={} metal={} vulkan={}\ncpu threads: {}\n\ndevices:\n",
                 env!("CARGO_PKG_VERSION"),
                 inv.cuda_feature,
                 inv.metal_feature,
+                inv.vulkan_feature,
                 inv.cpu_threads
             );
             for d in &inv.devices {
@@ -408,6 +410,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                     rtune::device::DeviceClass::Cpu => "cpu".to_string(),
                     rtune::device::DeviceClass::Cuda => format!("cuda:{}", d.ordinal),
                     rtune::device::DeviceClass::Metal => "metal".to_string(),
+                    rtune::device::DeviceClass::Vulkan => format!("vulkan:{}", d.ordinal),
                 };
                 out.push_str(&format!("  {id:<8} {}  memory {mem}  training dtypes: {dtypes}\n", d.name));
                 if let Some(details) = &d.details {
@@ -417,7 +420,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                     out.push_str(&format!("           unusable: {why}\n"));
                 }
             }
-            for want in ["cuda", "metal", "rocm"] {
+            for want in ["cuda", "metal", "vulkan", "rocm"] {
                 if let Err(e) = rtune::device::resolve(&[want.to_string()], &[rtune::recipe::Dtype::F32], &inv) {
                     out.push_str(&format!("  {want:<8} unavailable: {}\n", e.tried[0].reason));
                 }

@@ -91,8 +91,26 @@ fn cache_path_and_doctor() {
     assert_eq!(stdout(&rtune(dir.path(), &cache, &["cache", "path"])).trim(), cache.display().to_string());
     assert!(cache.join("CACHEDIR.TAG").is_file());
     let doc = stdout(&rtune(dir.path(), &cache, &["doctor"]));
-    assert!(doc.contains("build features: cuda=false metal=false"), "{doc}");
-    assert!(doc.contains("rocm     unavailable: candle has no ROCm backend"), "{doc}");
+    assert!(doc.contains("build features: cuda=false metal=false vulkan=true"), "{doc}");
+    assert!(doc.contains("rocm     unavailable: no AMD GPU is visible through Vulkan"), "{doc}");
+    // A Vulkan driver (CI installs Mesa's lavapipe and sets RTUNE_REQUIRE_VULKAN) is listed
+    // with what it supports, and why it is not used yet.
+    let json: serde_json::Value =
+        serde_json::from_slice(&rtune(dir.path(), &cache, &["doctor", "--json"]).stdout).unwrap();
+    let vulkan: Vec<&serde_json::Value> =
+        json["devices"].as_array().unwrap().iter().filter(|d| d["class"] == "vulkan").collect();
+    if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() {
+        assert!(!vulkan.is_empty(), "RTUNE_REQUIRE_VULKAN is set but doctor lists no Vulkan device: {json}");
+    }
+    for d in vulkan {
+        let id = format!("vulkan:{}", d["ordinal"]);
+        assert!(doc.contains(&format!("  {id} {}", d["name"].as_str().unwrap())), "{doc}");
+        assert!(d["details"].as_str().unwrap().contains(", Vulkan 1."), "{d}");
+        assert!(d["unusable"].as_str().unwrap().contains("no Vulkan training engine yet"), "{d}");
+    }
+    if json["devices"].as_array().unwrap().iter().all(|d| d["class"] != "vulkan") {
+        assert!(json["vulkan_note"].is_string(), "no Vulkan device and no reason: {json}");
+    }
 }
 
 #[test]
@@ -152,7 +170,7 @@ fn device_overrides_and_plan_explanation() {
     let none = p.run(&["plan", "tiny.toml", "--set", "device.prefer=[\"rocm\", \"metal\"]"]);
     assert_eq!(none.status.code(), Some(1));
     assert!(
-        stderr(&none).contains("no preferred device is usable: rocm: candle has no ROCm backend"),
+        stderr(&none).contains("no preferred device is usable: rocm: no AMD GPU is visible through Vulkan"),
         "{}",
         stderr(&none)
     );

@@ -7,6 +7,8 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "vulkan")]
+pub mod vulkan;
 
 use serde::Serialize;
 
@@ -19,6 +21,7 @@ pub enum DeviceClass {
     Cpu,
     Cuda,
     Metal,
+    Vulkan,
 }
 
 impl DeviceClass {
@@ -27,6 +30,7 @@ impl DeviceClass {
             DeviceClass::Cpu => "cpu",
             DeviceClass::Cuda => "cuda",
             DeviceClass::Metal => "metal",
+            DeviceClass::Vulkan => "vulkan",
         }
     }
 }
@@ -46,6 +50,11 @@ pub struct DeviceInfo {
     /// Why this build cannot use the device although it is there.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unusable: Option<String>,
+    /// The PCI vendor id, where the API reports one (Vulkan).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vendor_id: Option<u32>,
+    /// A hardware GPU (false for CPUs and software drivers such as lavapipe).
+    pub gpu: bool,
 }
 
 /// What this build was compiled with, and the devices it found.
@@ -53,13 +62,20 @@ pub struct DeviceInfo {
 pub struct Inventory {
     pub cuda_feature: bool,
     pub metal_feature: bool,
+    pub vulkan_feature: bool,
+    /// Why no Vulkan device is listed although the feature is on (no loader, no driver), or
+    /// that Vulkan was not probed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vulkan_note: Option<String>,
     pub devices: Vec<DeviceInfo>,
     pub cpu_threads: usize,
 }
 
 impl Inventory {
     /// Look at this machine. Cheap: no device is initialised unless its feature is built in.
-    pub fn probe() -> Inventory {
+    /// `with_vulkan`: also ask the Vulkan loader (doctor, and policies that name a device served
+    /// through Vulkan; creating a Vulkan instance costs tens of milliseconds).
+    pub fn probe(with_vulkan: bool) -> Inventory {
         let cpu_threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         #[allow(unused_mut)]
         let mut devices = vec![DeviceInfo {
@@ -72,6 +88,8 @@ impl Inventory {
             memory_bytes: total_memory(),
             details: None,
             unusable: None,
+            vendor_id: None,
+            gpu: false,
         }];
         #[cfg(feature = "cuda")]
         {
@@ -98,6 +116,8 @@ impl Inventory {
                     memory_bytes: Some(d.memory_bytes),
                     details: Some(format!("compute capability {major}.{minor}, {} driver", d.driver)),
                     unusable,
+                    vendor_id: Some(VENDOR_NVIDIA),
+                    gpu: true,
                 });
             }
         }
@@ -112,10 +132,37 @@ impl Inventory {
                     memory_bytes: None,
                     details: None,
                     unusable: None,
+                    vendor_id: None,
+                    gpu: true,
                 });
             }
         }
-        Inventory { cuda_feature: cfg!(feature = "cuda"), metal_feature: cfg!(feature = "metal"), devices, cpu_threads }
+        #[allow(unused_mut)]
+        let mut vulkan_note = None;
+        #[cfg(feature = "vulkan")]
+        if with_vulkan {
+            match vulkan::devices() {
+                Ok(found) if found.is_empty() => vulkan_note = Some("the Vulkan loader lists no device".to_string()),
+                Ok(found) => {
+                    for (i, d) in found.into_iter().enumerate() {
+                        devices.push(vulkan_device(i, d));
+                    }
+                }
+                Err(why) => vulkan_note = Some(why),
+            }
+        } else {
+            vulkan_note = Some("not probed (the policy names no Vulkan device)".to_string());
+        }
+        #[cfg(not(feature = "vulkan"))]
+        let _ = with_vulkan;
+        Inventory {
+            cuda_feature: cfg!(feature = "cuda"),
+            metal_feature: cfg!(feature = "metal"),
+            vulkan_feature: cfg!(feature = "vulkan"),
+            vulkan_note,
+            devices,
+            cpu_threads,
+        }
     }
 
     /// A CPU-only inventory (tests, and planning that must not depend on the machine).
@@ -123,6 +170,8 @@ impl Inventory {
         Inventory {
             cuda_feature: false,
             metal_feature: false,
+            vulkan_feature: false,
+            vulkan_note: None,
             devices: vec![DeviceInfo {
                 class: DeviceClass::Cpu,
                 ordinal: 0,
@@ -131,6 +180,8 @@ impl Inventory {
                 memory_bytes: None,
                 details: None,
                 unusable: None,
+                vendor_id: None,
+                gpu: false,
             }],
             cpu_threads: threads,
         }
@@ -170,7 +221,7 @@ impl Resolution {
     /// `cpu`, `cuda:1`, `metal`.
     pub fn device_name(&self) -> String {
         match self.class {
-            DeviceClass::Cuda => format!("cuda:{}", self.ordinal),
+            DeviceClass::Cuda | DeviceClass::Vulkan => format!("{}:{}", self.class.as_str(), self.ordinal),
             c => c.as_str().to_string(),
         }
     }
@@ -188,6 +239,7 @@ impl Resolution {
             DeviceClass::Cpu => Ok(candle_core::Device::Cpu),
             DeviceClass::Cuda => candle_core::Device::new_cuda(self.ordinal),
             DeviceClass::Metal => candle_core::Device::new_metal(self.ordinal),
+            DeviceClass::Vulkan => Err(candle_core::Error::Msg("candle has no Vulkan backend".into())),
         }
     }
 
@@ -278,10 +330,101 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
             }
             inv.devices.iter().find(|d| d.class == DeviceClass::Metal).ok_or_else(|| "no Metal device found".into())
         }
-        "rocm" => Err("candle has no ROCm backend, so no build of rtune can use AMD GPUs directly yet".into()),
-        "vulkan" | "wgpu" => Err(format!("candle has no {base} backend")),
-        "directml" => Err("DirectML is Windows/PyTorch-only; candle has no DirectML backend".into()),
+        "vulkan" => {
+            if !inv.vulkan_feature {
+                return Err("this build has no Vulkan support (build with `--features vulkan`)".into());
+            }
+            let found: Vec<&DeviceInfo> = inv.devices.iter().filter(|d| d.class == DeviceClass::Vulkan).collect();
+            let n = ordinal.unwrap_or(0);
+            match found.iter().find(|d| d.ordinal == n) {
+                Some(d) => usable(d),
+                None if found.is_empty() => Err(match &inv.vulkan_note {
+                    Some(why) => format!("no Vulkan device found: {why}"),
+                    None => "no Vulkan device found".into(),
+                }),
+                None => Err(format!("only {} Vulkan device{} present", found.len(), plural(found.len()))),
+            }
+        }
+        // AMD (ROCm) and AMD or Intel (DirectML) GPUs are served through Vulkan, the one API
+        // rtune reaches them by; the policy says which Vulkan device a preference became.
+        "rocm" | "directml" => {
+            let vendors: &[u32] = if base == "rocm" { &[VENDOR_AMD] } else { &[VENDOR_AMD, VENDOR_INTEL] };
+            let gpu = inv
+                .devices
+                .iter()
+                .find(|d| d.class == DeviceClass::Vulkan && d.vendor_id.is_some_and(|v| vendors.contains(&v)) && d.gpu);
+            match gpu {
+                Some(d) => usable(d).map_err(|why| {
+                    format!("{base} resolves to vulkan:{} ({}) through Vulkan, but {why}", d.ordinal, d.name)
+                }),
+                None if !inv.vulkan_feature => Err(format!(
+                    "{}, and this build has no Vulkan support (build with `--features vulkan`)",
+                    if base == "rocm" { "candle has no ROCm backend" } else { "DirectML is Windows/PyTorch-only" }
+                )),
+                None => Err(format!(
+                    "no {} GPU is visible through Vulkan ({}; rtune reaches these GPUs through Vulkan)",
+                    if base == "rocm" { "AMD" } else { "AMD or Intel" },
+                    if base == "rocm" { "candle has no ROCm backend" } else { "DirectML is Windows/PyTorch-only" }
+                )),
+            }
+        }
+        "wgpu" => Err("`wgpu` is not a device: Vulkan GPUs are `vulkan` or `vulkan:N`".into()),
         other => Err(format!("unknown device `{other}`")),
+    }
+}
+
+/// Whether a preference list names a device rtune reaches through Vulkan (so planning asks the
+/// Vulkan loader only then).
+pub fn served_through_vulkan(prefer: &[String]) -> bool {
+    prefer.iter().any(|p| ["vulkan", "rocm", "directml"].contains(&p.split(':').next().unwrap_or_default()))
+}
+
+fn usable(d: &DeviceInfo) -> Result<&DeviceInfo, String> {
+    match &d.unusable {
+        Some(why) => Err(why.clone()),
+        None => Ok(d),
+    }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+/// PCI vendor ids, as Vulkan reports them.
+pub const VENDOR_AMD: u32 = 0x1002;
+pub const VENDOR_INTEL: u32 = 0x8086;
+pub const VENDOR_NVIDIA: u32 = 0x10de;
+
+/// Why a Vulkan device is listed but not used.
+pub const NO_VULKAN_ENGINE: &str = "rtune has no Vulkan training engine yet (docs/devices.md, \"Vulkan\")";
+
+#[cfg(feature = "vulkan")]
+fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
+    let mut dtypes = Vec::new();
+    if d.bf16 {
+        dtypes.push(Dtype::Bf16);
+    }
+    if d.f16 {
+        dtypes.push(Dtype::F16);
+    }
+    dtypes.push(Dtype::F32);
+    DeviceInfo {
+        class: DeviceClass::Vulkan,
+        ordinal,
+        name: d.name.clone(),
+        dtypes,
+        memory_bytes: Some(d.memory_bytes),
+        details: Some(format!(
+            "{} {} device, Vulkan {}, {}; cooperative matrices: {}",
+            d.vendor(),
+            d.kind,
+            d.api,
+            d.driver,
+            if d.cooperative_matrix { "yes" } else { "no" }
+        )),
+        unusable: Some(NO_VULKAN_ENGINE.to_string()),
+        vendor_id: Some(d.vendor_id),
+        gpu: d.is_gpu(),
     }
 }
 
@@ -320,6 +463,8 @@ mod tests {
                 memory_bytes: None,
                 details: None,
                 unusable: None,
+                vendor_id: None,
+                gpu: true,
             });
         }
         inv
@@ -360,7 +505,9 @@ mod tests {
     fn nothing_usable_lists_everything_tried() {
         let e = resolve(&s(&["rocm", "metal"]), &[Dtype::F32], &Inventory::cpu_only(2)).unwrap_err();
         assert_eq!(e.tried.len(), 2);
-        assert!(e.to_string().starts_with("no preferred device is usable: rocm: candle has no ROCm"));
+        assert!(e.to_string().starts_with(
+            "no preferred device is usable: rocm: candle has no ROCm backend, and this build has no Vulkan"
+        ));
     }
 
     #[test]
@@ -377,5 +524,60 @@ mod tests {
     fn dtype_nobody_supports_skips_the_device() {
         let e = resolve(&s(&["cpu"]), &[Dtype::Bf16], &Inventory::cpu_only(2)).unwrap_err();
         assert!(e.tried[0].reason.contains("supports f32"));
+    }
+
+    fn vulkan_box(gpus: &[(u32, bool, Option<&str>)]) -> Inventory {
+        let mut inv = Inventory::cpu_only(2);
+        inv.vulkan_feature = true;
+        for (i, (vendor, gpu, unusable)) in gpus.iter().enumerate() {
+            inv.devices.push(DeviceInfo {
+                class: DeviceClass::Vulkan,
+                ordinal: i,
+                name: format!("gpu{i}"),
+                dtypes: vec![Dtype::F16, Dtype::F32],
+                memory_bytes: None,
+                details: None,
+                unusable: unusable.map(str::to_string),
+                vendor_id: Some(*vendor),
+                gpu: *gpu,
+            });
+        }
+        inv
+    }
+
+    #[test]
+    fn rocm_and_directml_resolve_to_a_vulkan_gpu_of_their_vendor() {
+        // A software driver (lavapipe) first, then an Intel and an AMD GPU; none usable yet.
+        let inv = vulkan_box(&[
+            (0x10005, false, Some(NO_VULKAN_ENGINE)),
+            (VENDOR_INTEL, true, Some(NO_VULKAN_ENGINE)),
+            (VENDOR_AMD, true, Some(NO_VULKAN_ENGINE)),
+        ]);
+        let e = resolve(&s(&["rocm", "directml", "vulkan:7", "vulkan"]), &[Dtype::F32], &inv).unwrap_err();
+        let reasons: Vec<&str> = e.tried.iter().map(|t| t.reason.as_str()).collect();
+        assert!(reasons[0].starts_with("rocm resolves to vulkan:2 (gpu2) through Vulkan, but rtune has no Vulkan"));
+        assert!(reasons[1].starts_with("directml resolves to vulkan:1 (gpu1) through Vulkan"), "{}", reasons[1]);
+        assert_eq!(reasons[2], "only 3 Vulkan devices present");
+        assert_eq!(reasons[3], NO_VULKAN_ENGINE);
+        // Once an engine makes the devices usable, the mapping is the resolution.
+        let inv = vulkan_box(&[(0x10005, false, None), (VENDOR_AMD, true, None)]);
+        let r = resolve(&s(&["rocm", "cpu"]), &[Dtype::Bf16, Dtype::F16], &inv).unwrap();
+        assert_eq!((r.device_name(), r.dtype), ("vulkan:1".to_string(), Dtype::F16));
+        // Only a software device: rocm finds no AMD GPU, vulkan takes the software one.
+        let inv = vulkan_box(&[(0x10005, false, None)]);
+        let r = resolve(&s(&["rocm", "vulkan", "cpu"]), &[Dtype::F32], &inv).unwrap();
+        assert_eq!(r.device_name(), "vulkan:0");
+        assert!(r.skipped[0].reason.starts_with("no AMD GPU is visible through Vulkan"));
+    }
+
+    #[test]
+    fn vulkan_without_the_feature_or_a_loader_says_which() {
+        let r = resolve(&s(&["vulkan", "cpu"]), &[Dtype::F32], &Inventory::cpu_only(2)).unwrap();
+        assert!(r.skipped[0].reason.contains("--features vulkan"));
+        let mut inv = vulkan_box(&[]);
+        inv.vulkan_note = Some("no Vulkan loader (libvulkan.so.1: cannot open)".into());
+        let r = resolve(&s(&["vulkan", "cpu"]), &[Dtype::F32], &inv).unwrap();
+        assert_eq!(r.skipped[0].reason, "no Vulkan device found: no Vulkan loader (libvulkan.so.1: cannot open)");
+        assert!(served_through_vulkan(&s(&["directml", "cpu"])) && !served_through_vulkan(&s(&["cuda", "cpu"])));
     }
 }

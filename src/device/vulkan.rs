@@ -1,0 +1,126 @@
+//! Vulkan devices as the loader reports them: name, vendor, kind, driver, device-local memory
+//! and the compute features a training engine needs (16-bit floats, bfloat16, cooperative
+//! matrices). The loader (`libvulkan.so.1`, `vulkan-1.dll`) is opened at run time, so a build
+//! with this feature runs on machines without Vulkan and simply finds no devices there.
+
+use std::ffi::CStr;
+
+use ash::vk;
+
+use super::{VENDOR_AMD, VENDOR_INTEL, VENDOR_NVIDIA};
+
+/// What `rtune doctor` shows of a Vulkan device, and what the policy matches on.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct VulkanInfo {
+    pub name: String,
+    pub vendor_id: u32,
+    /// `discrete`, `integrated`, `virtual`, `cpu` (a software driver such as lavapipe) or `other`.
+    pub kind: &'static str,
+    /// Driver name and version, e.g. `NVIDIA 580.82.07` or `llvmpipe Mesa 22.3.6`.
+    pub driver: String,
+    /// Vulkan version the device supports, e.g. `1.3`.
+    pub api: String,
+    /// The largest device-local memory heap.
+    pub memory_bytes: u64,
+    /// `shaderFloat16` and 16-bit storage buffers: f16 compute.
+    pub f16: bool,
+    /// `VK_KHR_shader_bfloat16`.
+    pub bf16: bool,
+    /// `VK_KHR_cooperative_matrix`: tensor-core / matrix-core GEMMs from shaders.
+    pub cooperative_matrix: bool,
+}
+
+impl VulkanInfo {
+    pub fn vendor(&self) -> &'static str {
+        match self.vendor_id {
+            VENDOR_AMD => "AMD",
+            VENDOR_INTEL => "Intel",
+            VENDOR_NVIDIA => "NVIDIA",
+            0x106b => "Apple",
+            0x13b5 => "ARM",
+            0x5143 => "Qualcomm",
+            0x10005 => "Mesa",
+            _ => "unknown vendor",
+        }
+    }
+
+    /// A hardware GPU (not a software rasteriser running on the CPU).
+    pub fn is_gpu(&self) -> bool {
+        matches!(self.kind, "discrete" | "integrated" | "virtual")
+    }
+}
+
+/// The Vulkan devices of this machine, or why there are none (no loader, no driver).
+pub fn devices() -> Result<Vec<VulkanInfo>, String> {
+    // SAFETY: opens the system's Vulkan loader library; its entry points are only called
+    // through `ash`'s typed wrappers below.
+    let entry = unsafe { ash::Entry::load() }.map_err(|e| format!("no Vulkan loader ({e})"))?;
+    let app = vk::ApplicationInfo::default().application_name(c"rtune").api_version(vk::API_VERSION_1_1);
+    let create = vk::InstanceCreateInfo::default().application_info(&app);
+    // SAFETY: a plain instance with no layers or extensions; destroyed below.
+    let instance = unsafe { entry.create_instance(&create, None) }
+        .map_err(|e| format!("the Vulkan loader found no usable driver ({e})"))?;
+    // SAFETY: `instance` is live until `destroy_instance`, and every handle used comes from it.
+    let found = unsafe { instance.enumerate_physical_devices() }
+        .map_err(|e| format!("cannot list Vulkan devices ({e})"))
+        .map(|pds| pds.into_iter().map(|pd| unsafe { describe(&instance, pd) }).collect());
+    // SAFETY: nothing created from the instance outlives this call.
+    unsafe { instance.destroy_instance(None) };
+    found
+}
+
+/// # Safety
+/// `pd` must be a physical device of the live `instance`.
+unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanInfo {
+    let text = |c: Result<&CStr, _>| c.map(|c: &CStr| c.to_string_lossy().into_owned()).unwrap_or_default();
+    // SAFETY (all calls): `pd` belongs to `instance` (the caller's contract); the out-structures
+    // are chained through `push_next` and live across the call that fills them.
+    let props = unsafe { instance.get_physical_device_properties(pd) };
+    let api = props.api_version;
+    let extensions: Vec<String> = unsafe { instance.enumerate_device_extension_properties(pd) }
+        .unwrap_or_default()
+        .iter()
+        .map(|e| text(e.extension_name_as_c_str()))
+        .collect();
+    let has = |name: &str| extensions.iter().any(|e| e == name);
+    let mut driver = vk::PhysicalDeviceDriverProperties::default();
+    let mut props2 = vk::PhysicalDeviceProperties2::default();
+    let driver_known = vk::api_version_minor(api) >= 2 || has("VK_KHR_driver_properties");
+    if driver_known {
+        props2 = props2.push_next(&mut driver);
+    }
+    unsafe { instance.get_physical_device_properties2(pd, &mut props2) };
+    let driver = if driver_known {
+        format!("{} {}", text(driver.driver_name_as_c_str()), text(driver.driver_info_as_c_str())).trim().to_string()
+    } else {
+        format!("driver version {:#x}", props.driver_version)
+    };
+    let mut f16 = vk::PhysicalDeviceShaderFloat16Int8Features::default();
+    let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default();
+    let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut f16).push_next(&mut storage16);
+    unsafe { instance.get_physical_device_features2(pd, &mut features) };
+    let memory = unsafe { instance.get_physical_device_memory_properties(pd) };
+    let memory_bytes = memory.memory_heaps[..memory.memory_heap_count as usize]
+        .iter()
+        .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+        .map(|h| h.size)
+        .max()
+        .unwrap_or(0);
+    VulkanInfo {
+        name: text(props.device_name_as_c_str()),
+        vendor_id: props.vendor_id,
+        kind: match props.device_type {
+            vk::PhysicalDeviceType::DISCRETE_GPU => "discrete",
+            vk::PhysicalDeviceType::INTEGRATED_GPU => "integrated",
+            vk::PhysicalDeviceType::VIRTUAL_GPU => "virtual",
+            vk::PhysicalDeviceType::CPU => "cpu",
+            _ => "other",
+        },
+        driver,
+        api: format!("{}.{}", vk::api_version_major(api), vk::api_version_minor(api)),
+        memory_bytes,
+        f16: f16.shader_float16 == vk::TRUE && storage16.storage_buffer16_bit_access == vk::TRUE,
+        bf16: has("VK_KHR_shader_bfloat16"),
+        cooperative_matrix: has("VK_KHR_cooperative_matrix"),
+    }
+}
