@@ -57,6 +57,24 @@ pub struct DeviceInfo {
     pub gpu: bool,
 }
 
+impl DeviceInfo {
+    /// The CPU: bf16/f16 matmuls on the CPU go through slow conversion paths in candle, so f32
+    /// is its one training dtype (see docs/devices.md).
+    fn cpu(name: String, memory_bytes: Option<u64>) -> DeviceInfo {
+        DeviceInfo {
+            class: DeviceClass::Cpu,
+            ordinal: 0,
+            name,
+            dtypes: vec![Dtype::F32],
+            memory_bytes,
+            details: None,
+            unusable: None,
+            vendor_id: None,
+            gpu: false,
+        }
+    }
+}
+
 /// What this build was compiled with, and the devices it found.
 #[derive(Debug, Clone, Serialize)]
 pub struct Inventory {
@@ -78,19 +96,7 @@ impl Inventory {
     pub fn probe(with_vulkan: bool) -> Inventory {
         let cpu_threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         #[allow(unused_mut)]
-        let mut devices = vec![DeviceInfo {
-            class: DeviceClass::Cpu,
-            ordinal: 0,
-            name: cpu_name(),
-            // bf16/f16 matmuls on CPU go through slow conversion paths in candle; f32 is the
-            // one CPU training dtype (see docs/devices.md).
-            dtypes: vec![Dtype::F32],
-            memory_bytes: total_memory(),
-            details: None,
-            unusable: None,
-            vendor_id: None,
-            gpu: false,
-        }];
+        let mut devices = vec![DeviceInfo::cpu(cpu_name(), total_memory())];
         #[cfg(feature = "cuda")]
         {
             let build_cap = cuda::BUILD_COMPUTE_CAP;
@@ -172,17 +178,7 @@ impl Inventory {
             metal_feature: false,
             vulkan_feature: false,
             vulkan_note: None,
-            devices: vec![DeviceInfo {
-                class: DeviceClass::Cpu,
-                ordinal: 0,
-                name: "cpu".into(),
-                dtypes: vec![Dtype::F32],
-                memory_bytes: None,
-                details: None,
-                unusable: None,
-                vendor_id: None,
-                gpu: false,
-            }],
+            devices: vec![DeviceInfo::cpu("cpu".into(), None)],
             cpu_threads: threads,
         }
     }
