@@ -1,7 +1,8 @@
 //! Peak memory of the tokenize stage (issue 21, item 11): rows stream from the file through the
 //! tokenizer into the token store, so peak RSS does not grow with the dataset. Its own test
 //! binary, so that the children's peak RSS (`getrusage(RUSAGE_CHILDREN)`, the largest of the
-//! runs: JSON Lines, then the same rows as one JSON array) is only rtune's here.
+//! runs: JSON Lines, then the same rows as one JSON array, then a scratch model's tokenizer
+//! trained on them) is only rtune's here.
 
 mod common;
 
@@ -53,6 +54,16 @@ fn tokenize_memory_does_not_grow_with_the_dataset() {
         assert!(o.status.success(), "{}", stderr(&o));
         assert!(stderr(&o).contains("tokenize") && stderr(&o).contains("train /"), "{}", stderr(&o));
     }
+    // A scratch model's tokenizer is trained by the download stage on the same 16 MB: rows
+    // stream into the trainer, which keeps word counts, not texts.
+    std::fs::write(
+        p.join("scratch.toml"),
+        "[recipe]\nname = \"mem-scratch\"\n[model]\nscratch = { arch = \"llama\", hidden_size = 32, num_layers = 1, num_heads = 2, num_kv_heads = 1, intermediate_size = 64, vocab_size = 400 }\n[dataset]\npath = \"data/big.jsonl\"\nformat = \"alpaca\"\n[stages.train]\n",
+    )
+    .unwrap();
+    let o = rtune(p, &p.join("cache-scratch"), &["run", "scratch.toml", "--only", "download"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("tokenizer trained on"), "{}", stderr(&o));
     // SAFETY: getrusage only writes the struct it is given.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) }, 0);
