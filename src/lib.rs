@@ -16,6 +16,7 @@ pub mod engine;
 pub mod error;
 pub mod exec;
 pub mod fingerprint;
+pub mod glob;
 pub mod hub;
 pub mod model;
 pub mod plan;

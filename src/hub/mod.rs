@@ -9,17 +9,16 @@
 
 mod cache;
 mod download;
-mod glob;
 mod http;
 mod upload;
 
 use std::path::PathBuf;
 
+pub use crate::glob::fnmatch;
 pub use cache::{CachedSnapshot, HubCache};
 pub use download::{
     DownloadReport, FileReport, Listing, Wanted, download_command, list_files, resolve_commit, snapshot,
 };
-pub use glob::fnmatch;
 pub use http::Client;
 pub use upload::{CommitFile, CommitReport, commit, create_repo};
 

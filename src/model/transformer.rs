@@ -529,7 +529,7 @@ impl Builder<'_> {
             });
         }
         if let Trainable::Weights(patterns) = self.trainable
-            && patterns.iter().any(|p| glob_match(p, name))
+            && patterns.iter().any(|p| crate::glob::fnmatch(p, name))
         {
             let master = t.to_dtype(DType::F32).map_err(super::ModelError::candle(format!("convert `{name}`")))?;
             let var =
@@ -575,19 +575,6 @@ impl Builder<'_> {
         }
         Ok(lin)
     }
-}
-
-/// `*` matches any run of characters; everything else literally.
-pub fn glob_match(pattern: &str, name: &str) -> bool {
-    fn go(p: &[u8], n: &[u8]) -> bool {
-        match (p.first(), n.first()) {
-            (None, None) => true,
-            (Some(b'*'), _) => go(&p[1..], n) || (!n.is_empty() && go(p, &n[1..])),
-            (Some(a), Some(b)) if a == b => go(&p[1..], &n[1..]),
-            _ => false,
-        }
-    }
-    go(pattern.as_bytes(), name.as_bytes())
 }
 
 impl Module for Transformer {

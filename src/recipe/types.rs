@@ -521,7 +521,8 @@ pub struct TrainSettings {
     #[serde(default)]
     pub loss_guard: LossGuard,
     /// Which parameters train: `["adapter"]` (the default with LoRA), `["all"]`, or name
-    /// patterns such as `["layers.10.*", "lm_head"]` (selective layer training).
+    /// patterns such as `["layers.10.*", "lm_head"]` (selective layer training; fnmatch patterns, as for
+    /// Hub `files`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub trainable: Option<Vec<String>>,

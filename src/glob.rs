@@ -1,6 +1,7 @@
-//! `--include` / `--exclude` patterns with the semantics of Python's `fnmatch`, which
-//! huggingface_hub uses: `*` matches any run of characters including `/`, `?` one character,
-//! `[abc]` / `[!abc]` / `[a-z]` a class.
+//! The one pattern matcher: Python's `fnmatch` semantics, which huggingface_hub uses for
+//! `--include` / `--exclude` (and rtune for Hub `files`, and for `trainable` weight names):
+//! `*` matches any run of characters including `/` and `.`, `?` one character, `[abc]` /
+//! `[!abc]` / `[a-z]` a class.
 
 /// Does `name` match `pattern`?
 pub fn fnmatch(pattern: &str, name: &str) -> bool {
