@@ -3,12 +3,12 @@
 # target folder and reporting the binary's size and its crate count; copies the binaries
 # gzipped to .gpu/ for spikes/vulkan-gemm/gpu.sh.
 #
-#   spikes/vulkan-gemm/build.sh [wgsl] [burn]
+#   spikes/vulkan-gemm/build.sh [wgsl] [burn] [ash]
 set -euo pipefail
 cd "$(dirname "$0")"
 grep "model name" /proc/cpuinfo | head -1; nproc
 mkdir -p ../../.gpu
-for c in "${@:-wgsl burn}"; do
+for c in "${@:-wgsl burn ash}"; do
   for cand in $c; do
     target="${SPIKE_TARGET:-/tmp/vulkan-gemm-target}-$cand"
     rm -rf "$target"

@@ -19,5 +19,8 @@ echo "== cuBLAS (PyTorch) bf16";  python3 spikes/vulkan-gemm/cublas.py --dtype b
 echo "== cuBLAS (PyTorch) f32";   python3 spikes/vulkan-gemm/cublas.py --dtype f32 --iters "$iters"
 echo "== wgpu + WGSL f32";        .gpu/vulkan-gemm-wgsl --dtype f32 --iters "$iters"
 for dt in f16 f32; do
+  echo "== ash + SPIR-V (device addresses) $dt"; .gpu/vulkan-gemm-ash --dtype "$dt" --iters "$iters"
+done
+for dt in f16 f32; do
   echo "== burn/CubeCL $dt";      .gpu/vulkan-gemm-burn --dtype "$dt" --iters "$iters"
 done

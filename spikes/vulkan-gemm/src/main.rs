@@ -1,6 +1,6 @@
 //! Issue 18's spike: how fast does each candidate kernel layer multiply the matrices of a LoRA
-//! train step through Vulkan? One candidate per build (`--features wgsl` or `--features burn`),
-//! so that build time and binary size are each candidate's own.
+//! train step through Vulkan? One candidate per build (`--features wgsl`, `burn` or `ash`), so
+//! that build time and binary size are each candidate's own.
 //!
 //!     vulkan-gemm [--dtype f32|f16] [--iters N] [--shapes 135m|360m|all|smoke]
 //!
@@ -92,7 +92,9 @@ fn main() {
     wgsl::run(&a, &shapes);
     #[cfg(feature = "burn")]
     burn_gemm::run(&a, &shapes);
-    #[cfg(not(any(feature = "wgsl", feature = "burn")))]
+    #[cfg(feature = "ash")]
+    ash_bda::run(&a, &shapes);
+    #[cfg(not(any(feature = "wgsl", feature = "burn", feature = "ash")))]
     {
         let _ = (
             &a,
@@ -101,7 +103,7 @@ fn main() {
             check as fn(&[f32], &[f32], &[f32], usize, usize, usize) -> f64,
             report as fn(&str, usize, usize, usize, &mut [f64], f64),
         );
-        eprintln!("build with --features wgsl or --features burn");
+        eprintln!("build with --features wgsl, burn or ash");
     }
 }
 
@@ -319,6 +321,250 @@ mod burn_gemm {
             }
             let hc: Vec<f32> = last.unwrap().cast(DType::F32).into_data().to_vec().expect("f32 data");
             report(name, m, k, n, &mut times, check(&ha, &hb, &hc, m, k, n));
+        }
+    }
+}
+
+/// Candidate 4: `ash` (the loader only) with a GLSL kernel compiled to SPIR-V ahead of time
+/// (`shaders/`), reading and writing its buffers through buffer device addresses passed as push
+/// constants — the raw-pointer model of rtune's GPU engine (`Gpu` trait), on Vulkan.
+#[cfg(feature = "ash")]
+mod ash_bda {
+    use super::*;
+    use ash::vk;
+
+    const SPV_F32: &[u8] = include_bytes!("../shaders/gemm_f32.spv");
+    const SPV_F16_COOPMAT: &[u8] = include_bytes!("../shaders/gemm_f16_coopmat_nv.spv");
+
+    struct Buffer {
+        buf: vk::Buffer,
+        mem: vk::DeviceMemory,
+        addr: u64,
+    }
+
+    pub fn run(args: &Args, shapes: &[(&str, usize, usize, usize)]) {
+        // f32: the tiled kernel; f16: tensor cores through VK_NV_cooperative_matrix.
+        let coop = match args.dtype.as_str() {
+            "f32" => false,
+            "f16" => true,
+            other => panic!("the ash candidate runs f32 or f16, not {other}"),
+        };
+        // SAFETY (whole function): every handle is created from the instance/device made here
+        // and used on this thread only; command buffers are waited on before their buffers are
+        // read or destroyed.
+        unsafe {
+            let entry = ash::Entry::load().expect("a Vulkan loader");
+            let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_2);
+            let instance = entry
+                .create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None)
+                .expect("a Vulkan instance");
+            let rank = |t: vk::PhysicalDeviceType| match t {
+                vk::PhysicalDeviceType::DISCRETE_GPU => 3,
+                vk::PhysicalDeviceType::INTEGRATED_GPU => 2,
+                vk::PhysicalDeviceType::VIRTUAL_GPU => 1,
+                _ => 0,
+            };
+            let pd = instance
+                .enumerate_physical_devices()
+                .expect("devices")
+                .into_iter()
+                .max_by_key(|&p| rank(instance.get_physical_device_properties(p).device_type))
+                .expect("a Vulkan device");
+            let props = instance.get_physical_device_properties(pd);
+            println!(
+                "candidate: ash + GLSL/SPIR-V with buffer device addresses ({})",
+                if coop { "f16 inputs, f32 accumulation, VK_NV_cooperative_matrix" } else { "f32, tiled" }
+            );
+            println!(
+                "adapter: {} | device type {} | Vulkan {}.{}",
+                props.device_name_as_c_str().unwrap_or_default().to_string_lossy(),
+                props.device_type.as_raw(),
+                vk::api_version_major(props.api_version),
+                vk::api_version_minor(props.api_version)
+            );
+            let qfi = instance
+                .get_physical_device_queue_family_properties(pd)
+                .iter()
+                .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE))
+                .expect("a compute queue") as u32;
+            let prio = [1.0f32];
+            let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(qfi).queue_priorities(&prio)];
+            let extensions: Vec<String> = instance
+                .enumerate_device_extension_properties(pd)
+                .unwrap_or_default()
+                .iter()
+                .map(|e| e.extension_name_as_c_str().unwrap_or_default().to_string_lossy().into_owned())
+                .collect();
+            if coop && !extensions.iter().any(|e| e == "VK_NV_cooperative_matrix") {
+                println!("skipped: the device has no VK_NV_cooperative_matrix");
+                return;
+            }
+            let ext_names = [c"VK_NV_cooperative_matrix".as_ptr()];
+            let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(coop);
+            let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
+                .buffer_device_address(true)
+                .shader_float16(coop)
+                .vulkan_memory_model(coop);
+            let mut coop_features = vk::PhysicalDeviceCooperativeMatrixFeaturesNV::default().cooperative_matrix(true);
+            let features = vk::PhysicalDeviceFeatures::default().shader_int64(true);
+            let mut create = vk::DeviceCreateInfo::default()
+                .queue_create_infos(&queues)
+                .enabled_features(&features)
+                .push_next(&mut v12)
+                .push_next(&mut v11);
+            if coop {
+                create = create.enabled_extension_names(&ext_names).push_next(&mut coop_features);
+            }
+            let device = instance.create_device(pd, &create, None).expect("a device with buffer device addresses");
+            let queue = device.get_device_queue(qfi, 0);
+            let memory = instance.get_physical_device_memory_properties(pd);
+            let alloc = |bytes: usize, want: vk::MemoryPropertyFlags| -> Buffer {
+                let usage = vk::BufferUsageFlags::STORAGE_BUFFER
+                    | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS
+                    | vk::BufferUsageFlags::TRANSFER_SRC
+                    | vk::BufferUsageFlags::TRANSFER_DST;
+                let buf = device
+                    .create_buffer(&vk::BufferCreateInfo::default().size(bytes as u64).usage(usage), None)
+                    .unwrap();
+                let req = device.get_buffer_memory_requirements(buf);
+                let ty = (0..memory.memory_type_count)
+                    .find(|&i| {
+                        req.memory_type_bits & (1 << i) != 0
+                            && memory.memory_types[i as usize].property_flags.contains(want)
+                    })
+                    .expect("a memory type");
+                let mut flags = vk::MemoryAllocateFlagsInfo::default().flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
+                let mem = device
+                    .allocate_memory(
+                        &vk::MemoryAllocateInfo::default()
+                            .allocation_size(req.size)
+                            .memory_type_index(ty)
+                            .push_next(&mut flags),
+                        None,
+                    )
+                    .expect("device memory");
+                device.bind_buffer_memory(buf, mem, 0).unwrap();
+                let addr = device.get_buffer_device_address(&vk::BufferDeviceAddressInfo::default().buffer(buf));
+                Buffer { buf, mem, addr }
+            };
+            let free = |b: Buffer| {
+                device.destroy_buffer(b.buf, None);
+                device.free_memory(b.mem, None);
+            };
+            let spv = if coop { SPV_F16_COOPMAT } else { SPV_F32 };
+            let code = ash::util::read_spv(&mut std::io::Cursor::new(spv)).expect("SPIR-V");
+            let module = device.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None).unwrap();
+            let ranges =
+                [vk::PushConstantRange::default().stage_flags(vk::ShaderStageFlags::COMPUTE).offset(0).size(40)];
+            let layout = device
+                .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges), None)
+                .unwrap();
+            let stage = vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::COMPUTE)
+                .module(module)
+                .name(c"main");
+            let pipeline = device
+                .create_compute_pipelines(
+                    vk::PipelineCache::null(),
+                    &[vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout)],
+                    None,
+                )
+                .expect("the pipeline")[0];
+            let pool = device
+                .create_command_pool(
+                    &vk::CommandPoolCreateInfo::default()
+                        .queue_family_index(qfi)
+                        .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER),
+                    None,
+                )
+                .unwrap();
+            let cmd = device
+                .allocate_command_buffers(
+                    &vk::CommandBufferAllocateInfo::default().command_pool(pool).command_buffer_count(1),
+                )
+                .unwrap()[0];
+            let fence = device.create_fence(&vk::FenceCreateInfo::default(), None).unwrap();
+            // Record with `f`, submit, wait.
+            let submit = |f: &dyn Fn()| {
+                device.reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty()).unwrap();
+                device.begin_command_buffer(cmd, &vk::CommandBufferBeginInfo::default()).unwrap();
+                f();
+                device.end_command_buffer(cmd).unwrap();
+                let cmds = [cmd];
+                device.queue_submit(queue, &[vk::SubmitInfo::default().command_buffers(&cmds)], fence).unwrap();
+                device.wait_for_fences(&[fence], true, u64::MAX).unwrap();
+                device.reset_fences(&[fence]).unwrap();
+            };
+            let host = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+            let copy = |src: &Buffer, dst: &Buffer, bytes: usize| {
+                submit(&|| {
+                    device.cmd_copy_buffer(cmd, src.buf, dst.buf, &[vk::BufferCopy::default().size(bytes as u64)])
+                })
+            };
+            for &(name, m, k, n) in shapes {
+                let (ha, hb) = (input(m * k, 1), input(k * n, 2));
+                if coop && (m % 64 != 0 || n % 64 != 0 || k % 16 != 0) {
+                    println!("{name:14} {m:5}x{k:5}x{n:5}  skipped: the kernel needs m, n multiples of 64, k of 16");
+                    continue;
+                }
+                let to_device = |data: &[f32]| {
+                    let data: Vec<u8> = if coop {
+                        data.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect()
+                    } else {
+                        data.iter().flat_map(|x| x.to_le_bytes()).collect()
+                    };
+                    let bytes = data.len();
+                    let staging = alloc(bytes, host);
+                    let p = device.map_memory(staging.mem, 0, bytes as u64, vk::MemoryMapFlags::empty()).unwrap();
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, bytes);
+                    device.unmap_memory(staging.mem);
+                    let dev = alloc(bytes, vk::MemoryPropertyFlags::DEVICE_LOCAL);
+                    copy(&staging, &dev, bytes);
+                    free(staging);
+                    dev
+                };
+                let (da, db) = (to_device(&ha), to_device(&hb));
+                let dc = alloc(m * n * 4, vk::MemoryPropertyFlags::DEVICE_LOCAL);
+                let mut push = Vec::with_capacity(40);
+                for x in [da.addr, db.addr, dc.addr] {
+                    push.extend_from_slice(&x.to_le_bytes());
+                }
+                for x in [m as u32, k as u32, n as u32, 0] {
+                    push.extend_from_slice(&x.to_le_bytes());
+                }
+                let launch = || {
+                    submit(&|| {
+                        device.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline);
+                        device.cmd_push_constants(cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, &push);
+                        // Both kernels cover a 64×64 tile per workgroup.
+                        device.cmd_dispatch(cmd, n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1);
+                    })
+                };
+                launch();
+                let mut times = Vec::new();
+                for _ in 0..args.iters {
+                    let t = Instant::now();
+                    launch();
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                let staging = alloc(m * n * 4, host);
+                copy(&dc, &staging, m * n * 4);
+                let p = device.map_memory(staging.mem, 0, (m * n * 4) as u64, vk::MemoryMapFlags::empty()).unwrap();
+                let hc = std::slice::from_raw_parts(p as *const f32, m * n).to_vec();
+                device.unmap_memory(staging.mem);
+                report(name, m, k, n, &mut times, check(&ha, &hb, &hc, m, k, n));
+                for b in [da, db, dc, staging] {
+                    free(b);
+                }
+            }
+            device.device_wait_idle().unwrap();
+            device.destroy_fence(fence, None);
+            device.destroy_command_pool(pool, None);
+            device.destroy_pipeline(pipeline, None);
+            device.destroy_pipeline_layout(layout, None);
+            device.destroy_shader_module(module, None);
+            device.destroy_device(None);
+            instance.destroy_instance(None);
         }
     }
 }
