@@ -29,7 +29,7 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         Download | Tokenize => 1,
         // 2: the fused CPU cross-entropy sums in another order, so losses, gradients and
         // therefore trained weights differ in the last bits from version 1's.
-        // 3: f32 LoRA runs on the CPU use the fused engine (src/engine/fused.rs), whose sums run
+        // 3: f32 LoRA runs on the CPU use the fused engine (src/engine/fused/), whose sums run
         // in another order again.
         // 4 (train): LoRA dropout masks come from a counter-based generator keyed by seed,
         // micro-batch, layer and element (the same on every engine and device), not from one
