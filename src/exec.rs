@@ -195,7 +195,7 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         let staging = store.staging()?;
         let ctx = StageCtx {
             loaded,
-            plan,
+            offline: plan.offline,
             stage: planned,
             store,
             out: staging.path(),

@@ -43,6 +43,9 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
         // `plan` can check the destination and `run` restore it.
+        // (Still 3, with new inputs: the card's sources are declared ports — `card:train` for
+        // the training section and loss curve, `card:eval:<stage>` for each evaluation — so
+        // fingerprints changed without a version bump.)
         Upload => 3,
     }
 }

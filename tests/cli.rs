@@ -121,6 +121,11 @@ fn explain_shows_fingerprint_inputs() {
     let text = stdout(&o);
     assert!(text.contains("\"learning_rate\": 0.002"), "{text}");
     assert!(text.contains("no earlier run of `train` is recorded"), "{text}");
+    // The upload reads the train stage's metrics and loss curve for its card: a declared input,
+    // not something its executor finds in the plan.
+    let o = p.run(&["explain", "tiny.toml", "upload"]);
+    let text = stdout(&o);
+    assert!(text.contains("\"card:train\": \"") && text.contains("\"card:eval:evaluate\": \""), "{text}");
 }
 
 /// README promises two commands; CI must run the same test command.

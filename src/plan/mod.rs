@@ -176,9 +176,14 @@ pub fn make(
             inputs.insert(port_name(port).into(), json!(fp));
         }
         if spec.kind == StageKind::Upload {
-            // The card's evaluation table reads the evaluations planned before the upload.
+            // The card's evaluation table reads the evaluations planned before the upload, and
+            // its training section (metrics, loss curve) the train stage the exports came from.
             for p in planned.iter().filter(|p| p.kind == StageKind::Evaluate && p.action != Action::Skip) {
-                inputs.insert(format!("card:{}", p.name), json!(p.fingerprint));
+                inputs.insert(format!("card:eval:{}", p.name), json!(p.fingerprint));
+            }
+            let upstream = loaded.stages.upstream(&spec.name);
+            if let Some(t) = planned.iter().find(|p| p.kind == StageKind::Train && upstream.contains(&p.name)) {
+                inputs.insert("card:train".into(), json!(t.fingerprint));
             }
         }
         let mut doc = json!({
@@ -320,6 +325,8 @@ fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, p
         }
     }
     if !changed_inputs.is_empty() {
+        // In pipeline order, not port order.
+        changed_inputs.sort_by_key(|name| planned.iter().position(|p| &p.name == name).unwrap_or(usize::MAX));
         parts.push(format!("input changed: {}", changed_inputs.join(", ")));
     }
     if parts.is_empty() { "fingerprint changed".into() } else { parts.join("; ") }

@@ -98,7 +98,7 @@ fn fetch_hub(
     commit: &str,
     dest: &Path,
 ) -> Result<crate::hub::DownloadReport, StageError> {
-    let env = crate::hub::HubEnv::from_env(None, ctx.plan.offline);
+    let env = crate::hub::HubEnv::from_env(None, ctx.offline);
     let cache = crate::hub::HubCache::new(&env.cache_dir);
     let client = crate::hub::Client::new(env);
     let pinned = src.repo.with_revision(commit);

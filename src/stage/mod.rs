@@ -11,7 +11,7 @@ mod upload;
 use std::path::{Path, PathBuf};
 
 use crate::device::Resolution;
-use crate::plan::{Plan, PlannedStage};
+use crate::plan::PlannedStage;
 use crate::recipe::{LoadedRecipe, Problem, StageKind};
 use crate::store::Store;
 use crate::ui::Ui;
@@ -19,7 +19,10 @@ use crate::ui::Ui;
 /// Everything a stage executor may use.
 pub struct StageCtx<'a> {
     pub loaded: &'a LoadedRecipe,
-    pub plan: &'a Plan,
+    /// Never use the network (`--offline`, `HF_HUB_OFFLINE`): how to run, not what is built.
+    pub offline: bool,
+    /// This stage as planned: its fingerprint and the document hashed for it (settings and
+    /// inputs). Executors read other stages only through its input ports.
     pub stage: &'a PlannedStage,
     pub store: &'a Store,
     /// Where the stage writes its artifact (committed when it returns Ok).

@@ -13,8 +13,7 @@ use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
 use crate::destination::{self, Record, Written};
-use crate::plan::Action;
-use crate::recipe::{StageKind, UploadSettings};
+use crate::recipe::UploadSettings;
 use crate::ui::human_bytes;
 
 pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
@@ -34,10 +33,10 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     // The card and the loss curve travel with the models.
     let card_dir = ctx.out.join("card");
     std::fs::create_dir_all(&card_dir).map_err(StageError::io("cannot create the card folder"))?;
-    if let Some(st) = train_stage(ctx) {
-        let curve = ctx.store.artifact_dir(&st.fingerprint).join("loss_curve.svg");
+    if let Some(train) = train_stage(ctx) {
+        let curve = ctx.store.artifact_dir(train).join("loss_curve.svg");
         if curve.exists() {
-            files.push(("loss_curve.svg".into(), curve, format!("{}/loss_curve.svg", st.fingerprint)));
+            files.push(("loss_curve.svg".into(), curve, format!("{train}/loss_curve.svg")));
         }
     }
     let card = model_card(ctx, &files);
@@ -47,7 +46,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
 
     if let Some(rest) = s.to.strip_prefix("hf://") {
         let repo = crate::hub::parse_hf_url(rest)?;
-        let env = crate::hub::HubEnv::from_env(None, ctx.plan.offline);
+        let env = crate::hub::HubEnv::from_env(None, ctx.offline);
         if env.offline {
             return Err(crate::recipe::Problem::new(
                 "rtune::hub::offline",
@@ -98,10 +97,9 @@ fn write_record(ctx: &StageCtx<'_>, record: &Record) -> Result<(), StageError> {
     write_json(&ctx.out.join("upload.json"), &serde_json::to_value(record).expect("record serialises"))
 }
 
-/// The train stage upstream of this upload, if any.
-fn train_stage<'a>(ctx: &'a StageCtx<'_>) -> Option<&'a crate::plan::PlannedStage> {
-    let upstream = ctx.loaded.stages.upstream(&ctx.stage.name);
-    ctx.plan.stages.iter().find(|s| s.kind == StageKind::Train && upstream.contains(&s.name))
+/// The fingerprint of the train stage the exports came from (the `card:train` input), if any.
+fn train_stage<'a>(ctx: &'a StageCtx<'_>) -> Option<&'a str> {
+    ctx.stage.input("card:train")
 }
 
 /// A Hugging Face model card: YAML front matter the Hub understands, then what was built and how.
@@ -141,12 +139,13 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf, String)]) -> String
         let size = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
         let _ = writeln!(s, "| `{p}` | {} |", human_bytes(size));
     }
-    let evals: Vec<_> = ctx
-        .plan
-        .stages
-        .iter()
-        .filter(|st| st.kind == StageKind::Evaluate && st.action != Action::Skip)
-        .filter_map(|st| ctx.store.manifest(&st.fingerprint).map(|m| (st.name.clone(), m.metrics)))
+    // The evaluations are the `card:eval:<stage>` inputs.
+    let evals: Vec<_> = ctx.stage.doc["inputs"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(port, fp)| Some((port.strip_prefix("card:eval:")?, fp.as_str()?)))
+        .filter_map(|(name, fp)| ctx.store.manifest(fp).map(|m| (name.to_string(), m.metrics)))
         .collect();
     if !evals.is_empty() {
         s.push_str("\n## Evaluation\n\n| stage | model | loss | perplexity | tokens |\n|---|---|---|---|---|\n");
@@ -162,7 +161,7 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf, String)]) -> String
             );
         }
     }
-    if let Some(m) = train_stage(ctx).and_then(|st| ctx.store.manifest(&st.fingerprint)) {
+    if let Some(m) = train_stage(ctx).and_then(|train| ctx.store.manifest(train)) {
         s.push_str("\n## Training\n\n");
         // Results only: timings would make the artifact differ between identical runs.
         for key in ["steps", "eval_loss_start", "eval_loss_end", "train_loss_end", "tokens_seen"] {
