@@ -406,12 +406,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             for d in &inv.devices {
                 let mem = d.memory_bytes.map(human_bytes).unwrap_or_else(|| "unknown".into());
                 let dtypes = d.dtypes.iter().map(|t| t.as_str()).collect::<Vec<_>>().join(", ");
-                let id = match d.class {
-                    rtune::device::DeviceClass::Cpu => "cpu".to_string(),
-                    rtune::device::DeviceClass::Cuda => format!("cuda:{}", d.ordinal),
-                    rtune::device::DeviceClass::Metal => "metal".to_string(),
-                    rtune::device::DeviceClass::Vulkan => format!("vulkan:{}", d.ordinal),
-                };
+                let id = d.class.device_name(d.ordinal);
                 out.push_str(&format!("  {id:<8} {}  memory {mem}  training dtypes: {dtypes}\n", d.name));
                 if let Some(details) = &d.details {
                     out.push_str(&format!("           {details}\n"));

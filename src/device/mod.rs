@@ -33,6 +33,15 @@ impl DeviceClass {
             DeviceClass::Vulkan => "vulkan",
         }
     }
+
+    /// How a policy and `rtune doctor` name device `ordinal` of this class: `cpu`, `cuda:1`,
+    /// `metal`, `vulkan:0`.
+    pub fn device_name(self, ordinal: usize) -> String {
+        match self {
+            DeviceClass::Cuda | DeviceClass::Vulkan => format!("{}:{ordinal}", self.as_str()),
+            c => c.as_str().to_string(),
+        }
+    }
 }
 
 /// One device this build can use on this machine.
@@ -214,12 +223,9 @@ impl Resolution {
         }
     }
 
-    /// `cpu`, `cuda:1`, `metal`.
+    /// `cpu`, `cuda:1`, `metal`, `vulkan:0`.
     pub fn device_name(&self) -> String {
-        match self.class {
-            DeviceClass::Cuda | DeviceClass::Vulkan => format!("{}:{}", self.class.as_str(), self.ordinal),
-            c => c.as_str().to_string(),
-        }
+        self.class.device_name(self.ordinal)
     }
 
     /// The override table names that apply: the exact name first, then the class (`cuda`).
@@ -307,18 +313,9 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
             if !inv.cuda_feature {
                 return Err("this build has no CUDA support (build with `--features cuda`)".into());
             }
-            let cudas: Vec<&DeviceInfo> = inv.devices.iter().filter(|d| d.class == DeviceClass::Cuda).collect();
-            let n = ordinal.unwrap_or(0);
-            match cudas.iter().find(|d| d.ordinal == n) {
-                Some(d) => match &d.unusable {
-                    Some(why) => Err(why.clone()),
-                    None => Ok(d),
-                },
-                None if cudas.is_empty() => Err("no CUDA device found (driver missing or no GPU)".into()),
-                None => {
-                    Err(format!("only {} CUDA device{} present", cudas.len(), if cudas.len() == 1 { "" } else { "s" }))
-                }
-            }
+            numbered(inv, DeviceClass::Cuda, "CUDA", ordinal, || {
+                "no CUDA device found (driver missing or no GPU)".into()
+            })
         }
         "metal" => {
             if !inv.metal_feature {
@@ -330,21 +327,19 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
             if !inv.vulkan_feature {
                 return Err("this build has no Vulkan support (build with `--features vulkan`)".into());
             }
-            let found: Vec<&DeviceInfo> = inv.devices.iter().filter(|d| d.class == DeviceClass::Vulkan).collect();
-            let n = ordinal.unwrap_or(0);
-            match found.iter().find(|d| d.ordinal == n) {
-                Some(d) => usable(d),
-                None if found.is_empty() => Err(match &inv.vulkan_note {
-                    Some(why) => format!("no Vulkan device found: {why}"),
-                    None => "no Vulkan device found".into(),
-                }),
-                None => Err(format!("only {} Vulkan device{} present", found.len(), plural(found.len()))),
-            }
+            numbered(inv, DeviceClass::Vulkan, "Vulkan", ordinal, || match &inv.vulkan_note {
+                Some(why) => format!("no Vulkan device found: {why}"),
+                None => "no Vulkan device found".into(),
+            })
         }
         // AMD (ROCm) and AMD or Intel (DirectML) GPUs are served through Vulkan, the one API
         // rtune reaches them by; the policy says which Vulkan device a preference became.
         "rocm" | "directml" => {
-            let vendors: &[u32] = if base == "rocm" { &[VENDOR_AMD] } else { &[VENDOR_AMD, VENDOR_INTEL] };
+            let (vendors, gpus, own_api): (&[u32], _, _) = if base == "rocm" {
+                (&[VENDOR_AMD], "AMD", "candle has no ROCm backend")
+            } else {
+                (&[VENDOR_AMD, VENDOR_INTEL], "AMD or Intel", "DirectML is Windows/PyTorch-only")
+            };
             let gpu = inv
                 .devices
                 .iter()
@@ -353,14 +348,11 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
                 Some(d) => usable(d).map_err(|why| {
                     format!("{base} resolves to vulkan:{} ({}) through Vulkan, but {why}", d.ordinal, d.name)
                 }),
-                None if !inv.vulkan_feature => Err(format!(
-                    "{}, and this build has no Vulkan support (build with `--features vulkan`)",
-                    if base == "rocm" { "candle has no ROCm backend" } else { "DirectML is Windows/PyTorch-only" }
-                )),
+                None if !inv.vulkan_feature => {
+                    Err(format!("{own_api}, and this build has no Vulkan support (build with `--features vulkan`)"))
+                }
                 None => Err(format!(
-                    "no {} GPU is visible through Vulkan ({}; rtune reaches these GPUs through Vulkan)",
-                    if base == "rocm" { "AMD" } else { "AMD or Intel" },
-                    if base == "rocm" { "candle has no ROCm backend" } else { "DirectML is Windows/PyTorch-only" }
+                    "no {gpus} GPU is visible through Vulkan ({own_api}; rtune reaches these GPUs through Vulkan)"
                 )),
             }
         }
@@ -373,6 +365,23 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
 /// Vulkan loader only then).
 pub fn served_through_vulkan(prefer: &[String]) -> bool {
     prefer.iter().any(|p| ["vulkan", "rocm", "directml"].contains(&p.split(':').next().unwrap_or_default()))
+}
+
+/// Device `ordinal` (default 0) of a numbered class (`cuda:N`, `vulkan:N`), or why not: `none`
+/// when the class has no device at all.
+fn numbered<'a>(
+    inv: &'a Inventory,
+    class: DeviceClass,
+    api: &str,
+    ordinal: Option<usize>,
+    none: impl FnOnce() -> String,
+) -> Result<&'a DeviceInfo, String> {
+    let found: Vec<&DeviceInfo> = inv.devices.iter().filter(|d| d.class == class).collect();
+    match found.iter().find(|d| d.ordinal == ordinal.unwrap_or(0)) {
+        Some(d) => usable(d),
+        None if found.is_empty() => Err(none()),
+        None => Err(format!("only {} {api} device{} present", found.len(), plural(found.len()))),
+    }
 }
 
 fn usable(d: &DeviceInfo) -> Result<&DeviceInfo, String> {
