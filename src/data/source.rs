@@ -247,28 +247,28 @@ fn utf8(name: &str, bytes: Vec<u8>, lines_before: usize) -> Result<String, DataE
 /// Stream the items of a JSON array: one item is parsed and handed on before the next is read,
 /// so a `.json` dataset costs one item of memory, not the file. Item N is reported as "line" N.
 fn read_json_array(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Result<(), DataError> {
-    let file = std::fs::File::open(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })?;
-    let counted = Counted { inner: std::io::BufReader::with_capacity(1 << 20, file), read: 0, progress };
-    let mut de = serde_json::Deserializer::from_reader(counted);
+    use std::io::BufRead;
+    let io = |e| DataError::Io { path: path.display().to_string(), source: e };
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
+    // A value that is not an array (an object, a string, a number, …) is the wrong shape of
+    // file rather than malformed JSON; anything else is left to the parser to locate. (Peeked
+    // in the first buffer without consuming it, so the parser's line numbers stay right.)
+    let first = reader.fill_buf().map_err(io)?.iter().find(|b| !b.is_ascii_whitespace()).copied();
+    if first.is_some_and(|b| matches!(b, b'{' | b'"' | b'-' | b'0'..=b'9' | b't' | b'f' | b'n')) {
+        return Err(DataError::Invalid {
+            message: format!("`{name}` is not a JSON array of objects"),
+            help: Some("write one object per line as .jsonl, or wrap the objects in [ … ]".into()),
+        });
+    }
+    let mut de = serde_json::Deserializer::from_reader(Counted { inner: reader, read: 0, progress });
     let mut stopped = None;
     let items = Items { name, push, stopped: &mut stopped };
     let result = serde::de::DeserializeSeed::deserialize(items, &mut de).and_then(|()| de.end());
     if let Some(e) = stopped {
         return Err(e);
     }
-    result.map_err(|e| {
-        if e.is_data() && e.to_string().starts_with(NOT_AN_ARRAY) {
-            DataError::Invalid {
-                message: format!("`{name}` is not a JSON array of objects"),
-                help: Some("write one object per line as .jsonl, or wrap the objects in [ … ]".into()),
-            }
-        } else {
-            json_error(name, path, e)
-        }
-    })
+    result.map_err(|e| json_error(name, path, e))
 }
-
-const NOT_AN_ARRAY: &str = "not an array";
 
 /// A reader that tells `progress` how far it has read, every 4 MiB.
 struct Counted<'p, R> {
@@ -299,7 +299,7 @@ struct Items<'a, 'p> {
 impl<'de> serde::de::DeserializeSeed<'de> for Items<'_, '_> {
     type Value = ();
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
+        d.deserialize_seq(self)
     }
 }
 
@@ -329,28 +329,6 @@ impl<'de> serde::de::Visitor<'de> for Items<'_, '_> {
             }
         }
         Ok(())
-    }
-    // Anything but an array.
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, _: A) -> Result<(), A::Error> {
-        Err(serde::de::Error::custom(NOT_AN_ARRAY))
-    }
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<(), E> {
-        Err(E::custom(NOT_AN_ARRAY))
-    }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
-        Err(E::custom(NOT_AN_ARRAY))
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
-        Err(E::custom(NOT_AN_ARRAY))
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
-        Err(E::custom(NOT_AN_ARRAY))
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
-        Err(E::custom(NOT_AN_ARRAY))
-    }
-    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
-        Err(E::custom(NOT_AN_ARRAY))
     }
 }
 
@@ -456,6 +434,8 @@ mod tests {
         let e = r.unwrap_err();
         assert!(matches!(&e, DataError::BadRow { line: 3, .. }), "{e:?}");
         assert!(e.to_string().contains("malformed JSON"), "{e}");
+        let (r, _, _) = rows_of("\n\n[\n {\"a\": 2,,}\n]", false);
+        assert!(matches!(r.unwrap_err(), DataError::BadRow { line: 4, .. }), "leading blank lines count");
         // Not an array at all; trailing garbage after the array.
         for text in ["{\"a\": 1}", "\"rows\"", "[{\"a\": 1}] [2]"] {
             let (r, _, _) = rows_of(text, false);
