@@ -89,16 +89,14 @@ fn violations(calls: &[Call]) -> Vec<String> {
             }
             Call::Rename(from, to) => {
                 // 1 and 2: what is renamed, and everything created under it, is durable first.
-                let inside: Vec<&PathBuf> = created.iter().filter(|p| *p == from || p.starts_with(from)).collect();
-                for p in inside {
-                    if !synced.contains(p) {
-                        bad.push(format!(
-                            "{} renamed to {} before {} was fsynced",
-                            from.display(),
-                            to.display(),
-                            p.display()
-                        ));
-                    }
+                let moved: Vec<PathBuf> = created.iter().filter(|p| p.starts_with(from)).cloned().collect();
+                for p in moved.iter().filter(|p| !synced.contains(*p)) {
+                    bad.push(format!(
+                        "{} renamed to {} before {} was fsynced",
+                        from.display(),
+                        to.display(),
+                        p.display()
+                    ));
                 }
                 // 3: the new name is made durable by an fsync of its folder after the rename.
                 let parent = to.parent().unwrap().to_path_buf();
@@ -110,11 +108,8 @@ fn violations(calls: &[Call]) -> Vec<String> {
                     ));
                 }
                 // The moved paths keep their state under their new names.
-                let moved: Vec<PathBuf> =
-                    created.iter().filter(|p| *p == from || p.starts_with(from)).cloned().collect();
                 for p in moved {
                     let q = to.join(p.strip_prefix(from).unwrap());
-                    let q = if p == *from { to.clone() } else { q };
                     created.remove(&p);
                     created.insert(q.clone());
                     if synced.remove(&p) {
