@@ -100,6 +100,7 @@ targets = ["q_proj", "k_proj", "v_proj", "o_proj"]"#,
         }
         let ui = rtune::ui::Ui::new(true, false);
         let cpu = rtune::device::Resolution::cpu();
+        let engine = rtune::engine::requested();
         let job = rtune::train::TrainJob {
             model_dir: &model_dir,
             tokens_dir: &tokens_dir,
@@ -108,6 +109,7 @@ targets = ["q_proj", "k_proj", "v_proj", "o_proj"]"#,
             seed: 42,
             device: &cpu,
             tf32: false,
+            engine: engine.as_deref(),
             work: PathBuf::from(&work),
             out: &out,
             ui: &ui,

@@ -193,18 +193,9 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         }
         ui.status("running", format!("{} ({}) — {}", planned.name, planned.short(), planned.reason));
         let staging = store.staging()?;
-        let ctx = StageCtx {
-            loaded,
-            offline: plan.offline,
-            stage: planned,
-            store,
-            out: staging.path(),
-            work: store.work_dir(fp),
-            ui,
-            device: &plan.device,
-            threads: plan.threads,
-        };
-        let metrics = stage::run(&ctx).map_err(|source| Error::Stage { stage: planned.name.clone(), source })?;
+        let ctx = StageCtx::new(planned, loaded.spans(), plan.offline, store, staging.path(), ui);
+        let metrics =
+            stage::run(&ctx, &planned.key).map_err(|source| Error::Stage { stage: planned.name.clone(), source })?;
         let mut manifest = Manifest::new(fp, planned.kind.as_str(), &planned.name);
         manifest.inputs = planned.doc.clone();
         manifest.metrics = metrics.clone();

@@ -16,7 +16,12 @@ use crate::recipe::diag::show;
 /// - 1: first version.
 /// - 2: a scratch model's `download` includes the dataset format and column map its tokenizer
 ///   is trained on (`model.corpus`); every stage downstream of it changes with it.
-pub const FINGERPRINT_VERSION: u32 = 2;
+/// - 3: each stage hashes its typed key ([`crate::plan::key`]), which is all its executor gets
+///   from the recipe. New in the keys: a Hub dataset's exclude patterns; quantize's PEFT base
+///   name and shipped chat template, and its device as it computes (f32, no engine choice);
+///   evaluate's prompt format; the upload card's base model, dataset repo and recipe file name.
+///   An evaluate stage's own-data `chat_template` is left out when unset, as tokenize's was.
+pub const FINGERPRINT_VERSION: u32 = 3;
 
 /// Version of each stage kind's output. Bump a kind's number when its output for the same
 /// inputs changes, so artifacts built by an older rtune are not reused.

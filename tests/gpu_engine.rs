@@ -530,6 +530,7 @@ fn setup<'a>(
         trained,
         max_batch: (4, 32),
         tf32: false,
+        engine: None,
     }
 }
 

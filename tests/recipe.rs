@@ -90,22 +90,33 @@ fn shipped_recipes_validate_and_the_offline_one_plans() {
     assert!(dot.contains("\"tokenize\" -> \"train\";"), "{dot}");
 }
 
-/// Changing this fingerprint invalidates every user's cache: do it on purpose, with a
-/// FINGERPRINT_VERSION bump, never by accident.
+/// Changing these fingerprints invalidates every user's cache: do it on purpose, with a
+/// FINGERPRINT_VERSION (or stage version) bump, never by accident. One stage of every kind (two
+/// evaluates: with and without trained weights). The keys' JSON layout is pinned by
+/// `plan::key`'s unit test.
 #[test]
-fn golden_fingerprint() {
+fn golden_fingerprints() {
     let p = Project::tiny_offline();
     let o = p.run(&["plan", "tiny.toml", "--format", "json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let fp = |name: &str| {
-        plan["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap()["fingerprint"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    };
-    assert_eq!(fp("download"), "de7370f3cb1b97e1b7dcf352834cefe0cca79c9d172215df2729707009b21379");
-    assert_eq!(fp("train"), "17249d4284fd759f6f369dd4523677e43244905bd3838352e98d41c7c57308ea");
+    let got: Vec<(String, String)> = plan["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap().to_string(), s["fingerprint"].as_str().unwrap().to_string()))
+        .collect();
+    let want = [
+        ("download", "37aa0cfeb7924626ea5253f5da2f6917e944786c8cbfee8d4d67a376a9405865"),
+        ("tokenize", "3a2ae0c4dc5e48b728418e8e1e9a1f752251022cbf52e4433932488ef7e0a371"),
+        ("train", "30d81fb6d70657fb525c4194b4bb5f27bf97846cf4c071ec88147f08243b0ea1"),
+        ("eval_base", "c5d055bc17ff23e3c79c3905bf9a5f4987051d3accbbd6ce49448013fbc7e814"),
+        ("evaluate", "48666c82507d7c279e71d9f86c39b06373adc00215b26dfaae54140bf309d456"),
+        ("quantize", "6c122a3cdb9e90295fefc3847e2b91db83a8d8a7f4d41b179d9829a854c5a1a4"),
+        ("upload", "27ff67ad6f589c6521fbe9c25ba359c3ec5b5c0882bd730becc4b40413e0065d"),
+    ];
+    let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
+    assert_eq!(got, want);
 }
 
 #[test]
@@ -162,4 +173,58 @@ fn the_requested_engine_is_in_the_fingerprint() {
     assert_eq!(none[..2], candle[..2], "download and tokenize do not compute with an engine");
     assert_ne!(none[2], candle[2]);
     assert_ne!(candle[2], fused[2]);
+}
+
+/// Issue 20: quantize writes the base model's name into the PEFT adapter
+/// (`base_model_name_or_path`) and upload into the model card, so moving a local base model to
+/// another path (same content: `download` stays cached) re-runs both. Before the typed keys,
+/// both read `model.path` from the loaded recipe, unhashed, and stayed cached with the old name.
+#[test]
+fn a_local_base_models_path_is_in_the_exports_fingerprint() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = root().join("tests/fixtures/golden/tiny-llama/model");
+    for copy in ["base-a", "base-b"] {
+        std::fs::create_dir_all(dir.path().join(copy)).unwrap();
+        for f in std::fs::read_dir(&model).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, dir.path().join(copy).join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::create_dir_all(dir.path().join("data")).unwrap();
+    std::fs::copy(root().join("recipes/data/synthetic-alpaca.jsonl"), dir.path().join("data/d.jsonl")).unwrap();
+    std::fs::write(
+        dir.path().join("r.toml"),
+        r#"[recipe]
+name = "moved-base"
+[model]
+path = "base-a"
+[dataset]
+path = "data/d.jsonl"
+format = "alpaca"
+[stages.train]
+max_steps = 1
+[stages.quantize]
+formats = ["peft-adapter"]
+[stages.upload]
+to = "dir://out"
+"#,
+    )
+    .unwrap();
+    let cache = dir.path().join("cache");
+    let fps = |path: &str| -> std::collections::BTreeMap<String, String> {
+        let o = rtune(dir.path(), &cache, &["plan", "r.toml", "--json", "--set", &format!("model.path={path}")]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        plan["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["name"].as_str().unwrap().to_string(), s["fingerprint"].as_str().unwrap().to_string()))
+            .collect()
+    };
+    let (a, b) = (fps("base-a"), fps("base-b"));
+    assert_eq!(a["download"], b["download"], "the same content downloads to the same artifact");
+    assert_eq!(a["train"], b["train"]);
+    assert_ne!(a["quantize"], b["quantize"], "the adapter names its base by path");
+    assert_ne!(a["upload"], b["upload"], "the card names the base model");
 }

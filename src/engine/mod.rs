@@ -270,22 +270,29 @@ pub struct Setup<'a> {
     pub max_batch: (usize, usize),
     /// Use TF32 tensor cores for f32 products (CUDA).
     pub tf32: bool,
+    /// The engine asked for (`RTUNE_ENGINE`, fingerprinted by the plan); None: the default.
+    pub engine: Option<&'a str>,
 }
 
-/// The engine `RTUNE_ENGINE` asks for, if any (it changes the last bits of results, so plans
-/// fingerprint it).
+/// The engine `RTUNE_ENGINE` asks for, if any. It changes the last bits of results, so the plan
+/// reads it once into the keys of the stages it affects, and engines are built from those.
 pub fn requested() -> Option<String> {
     std::env::var("RTUNE_ENGINE").ok().filter(|e| !e.is_empty() && e != "auto")
 }
 
 /// The engine for `trainable` on `device`: the GPU engine on CUDA and the fused engine on the CPU
-/// in f32 where they support the model, else candle's autograd. `RTUNE_ENGINE=candle|fused|gpu`
+/// in f32 where they support the model, else candle's autograd. `requested` (`RTUNE_ENGINE=candle|fused|gpu`)
 /// asks for one (to compare engines); asking for one that cannot run the model is an error.
-pub fn choose(cfg: &ModelConfig, trainable: &Trainable, device: &Resolution) -> Result<EngineKind, EngineError> {
+pub fn choose(
+    cfg: &ModelConfig,
+    trainable: &Trainable,
+    device: &Resolution,
+    requested: Option<&str>,
+) -> Result<EngineKind, EngineError> {
     let adapters_only = matches!(trainable, Trainable::Nothing | Trainable::Lora(_));
     let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32 && adapters_only;
     let gpu_why = gpu::unsupported(cfg, trainable, device);
-    match requested().as_deref() {
+    match requested {
         None => {}
         Some("candle") => return Ok(EngineKind::Candle),
         Some("fused") if fused_ok => return Ok(EngineKind::Fused),
@@ -317,7 +324,7 @@ pub fn choose(cfg: &ModelConfig, trainable: &Trainable, device: &Resolution) -> 
 
 /// Build the engine [`choose`] picks.
 pub fn build(setup: &Setup<'_>) -> Result<Box<dyn Engine>, EngineError> {
-    match choose(&setup.folder.config, &setup.trainable, setup.device)? {
+    match choose(&setup.folder.config, &setup.trainable, setup.device, setup.engine)? {
         EngineKind::Gpu => gpu::build(setup),
         kind => Ok(Box::new(candle::CandleEngine::build(setup, kind == EngineKind::Fused)?)),
     }

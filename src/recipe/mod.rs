@@ -108,6 +108,19 @@ pub struct LoadedRecipe {
     pub text: String,
 }
 
+/// Where a loaded recipe's values are written in its file, for errors raised while stages run.
+/// It gives spans, never values: a stage reads settings only from its fingerprinted key.
+#[derive(Clone, Copy)]
+pub struct Spans<'a>(&'a LoadedRecipe);
+
+impl<'a> Spans<'a> {
+    /// The origin of the value at a dotted path.
+    pub fn origin<S: AsRef<str>>(&self, path: &[S]) -> Option<&'a Origin> {
+        let path: Vec<&str> = path.iter().map(AsRef::as_ref).collect();
+        self.0.origin(&path)
+    }
+}
+
 impl LoadedRecipe {
     pub fn name(&self) -> String {
         self.source.display_name()
@@ -116,6 +129,11 @@ impl LoadedRecipe {
     /// The origin of the value at a dotted path, for errors raised after loading.
     pub fn origin(&self, path: &[&str]) -> Option<&Origin> {
         self.tree.get(path).and_then(|n| n.origin.as_ref())
+    }
+
+    /// Where the recipe's values are written, without the values.
+    pub fn spans(&self) -> Spans<'_> {
+        Spans(self)
     }
 
     /// A path from the recipe, resolved against the recipe's folder.

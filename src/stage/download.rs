@@ -13,78 +13,80 @@ use serde_json::json;
 use super::{StageCtx, StageError};
 use crate::data::format::alpaca_prompt;
 use crate::data::{DataError, Row, for_each_row};
+use crate::plan::key::{Corpus, DownloadKey, ModelKey, Source};
 use crate::recipe::{DataFormat, Problem};
 
-pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
-    let recipe = &ctx.loaded.recipe;
-    let sources = &ctx.stage.doc["sources"];
-    let hub = crate::plan::hub_sources(ctx.loaded);
+pub fn run(ctx: &StageCtx<'_>, key: &DownloadKey) -> Result<serde_json::Value, StageError> {
     let ds_out = ctx.out.join("dataset");
-    let mut fetched = serde_json::Map::new();
-    for (key, src) in &hub {
-        let commit = sources[key]["commit"].as_str().ok_or_else(|| StageError::Internal("no planned commit".into()))?;
-        let dest = ctx.out.join(key);
-        let report = fetch_hub(ctx, src, commit, &dest)?;
-        fetched.insert(
-            key.to_string(),
-            json!({ "repo": src.repo.id, "revision": src.repo.revision, "commit": report.commit, "files": report.files.len() }),
-        );
-    }
-    if let Some(ds_rel) = recipe.dataset.path.as_deref() {
-        let ds_src = ctx.loaded.resolve_path(ds_rel);
-        copy_source(&ds_src, &ds_out)?;
-        check_digest(ctx, &ds_out, &ds_src, sources["dataset"].as_str(), &["dataset", "path"])?;
-    }
     let model_out = ctx.out.join("model");
-    std::fs::create_dir_all(&model_out).map_err(StageError::io("cannot create the model folder"))?;
-    let model = if let Some(spec) = &recipe.model.scratch {
-        ctx.ui.status(
-            "scratch",
-            format!(
-                "training a {}-token tokenizer on the dataset, initialising {:?} weights",
-                spec.vocab_size, spec.arch
-            ),
-        );
-        // Rows stream from the dataset through a bounded channel into the tokenizer trainer,
-        // which keeps word counts, not texts: memory does not grow with the dataset.
-        let (tx, rx) = std::sync::mpsc::sync_channel::<String>(1024);
-        let (created, read) = std::thread::scope(|s| {
-            let reader = s.spawn(|| {
-                let mut n = 0usize;
-                let r = for_each_row(
-                    &ds_out,
-                    true,
-                    &mut |row| {
-                        if let Some(text) = corpus_text(&row, recipe) {
-                            n += 1;
-                            // The trainer hung up: it failed, and says why below.
-                            tx.send(text).map_err(|_| DataError::Invalid { message: "stopped".into(), help: None })?;
-                        }
-                        Ok(())
-                    },
-                    &mut |_| {},
+    let mut fetched = serde_json::Map::new();
+    for (name, source, dest) in [("model", &key.sources.model, &model_out), ("dataset", &key.sources.dataset, &ds_out)]
+    {
+        match source {
+            Some(Source::Hub { source: src, commit }) => {
+                let report = fetch_hub(ctx, src, commit, dest)?;
+                fetched.insert(
+                    name.to_string(),
+                    json!({ "repo": src.repo.id, "revision": src.repo.revision, "commit": report.commit, "files": report.files.len() }),
                 );
-                drop(tx);
-                r.map(|_| n)
+            }
+            Some(local @ Source::Local { path, .. }) => {
+                copy_source(path, dest)?;
+                let copied = if path.is_dir() { dest.clone() } else { dest.join(path.file_name().unwrap_or_default()) };
+                super::check_source(ctx, &copied, local)?;
+            }
+            None => {}
+        }
+    }
+    std::fs::create_dir_all(&model_out).map_err(StageError::io("cannot create the model folder"))?;
+    let model = match &key.settings.model {
+        ModelKey::Scratch { scratch: spec, seed, corpus, .. } => {
+            ctx.ui.status(
+                "scratch",
+                format!(
+                    "training a {}-token tokenizer on the dataset, initialising {:?} weights",
+                    spec.vocab_size, spec.arch
+                ),
+            );
+            // Rows stream from the dataset through a bounded channel into the tokenizer trainer,
+            // which keeps word counts, not texts: memory does not grow with the dataset.
+            let (tx, rx) = std::sync::mpsc::sync_channel::<String>(1024);
+            let (created, read) = std::thread::scope(|s| {
+                let reader = s.spawn(|| {
+                    let mut n = 0usize;
+                    let r = for_each_row(
+                        &ds_out,
+                        true,
+                        &mut |row| {
+                            if let Some(text) = corpus_text(&row, corpus) {
+                                n += 1;
+                                // The trainer hung up: it failed, and says why below.
+                                tx.send(text)
+                                    .map_err(|_| DataError::Invalid { message: "stopped".into(), help: None })?;
+                            }
+                            Ok(())
+                        },
+                        &mut |_| {},
+                    );
+                    drop(tx);
+                    r.map(|_| n)
+                });
+                let created = crate::model::scratch::create(&model_out, spec, rx.into_iter(), *seed);
+                (created, reader.join().expect("the row reader does not panic"))
             });
-            let created = crate::model::scratch::create(&model_out, spec, rx.into_iter(), ctx.seed());
-            (created, reader.join().expect("the row reader does not panic"))
-        });
-        let cfg = created?;
-        let rows = read?;
-        ctx.ui.status("scratch", format!("tokenizer trained on {rows} rows"));
-        json!({ "source": "scratch", "arch": cfg.arch, "vocab_size": cfg.vocab_size, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size })
-    } else if let Some(p) = &recipe.model.path {
-        let src = ctx.loaded.resolve_path(p);
-        copy_source(&src, &model_out)?;
-        check_digest(ctx, &model_out, &src, sources["model"].as_str(), &["model", "path"])?;
-        let folder = crate::model::ModelFolder::open(&model_out)?;
-        json!({ "source": "path", "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
-    } else if let Some(hubbed) = fetched.get("model") {
-        let folder = crate::model::ModelFolder::open(&model_out)?;
-        json!({ "source": "hub", "hub": hubbed, "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
-    } else {
-        return Err(StageError::Internal("model source is checked at plan time".into()));
+            let cfg = created?;
+            let rows = read?;
+            ctx.ui.status("scratch", format!("tokenizer trained on {rows} rows"));
+            json!({ "source": "scratch", "arch": cfg.arch, "vocab_size": cfg.vocab_size, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size })
+        }
+        ModelKey::Path { .. } => {
+            let folder = crate::model::ModelFolder::open(&model_out)?;
+            json!({ "source": "path", "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
+        }
+        ModelKey::Repo { .. } => {
+            let folder = crate::model::ModelFolder::open(&model_out)?;
+            json!({ "source": "hub", "hub": fetched.get("model"), "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
+        }
     };
     let files = crate::store::walk(&ds_out).map_err(StageError::io("cannot list the dataset"))?;
     Ok(json!({ "model": model, "dataset": { "files": files.len(), "hub": fetched.get("dataset") } }))
@@ -113,7 +115,7 @@ fn fetch_hub(
             "rtune::hub::no_files",
             format!("{} has no files matching {}", src.repo.display(), src.wanted.include.join(", ")),
         )
-        .at(ctx.loaded.origin(&src.at), "this repository")
+        .at(ctx.spans.origin(&src.at), "this repository")
         .help("check the repository, or set `dataset.files` to the data files' patterns")
         .into());
     }
@@ -157,30 +159,18 @@ fn copy_source(src: &Path, dest: &Path) -> Result<(), StageError> {
     Ok(())
 }
 
-/// The copy must have the digest the plan fingerprinted; otherwise the source changed meanwhile.
-fn check_digest(
-    ctx: &StageCtx<'_>,
-    copy: &Path,
-    src: &Path,
-    planned: Option<&str>,
-    at: &[&str],
-) -> Result<(), StageError> {
-    let target = if src.is_dir() { copy.to_path_buf() } else { copy.join(src.file_name().unwrap_or_default()) };
-    super::check_source(ctx, &target, &src.display().to_string(), planned, at)
-}
-
 /// The text a scratch tokenizer learns from one row: the row as training will see it (the
 /// Alpaca prompt and response, the text, or the conversation's contents).
-fn corpus_text(r: &Row, recipe: &crate::recipe::Recipe) -> Option<String> {
+fn corpus_text(r: &Row, corpus: &Corpus) -> Option<String> {
     let get = |k: &str| {
-        let col = recipe.dataset.column_map.get(k).map(String::as_str).unwrap_or(k);
+        let col = corpus.column_map.get(k).map(String::as_str).unwrap_or(k);
         r.fields.get(col).and_then(|v| v.as_str()).unwrap_or_default().to_string()
     };
-    match recipe.dataset.format {
+    match corpus.format {
         DataFormat::Alpaca => Some(format!("{}{}", alpaca_prompt(&get("instruction"), &get("input")), get("output"))),
         DataFormat::Text => Some(get("text")).filter(|t| !t.is_empty()),
         DataFormat::Chat => {
-            let col = recipe.dataset.column_map.get("messages").map(String::as_str).unwrap_or("messages");
+            let col = corpus.column_map.get("messages").map(String::as_str).unwrap_or("messages");
             let msgs = r.fields.get(col).and_then(|m| m.as_array())?;
             Some(msgs.iter().filter_map(|m| m["content"].as_str()).collect::<Vec<_>>().join("\n"))
         }

@@ -8,17 +8,24 @@ use crate::data::TokenStore;
 use crate::data::format::alpaca_prompt;
 use crate::engine::{Checkpointing, Engine, Setup};
 use crate::model::{ModelFolder, Trainable, peft};
+use crate::plan::key::{DeviceKey, EvaluateKey, Rendering, Source};
 use crate::recipe::{DataFormat, EvalModel, EvaluateSettings};
 use crate::rng::Rng;
 use crate::train::evaluate;
 
 /// Tokenize an evaluate stage's own dataset (every row) into its work folder, after checking it
 /// is still the file the plan fingerprinted.
-fn own_dataset(ctx: &StageCtx<'_>, folder: &ModelFolder, rel: &str) -> Result<TokenStore, StageError> {
-    let path = ctx.loaded.resolve_path(rel);
-    let planned = ctx.stage.doc["sources"]["dataset"].as_str();
-    super::check_source(ctx, &path, rel, planned, &["stages", &ctx.stage.name, "dataset"])?;
-    let (encoded, bad, _) = super::tokenize::encode_dataset(ctx, folder, &path)?;
+fn own_dataset(
+    ctx: &StageCtx<'_>,
+    folder: &ModelFolder,
+    source: &Source,
+    rendering: &Rendering,
+) -> Result<TokenStore, StageError> {
+    let Source::Local { path, .. } = source else {
+        return Err(StageError::Internal("an evaluate stage's dataset is a local file".into()));
+    };
+    super::check_source(ctx, path, source)?;
+    let (encoded, bad, _) = super::tokenize::encode_dataset(ctx, rendering, folder, path)?;
     for b in bad.iter().take(3) {
         ctx.ui.warn(format!("dropped: {b}"));
     }
@@ -32,14 +39,16 @@ fn own_dataset(ctx: &StageCtx<'_>, folder: &ModelFolder, rel: &str) -> Result<To
     Ok(TokenStore::open(&dir, "eval")?)
 }
 
-pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
-    let s: EvaluateSettings = serde_json::from_value(ctx.stage.settings()["evaluate"].clone())
-        .map_err(|e| StageError::Internal(format!("resolved evaluate settings: {e}")))?;
-    let model_dir = ctx.input("model")?.join("model");
-    let folder = ModelFolder::open(&model_dir)?;
-    let (eval, source) = match &s.dataset {
+pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
+    let s = &key.settings.evaluate;
+    let folder = ModelFolder::open(&ctx.model_dir()?)?;
+    let own = key.sources.as_ref().and_then(|s| s.dataset.as_ref()).zip(key.settings.data.as_ref());
+    let (eval, source) = match own {
         None => (TokenStore::open(&ctx.input("tokens")?, "eval")?, "the eval split".to_string()),
-        Some(rel) => (own_dataset(ctx, &folder, rel)?, format!("`{rel}`")),
+        Some((src @ Source::Local { shown, .. }, rendering)) => {
+            (own_dataset(ctx, &folder, src, rendering)?, format!("`{shown}`"))
+        }
+        Some(_) => return Err(StageError::Internal("an evaluate stage's dataset is a local file".into())),
     };
     let tokenizer = folder.tokenizer()?;
     let which: Vec<&str> = match s.model {
@@ -50,11 +59,11 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
     let mut results = serde_json::Map::new();
     for w in &which {
         let weights_dir = if *w == "base" { None } else { Some(ctx.input("weights")?) };
-        let mut engine = eval_engine(ctx, &folder, weights_dir.as_deref(), s.batch_size as usize, &eval)?;
+        let mut engine = eval_engine(&key.device, &folder, weights_dir.as_deref(), s.batch_size as usize, &eval)?;
         let (loss, n) = evaluate(&mut *engine, &eval, s.batch_size as usize, 0)?;
         let mut samples = Vec::new();
         for (i, prompt) in s.prompts.iter().enumerate() {
-            let text = match ctx.loaded.recipe.dataset.format {
+            let text = match key.settings.prompt_format {
                 DataFormat::Alpaca => alpaca_prompt(prompt, ""),
                 _ => prompt.clone(),
             };
@@ -62,9 +71,9 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
                 tokenizer.encode(text.as_str(), false).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
             let mut ids: Vec<u32> = folder.config.bos_token_id.into_iter().collect();
             ids.extend(enc.get_ids());
-            let mut rng = Rng::derive(ctx.seed(), &format!("sample:{i}"));
+            let mut rng = Rng::derive(key.settings.seed, &format!("sample:{i}"));
             let limit = folder.config.max_position_embeddings;
-            let out = generate(&mut *engine, &ids, &s, &folder.config.eos_token_ids, limit, &mut rng)?;
+            let out = generate(&mut *engine, &ids, s, &folder.config.eos_token_ids, limit, &mut rng)?;
             let completion =
                 tokenizer.decode(&out, true).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
             samples.push(json!({ "prompt": prompt, "completion": completion, "tokens": out.len() }));
@@ -100,7 +109,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<Value, StageError> {
 /// An engine for evaluating the base model (`trained` None) or the base model with a train
 /// stage's result applied (a PEFT adapter, or trained weights), on the stage's device.
 pub(super) fn eval_engine(
-    ctx: &StageCtx<'_>,
+    device: &DeviceKey,
     folder: &ModelFolder,
     trained: Option<&std::path::Path>,
     batch_size: usize,
@@ -111,17 +120,19 @@ pub(super) fn eval_engine(
         _ => Trainable::Nothing,
     };
     let longest = (0..eval.len()).map(|i| eval.row_len(i)).max().unwrap_or(1);
+    let resolution = device.resolution();
     let setup = Setup {
         folder,
         trainable,
         seed: 0,
-        device: ctx.device,
+        device: &resolution,
         optimizer: None,
         ema_decay: None,
         checkpointing: Checkpointing::Off,
         trained,
         max_batch: (batch_size, longest),
-        tf32: ctx.loaded.recipe.device.tf32,
+        tf32: device.tf32,
+        engine: device.engine.as_deref(),
     };
     Ok(crate::engine::build(&setup)?)
 }

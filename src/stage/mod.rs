@@ -10,39 +10,76 @@ mod upload;
 
 use std::path::{Path, PathBuf};
 
-use crate::device::Resolution;
-use crate::plan::PlannedStage;
-use crate::recipe::{LoadedRecipe, Problem, StageKind};
+use crate::plan::key::{Inputs, Source};
+use crate::plan::{PlannedStage, StageKey};
+use crate::recipe::{Problem, Spans};
 use crate::store::Store;
 use crate::ui::Ui;
 
-/// Everything a stage executor may use.
+/// How a stage runs, and where. What it builds comes from its key (see [`crate::plan::key`]),
+/// which is passed beside this and is all it gets from the recipe.
 pub struct StageCtx<'a> {
-    pub loaded: &'a LoadedRecipe,
+    /// The stage's name in the recipe (for messages and error locations).
+    pub name: &'a str,
+    /// The fingerprint the artifact is built under.
+    pub fingerprint: &'a str,
+    /// The artifacts it reads, by port (fingerprinted).
+    inputs: &'a Inputs,
+    /// Where the recipe's values are written, for errors; no values.
+    pub spans: Spans<'a>,
     /// Never use the network (`--offline`, `HF_HUB_OFFLINE`): how to run, not what is built.
     pub offline: bool,
-    /// This stage as planned: its fingerprint and the document hashed for it (settings and
-    /// inputs). Executors read other stages only through its input ports.
-    pub stage: &'a PlannedStage,
     pub store: &'a Store,
     /// Where the stage writes its artifact (committed when it returns Ok).
     pub out: &'a Path,
     /// Resumable state, kept across interrupted runs of the same fingerprint.
     pub work: PathBuf,
     pub ui: &'a Ui,
-    pub device: &'a Resolution,
-    pub threads: usize,
 }
 
-impl StageCtx<'_> {
-    /// The artifact folder of the stage that produced `port` for this stage.
-    pub fn input(&self, port: &str) -> Result<PathBuf, StageError> {
-        let fp = self.stage.input(port).ok_or_else(|| StageError::Internal(format!("stage has no `{port}` input")))?;
-        Ok(self.store.artifact_dir(fp))
+impl<'a> StageCtx<'a> {
+    pub fn new(
+        stage: &'a PlannedStage,
+        spans: Spans<'a>,
+        offline: bool,
+        store: &'a Store,
+        out: &'a Path,
+        ui: &'a Ui,
+    ) -> StageCtx<'a> {
+        StageCtx {
+            name: &stage.name,
+            fingerprint: &stage.fingerprint,
+            inputs: &stage.inputs,
+            spans,
+            offline,
+            store,
+            out,
+            work: store.work_dir(&stage.fingerprint),
+            ui,
+        }
     }
 
-    pub fn seed(&self) -> u64 {
-        self.loaded.recipe.recipe.seed
+    /// The fingerprint of the artifact read at `port`.
+    pub fn input_fingerprint(&self, port: &str) -> Result<&'a str, StageError> {
+        self.inputs
+            .get(port)
+            .map(String::as_str)
+            .ok_or_else(|| StageError::Internal(format!("stage has no `{port}` input")))
+    }
+
+    /// The artifact folder of the stage that produced `port` for this stage.
+    pub fn input(&self, port: &str) -> Result<PathBuf, StageError> {
+        Ok(self.store.artifact_dir(self.input_fingerprint(port)?))
+    }
+
+    /// The base model folder (the `model` input).
+    pub fn model_dir(&self) -> Result<PathBuf, StageError> {
+        Ok(self.input("model")?.join("model"))
+    }
+
+    /// Every input, by port.
+    pub fn inputs(&self) -> &'a Inputs {
+        self.inputs
     }
 }
 
@@ -104,33 +141,29 @@ impl StageError {
     }
 }
 
-/// Run one stage; returns its metrics.
-pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
-    match ctx.stage.kind {
-        StageKind::Download => download::run(ctx),
-        StageKind::Tokenize => tokenize::run(ctx),
-        StageKind::Train => train::run(ctx),
-        StageKind::Evaluate => evaluate::run(ctx),
-        // The planner rejects these before anything runs.
-        StageKind::Quantize => quantize::run(ctx),
-        StageKind::Upload => upload::run(ctx),
+/// Run one stage with its key; returns its metrics.
+pub fn run(ctx: &StageCtx<'_>, key: &StageKey) -> Result<serde_json::Value, StageError> {
+    match key {
+        StageKey::Download(k) => download::run(ctx, k),
+        StageKey::Tokenize(k) => tokenize::run(ctx, k),
+        StageKey::Train(k) => train::run(ctx, k),
+        StageKey::Evaluate(k) => evaluate::run(ctx, k),
+        StageKey::Quantize(k) => quantize::run(ctx, k),
+        StageKey::Upload(k) => upload::run(ctx, k),
     }
 }
 
-/// `hashed` (a source, or the copy of one) must still have the digest the plan fingerprinted;
-/// otherwise the source `shown` changed while rtune was running.
-pub fn check_source(
-    ctx: &StageCtx<'_>,
-    hashed: &Path,
-    shown: &str,
-    planned: Option<&str>,
-    at: &[&str],
-) -> Result<(), StageError> {
+/// `hashed` (a local source, or the copy of one) must still have the digest the plan
+/// fingerprinted; otherwise the source changed while rtune was running.
+pub fn check_source(ctx: &StageCtx<'_>, hashed: &Path, source: &Source) -> Result<(), StageError> {
+    let Source::Local { digest: planned, shown, at, .. } = source else {
+        return Err(StageError::Internal("a Hub source has no local digest".into()));
+    };
     let digest = crate::fingerprint::digest_path(hashed)
         .map_err(StageError::io(format!("cannot hash `{}`", hashed.display())))?;
-    if Some(digest.as_str()) != planned {
+    if &digest != planned {
         return Err(Problem::new("rtune::source::changed", format!("`{shown}` changed while rtune was running"))
-            .at(ctx.loaded.origin(at), "this source")
+            .at(ctx.spans.origin(at), "this source")
             .help("run again; the plan will fingerprint the new content")
             .into());
     }

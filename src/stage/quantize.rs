@@ -15,7 +15,8 @@ use crate::device::Resolution;
 use crate::engine::candle::CandleEngine;
 use crate::engine::{Checkpointing, Setup};
 use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safetensors_sharded, gguf, peft};
-use crate::recipe::{ExportFormat, QuantizeSettings};
+use crate::plan::key::QuantizeKey;
+use crate::recipe::ExportFormat;
 use crate::rng::Rng;
 
 /// Tokenizer files of the base folder that travel with every exported folder, as they are
@@ -30,24 +31,19 @@ const TOKENIZER_FILES: [&str; 7] = [
     "tokenizer.model",
 ];
 
-pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
-    let s: QuantizeSettings = serde_json::from_value(ctx.stage.settings()["quantize"].clone())
-        .map_err(|e| StageError::Internal(format!("resolved quantize settings: {e}")))?;
-    let model_dir = ctx.input("model")?.join("model");
+pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, StageError> {
+    let s = &key.settings.quantize;
+    let model_dir = ctx.model_dir()?;
     let weights_dir = ctx.input("weights")?;
     let folder = ModelFolder::open(&model_dir)?;
-    // Exports are computed in f32 (exact merges, whatever dtype trained), on the stage's device.
-    let device = Resolution { dtype: crate::recipe::Dtype::F32, ..ctx.device.clone() };
-    let mut engine = tuned_engine(&folder, &weights_dir, &device)?;
+    // Exports are computed in f32 (exact merges, whatever dtype trained): the key's device is.
+    let mut engine = tuned_engine(&folder, &weights_dir, &key.device.resolution())?;
     let candle_device = engine.model().device().clone();
-    // PEFT's `base_model_name_or_path`: the Hub id, else the folder as the recipe names it.
-    let model = &ctx.loaded.recipe.model;
-    let base_name = model.repo.clone().or_else(|| model.path.clone()).unwrap_or_default();
-    // The template the data was rendered with (dataset.format and dataset.chat_template are in
-    // this stage's fingerprint through its `tokens` input, the folder through `model`).
-    let dataset = &ctx.loaded.recipe.dataset;
+    let base_name = &key.settings.base_name;
+    // The template the data was rendered with.
+    let template = &key.settings.template;
     let tokenizer = folder.tokenizer()?;
-    let chat = crate::data::chat::shipped(&model_dir, dataset.format, dataset.chat_template.as_deref(), &tokenizer)?;
+    let chat = crate::data::chat::shipped(&model_dir, template.format, template.chat_template.as_deref(), &tokenizer)?;
     let gguf_chat =
         chat.as_ref().map(|c| gguf::ChatMetadata { template: &c.source, turn_end: c.turn_end.as_ref().map(|t| t.1) });
     let mut report = serde_json::Map::new();
@@ -59,7 +55,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 mkdir(&dir)?;
                 let spec = peft::read_config(&weights_dir)?;
                 let weights = peft::read_weights(&weights_dir, &Device::Cpu)?;
-                peft::write(&dir, &spec, &weights, &base_name)?;
+                peft::write(&dir, &spec, &weights, base_name)?;
                 write_tokenizer_files(&dir, &model_dir, chat.as_ref(), false)?;
                 report.insert("peft-adapter".into(), json!({ "dir": "peft-adapter", "tensors": weights.len() }));
             }
@@ -102,8 +98,8 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 let file = format!("model-{tag}.gguf");
                 mkdir(&ctx.out.join("gguf"))?;
                 let path = ctx.out.join("gguf").join(&file);
-                let name = ctx.loaded.recipe.recipe.name.clone();
-                let written = gguf::write(&path, &folder.config, &merged, &model_dir, &name, *other, gguf_chat)?;
+                let name = &key.settings.name;
+                let written = gguf::write(&path, &folder.config, &merged, &model_dir, name, *other, gguf_chat)?;
                 // The eval rows and the unquantized model's loss on them, once for all GGUF formats.
                 let (eval, reference) = match &self_check {
                     Some(c) => c,
@@ -167,6 +163,7 @@ fn tuned_engine(folder: &ModelFolder, weights_dir: &Path, device: &Resolution) -
         trained: Some(weights_dir),
         max_batch: (1, 1),
         tf32: false,
+        engine: None,
     };
     let fused = device.class == crate::device::DeviceClass::Cpu;
     Ok(CandleEngine::build(&setup, fused)?)

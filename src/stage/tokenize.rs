@@ -6,6 +6,7 @@ use serde_json::json;
 use super::{StageCtx, StageError, write_json};
 use crate::data::{DataError, Encoded, Renderer, Row, Skipped, TokenWriter, for_each_row, total_bytes};
 use crate::model::ModelFolder;
+use crate::plan::key::{Rendering, TokenizeKey};
 use crate::rng::Rng;
 
 const CHUNK: usize = 2048;
@@ -16,11 +17,11 @@ const CHUNK: usize = 2048;
 /// skipped as bad (when `skip_bad_rows`; else the first is the error) and the rows read.
 pub(super) fn encode_each(
     ctx: &StageCtx<'_>,
+    d: &Rendering,
     folder: &ModelFolder,
     data: &std::path::Path,
     each: &mut dyn FnMut(Encoded) -> Result<(), StageError>,
 ) -> Result<(Skipped, usize), StageError> {
-    let d = &ctx.loaded.recipe.dataset;
     let tokenizer = folder.tokenizer()?;
     let chat = match d.format {
         crate::recipe::DataFormat::Chat => {
@@ -88,11 +89,12 @@ pub(super) fn encode_each(
 /// [`encode_each`], collected (for small datasets: evaluate's own data).
 pub(super) fn encode_dataset(
     ctx: &StageCtx<'_>,
+    d: &Rendering,
     folder: &ModelFolder,
     data: &std::path::Path,
 ) -> Result<(Vec<Encoded>, Vec<DataError>, usize), StageError> {
     let mut encoded = Vec::new();
-    let (bad, rows) = encode_each(ctx, folder, data, &mut |e| {
+    let (bad, rows) = encode_each(ctx, d, folder, data, &mut |e| {
         encoded.push(e);
         Ok(())
     })?;
@@ -119,16 +121,16 @@ fn check_rows(rows: usize, used: usize, bad: &Skipped, data: &std::path::Path) -
     Ok(())
 }
 
-pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
-    let d = &ctx.loaded.recipe.dataset;
-    let folder = ModelFolder::open(&ctx.input("model")?.join("model"))?;
+pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, StageError> {
+    let d = &key.settings;
+    let folder = ModelFolder::open(&ctx.model_dir()?)?;
     let data_dir = ctx.input("dataset")?.join("dataset");
     // Pass 1: every encoded row, in order, into a scratch token store on disk; only counts
     // stay in memory.
     let scratch = ctx.store.staging()?;
     let mut all = TokenWriter::create(scratch.path(), "all")?;
     let mut acc = Totals::default();
-    let (bad, rows) = encode_each(ctx, &folder, &data_dir, &mut |e| {
+    let (bad, rows) = encode_each(ctx, &d.rendering, &folder, &data_dir, &mut |e| {
         acc.add(&e);
         all.push(&e.ids, &e.mask, &vec![0; e.ids.len()])?;
         Ok(())
@@ -138,7 +140,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     check_rows(rows, used, &bad, &data_dir)?;
     // Seeded split by row.
     let mut order: Vec<usize> = (0..used).collect();
-    Rng::derive(ctx.seed(), "split").shuffle(&mut order);
+    Rng::derive(d.seed, "split").shuffle(&mut order);
     let mut n_eval = (used as f64 * d.eval_fraction).round() as usize;
     if d.eval_fraction > 0.0 && used > 1 {
         n_eval = n_eval.clamp(1, used - 1);
@@ -152,7 +154,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
     // do not stay resident) into the train and eval splits, packing train rows.
     let mut train = TokenWriter::create(ctx.out, "train")?;
     let mut eval = TokenWriter::create(ctx.out, "eval")?;
-    let mut packer = Packer::new(d.max_seq_len);
+    let mut packer = Packer::new(d.rendering.max_seq_len);
     let mut reader = crate::data::tokens::SequentialReader::open(scratch.path(), "all")?;
     for ev in &is_eval {
         let (ids, mask) = reader.next_row()?;

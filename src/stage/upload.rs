@@ -13,14 +13,13 @@ use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
 use crate::destination::{self, Record, Written};
-use crate::recipe::UploadSettings;
+use crate::plan::key::{Card, UploadKey, card_evaluations};
 use crate::ui::human_bytes;
 
-pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
-    let s: UploadSettings = serde_json::from_value(ctx.stage.settings()["upload"].clone())
-        .map_err(|e| StageError::Internal(format!("resolved upload settings: {e}")))?;
+pub fn run(ctx: &StageCtx<'_>, key: &UploadKey) -> Result<serde_json::Value, StageError> {
+    let s = &key.settings.upload;
     let exports = ctx.input("exports")?;
-    let exports_fp = ctx.stage.input("exports").unwrap_or_default().to_string();
+    let exports_fp = ctx.input_fingerprint("exports")?;
     // (destination path, store file, `<fingerprint>/<path>` it is restored from)
     let mut files: Vec<(String, PathBuf, String)> = crate::store::walk(&exports)
         .map_err(StageError::io("cannot list the exports"))?
@@ -39,10 +38,10 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
             files.push(("loss_curve.svg".into(), curve, format!("{train}/loss_curve.svg")));
         }
     }
-    let card = model_card(ctx, &files);
+    let card = model_card(ctx, &key.settings.card, &files);
     std::fs::write(card_dir.join("README.md"), card).map_err(StageError::io("cannot write the model card"))?;
     files.retain(|(p, _, _)| p != "README.md");
-    files.push(("README.md".into(), card_dir.join("README.md"), format!("{}/card/README.md", ctx.stage.fingerprint)));
+    files.push(("README.md".into(), card_dir.join("README.md"), format!("{}/card/README.md", ctx.fingerprint)));
 
     if let Some(rest) = s.to.strip_prefix("hf://") {
         let repo = crate::hub::parse_hf_url(rest)?;
@@ -52,7 +51,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
                 "rtune::hub::offline",
                 format!("cannot upload to `{}` offline", s.to),
             )
-            .at(ctx.loaded.origin(&["stages", &ctx.stage.name, "to"]), "needs the Hub")
+            .at(ctx.spans.origin(&["stages", ctx.name, "to"]), "needs the Hub")
             .help("run without --offline / HF_HUB_OFFLINE, or upload to `dir://…`")
             .into());
         }
@@ -62,8 +61,7 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
         }
         let commit_files: Vec<crate::hub::CommitFile> =
             files.iter().map(|(p, l, _)| crate::hub::CommitFile { path: p.clone(), local: l.clone() }).collect();
-        let message =
-            s.message.clone().unwrap_or_else(|| format!("Upload {} with rtune", ctx.loaded.recipe.recipe.name));
+        let message = s.message.clone().unwrap_or_else(|| format!("Upload {} with rtune", key.settings.card.name));
         let report = crate::hub::commit(&client, &repo, &commit_files, &message, ctx.ui)?;
         let mut written = BTreeMap::new();
         for (rel, local, from) in &files {
@@ -83,10 +81,9 @@ pub fn run(ctx: &StageCtx<'_>) -> Result<serde_json::Value, StageError> {
             "lfs_files": report.lfs_files, "bytes_uploaded": report.bytes_uploaded }));
     }
 
-    let rel = s.to.strip_prefix("dir://").ok_or_else(|| StageError::Internal(format!("`{}` passed planning", s.to)))?;
-    let dest = ctx.loaded.resolve_path(rel);
+    let dest = key.dir.as_ref().ok_or_else(|| StageError::Internal(format!("`{}` passed planning", s.to)))?;
     // The digests are the copies' (hashed once, as they are written).
-    let written = destination::write_dir(ctx.store, &dest, &files, None, ctx.ui)?;
+    let written = destination::write_dir(ctx.store, dest, &files, None, ctx.ui)?;
     ctx.ui.status("upload", format!("{} files → {}", written.len(), dest.display()));
     let record = Record { destination: s.to.clone(), commit: None, url: None, files: written };
     write_record(ctx, &record)?;
@@ -98,15 +95,13 @@ fn write_record(ctx: &StageCtx<'_>, record: &Record) -> Result<(), StageError> {
 }
 
 /// The fingerprint of the train stage the exports came from (the `card:train` input), if any.
-fn train_stage<'a>(ctx: &'a StageCtx<'_>) -> Option<&'a str> {
-    ctx.stage.input("card:train")
+fn train_stage<'a>(ctx: &StageCtx<'a>) -> Option<&'a str> {
+    ctx.input_fingerprint("card:train").ok()
 }
 
 /// A Hugging Face model card: YAML front matter the Hub understands, then what was built and how.
-fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf, String)]) -> String {
-    let r = &ctx.loaded.recipe;
-    let base = r.model.repo.clone().or_else(|| r.model.path.clone()).unwrap_or_else(|| "a scratch model".into());
-    let lora = r.adapter.kind != crate::recipe::AdapterKind::None;
+fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)]) -> String {
+    let lora = c.lora;
     let mut tags = vec!["rtune"];
     if lora {
         tags.push("lora");
@@ -115,7 +110,7 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf, String)]) -> String
         tags.push("gguf");
     }
     let mut s = String::from("---\n");
-    if let Some(repo) = &r.model.repo {
+    if let Some(repo) = &c.base_repo {
         let _ = writeln!(s, "base_model: {repo}");
     }
     if lora {
@@ -125,26 +120,23 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf, String)]) -> String
     for t in tags {
         let _ = writeln!(s, "- {t}");
     }
-    if let Some(ds) = &r.dataset.repo {
+    if let Some(ds) = &c.dataset_repo {
         let _ = writeln!(s, "datasets:\n- {ds}");
     }
     s.push_str("---\n\n");
-    let _ = writeln!(s, "# {}\n", r.recipe.name);
-    if let Some(d) = &r.recipe.description {
+    let _ = writeln!(s, "# {}\n", c.name);
+    if let Some(d) = &c.description {
         let _ = writeln!(s, "{d}\n");
     }
-    let _ = writeln!(s, "Fine-tuned from {base} with rtune (`rtune run {}`).\n", ctx.loaded.name());
+    let _ = writeln!(s, "Fine-tuned from {} with rtune (`rtune run {}`).\n", c.base, c.recipe_file);
     s.push_str("## Files\n\n| file | size |\n|---|---|\n");
     for (p, local, _) in files {
         let size = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
         let _ = writeln!(s, "| `{p}` | {} |", human_bytes(size));
     }
     // The evaluations are the `card:eval:<stage>` inputs.
-    let evals: Vec<_> = ctx.stage.doc["inputs"]
-        .as_object()
+    let evals: Vec<_> = card_evaluations(ctx.inputs())
         .into_iter()
-        .flatten()
-        .filter_map(|(port, fp)| Some((port.strip_prefix("card:eval:")?, fp.as_str()?)))
         .filter_map(|(name, fp)| ctx.store.manifest(fp).map(|m| (name.to_string(), m.metrics)))
         .collect();
     if !evals.is_empty() {
@@ -193,7 +185,7 @@ fn model_card(ctx: &StageCtx<'_>, files: &[(String, PathBuf, String)]) -> String
         let _ = writeln!(s, "\n```jinja\n{}\n```", chat["source"].as_str().unwrap_or_default().trim_end());
     }
     s.push_str("\n## Recipe\n\n```toml\n");
-    s.push_str(ctx.loaded.text.trim_end());
+    s.push_str(c.recipe_text.0.trim_end());
     s.push_str("\n```\n");
     s
 }

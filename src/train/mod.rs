@@ -95,6 +95,8 @@ pub struct TrainJob<'a> {
     pub device: &'a Resolution,
     /// Let f32 products use TF32 tensor cores (`device.tf32`).
     pub tf32: bool,
+    /// The engine asked for (`RTUNE_ENGINE`); None: the default for the device.
+    pub engine: Option<&'a str>,
     /// Checkpoints live here; a run finding one resumes from it.
     pub work: PathBuf,
     /// The artifact being built.
@@ -293,6 +295,7 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         trained: None,
         max_batch: (s.batch_size as usize, longest),
         tf32: job.tf32,
+        engine: job.engine,
     };
     let engine = crate::engine::build(&setup).map_err(|e| out_of_memory(e, s, None))?;
     if s.gradient_checkpointing == GradientCheckpointing::On(true) && !engine.checkpointing() {

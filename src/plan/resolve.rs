@@ -1,0 +1,171 @@
+//! From a recipe's stage to its key: settings typed with defaults and `[device.<name>]`
+//! overrides, the device where numbers depend on it, sources resolved (see [`super::key`]).
+
+use serde_json::Value;
+
+use super::key::{self, StageKey};
+use super::sources::{hub_sources, local_source, resolve_hub};
+use crate::device::Resolution;
+use crate::hub::HubEnv;
+use crate::recipe::{EvaluateSettings, LoadedRecipe, Problem, StageKind, StageSpec, UploadSettings};
+
+/// A stage's key: its settings with defaults applied and `[device.<name>]` overrides merged,
+/// the device where its numbers depend on it, and its sources resolved to digests and commits.
+pub(super) fn resolve_key(
+    spec: &StageSpec,
+    loaded: &LoadedRecipe,
+    device: &Resolution,
+    hub: &HubEnv,
+    locked_sources: Option<&Value>,
+) -> Result<StageKey, Problem> {
+    use key::*;
+    let recipe = &loaded.recipe;
+    let mut table = Value::Object(spec.settings.clone());
+    for dev in device.override_names() {
+        if let Some(over) = recipe.device.overrides.get(&dev).and_then(|o| o.get(&spec.name)) {
+            merge(&mut table, over);
+        }
+    }
+    fn typed<T: serde::de::DeserializeOwned>(
+        table: Value,
+        spec: &StageSpec,
+        loaded: &LoadedRecipe,
+    ) -> Result<T, Problem> {
+        serde_json::from_value(table).map_err(|e| {
+            Problem::new("rtune::plan::settings", format!("stage `{}`: {e}", spec.name))
+                .at(loaded.origin(&["stages", &spec.name]), "in this stage")
+        })
+    }
+    let seed = recipe.recipe.seed;
+    let d = &recipe.dataset;
+    let rendering = || Rendering {
+        format: d.format,
+        column_map: d.column_map.clone(),
+        chat_template: d.chat_template.clone(),
+        max_seq_len: d.max_seq_len,
+        truncate: d.truncate,
+        train_on_prompt: d.train_on_prompt,
+        skip_bad_rows: d.skip_bad_rows,
+    };
+    let on_device = |engine_matters: bool| DeviceKey {
+        class: device.class,
+        dtype: device.dtype,
+        tf32: recipe.device.tf32 && device.class == crate::device::DeviceClass::Cuda,
+        engine: if engine_matters { crate::engine::requested() } else { None },
+        ordinal: device.ordinal,
+    };
+    Ok(match spec.kind {
+        StageKind::Download => {
+            let m = &recipe.model;
+            let model = match (&m.scratch, &m.path, &m.repo) {
+                // The tokenizer is trained on the dataset's rows rendered with its format and
+                // column map, so those shape this artifact too.
+                (Some(s), _, _) => ModelKey::Scratch {
+                    scratch: s.clone(),
+                    seed,
+                    vocab_from: "dataset",
+                    corpus: Corpus { format: d.format, column_map: d.column_map.clone() },
+                },
+                (_, Some(_), _) => ModelKey::Path { path: BY_CONTENT },
+                (_, _, Some(r)) => {
+                    ModelKey::Repo { repo: r.clone(), revision: m.revision.clone().unwrap_or_else(|| "main".into()) }
+                }
+                _ => return Err(Problem::new("rtune::recipe::no_model", "the recipe names no model")),
+            };
+            let dataset = match &d.repo {
+                Some(r) => DatasetKey::Repo { repo: r.clone() },
+                None => DatasetKey::Path { path: BY_CONTENT },
+            };
+            let mut sources = Sources::default();
+            if let Some(p) = &m.path {
+                sources.model = Some(local_source(loaded, "model", p, &["model", "path"])?);
+            }
+            if let Some(p) = &d.path {
+                sources.dataset = Some(local_source(loaded, "dataset", p, &["dataset", "path"])?);
+            }
+            for (name, source) in hub_sources(loaded) {
+                let commit = resolve_hub(loaded, hub, &source, locked_sources.and_then(|p| p.get(name)))?;
+                let slot = if name == "model" { &mut sources.model } else { &mut sources.dataset };
+                *slot = Some(Source::Hub { source, commit });
+            }
+            StageKey::Download(DownloadKey { settings: DownloadSettings { model, dataset }, sources })
+        }
+        StageKind::Tokenize => StageKey::Tokenize(TokenizeKey {
+            settings: TokenizeSettings {
+                rendering: rendering(),
+                eval_fraction: d.eval_fraction,
+                packing: d.packing,
+                seed,
+            },
+        }),
+        StageKind::Train => StageKey::Train(TrainKey {
+            settings: TrainKeySettings { train: typed(table, spec, loaded)?, adapter: recipe.adapter.clone(), seed },
+            device: on_device(true),
+        }),
+        StageKind::Evaluate => {
+            let evaluate: EvaluateSettings = typed(table, spec, loaded)?;
+            // With its own dataset, the stage tokenizes it: how rows become tokens is part of
+            // its output, and so is the file's content.
+            let (data, sources) = match &evaluate.dataset {
+                Some(rel) => {
+                    let at = ["stages", spec.name.as_str(), "dataset"];
+                    let own = local_source(loaded, "dataset", rel, &at)?;
+                    (Some(rendering()), Some(Sources { model: None, dataset: Some(own) }))
+                }
+                None => (None, None),
+            };
+            StageKey::Evaluate(EvaluateKey {
+                settings: EvaluateKeySettings { evaluate, data, prompt_format: d.format, seed },
+                device: on_device(true),
+                sources,
+            })
+        }
+        StageKind::Quantize => {
+            let m = &recipe.model;
+            StageKey::Quantize(QuantizeKey {
+                settings: QuantizeKeySettings {
+                    quantize: typed(table, spec, loaded)?,
+                    adapter: recipe.adapter.clone(),
+                    name: recipe.recipe.name.clone(),
+                    base_name: m.repo.clone().or_else(|| m.path.clone()).unwrap_or_default(),
+                    template: Template { format: d.format, chat_template: d.chat_template.clone() },
+                },
+                // Exports are computed in f32 with candle, whatever dtype and engine trained.
+                device: DeviceKey { dtype: crate::recipe::Dtype::F32, tf32: false, ..on_device(false) },
+            })
+        }
+        StageKind::Upload => {
+            let upload: UploadSettings = typed(table, spec, loaded)?;
+            let m = &recipe.model;
+            let recipe_file = match &loaded.source {
+                crate::recipe::RecipeSource::File(p) => {
+                    p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| loaded.name())
+                }
+                crate::recipe::RecipeSource::Builtin(b) => b.name.to_string(),
+            };
+            let card = Card {
+                name: recipe.recipe.name.clone(),
+                description: recipe.recipe.description.clone(),
+                recipe_text: RecipeText(loaded.text.clone()),
+                recipe_file,
+                base: m.repo.clone().or_else(|| m.path.clone()).unwrap_or_else(|| "a scratch model".into()),
+                base_repo: m.repo.clone(),
+                dataset_repo: d.repo.clone(),
+                lora: recipe.adapter.kind != crate::recipe::AdapterKind::None,
+            };
+            let dir = upload.to.strip_prefix("dir://").map(|rel| loaded.resolve_path(rel));
+            StageKey::Upload(UploadKey { settings: UploadKeySettings { upload, card }, dir })
+        }
+    })
+}
+
+fn merge(base: &mut Value, over: &Value) {
+    match (base, over) {
+        (Value::Object(b), Value::Object(o)) => {
+            for (k, v) in o {
+                merge(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, o) => *b = o.clone(),
+    }
+}

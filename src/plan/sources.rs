@@ -1,0 +1,187 @@
+//! The sources a recipe reads: local files and folders by content digest, Hub repos by the commit
+//! their revision resolves to (online, or from the HF cache and rtune.lock), and the offline
+//! pre-flight that lists every file missing from the HF cache at once.
+
+use std::collections::BTreeSet;
+
+use serde_json::{Value, json};
+
+use super::key;
+use crate::fingerprint;
+use crate::hub::{HubEnv, RepoKind, RepoRef};
+use crate::recipe::{LoadedRecipe, Problem};
+
+/// The content digest of a local source file or folder named at `at` in the recipe.
+fn local_digest(loaded: &LoadedRecipe, what: &str, rel: &str, at: &[&str]) -> Result<String, Problem> {
+    let path = loaded.resolve_path(rel);
+    fingerprint::digest_path(&path).map_err(|e| {
+        Problem::new("rtune::source::unreadable", format!("cannot read {what} `{}`: {e}", path.display()))
+            .at(loaded.origin(at), "this path")
+            .help("paths are relative to the recipe's folder")
+    })
+}
+
+/// A local source named at `at` in the recipe, by content.
+pub(super) fn local_source(loaded: &LoadedRecipe, what: &str, rel: &str, at: &[&str]) -> Result<key::Source, Problem> {
+    Ok(key::Source::Local {
+        digest: local_digest(loaded, what, rel, at)?,
+        path: loaded.resolve_path(rel),
+        shown: rel.to_string(),
+        at: at.iter().map(|s| s.to_string()).collect(),
+    })
+}
+
+/// A Hub repo a recipe reads, with the files wanted from it.
+#[derive(Debug, Clone)]
+pub struct HubSource {
+    pub repo: RepoRef,
+    pub wanted: crate::hub::Wanted,
+    /// Where the recipe names it, for diagnostics.
+    pub at: [&'static str; 2],
+}
+
+/// The files of a model repo rtune needs: config, tokenizer, safetensors weights (and index).
+pub const MODEL_FILES: [&str; 4] = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"];
+/// Default dataset files.
+pub const DATASET_FILES: [&str; 5] = ["*.jsonl", "*.json", "*.csv", "*.txt", "*.parquet"];
+
+pub fn hub_sources(loaded: &LoadedRecipe) -> Vec<(&'static str, HubSource)> {
+    let r = &loaded.recipe;
+    let mut out = Vec::new();
+    // Ids and revisions were checked when the recipe loaded.
+    if let Some(id) = &r.model.repo
+        && let Ok(repo) = RepoRef::new(id, RepoKind::Model, r.model.revision.as_deref())
+    {
+        let include = MODEL_FILES.iter().map(|s| s.to_string()).collect();
+        let wanted = crate::hub::Wanted { include, exclude: vec![] };
+        out.push(("model", HubSource { repo, wanted, at: ["model", "repo"] }));
+    }
+    if let Some(id) = &r.dataset.repo
+        && let Ok(repo) = RepoRef::new(id, RepoKind::Dataset, r.dataset.revision.as_deref())
+    {
+        let include = r.dataset.files.clone().unwrap_or_else(|| DATASET_FILES.iter().map(|s| s.to_string()).collect());
+        let exclude = vec!["dataset_info*.json".into(), "dataset_infos.json".into(), ".*".into()];
+        out.push((
+            "dataset",
+            HubSource { repo, wanted: crate::hub::Wanted { include, exclude }, at: ["dataset", "repo"] },
+        ));
+    }
+    out
+}
+
+/// The commit a Hub source's revision is at: fixed for a commit id; else asked of the Hub,
+/// falling back (unreachable or offline) to the HF cache's ref, then to rtune.lock.
+pub(super) fn resolve_hub(
+    loaded: &LoadedRecipe,
+    hub: &HubEnv,
+    src: &HubSource,
+    locked: Option<&Value>,
+) -> Result<String, Problem> {
+    if crate::hub::is_commit(&src.repo.revision) {
+        return Ok(src.repo.revision.clone());
+    }
+    let cache = crate::hub::HubCache::new(&hub.cache_dir);
+    let from_lock = || {
+        locked
+            .filter(|l| l["hub"] == json!(src.repo.id) && l["revision"] == json!(src.repo.revision))
+            .and_then(|l| l["commit"].as_str())
+            // A lock file is an input like any other: only a commit id is believed (it is
+            // printed in commands to paste and used in URLs).
+            .filter(|c| crate::hub::is_commit(c))
+            .map(str::to_string)
+    };
+    let offline_fallback = || cache.resolve(&src.repo).map(|s| s.commit).or_else(from_lock);
+    if hub.offline {
+        return offline_fallback().ok_or_else(|| {
+            Problem::new(
+                "rtune::hub::offline_missing",
+                format!(
+                    "offline, and `{}` is not in the Hugging Face cache ({})",
+                    src.repo.display(),
+                    hub.cache_dir.display()
+                ),
+            )
+            .at(loaded.origin(&src.at), "not cached")
+            .help(format!(
+                "on a machine with access, run: {}",
+                crate::hub::download_command(&src.repo, &src.wanted.include)
+            ))
+        });
+    }
+    let client = crate::hub::Client::new(HubEnv { attempts: 1, ..hub.clone() });
+    let located = |e: &crate::hub::HubError| hub_problem(e).at(loaded.origin(&src.at), "this repository");
+    match crate::hub::resolve_commit(&client, &src.repo) {
+        Ok(c) => Ok(c),
+        Err(e @ crate::hub::HubError::Unreachable { .. }) => offline_fallback().ok_or_else(|| located(&e)),
+        Err(e) => Err(located(&e)),
+    }
+}
+
+/// A Hub error as a recipe problem (to be located at the recipe key it concerns).
+pub fn hub_problem(e: &crate::hub::HubError) -> Problem {
+    use miette::Diagnostic;
+    let mut p = Problem::new(e.static_code(), e.to_string());
+    if let Some(h) = e.help() {
+        p = p.help(h.to_string());
+    }
+    p
+}
+
+/// Offline pre-flight: every file a download stage needs must be in the HF cache. Lists all
+/// missing files at once, with the command that would fetch them.
+pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &key::Sources) -> Result<(), Problem> {
+    let cache = crate::hub::HubCache::new(&hub.cache_dir);
+    let mut missing: Vec<String> = Vec::new();
+    let mut commands: Vec<String> = Vec::new();
+    let mut first_at = None;
+    for (key, source) in [("model", &sources.model), ("dataset", &sources.dataset)] {
+        let Some(key::Source::Hub { source: src, commit }) = source else { continue };
+        let commit = commit.as_str();
+        let pinned = src.repo.with_revision(commit);
+        let snap = cache.resolve(&pinned);
+        let files: Vec<String> = snap
+            .as_ref()
+            .map(|s| cache.files(s))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|f| src.wanted.wants(f))
+            .collect();
+        let mut lacking: Vec<String> = Vec::new();
+        // The exact listing huggingface_hub or rtune saved when it was online, if there is one.
+        if let Some(missing) = cache.missing(&pinned, commit, &src.wanted, &files) {
+            lacking = missing;
+        } else if key == "model" {
+            for need in ["config.json", "tokenizer.json"] {
+                if !files.iter().any(|f| f == need) {
+                    lacking.push(need.into());
+                }
+            }
+            if let Some(snap) = &snap
+                && let Ok(text) = std::fs::read_to_string(snap.dir.join("model.safetensors.index.json"))
+                && let Ok(index) = serde_json::from_str::<Value>(&text)
+            {
+                let shards: BTreeSet<&str> =
+                    index["weight_map"].as_object().into_iter().flatten().filter_map(|(_, v)| v.as_str()).collect();
+                lacking.extend(shards.into_iter().filter(|s| !files.iter().any(|f| f == s)).map(str::to_string));
+            } else if !files.iter().any(|f| f.ends_with(".safetensors")) {
+                lacking.push("*.safetensors".into());
+            }
+        } else if files.is_empty() {
+            lacking.push(src.wanted.include.join(", "));
+        }
+        if !lacking.is_empty() {
+            first_at.get_or_insert(src.at);
+            commands.push(crate::hub::download_command(&src.repo.with_revision(commit), &src.wanted.include));
+            missing.extend(lacking.into_iter().map(|f| format!("{}: {f}", src.repo.id)));
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Problem::new(
+        "rtune::hub::offline_missing",
+        format!("offline, and {} file(s) are not in the Hugging Face cache: {}", missing.len(), missing.join("; ")),
+    )
+    .at(first_at.and_then(|at| loaded.origin(&at)), "needs these files")
+    .help(format!("on a machine with access (same HF_HOME), run:\n{}", commands.join("\n"))))
+}
