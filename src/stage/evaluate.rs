@@ -25,7 +25,7 @@ fn own_dataset(
         return Err(StageError::Internal("an evaluate stage's dataset is a local file".into()));
     };
     super::check_source(ctx, path, source)?;
-    let (encoded, bad, _) = super::tokenize::encode_dataset(ctx, rendering, folder, path)?;
+    let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, path)?;
     for b in bad.iter().take(3) {
         ctx.ui.warn(format!("dropped: {b}"));
     }

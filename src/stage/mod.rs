@@ -2,6 +2,7 @@
 //! into a staging folder, and returns metrics; the executor in [`crate::exec`] commits it.
 
 mod download;
+mod encode;
 mod evaluate;
 mod quantize;
 mod tokenize;

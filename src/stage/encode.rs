@@ -1,0 +1,119 @@
+//! Dataset rows → encoded token sequences, streamed in parallel chunks: shared by `tokenize`
+//! and by an `evaluate` stage that tokenizes its own dataset.
+
+use super::{StageCtx, StageError};
+use crate::data::{DataError, Encoded, Renderer, Row, Skipped, for_each_row, total_bytes};
+use crate::model::ModelFolder;
+use crate::plan::key::Rendering;
+
+const CHUNK: usize = 2048;
+
+/// Read `data` (a file or folder) and encode every row with `[dataset]`'s format and the
+/// model's tokenizer, streaming: rows are read, encoded (in parallel chunks) and handed to
+/// `each` one chunk at a time, so memory does not grow with the dataset. Returns the rows
+/// skipped as bad (when `skip_bad_rows`; else the first is the error) and the rows read.
+pub fn encode_each(
+    ctx: &StageCtx<'_>,
+    d: &Rendering,
+    folder: &ModelFolder,
+    data: &std::path::Path,
+    each: &mut dyn FnMut(Encoded) -> Result<(), StageError>,
+) -> Result<(Skipped, usize), StageError> {
+    let tokenizer = folder.tokenizer()?;
+    let chat = match d.format {
+        crate::recipe::DataFormat::Chat => {
+            Some(crate::data::chat::ChatTemplate::for_model(folder, d.chat_template.as_deref())?)
+        }
+        _ => None,
+    };
+    let renderer = Renderer {
+        tokenizer: &tokenizer,
+        format: d.format,
+        bos: folder.config.bos_token_id,
+        eos: folder.config.eos_token_ids.first().copied(),
+        max_seq_len: d.max_seq_len,
+        truncate: d.truncate,
+        train_on_prompt: d.train_on_prompt,
+        column_map: &d.column_map,
+        chat: chat.as_ref(),
+    };
+    let mut bar = ctx.ui.bar("tokenize", total_bytes(data));
+    let (mut rows, mut bad) = (0usize, Skipped::default());
+    let mut chunk: Vec<Row> = Vec::with_capacity(CHUNK);
+    let mut failure: Option<StageError> = None;
+    let mut flush = |chunk: &mut Vec<Row>, bad: &mut Skipped| -> Result<(), StageError> {
+        for r in renderer.encode(chunk)? {
+            match r {
+                Ok(e) => each(e)?,
+                Err(e) if d.skip_bad_rows => bad.push(e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        chunk.clear();
+        Ok(())
+    };
+    let pos = std::cell::Cell::new(0u64);
+    let read = for_each_row(
+        data,
+        d.skip_bad_rows,
+        &mut |row| {
+            rows += 1;
+            chunk.push(row);
+            if chunk.len() == CHUNK {
+                if let Err(e) = flush(&mut chunk, &mut bad) {
+                    failure = Some(e);
+                    return Err(DataError::Invalid { message: "stopped".into(), help: None });
+                }
+                bar.set(pos.get(), "bytes");
+            }
+            Ok(())
+        },
+        &mut |n| pos.set(n),
+    );
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let skipped = read?;
+    flush(&mut chunk, &mut bad)?;
+    bar.finish();
+    // Rows the reader rejected come before those the renderer did, as they were read.
+    let mut all = skipped;
+    all.count += bad.count;
+    all.first.extend(bad.first);
+    Ok((all, rows))
+}
+
+/// [`encode_each`], collected (for small datasets: evaluate's own data).
+pub fn encode_dataset(
+    ctx: &StageCtx<'_>,
+    d: &Rendering,
+    folder: &ModelFolder,
+    data: &std::path::Path,
+) -> Result<(Vec<Encoded>, Vec<DataError>, usize), StageError> {
+    let mut encoded = Vec::new();
+    let (bad, rows) = encode_each(ctx, d, folder, data, &mut |e| {
+        encoded.push(e);
+        Ok(())
+    })?;
+    check_rows(rows, encoded.len(), &bad, data)?;
+    Ok((encoded, bad.first, rows))
+}
+
+/// A dataset with no rows, or with every row dropped, is an error.
+pub fn check_rows(rows: usize, used: usize, bad: &Skipped, data: &std::path::Path) -> Result<(), StageError> {
+    if rows == 0 && bad.count == 0 {
+        return Err(DataError::Invalid {
+            message: format!("`{}` has no rows", data.display()),
+            help: Some("check the dataset's path and format".into()),
+        }
+        .into());
+    }
+    if used == 0 {
+        return Err(DataError::Invalid {
+            message: format!("every row was dropped ({} bad rows)", bad.count),
+            help: bad.first.first().map(|b| b.to_string()),
+        }
+        .into());
+    }
+    Ok(())
+}
