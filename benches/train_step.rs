@@ -23,7 +23,7 @@ use rtune::rng::Rng;
 
 fn main() {
     if std::env::var_os("RTUNE_COMPOSED_CE").is_some() {
-        rtune::model::transformer::FUSED_CROSS_ENTROPY.store(false, std::sync::atomic::Ordering::Relaxed);
+        rtune::model::ops::FUSED_CROSS_ENTROPY.store(false, std::sync::atomic::Ordering::Relaxed);
     }
     if std::env::var_os("RTUNE_NO_PROCESS_TUNING").is_none() {
         rtune::init_process();

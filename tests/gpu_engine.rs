@@ -445,7 +445,7 @@ fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
     // Row 0: two packed documents; row 1: padded after 29 tokens.
     let t = 37;
     let segs = vec![(0..t).map(|i| (i >= 15) as u16).collect::<Vec<_>>(), vec![0; 29]];
-    let layout = rtune::model::transformer::attention_layout(t, &[t, 29], Some(&segs));
+    let layout = rtune::model::batch::attention_layout(t, &[t, 29], Some(&segs));
     for gpu in devices() {
         for (dt, d, tensor_cores) in [
             (Dt::F32, 16, false),
@@ -828,7 +828,7 @@ fn gpu_timings() {
     for (name, hq, hk, d) in [("135m", 9, 3, 64), ("3b", 16, 2, 128)] {
         let (b, t) = (4, 1024);
         let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores: true };
-        let layout = rtune::model::transformer::attention_layout(t, &vec![t; b], None);
+        let layout = rtune::model::batch::attention_layout(t, &vec![t; b], None);
         let mut rng = Rng::new(1);
         let (nq, nk) = (b * t * hq * d, b * t * hk * d);
         let up = |n: usize| Buf::from_f32(&gpu, &rand_vec(&mut Rng::new(n as u64), n, 1.0), dt).unwrap();

@@ -466,7 +466,7 @@ fn every_gguf_type_round_trips() {
 /// The fused CPU cross-entropy gives the composed version's loss and logits gradient.
 #[test]
 fn fused_cross_entropy_matches_the_composed_one() {
-    use rtune::model::transformer::{composed_cross_entropy, cross_entropy};
+    use rtune::model::ops::{composed_cross_entropy, cross_entropy};
     let logits = Tensor::randn(0f32, 3.0, (37, 101), &Device::Cpu).unwrap();
     let targets = Tensor::new((0..37u32).map(|i| (i * 13) % 101).collect::<Vec<_>>().as_slice(), &Device::Cpu).unwrap();
     let (a, b) = (candle_core::Var::from_tensor(&logits).unwrap(), candle_core::Var::from_tensor(&logits).unwrap());

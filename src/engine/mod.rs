@@ -28,7 +28,7 @@ use candle_core::Tensor;
 
 use crate::device::{DeviceClass, Resolution};
 use crate::engine::optim::AdamWConfig;
-use crate::model::transformer::{AttentionLayout, attention_layout};
+use crate::model::batch::{AttentionLayout, attention_layout};
 use crate::model::{ModelConfig, ModelFolder, Trainable};
 
 /// Where each projection sits in a decoder layer's list of linears, in both fused engines

@@ -1,18 +1,21 @@
 //! The model engine: Hugging Face model folders in and out, the transformer with LoRA, scratch
 //! models and tokenizers made in code.
 
+pub mod batch;
 pub mod config;
 pub mod folder;
 pub mod gguf;
 pub mod lora;
+pub mod ops;
 pub mod peft;
 pub mod scratch;
 pub mod transformer;
 
+pub use batch::Batch;
 pub use config::{ModelConfig, RawConfig};
 pub use folder::ModelFolder;
 pub use lora::{Linear, LoraSpec, Param};
-pub use transformer::{Batch, KvCache, Trainable, Transformer};
+pub use transformer::{KvCache, Trainable, Transformer};
 
 /// Why a model could not be loaded, built or saved.
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]

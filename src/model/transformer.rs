@@ -9,16 +9,13 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{D, DType, Device, IndexOp, Module, Result, Tensor, Var};
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, Var};
 
+use super::batch::{Batch, MASKED};
 use super::config::ModelConfig;
 use super::lora::{Linear, LoraSpec, Param};
+use super::ops::{apply_rope, cross_entropy, repeat_kv, rms_norm, rope_tables, softmax_last};
 use crate::rng::Rng;
-
-/// A large negative number for masked attention scores; finite so rows with nothing to attend to
-/// give a uniform distribution instead of NaN — also in f16, whose largest finite magnitude this
-/// is (-1e9 became −inf there). exp(MASKED − max) is 0 in f32 for any realistic score.
-pub(crate) const MASKED: f32 = -65504.0;
 
 /// Which weights train.
 #[derive(Debug, Clone)]
@@ -69,89 +66,6 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-}
-
-/// Token ids plus the attention structure of a batch.
-#[derive(Debug, Clone)]
-pub struct Batch {
-    /// `[b, t]` u32.
-    pub ids: Tensor,
-    /// `[b, t]` u32 positions for rotary embeddings.
-    pub positions: Tensor,
-    /// `[b, 1, t, t]` additive attention mask.
-    pub mask: Tensor,
-}
-
-impl Batch {
-    /// Build a batch from rows of tokens. `lens[i]` tokens of row i are real (the rest padding);
-    /// `segments[i][j]` is the packed-document index of token j (attention and positions never
-    /// cross documents). The mask is [`attention_layout`]'s, written out.
-    pub fn new(rows: &[Vec<u32>], lens: &[usize], segments: Option<&[Vec<u16>]>, device: &Device) -> Result<Batch> {
-        let b = rows.len();
-        let t = rows.iter().map(Vec::len).max().unwrap_or(0);
-        let mut ids = vec![0u32; b * t];
-        for (r, row) in rows.iter().enumerate() {
-            ids[r * t..r * t + row.len()].copy_from_slice(row);
-        }
-        Batch::from_layout(&ids, b, t, &attention_layout(t, lens, segments), device)
-    }
-
-    /// A batch of `[b, t]` padded `ids` with a known layout.
-    pub fn from_layout(ids: &[u32], b: usize, t: usize, layout: &AttentionLayout, device: &Device) -> Result<Batch> {
-        let mut mask = vec![MASKED; b * t * t];
-        for (i, (&lo, &hi)) in layout.lo.iter().zip(&layout.hi).enumerate() {
-            for k in lo.max(0)..=hi {
-                mask[i * t + k as usize] = 0.0;
-            }
-        }
-        Ok(Batch {
-            ids: Tensor::from_slice(ids, (b, t), device)?,
-            positions: Tensor::from_slice(&layout.positions, (b, t), device)?,
-            mask: Tensor::from_vec(mask, (b, 1, t, t), device)?,
-        })
-    }
-}
-
-/// Positions and attention structure of a `[b, t]` batch, per flattened token `i`: its rotary
-/// position, and the inclusive range `lo[i] ..= hi[i]` of keys in its row that it attends to
-/// (none when `lo > hi`). A packed document is a run of equal segment indices; a real token
-/// (`j < len`) attends causally within its document and its positions restart there. A padding
-/// token attends to the real tokens of the row's first document, as transformers' padding mask
-/// has it; nothing reads its output. Every engine takes attention from here: candle's as a mask,
-/// the GPU engine's kernels as the ranges.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttentionLayout {
-    pub positions: Vec<u32>,
-    pub lo: Vec<i32>,
-    pub hi: Vec<i32>,
-}
-
-/// The [`AttentionLayout`] of rows padded to `t`, with `lens[r]` real tokens each.
-pub fn attention_layout(t: usize, lens: &[usize], segments: Option<&[Vec<u16>]>) -> AttentionLayout {
-    let b = lens.len();
-    let (mut positions, mut lo, mut hi) = (vec![0u32; b * t], vec![0i32; b * t], vec![0i32; b * t]);
-    for (r, &len) in lens.iter().enumerate() {
-        let len = len.min(t);
-        let seg = |j: usize| segments.map(|s| s[r].get(j).copied().unwrap_or(0)).unwrap_or(0);
-        let mut start = 0;
-        for j in 0..t {
-            if j > 0 && seg(j) != seg(j - 1) {
-                start = j;
-            }
-            positions[r * t + j] = (j - start) as u32;
-            if j < len {
-                lo[r * t + j] = start as i32;
-                hi[r * t + j] = j as i32;
-            }
-        }
-        // Padding rows see the first document: from 0 up to where it ends (or the row does).
-        let first_end = (1..len).find(|&j| seg(j) != seg(j - 1)).unwrap_or(len);
-        for j in len..t {
-            lo[r * t + j] = 0;
-            hi[r * t + j] = first_end as i32 - 1;
-        }
-    }
-    AttentionLayout { positions, lo, hi }
 }
 
 pub struct Transformer {
@@ -388,124 +302,6 @@ impl Attention {
     }
 }
 
-/// Keys/values for grouped-query attention: each kv head serves `n` query heads.
-fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
-    if n == 1 {
-        return Ok(x.clone());
-    }
-    let (b, kvh, t, d) = x.dims4()?;
-    x.unsqueeze(2)?.broadcast_as((b, kvh, n, t, d))?.reshape((b, kvh * n, t, d))
-}
-
-/// RMSNorm as transformers computes it: in f32, then cast back, then scaled.
-pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let xf = x.to_dtype(DType::F32)?;
-    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
-    let inv = (var + eps)?.sqrt()?.recip()?;
-    xf.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(&weight.to_dtype(dtype)?)
-}
-
-/// Softmax over the last dimension from differentiable ops (in f32 as transformers does).
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x = x.to_dtype(DType::F32)?;
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&max)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(dtype)
-}
-
-/// `x * cos + rotate_half(x) * sin`, where rotate_half(x) = cat(-x2, x1).
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
-    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
-}
-
-/// Mean cross-entropy of `[n, vocab]` logits against `[n]` targets.
-pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if FUSED_CROSS_ENTROPY.load(std::sync::atomic::Ordering::Relaxed)
-        && logits.device().is_cpu()
-        && logits.dtype() == DType::F32
-        && logits.is_contiguous()
-        && logits.rank() == 2
-    {
-        let targets = targets.to_dtype(DType::U32)?.contiguous()?;
-        return logits.apply_op2(&targets, FusedCrossEntropy { grad_scale: None });
-    }
-    composed_cross_entropy(logits, targets)
-}
-
-/// Use [`FusedCrossEntropy`] on the CPU (on by default; the train-step benchmark can turn it off
-/// to measure what it saves).
-pub static FUSED_CROSS_ENTROPY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Mean cross-entropy from composed ops (any device); [`FusedCrossEntropy`] computes the same
-/// on the CPU.
-pub fn composed_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let max = logits.max_keepdim(D::Minus1)?.detach();
-    let shifted = logits.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    let picked = shifted.gather(&targets.unsqueeze(1)?, 1)?;
-    (lse - picked)?.mean_all()
-}
-
-/// Rows of the rotary tables: positions past this are never trained or evaluated (sequences
-/// are bounded by `dataset.max_seq_len`), and a config claiming millions of positions must not
-/// size a multi-gigabyte table.
-pub const ROPE_TABLE_MAX: usize = 1 << 17;
-
-/// cos/sin tables `[positions, head_dim]` (`max_position_embeddings`, at most
-/// [`ROPE_TABLE_MAX`]), with llama3 frequency scaling when configured.
-fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
-    let (n, d) = (cfg.max_position_embeddings.min(ROPE_TABLE_MAX), cfg.head_dim);
-    let (cos, sin) = rope_values(cfg, n);
-    let cos = Tensor::from_vec(cos, (n, d), device)?.to_dtype(dtype)?;
-    let sin = Tensor::from_vec(sin, (n, d), device)?.to_dtype(dtype)?;
-    Ok((cos, sin))
-}
-
-/// The rotary tables' values for positions `0 .. n`, row-major `[n, head_dim]` each, in f32:
-/// transformers' `rope_init_fn` (default or llama3 scaling) with `emb = cat(freqs, freqs)`.
-pub fn rope_values(cfg: &ModelConfig, n: usize) -> (Vec<f32>, Vec<f32>) {
-    let d = cfg.head_dim;
-    let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32)).collect();
-    if let Some(rs) = &cfg.rope_scaling {
-        let factor = rs.factor.unwrap_or(8.0) as f32;
-        let low = rs.low_freq_factor.unwrap_or(1.0) as f32;
-        let high = rs.high_freq_factor.unwrap_or(4.0) as f32;
-        let old = rs.original_max_position_embeddings.unwrap_or(8192) as f32;
-        let (low_wavelen, high_wavelen) = (old / low, old / high);
-        for f in inv.iter_mut() {
-            let wavelen = 2.0 * std::f32::consts::PI / *f;
-            let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
-            // wavelengths are finite here, so `>=`/`<=` are the negations transformers writes
-            let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
-            *f = if medium {
-                let smooth = (old / wavelen - low) / (high - low);
-                (1.0 - smooth) * scaled / factor + smooth * scaled
-            } else {
-                scaled
-            };
-        }
-    }
-    let mut cos = Vec::with_capacity(n * d);
-    let mut sin = Vec::with_capacity(n * d);
-    for p in 0..n {
-        // emb = cat(freqs, freqs): the table repeats each frequency in both halves.
-        for _ in 0..2 {
-            for f in &inv {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
-    }
-    (cos, sin)
-}
-
 /// Collects weights and trainable parameters while the model is built.
 struct Builder<'a> {
     weights: &'a BTreeMap<String, Tensor>,
@@ -680,97 +476,5 @@ impl<'a> MergedTensor<'a> {
             MergedSource::Plain(t) => Ok(t.detach()),
             MergedSource::Linear(l) => Ok(l.merged_weight()?.detach()),
         }
-    }
-}
-
-/// Mean cross-entropy of `[N, V]` f32 logits against `[N]` u32 targets in one pass per row, and
-/// its gradient `(softmax − onehot) / N` in one more (CPU). The composed version writes and keeps
-/// several `[N, V]` temporaries (shifted, exp, their gradients): for a 49k vocabulary that is
-/// ~100 MB each per 512 positions.
-struct FusedCrossEntropy {
-    /// Set for the backward op: the upstream gradient of the mean, divided by N.
-    grad_scale: Option<f32>,
-}
-
-impl FusedCrossEntropy {
-    fn rows<'a>(
-        s1: &'a candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &'a candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> Result<(&'a [f32], &'a [u32], usize, usize)> {
-        let (n, v) = l1.shape().dims2()?;
-        let (candle_core::CpuStorage::F32(x), candle_core::CpuStorage::U32(t)) = (s1, s2) else {
-            candle_core::bail!("cross-entropy: expected f32 logits and u32 targets")
-        };
-        let (Some((a, b)), Some((c, d))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("cross-entropy: inputs must be contiguous")
-        };
-        if d - c != n {
-            candle_core::bail!("cross-entropy: {n} rows but {} targets", d - c)
-        }
-        Ok((&x[a..b], &t[c..d], n, v))
-    }
-}
-
-impl candle_core::CustomOp2 for FusedCrossEntropy {
-    fn name(&self) -> &'static str {
-        "fused-cross-entropy"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use rayon::prelude::*;
-        let (x, t, n, v) = Self::rows(s1, l1, s2, l2)?;
-        if let Some(t) = t.iter().find(|&&t| t as usize >= v) {
-            candle_core::bail!("cross-entropy: target {t} outside the vocabulary of {v}")
-        }
-        let lse = |row: &[f32]| {
-            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            (m, row.iter().map(|&z| (z - m).exp()).sum::<f32>().ln())
-        };
-        match self.grad_scale {
-            None => {
-                let total: f64 = x
-                    .par_chunks(v)
-                    .zip(t.par_iter())
-                    .map(|(row, &t)| {
-                        let (m, l) = lse(row);
-                        (l - (row[t as usize] - m)) as f64
-                    })
-                    .sum();
-                let mean = if n == 0 { f32::NAN } else { (total / n as f64) as f32 };
-                Ok((candle_core::CpuStorage::F32(vec![mean]), candle_core::Shape::from(())))
-            }
-            Some(scale) => {
-                let mut g = vec![0f32; n * v];
-                g.par_chunks_mut(v).zip(x.par_chunks(v)).zip(t.par_iter()).for_each(|((g, row), &t)| {
-                    let (m, l) = lse(row);
-                    for (g, &z) in g.iter_mut().zip(row) {
-                        *g = (z - m - l).exp() * scale;
-                    }
-                    g[t as usize] -= scale;
-                });
-                Ok((candle_core::CpuStorage::F32(g), candle_core::Shape::from((n, v))))
-            }
-        }
-    }
-
-    fn bwd(
-        &self,
-        logits: &Tensor,
-        targets: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let n = logits.dim(0)?.max(1);
-        let scale = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? / n as f32;
-        let g = logits.apply_op2_no_bwd(targets, &FusedCrossEntropy { grad_scale: Some(scale) })?;
-        Ok((Some(g), None))
     }
 }

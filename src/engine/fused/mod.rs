@@ -31,7 +31,7 @@ mod linear;
 mod matmul;
 mod rows;
 
-use crate::model::transformer::{Batch, Transformer};
+use crate::model::{Batch, Transformer};
 use attention::*;
 use linear::*;
 use matmul::*;
@@ -290,7 +290,7 @@ fn run(
     // Attention skips keys after each query block, which is exact only for causal masks.
     let causal = mask
         .chunks(t * t)
-        .all(|m| (0..t).all(|q| m[q * t + q + 1..(q + 1) * t].iter().all(|&v| v <= crate::model::transformer::MASKED)));
+        .all(|m| (0..t).all(|q| m[q * t + q + 1..(q + 1) * t].iter().all(|&v| v <= crate::model::batch::MASKED)));
     if mask.len() != b * t * t || !causal {
         bail!("fused engine: the attention mask is not a causal [b, 1, t, t] mask")
     }

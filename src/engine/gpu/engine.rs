@@ -15,7 +15,7 @@ use crate::engine::optim::AdamWConfig;
 use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Setup};
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
-use crate::model::transformer::rope_values;
+use crate::model::ops::rope_values;
 use crate::model::{ModelConfig, ModelError, Trainable, peft};
 use crate::recipe::Dtype;
 use crate::rng::Rng;
