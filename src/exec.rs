@@ -169,7 +169,7 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         }
         // Inputs are re-hashed (once per run) before a stage reads them: damage that happened
         // since they were built is caught here, marked, and rebuilt by the next run.
-        for input in planned.doc["inputs"].as_object().into_iter().flat_map(|m| m.values()).filter_map(|v| v.as_str()) {
+        for input in planned.inputs.values() {
             if !verified.insert(input.to_string()) {
                 continue;
             }

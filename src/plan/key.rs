@@ -58,15 +58,6 @@ impl StageKey {
             _ => None,
         }
     }
-
-    /// The local and Hub sources the stage reads directly (not through another stage).
-    pub fn sources(&self) -> Option<&Sources> {
-        match self {
-            StageKey::Download(k) => Some(&k.sources),
-            StageKey::Evaluate(k) => k.sources.as_ref(),
-            _ => None,
-        }
-    }
 }
 
 /// The document a stage's fingerprint is the blake3 of: its key, its kind, the versions of the
@@ -164,16 +155,6 @@ impl Serialize for Source {
                 }
                 v.serialize(s)
             }
-        }
-    }
-}
-
-impl Source {
-    /// A local source's digest, or a Hub source's commit.
-    pub fn pinned(&self) -> &str {
-        match self {
-            Source::Local { digest, .. } => digest,
-            Source::Hub { commit, .. } => commit,
         }
     }
 }

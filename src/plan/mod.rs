@@ -80,11 +80,6 @@ impl PlannedStage {
     pub fn short(&self) -> &str {
         fingerprint::short(&self.fingerprint)
     }
-
-    /// Input fingerprints by port name.
-    pub fn input(&self, port: &str) -> Option<&str> {
-        self.inputs.get(port).map(String::as_str)
-    }
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -37,7 +37,10 @@ pub(super) fn resolve_key(
         })
     }
     let seed = recipe.recipe.seed;
+    let m = &recipe.model;
     let d = &recipe.dataset;
+    // The base model as the exports and the card name it: the Hub id, else the recipe's path.
+    let base_named = || m.repo.clone().or_else(|| m.path.clone());
     let rendering = || Rendering {
         format: d.format,
         column_map: d.column_map.clone(),
@@ -56,7 +59,6 @@ pub(super) fn resolve_key(
     };
     Ok(match spec.kind {
         StageKind::Download => {
-            let m = &recipe.model;
             let model = match (&m.scratch, &m.path, &m.repo) {
                 // The tokenizer is trained on the dataset's rows rendered with its format and
                 // column map, so those shape this artifact too.
@@ -121,13 +123,12 @@ pub(super) fn resolve_key(
             })
         }
         StageKind::Quantize => {
-            let m = &recipe.model;
             StageKey::Quantize(QuantizeKey {
                 settings: QuantizeKeySettings {
                     quantize: typed(table, spec, loaded)?,
                     adapter: recipe.adapter.clone(),
                     name: recipe.recipe.name.clone(),
-                    base_name: m.repo.clone().or_else(|| m.path.clone()).unwrap_or_default(),
+                    base_name: base_named().unwrap_or_default(),
                     template: Template { format: d.format, chat_template: d.chat_template.clone() },
                 },
                 // Exports are computed in f32 with candle, whatever dtype and engine trained.
@@ -136,7 +137,6 @@ pub(super) fn resolve_key(
         }
         StageKind::Upload => {
             let upload: UploadSettings = typed(table, spec, loaded)?;
-            let m = &recipe.model;
             let recipe_file = match &loaded.source {
                 crate::recipe::RecipeSource::File(p) => {
                     p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| loaded.name())
@@ -148,7 +148,7 @@ pub(super) fn resolve_key(
                 description: recipe.recipe.description.clone(),
                 recipe_text: RecipeText(loaded.text.clone()),
                 recipe_file,
-                base: m.repo.clone().or_else(|| m.path.clone()).unwrap_or_else(|| "a scratch model".into()),
+                base: base_named().unwrap_or_else(|| "a scratch model".into()),
                 base_repo: m.repo.clone(),
                 dataset_repo: d.repo.clone(),
                 lora: recipe.adapter.kind != crate::recipe::AdapterKind::None,

@@ -18,12 +18,10 @@ use crate::train::evaluate;
 fn own_dataset(
     ctx: &StageCtx<'_>,
     folder: &ModelFolder,
+    path: &std::path::Path,
     source: &Source,
     rendering: &Rendering,
 ) -> Result<TokenStore, StageError> {
-    let Source::Local { path, .. } = source else {
-        return Err(StageError::Internal("an evaluate stage's dataset is a local file".into()));
-    };
     super::check_source(ctx, path, source)?;
     let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, path)?;
     for b in bad.iter().take(3) {
@@ -45,8 +43,8 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
     let own = key.sources.as_ref().and_then(|s| s.dataset.as_ref()).zip(key.settings.data.as_ref());
     let (eval, source) = match own {
         None => (TokenStore::open(&ctx.input("tokens")?, "eval")?, "the eval split".to_string()),
-        Some((src @ Source::Local { shown, .. }, rendering)) => {
-            (own_dataset(ctx, &folder, src, rendering)?, format!("`{shown}`"))
+        Some((src @ Source::Local { path, shown, .. }, rendering)) => {
+            (own_dataset(ctx, &folder, path, src, rendering)?, format!("`{shown}`"))
         }
         Some(_) => return Err(StageError::Internal("an evaluate stage's dataset is a local file".into())),
     };
