@@ -1,6 +1,7 @@
 //! The GPU engine (src/engine/gpu) on every device this machine has: always the CPU emulator of
-//! its kernels (crates/gpu-emu), and with `--features cuda` on a machine with an NVIDIA GPU the
-//! GPU too. Each kernel is checked against a plain Rust reference on random inputs, and the
+//! its kernels (crates/gpu-emu); with `--features cuda` on a machine with an NVIDIA GPU the GPU
+//! too; and a Vulkan device where the loader lists one (the `vulkan` feature, on by default; in
+//! CI, Mesa's software driver lavapipe). Each kernel is checked against a plain Rust reference on random inputs, and the
 //! engine against candle's autograd (the reference every engine answers to) on the model tests'
 //! fixtures: loss, every gradient, AdamW steps, checkpoints and generation.
 
@@ -161,7 +162,22 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
         Ok(g) => v.push(Rc::new(g)),
         Err(e) => eprintln!("no CUDA device for the GPU engine tests: {e}"),
     }
+    #[cfg(feature = "vulkan")]
+    match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
+        Ok(g) => v.push(Rc::new(g)),
+        // CI sets RTUNE_REQUIRE_VULKAN (it installs lavapipe), so the Vulkan kernels never go
+        // untested there by accident.
+        Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
+        Err(e) => eprintln!("no Vulkan device for the GPU engine tests: {e}"),
+    }
     v
+}
+
+/// The Vulkan device the tests use: `RTUNE_TEST_VULKAN=N`, else the first one listed (lavapipe,
+/// Mesa's software driver, in CI).
+#[cfg(feature = "vulkan")]
+fn vulkan_ordinal() -> usize {
+    std::env::var("RTUNE_TEST_VULKAN").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -873,3 +873,58 @@ fn cache_gc_refuses_while_a_run_uses_the_cache() {
     let gc = p.run(&["cache", "gc"]);
     assert!(gc.status.success(), "{}", stderr(&gc));
 }
+
+/// The default recipe on a Vulkan device (lavapipe in CI) against the same run on the CPU: every
+/// stage builds, training runs on the GPU engine there, quantize merges on the CPU, and the eval
+/// losses agree within 1e-4 relative (f32). Shortened (lavapipe runs shaders on the CPU, far
+/// slower than the fused CPU engine); the full recipe is `rtune run recipes/tiny-offline.toml
+/// --set 'device.prefer=["vulkan"]'`.
+#[test]
+fn default_recipe_on_vulkan_matches_the_cpu() {
+    let vulkan = rtune::device::Inventory::probe(true)
+        .devices
+        .iter()
+        .any(|d| d.class == rtune::device::DeviceClass::Vulkan && d.unusable.is_none());
+    if !vulkan {
+        assert!(
+            std::env::var_os("RTUNE_REQUIRE_VULKAN").is_none(),
+            "RTUNE_REQUIRE_VULKAN is set but no usable Vulkan device is listed"
+        );
+        eprintln!("no usable Vulkan device: skipped");
+        return;
+    }
+    let short = [
+        "--set",
+        "stages.train.max_steps=4",
+        "--set",
+        "stages.train.eval_every=0",
+        "--set",
+        "stages.evaluate.max_new_tokens=4",
+    ];
+    let run = |prefer: &str| {
+        let p = Project::tiny_offline();
+        let report = p.run_json(&args(&["tiny.toml", "--set", prefer], &short));
+        assert!(outcomes(&report).iter().all(|(_, o)| o == "built"), "{:?}", outcomes(&report));
+        (p, report)
+    };
+    let (_cpu_dir, cpu) = run(r#"device.prefer=["cpu"]"#);
+    let (vk_dir, vk) = run(r#"device.prefer=["vulkan"]"#);
+    let stage = |r: &serde_json::Value, name: &str| {
+        r["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap().clone()
+    };
+    for name in ["eval_base", "evaluate"] {
+        let (a, b) = (
+            stage(&cpu, name)["metrics"]["eval_loss"].as_f64().unwrap(),
+            stage(&vk, name)["metrics"]["eval_loss"].as_f64().unwrap(),
+        );
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "{name}: eval loss {b} on Vulkan vs {a} on the CPU");
+    }
+    let train = artifact(&vk, "train");
+    let log = std::fs::read_to_string(train.join("train_log.jsonl")).unwrap_or_default();
+    let plan = stdout(&vk_dir.run(&args(&["plan", "tiny.toml", "--set", r#"device.prefer=["vulkan"]"#], &short)));
+    assert!(
+        plan.contains("vulkan:0/f32") && plan.contains("cpu/f32"),
+        "train on Vulkan, quantize on the CPU:\n{plan}{log}"
+    );
+    assert!(vk_dir.path().join("out/tiny-offline/merged/model.safetensors").is_file());
+}

@@ -327,6 +327,12 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
             if !inv.vulkan_feature {
                 return Err("this build has no Vulkan support (build with `--features vulkan`)".into());
             }
+            // Plain `vulkan` is the first usable GPU, before software drivers (lavapipe) that
+            // the loader may list first; `vulkan:N` is exactly device N.
+            let gpu = inv.devices.iter().find(|d| d.class == DeviceClass::Vulkan && d.gpu && d.unusable.is_none());
+            if let (None, Some(d)) = (ordinal, gpu) {
+                return Ok(d);
+            }
             numbered(inv, DeviceClass::Vulkan, "Vulkan", ordinal, || match &inv.vulkan_note {
                 Some(why) => format!("no Vulkan device found: {why}"),
                 None => "no Vulkan device found".into(),
@@ -400,13 +406,11 @@ pub const VENDOR_AMD: u32 = 0x1002;
 pub const VENDOR_INTEL: u32 = 0x8086;
 pub const VENDOR_NVIDIA: u32 = 0x10de;
 
-/// Why a Vulkan device is listed but not used.
-pub const NO_VULKAN_ENGINE: &str = "rtune has no Vulkan training engine yet (docs/devices.md, \"Vulkan\")";
-
 #[cfg(feature = "vulkan")]
 fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
+    // bf16 needs only 16-bit storage: the kernels convert to f32 for arithmetic.
     let mut dtypes = Vec::new();
-    if d.bf16 {
+    if d.storage16 {
         dtypes.push(Dtype::Bf16);
     }
     if d.f16 {
@@ -427,7 +431,8 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
             d.driver,
             if d.cooperative_matrix { "yes" } else { "no" }
         )),
-        unusable: Some(NO_VULKAN_ENGINE.to_string()),
+        unusable: (!d.missing.is_empty())
+            .then(|| format!("the GPU engine needs {} on Vulkan, which this device lacks", d.missing.join(", "))),
         vendor_id: Some(d.vendor_id),
         gpu: d.is_gpu(),
     }
@@ -552,22 +557,27 @@ mod tests {
 
     #[test]
     fn rocm_and_directml_resolve_to_a_vulkan_gpu_of_their_vendor() {
-        // A software driver (lavapipe) first, then an Intel and an AMD GPU; none usable yet.
+        // A software driver (lavapipe) first, then an Intel and an AMD GPU that lack features.
+        const LACKS: &str = "the GPU engine needs shaderFloat64 on Vulkan, which this device lacks";
         let inv = vulkan_box(&[
-            (0x10005, false, Some(NO_VULKAN_ENGINE)),
-            (VENDOR_INTEL, true, Some(NO_VULKAN_ENGINE)),
-            (VENDOR_AMD, true, Some(NO_VULKAN_ENGINE)),
+            (0x10005, false, Some(LACKS)),
+            (VENDOR_INTEL, true, Some(LACKS)),
+            (VENDOR_AMD, true, Some(LACKS)),
         ]);
         let e = resolve(&s(&["rocm", "directml", "vulkan:7", "vulkan"]), &[Dtype::F32], &inv).unwrap_err();
         let reasons: Vec<&str> = e.tried.iter().map(|t| t.reason.as_str()).collect();
-        assert!(reasons[0].starts_with("rocm resolves to vulkan:2 (gpu2) through Vulkan, but rtune has no Vulkan"));
+        assert!(reasons[0].starts_with("rocm resolves to vulkan:2 (gpu2) through Vulkan, but the GPU engine needs"));
         assert!(reasons[1].starts_with("directml resolves to vulkan:1 (gpu1) through Vulkan"), "{}", reasons[1]);
         assert_eq!(reasons[2], "only 3 Vulkan devices present");
-        assert_eq!(reasons[3], NO_VULKAN_ENGINE);
-        // Once an engine makes the devices usable, the mapping is the resolution.
+        assert_eq!(reasons[3], LACKS);
+        // Usable devices: the mapping is the resolution, and plain `vulkan` is the first GPU.
         let inv = vulkan_box(&[(0x10005, false, None), (VENDOR_AMD, true, None)]);
         let r = resolve(&s(&["rocm", "cpu"]), &[Dtype::Bf16, Dtype::F16], &inv).unwrap();
         assert_eq!((r.device_name(), r.dtype), ("vulkan:1".to_string(), Dtype::F16));
+        let r = resolve(&s(&["vulkan"]), &[Dtype::F32], &inv).unwrap();
+        assert_eq!(r.device_name(), "vulkan:1");
+        let r = resolve(&s(&["vulkan:0"]), &[Dtype::F32], &inv).unwrap();
+        assert_eq!(r.device_name(), "vulkan:0");
         // Only a software device: rocm finds no AMD GPU, vulkan takes the software one.
         let inv = vulkan_box(&[(0x10005, false, None)]);
         let r = resolve(&s(&["rocm", "vulkan", "cpu"]), &[Dtype::F32], &inv).unwrap();

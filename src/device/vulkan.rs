@@ -1,6 +1,6 @@
 //! Vulkan devices as the loader reports them: name, vendor, kind, driver, device-local memory
-//! and the compute features a training engine needs (16-bit floats, bfloat16, cooperative
-//! matrices). The loader (`libvulkan.so.1`, `vulkan-1.dll`) is opened at run time, so a build
+//! and the compute features the GPU engine needs (buffer device addresses, 64-bit integers and
+//! floats, 16-bit storage for bf16/f16) or could use (bfloat16, cooperative matrices). The loader (`libvulkan.so.1`, `vulkan-1.dll`) is opened at run time, so a build
 //! with this feature runs on machines without Vulkan and simply finds no devices there.
 
 use std::ffi::CStr;
@@ -24,10 +24,15 @@ pub struct VulkanInfo {
     pub memory_bytes: u64,
     /// `shaderFloat16` and 16-bit storage buffers: f16 compute.
     pub f16: bool,
-    /// `VK_KHR_shader_bfloat16`.
+    /// 16-bit storage buffers: bf16 tensors (the engine converts them to f32 in its kernels).
+    pub storage16: bool,
+    /// `VK_KHR_shader_bfloat16` (native bf16 arithmetic; the engine does not need it).
     pub bf16: bool,
     /// `VK_KHR_cooperative_matrix`: tensor-core / matrix-core GEMMs from shaders.
     pub cooperative_matrix: bool,
+    /// Features the GPU engine needs that the device lacks (Vulkan 1.2, buffer device
+    /// addresses, 64-bit integers and floats); empty when it can train here.
+    pub missing: Vec<&'static str>,
 }
 
 impl VulkanInfo {
@@ -55,7 +60,7 @@ pub fn devices() -> Result<Vec<VulkanInfo>, String> {
     // SAFETY: opens the system's Vulkan loader library; its entry points are only called
     // through `ash`'s typed wrappers below.
     let entry = unsafe { ash::Entry::load() }.map_err(|e| format!("no Vulkan loader ({e})"))?;
-    let app = vk::ApplicationInfo::default().application_name(c"rtune").api_version(vk::API_VERSION_1_1);
+    let app = vk::ApplicationInfo::default().application_name(c"rtune").api_version(vk::API_VERSION_1_2);
     let create = vk::InstanceCreateInfo::default().application_info(&app);
     // SAFETY: a plain instance with no layers or extensions; destroyed below.
     let instance = unsafe { entry.create_instance(&create, None) }
@@ -97,8 +102,27 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
     };
     let mut f16 = vk::PhysicalDeviceShaderFloat16Int8Features::default();
     let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default();
+    let mut bda = vk::PhysicalDeviceBufferDeviceAddressFeatures::default();
+    let v12 = vk::api_version_major(api) > 1 || vk::api_version_minor(api) >= 2;
     let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut f16).push_next(&mut storage16);
+    if v12 {
+        features = features.push_next(&mut bda);
+    }
     unsafe { instance.get_physical_device_features2(pd, &mut features) };
+    let base = features.features;
+    let mut missing = Vec::new();
+    if !v12 {
+        missing.push("Vulkan 1.2");
+    }
+    if bda.buffer_device_address != vk::TRUE {
+        missing.push("bufferDeviceAddress");
+    }
+    if base.shader_int64 != vk::TRUE {
+        missing.push("shaderInt64");
+    }
+    if base.shader_float64 != vk::TRUE {
+        missing.push("shaderFloat64");
+    }
     let memory = unsafe { instance.get_physical_device_memory_properties(pd) };
     let memory_bytes = memory.memory_heaps[..memory.memory_heap_count as usize]
         .iter()
@@ -120,7 +144,9 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
         api: format!("{}.{}", vk::api_version_major(api), vk::api_version_minor(api)),
         memory_bytes,
         f16: f16.shader_float16 == vk::TRUE && storage16.storage_buffer16_bit_access == vk::TRUE,
+        storage16: storage16.storage_buffer16_bit_access == vk::TRUE,
         bf16: has("VK_KHR_shader_bfloat16"),
         cooperative_matrix: has("VK_KHR_cooperative_matrix"),
+        missing,
     }
 }

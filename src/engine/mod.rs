@@ -280,8 +280,9 @@ pub fn requested() -> Option<String> {
     std::env::var("RTUNE_ENGINE").ok().filter(|e| !e.is_empty() && e != "auto")
 }
 
-/// The engine for `trainable` on `device`: the GPU engine on CUDA and the fused engine on the CPU
-/// in f32 where they support the model, else candle's autograd. `requested` (`RTUNE_ENGINE=candle|fused|gpu`)
+/// The engine for `trainable` on `device`: the GPU engine on CUDA and Vulkan and the fused engine
+/// on the CPU in f32 where they support the model, else candle's autograd (which has no Vulkan
+/// backend: there the GPU engine's limits are an error). `requested` (`RTUNE_ENGINE=candle|fused|gpu`)
 /// asks for one (to compare engines); asking for one that cannot run the model is an error.
 pub fn choose(
     cfg: &ModelConfig,
@@ -292,6 +293,19 @@ pub fn choose(
     let adapters_only = matches!(trainable, Trainable::Nothing | Trainable::Lora(_));
     let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32 && adapters_only;
     let gpu_why = gpu::unsupported(cfg, trainable, device);
+    // candle has no Vulkan backend: on a Vulkan device the GPU engine is the only engine.
+    if device.class == DeviceClass::Vulkan {
+        return match (requested, gpu_why) {
+            (None | Some("gpu"), None) => Ok(EngineKind::Gpu),
+            (Some(other), None) => Err(EngineError::Unsupported(format!(
+                "RTUNE_ENGINE={other}: on Vulkan devices rtune trains with its GPU engine only (`gpu`)"
+            ))),
+            (_, Some(why)) => Err(EngineError::Unsupported(format!(
+                "{}: on Vulkan devices rtune trains with its GPU engine only, and {why} (use `prefer = [\"cpu\"]` or a CUDA device for this)",
+                device.device_name()
+            ))),
+        };
+    }
     match requested {
         None => {}
         Some("candle") => return Ok(EngineKind::Candle),

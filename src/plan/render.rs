@@ -24,7 +24,12 @@ pub fn render_text(plan: &Plan) -> String {
                 s.name.clone() + if s.implicit { "*" } else { "" },
                 s.kind.as_str().to_string(),
                 if s.needs.is_empty() { "-".into() } else { s.needs.join(",") },
-                if s.uses_device { format!("{}/{}", d.device_name(), d.dtype.as_str()) } else { "-".into() },
+                // The device the stage computes on (quantize merges in f32, on the CPU after a
+                // Vulkan run), which its key holds.
+                match s.key.device() {
+                    Some(k) => format!("{}/{}", k.class.device_name(k.ordinal), k.dtype.as_str()),
+                    None => "-".into(),
+                },
                 s.short().to_string(),
                 s.action.as_str().to_string(),
                 s.reason.clone(),

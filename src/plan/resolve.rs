@@ -131,8 +131,18 @@ pub(super) fn resolve_key(
                     base_name: base_named().unwrap_or_default(),
                     template: Template { format: d.format, chat_template: d.chat_template.clone() },
                 },
-                // Exports are computed in f32 with candle, whatever dtype and engine trained.
-                device: DeviceKey { dtype: crate::recipe::Dtype::F32, tf32: false, ..on_device(false) },
+                // Exports are computed in f32 with candle, whatever dtype and engine trained;
+                // candle has no Vulkan backend, so a Vulkan run merges on the CPU.
+                device: match device.class {
+                    crate::device::DeviceClass::Vulkan => DeviceKey {
+                        class: crate::device::DeviceClass::Cpu,
+                        dtype: crate::recipe::Dtype::F32,
+                        tf32: false,
+                        engine: None,
+                        ordinal: 0,
+                    },
+                    _ => DeviceKey { dtype: crate::recipe::Dtype::F32, tf32: false, ..on_device(false) },
+                },
             })
         }
         StageKind::Upload => {

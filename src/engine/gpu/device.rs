@@ -1,6 +1,7 @@
 //! The GPU engine's view of a device: raw memory, kernel launches by name and matrix products.
 //! [`super::cuda::CudaGpu`] implements it with the CUDA driver and cuBLAS; tests implement it
-//! with the CPU emulator of `kernels.cu` (crates/gpu-emu). A Vulkan device would be a third.
+//! with the CPU emulator of `kernels.cu` (crates/gpu-emu); [`super::vulkan::VulkanGpu`] runs the
+//! same kernels written for Vulkan (`vulkan/kernels.comp`).
 
 use std::rc::Rc;
 
@@ -120,6 +121,11 @@ pub trait Gpu {
     fn synchronize(&self) -> Result<(), GpuError>;
     fn memory(&self) -> Memory;
     fn reset_peak(&self);
+    /// Whether the tensor-core attention kernels (`attn_*_mma_*`) exist on this device; without
+    /// them attention runs on the scalar kernels.
+    fn tensor_core_attention(&self) -> bool {
+        true
+    }
 }
 
 /// A device buffer of `len` elements of `dt`, freed when dropped.

@@ -147,6 +147,15 @@ fn gerr(context: &str) -> impl FnOnce(GpuError) -> EngineError + '_ {
     move |source| EngineError::Gpu { context: context.to_string(), source }
 }
 
+/// The buffer dtype of a recipe's compute dtype.
+pub fn compute_dtype(d: Dtype) -> Dt {
+    match d {
+        Dtype::F32 => Dt::F32,
+        Dtype::Bf16 => Dt::Bf16,
+        Dtype::F16 => Dt::F16,
+    }
+}
+
 impl GpuEngine {
     /// Upload `setup.folder`'s weights to `gpu` in the compute dtype and create (or load) the
     /// adapters `setup.trainable` names.
@@ -155,11 +164,7 @@ impl GpuEngine {
         if let Some(why) = super::model_unsupported(&cfg, &setup.trainable) {
             return Err(EngineError::Unsupported(why));
         }
-        let dt = match setup.device.dtype {
-            Dtype::F32 => Dt::F32,
-            Dtype::Bf16 => Dt::Bf16,
-            Dtype::F16 => Dt::F16,
-        };
+        let dt = compute_dtype(setup.device.dtype);
         let overrides = match setup.trained {
             Some(dir) if dir.join("weights.safetensors").is_file() => {
                 candle_core::safetensors::load(dir.join("weights.safetensors"), &candle_core::Device::Cpu)

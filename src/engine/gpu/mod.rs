@@ -13,8 +13,10 @@
 //!   run in chunks of selected positions; trained parameters, gradients and AdamW moments are
 //!   flat f32 buffers updated by one kernel per step.
 //!
-//! [`device::Gpu`] is the device seam: [`cuda::CudaGpu`] drives NVIDIA GPUs (feature `cuda`);
-//! the tests drive the same engine on the CPU emulator of `kernels.cu` (crates/gpu-emu).
+//! [`device::Gpu`] is the device seam: `cuda::CudaGpu` drives NVIDIA GPUs (feature `cuda`),
+//! `vulkan::VulkanGpu` any GPU with a Vulkan 1.2 driver (feature `vulkan`, kernels in
+//! `vulkan/kernels.comp`), and the tests drive the same engine on the CPU emulator of
+//! `kernels.cu` (crates/gpu-emu) as well as on both.
 
 pub mod device;
 mod engine;
@@ -22,6 +24,8 @@ pub mod ops;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "vulkan")]
+pub mod vulkan;
 
 pub use device::{Arg, Buf, Dt, Gemm, Gpu, GpuError, Memory};
 pub use engine::GpuEngine;
@@ -31,11 +35,11 @@ use crate::model::{ModelConfig, Trainable};
 
 /// Why the GPU engine cannot run `trainable` of this model on `device`, or `None` when it can.
 pub fn unsupported(cfg: &ModelConfig, trainable: &Trainable, device: &Resolution) -> Option<String> {
-    if device.class != DeviceClass::Cuda {
-        return Some(format!("the GPU engine runs on CUDA devices, not {}", device.class.as_str()));
-    }
-    if !cfg!(feature = "cuda") {
-        return Some("this build has no CUDA support".into());
+    match device.class {
+        DeviceClass::Cuda if !cfg!(feature = "cuda") => return Some("this build has no CUDA support".into()),
+        DeviceClass::Vulkan if !cfg!(feature = "vulkan") => return Some("this build has no Vulkan support".into()),
+        DeviceClass::Cuda | DeviceClass::Vulkan => {}
+        other => return Some(format!("the GPU engine runs on CUDA and Vulkan devices, not {}", other.as_str())),
     }
     model_unsupported(cfg, trainable)
 }
@@ -56,15 +60,34 @@ pub fn model_unsupported(cfg: &ModelConfig, trainable: &Trainable) -> Option<Str
 
 /// The GPU engine on the device `setup` names.
 pub fn build(setup: &super::Setup<'_>) -> Result<Box<dyn super::Engine>, super::EngineError> {
-    #[cfg(feature = "cuda")]
-    {
-        let gpu = cuda::CudaGpu::new(setup.device.ordinal, setup.tf32)
-            .map_err(|source| super::EngineError::Gpu { context: "cannot open the CUDA device".into(), source })?;
-        Ok(Box::new(GpuEngine::new(std::rc::Rc::new(gpu), setup)?))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = setup;
-        Err(super::EngineError::Unsupported("this build has no CUDA support (build with `--features cuda`)".into()))
-    }
+    let open = |what: &str| {
+        let context = format!("cannot open the {what} device {}", setup.device.device_name());
+        move |source| super::EngineError::Gpu { context, source }
+    };
+    let gpu: std::rc::Rc<dyn Gpu> = match setup.device.class {
+        #[cfg(feature = "cuda")]
+        DeviceClass::Cuda => {
+            std::rc::Rc::new(cuda::CudaGpu::new(setup.device.ordinal, setup.tf32).map_err(open("CUDA"))?)
+        }
+        #[cfg(feature = "vulkan")]
+        DeviceClass::Vulkan => {
+            let gpu = vulkan::VulkanGpu::new(setup.device.ordinal).map_err(open("Vulkan"))?;
+            let dt = engine::compute_dtype(setup.device.dtype);
+            if !gpu.supports(dt) {
+                return Err(super::EngineError::Unsupported(format!(
+                    "{} cannot compute in {} (it lacks 16-bit storage buffers or shaderFloat16); use f32",
+                    gpu.name(),
+                    setup.device.dtype.as_str()
+                )));
+            }
+            std::rc::Rc::new(gpu)
+        }
+        other => {
+            return Err(super::EngineError::Unsupported(format!(
+                "this build's GPU engine cannot run on {} (build with `--features cuda` for NVIDIA GPUs)",
+                other.as_str()
+            )));
+        }
+    };
+    Ok(Box::new(GpuEngine::new(gpu, setup)?))
 }

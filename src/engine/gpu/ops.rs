@@ -50,8 +50,8 @@ impl AttnShape {
         matches!(dt, Dt::Bf16 | Dt::F16) && matches!(d, 64 | 128)
     }
 
-    fn mma(&self, dt: Dt) -> bool {
-        self.tensor_cores && Self::has_tensor_cores(dt, self.d)
+    fn mma(&self, dt: Dt, gpu: &dyn Gpu) -> bool {
+        self.tensor_cores && Self::has_tensor_cores(dt, self.d) && gpu.tensor_core_attention()
     }
 
     /// f32 elements of the backward pass's per-query-head scratch (dK and dV partials).
@@ -238,7 +238,7 @@ impl Ops<'_> {
     pub fn attn_fwd(&self, s: &AttnShape, q: u64, k: u64, v: u64, o: u64, lse: u64, lo: u64, hi: u64) -> R {
         let ptrs = [q, k, v, o, lse, lo, hi].map(Arg::Ptr);
         let dims = [i(s.t), i(s.hq), i(s.hk)];
-        if s.mma(self.dt) {
+        if s.mma(self.dt, self.gpu) {
             let name = format!("attn_fwd_mma_{}_{}", self.dt.suffix(), s.d);
             let grid = [s.t.div_ceil(MMA_ROWS) as u32, s.hq as u32, s.b as u32];
             let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([Arg::F32(s.scale)]).collect();
@@ -274,7 +274,7 @@ impl Ops<'_> {
         self.gpu.launch(&self.k("attn_bwd_pre"), pre_grid, ATT_BLOCK, &pre)?;
         let dims = [i(s.t), i(s.hq), i(s.hk)];
         let dq_args = [q, k, v, dout, lse, delta, dq, lo, hi].map(Arg::Ptr);
-        if s.mma(self.dt) {
+        if s.mma(self.dt, self.gpu) {
             let suffix = format!("{}_{}", self.dt.suffix(), s.d);
             let tail = [Arg::F32(s.scale)];
             let a: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();

@@ -1,0 +1,757 @@
+#version 460
+// The GPU engine's kernels for Vulkan: the kernels of ../kernels.cu that a LoRA step needs,
+// written once in GLSL and compiled to SPIR-V ahead of time (scripts/build-spirv.sh), one
+// module per kernel and compute dtype: `-DK_<kernel>` picks the kernel, `-DT_F32`, `-DT_BF16` or
+// `-DT_F16` the dtype (the `_f32`/`_bf16`/`_f16` suffix of its name, as in kernels.cu).
+//
+// The argument list of every kernel is a push-constant block in the order src/engine/gpu/ops.rs
+// passes it; pointers are buffer device addresses (GL_EXT_buffer_reference), so the engine's
+// raw-pointer model carries over unchanged. The workgroup size is specialisation constant 0 (the
+// launch's block size).
+//
+// Differences from kernels.cu, all numerically equivalent up to summation order:
+// - reductions go through shared memory (subgroup sizes vary between 4 and 128 across vendors,
+//   so nothing assumes a 32-lane warp);
+// - attention processes a tile of keys per workgroup in three phases (scores, online softmax
+//   per row, weighted sums), so every barrier is in uniform control flow;
+// - sum_scaled and sum_squares reduce in one workgroup (no 64-bit float atomics in Vulkan core);
+// - there are no tensor-core attention kernels (ops.rs only asks for them on CUDA).
+
+#extension GL_EXT_buffer_reference : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#if defined(T_BF16) || defined(T_F16) || defined(K_zero16)
+#extension GL_EXT_shader_16bit_storage : require
+#endif
+#if defined(T_F16)
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#endif
+
+layout(local_size_x_id = 0) in;
+
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer F32 { float v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer U32 { uint v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 8) buffer F64 { double v[]; };
+
+// ------------------------------------------------------------------------------------------------
+// The compute dtype T: `TB` is a pointer to T; ld/st convert to and from f32 (round to nearest
+// even, as __float2bfloat16_rn and __float2half_rn do).
+
+#if defined(T_F32)
+#define TB F32
+float ld(TB b, int i) { return b.v[i]; }
+void st(TB b, int i, float x) { b.v[i] = x; }
+float rnd(float x) { return x; }
+#elif defined(T_BF16)
+layout(buffer_reference, std430, buffer_reference_align = 2) buffer TB { uint16_t v[]; };
+uint bf16_bits(float x) {
+    uint u = floatBitsToUint(x);
+    if (isnan(x)) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+float ld(TB b, int i) { return uintBitsToFloat(uint(b.v[i]) << 16); }
+void st(TB b, int i, float x) { b.v[i] = uint16_t(bf16_bits(x)); }
+float rnd(float x) { return uintBitsToFloat(bf16_bits(x) << 16); }
+#elif defined(T_F16)
+layout(buffer_reference, std430, buffer_reference_align = 2) buffer TB { float16_t v[]; };
+float ld(TB b, int i) { return float(b.v[i]); }
+void st(TB b, int i, float x) { b.v[i] = float16_t(x); }
+float rnd(float x) { return float(float16_t(x)); }
+#endif
+
+const float INF = 1.0 / 0.0;
+
+#define TID int(gl_LocalInvocationID.x)
+#define BLOCK int(gl_WorkGroupSize.x)
+// Grid-stride loop over `n` elements.
+#define FOR_EACH(i, n) for (int i = int(gl_GlobalInvocationID.x); i < (n); i += int(gl_NumWorkGroups.x * gl_WorkGroupSize.x))
+
+#if defined(NEEDS_REDUCE) || defined(K_rmsnorm_fwd) || defined(K_rmsnorm_bwd) || defined(K_cross_entropy)
+// Sum or max over the workgroup (a power of two of at most 1024 invocations); every invocation
+// must call it (uniform control flow).
+shared float red[1024];
+float block_reduce(float v, bool is_max) {
+    red[TID] = v;
+    memoryBarrierShared();
+    barrier();
+    for (int s = BLOCK / 2; s > 0; s >>= 1) {
+        if (TID < s) red[TID] = is_max ? max(red[TID], red[TID + s]) : red[TID] + red[TID + s];
+        memoryBarrierShared();
+        barrier();
+    }
+    float r = red[0];
+    barrier();
+    return r;
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Embedding, row gather/scatter, residual and bias adds, casts.
+
+#ifdef K_embed
+layout(push_constant) uniform P { U32 ids; TB table; TB dst; int n; int h; } p;
+void main() {
+    FOR_EACH(i, p.n * p.h) {
+        int r = i / p.h, c = i % p.h;
+        st(p.dst, i, ld(p.table, int(p.ids.v[r]) * p.h + c));
+    }
+}
+#endif
+
+#ifdef K_gather_rows
+layout(push_constant) uniform P { TB src; U32 idx; TB dst; int rows; int width; } p;
+void main() {
+    FOR_EACH(i, p.rows * p.width) {
+        int r = i / p.width, c = i % p.width;
+        st(p.dst, i, ld(p.src, int(p.idx.v[r]) * p.width + c));
+    }
+}
+#endif
+
+#ifdef K_scatter_add_rows
+layout(push_constant) uniform P { TB src; U32 idx; TB dst; int rows; int width; } p;
+void main() {
+    FOR_EACH(i, p.rows * p.width) {
+        int r = i / p.width, c = i % p.width;
+        int d = int(p.idx.v[r]) * p.width + c;
+        st(p.dst, d, ld(p.dst, d) + ld(p.src, i));
+    }
+}
+#endif
+
+#ifdef K_add
+layout(push_constant) uniform P { TB dst; TB src; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) st(p.dst, i, ld(p.dst, i) + ld(p.src, i));
+}
+#endif
+
+#ifdef K_add_bias
+layout(push_constant) uniform P { TB y; TB bias; int rows; int width; } p;
+void main() {
+    FOR_EACH(i, p.rows * p.width) st(p.y, i, ld(p.y, i) + ld(p.bias, i % p.width));
+}
+#endif
+
+#ifdef K_cast_from_f32
+layout(push_constant) uniform P { F32 src; TB dst; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) st(p.dst, i, p.src.v[i]);
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// RMSNorm as transformers computes it: y = w · T(x · inv), inv = 1/√(mean(x²) + eps) in f32.
+// One workgroup per row.
+
+#ifdef K_rmsnorm_fwd
+layout(push_constant) uniform P { TB x; TB w; TB y; F32 inv; int h; float eps; } p;
+void main() {
+    int row = int(gl_WorkGroupID.x), base = row * p.h;
+    float ss = 0.0;
+    for (int j = TID; j < p.h; j += BLOCK) {
+        float v = ld(p.x, base + j);
+        ss += v * v;
+    }
+    ss = block_reduce(ss, false);
+    float iv = 1.0 / sqrt(ss / float(p.h) + p.eps);
+    if (TID == 0) p.inv.v[row] = iv;
+    for (int j = TID; j < p.h; j += BLOCK) st(p.y, base + j, rnd(ld(p.x, base + j) * iv) * ld(p.w, j));
+}
+#endif
+
+#ifdef K_rmsnorm_apply
+layout(push_constant) uniform P { TB x; F32 inv; TB w; TB y; int n; int h; } p;
+void main() {
+    FOR_EACH(i, p.n * p.h) st(p.y, i, rnd(ld(p.x, i) * p.inv.v[i / p.h]) * ld(p.w, i % p.h));
+}
+#endif
+
+// dx [+]= inv·g − x·inv³·mean(g·x) with g = dy ⊙ w (the weight is frozen). One workgroup per row.
+#ifdef K_rmsnorm_bwd
+layout(push_constant) uniform P { TB x; F32 inv; TB w; TB dy; TB dx; int h; int accumulate; } p;
+void main() {
+    int row = int(gl_WorkGroupID.x), base = row * p.h;
+    float dot_ = 0.0;
+    for (int j = TID; j < p.h; j += BLOCK) dot_ += ld(p.x, base + j) * ld(p.dy, base + j) * ld(p.w, j);
+    dot_ = block_reduce(dot_, false) / float(p.h);
+    float iv = p.inv.v[row], c = iv * iv * iv * dot_;
+    for (int j = TID; j < p.h; j += BLOCK) {
+        float g = iv * (ld(p.dy, base + j) * ld(p.w, j)) - ld(p.x, base + j) * c;
+        st(p.dx, base + j, p.accumulate != 0 ? ld(p.dx, base + j) + g : g);
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Rotary embeddings in place on [n, heads, d] rows (or their transpose with `inverse`).
+
+#ifdef K_rope
+layout(push_constant) uniform P { TB x; U32 pos; F32 cos_; F32 sin_; int n; int heads; int d; int inverse; } p;
+void main() {
+    int half_ = p.d / 2;
+    FOR_EACH(i, p.n * p.heads * half_) {
+        int row = i / (p.heads * half_);
+        int rem = i % (p.heads * half_), hh = rem / half_, j = rem % half_;
+        int xr = (row * p.heads + hh) * p.d;
+        int ps = int(p.pos.v[row]) * p.d;
+        float c1 = p.cos_.v[ps + j], c2 = p.cos_.v[ps + j + half_];
+        float s1 = p.sin_.v[ps + j], s2 = p.sin_.v[ps + j + half_];
+        float a = ld(p.x, xr + j), b = ld(p.x, xr + j + half_);
+        if (p.inverse == 0) {
+            st(p.x, xr + j, a * c1 - b * s1);
+            st(p.x, xr + j + half_, b * c2 + a * s2);
+        } else {
+            st(p.x, xr + j, a * c1 + b * s2);
+            st(p.x, xr + j + half_, b * c2 - a * s1);
+        }
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// SiLU-gated MLP product a = T(silu(g)) · u, and its derivative.
+
+float sigmoid(float z) { return 1.0 / (1.0 + exp(-z)); }
+
+#ifdef K_swiglu
+layout(push_constant) uniform P { TB g; TB u; TB a; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) {
+        float z = ld(p.g, i);
+        st(p.a, i, rnd(z * sigmoid(z)) * ld(p.u, i));
+    }
+}
+#endif
+
+// dg and du may be g and u themselves.
+#ifdef K_swiglu_bwd
+layout(push_constant) uniform P { TB g; TB u; TB da; TB dg; TB du; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) {
+        float z = ld(p.g, i), up = ld(p.u, i), d = ld(p.da, i), sg = sigmoid(z);
+        st(p.du, i, d * z * sg);
+        st(p.dg, i, d * up * sg * (1.0 + z * (1.0 - sg)));
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// LoRA dropout from a counter-based generator (the bits src/model/lora.rs computes on the CPU).
+
+bool dropout_keep(uint64_t key, uint64_t i, uint threshold) {
+    uint64_t z = key + (i + 1ul) * 0x9E3779B97F4A7C15ul;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ul;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBul;
+    z ^= z >> 31;
+    return uint(z >> 40) >= threshold;
+}
+
+#ifdef K_dropout
+layout(push_constant) uniform P { TB x; TB y; uint64_t key; uint64_t offset_; uint threshold; float scale; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) st(p.y, i, dropout_keep(p.key, p.offset_ + uint64_t(i), p.threshold) ? ld(p.x, i) * p.scale : 0.0);
+}
+#endif
+
+#ifdef K_dropout_acc
+layout(push_constant) uniform P { TB src; TB dst; uint64_t key; uint64_t offset_; uint threshold; float scale; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) {
+        if (dropout_keep(p.key, p.offset_ + uint64_t(i), p.threshold)) st(p.dst, i, ld(p.dst, i) + rnd(ld(p.src, i) * p.scale));
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Cross-entropy of one row of logits per workgroup: loss[r] = logsumexp(z) − z[target]; with a
+// non-zero `grad_scale` the row becomes (softmax − onehot) · grad_scale.
+
+#ifdef K_cross_entropy
+layout(push_constant) uniform P { TB logits; U32 targets; F32 loss; int vocab; float grad_scale; } p;
+void main() {
+    int row = int(gl_WorkGroupID.x), base = row * p.vocab;
+    int tgt = int(p.targets.v[row]);
+    float m = -INF;
+    for (int j = TID; j < p.vocab; j += BLOCK) m = max(m, ld(p.logits, base + j));
+    m = block_reduce(m, true);
+    float s = 0.0;
+    for (int j = TID; j < p.vocab; j += BLOCK) s += exp(ld(p.logits, base + j) - m);
+    s = block_reduce(s, false);
+    float zt = ld(p.logits, base + tgt);
+    barrier();  // every invocation has read z[tgt] before it is overwritten
+    if (TID == 0) p.loss.v[row] = log(s) - (zt - m);
+    if (p.grad_scale != 0.0) {
+        float c = p.grad_scale / s;
+        for (int j = TID; j < p.vocab; j += BLOCK) {
+            float g = exp(ld(p.logits, base + j) - m) * c;
+            if (j == tgt) g -= p.grad_scale;
+            st(p.logits, base + j, g);
+        }
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Optimizer and reductions over f32 buffers (no dtype suffix).
+
+#if defined(K_sum_scaled) || defined(K_sum_squares)
+shared double redd[1024];
+#ifdef K_sum_scaled
+layout(push_constant) uniform P { F32 x; int n; float weight; F64 dst; } p;
+#else
+layout(push_constant) uniform P { F32 x; int n; F64 dst; } p;
+#endif
+// out[0] += weight · Σ x (or Σ x²) in f64: the first workgroup does it all, the others return.
+void main() {
+    if (gl_WorkGroupID.x != 0) return;
+    double s = 0.0;
+    for (int i = TID; i < p.n; i += BLOCK) {
+        float v = p.x.v[i];
+#ifdef K_sum_scaled
+        s += double(v);
+#else
+        s += double(v * v);
+#endif
+    }
+    redd[TID] = s;
+    memoryBarrierShared();
+    barrier();
+    for (int k = BLOCK / 2; k > 0; k >>= 1) {
+        if (TID < k) redd[TID] += redd[TID + k];
+        memoryBarrierShared();
+        barrier();
+    }
+#ifdef K_sum_scaled
+    if (TID == 0) p.dst.v[0] += redd[0] * double(p.weight);
+#else
+    if (TID == 0) p.dst.v[0] += redd[0];
+#endif
+}
+#endif
+
+// One AdamW step in torch.optim.AdamW's operation order (src/train/optim.rs); `precise` keeps
+// the compiler from fusing multiplies and adds.
+#ifdef K_adamw
+layout(push_constant) uniform P {
+    F32 w; F32 g; F32 m; F32 v; int n; float decay; float one_minus_b1; float b2; float one_minus_b2;
+    float step_size; float bc2_sqrt; float eps; float gscale;
+} p;
+void main() {
+    FOR_EACH(i, p.n) {
+        precise float gi = p.gscale == 1.0 ? p.g.v[i] : p.g.v[i] * p.gscale;
+        precise float wi = p.w.v[i] * p.decay;
+        precise float m0 = p.m.v[i];
+        precise float mi = m0 + (gi - m0) * p.one_minus_b1;
+        precise float vi = p.v.v[i] * p.b2 + (gi * gi) * p.one_minus_b2;
+        precise float denom = sqrt(vi) / p.bc2_sqrt + p.eps;
+        precise float wn = wi + (mi / denom) * (-p.step_size);
+        p.w.v[i] = wn;
+        p.m.v[i] = mi;
+        p.v.v[i] = vi;
+    }
+}
+#endif
+
+// e = e·decay + w·mix
+#ifdef K_ema
+layout(push_constant) uniform P { F32 e; F32 w; float decay; float mix_; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) {
+        precise float r = p.e.v[i] * p.decay + p.w.v[i] * p.mix_;
+        p.e.v[i] = r;
+    }
+}
+#endif
+
+// Zero `n` 16-bit elements (fills whose address or length is not a multiple of 4 bytes).
+#ifdef K_zero16
+layout(buffer_reference, std430, buffer_reference_align = 2) buffer U16 { uint16_t v[]; };
+layout(push_constant) uniform P { U16 dst; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) p.dst.v[i] = uint16_t(0u);
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Attention. q: [b·t, hq·d], k and v: [b·t, hk·d] (rotary embeddings applied), o: like q,
+// lse: [b, hq, t] (natural log; +inf for a row that sees no key), lo/hi: [b·t] inclusive key
+// ranges. Grid (⌈t/ROWS⌉, heads, b); 128 invocations per workgroup; any even d ≤ 256.
+// A workgroup walks tiles of TILE keys (or queries) staged in shared memory: each of the
+// ROWS × TILE pairs gets one invocation for its dot products, then per-row softmax state is
+// updated by one invocation per row, then the weighted sums are spread over all invocations.
+
+#if defined(K_attn_fwd) || defined(K_attn_bwd_pre) || defined(K_attn_bwd_dq) || defined(K_attn_bwd_dkv)
+#define DMAX 256
+#define ROWS 4
+#define TILE 8
+#define PAIRS (ROWS * TILE)
+// Elements of a ROWS × d accumulator held per invocation (128 invocations).
+#define PER (ROWS * DMAX / 128)
+shared float tile_a[TILE * DMAX];
+shared float tile_b[TILE * DMAX];
+shared float pair_p[PAIRS];
+shared int span_[2];
+
+// [min lo, max hi] over rows r0 .. r0 + ROWS (a workgroup-uniform key range).
+void key_span(I32 lo, I32 hi, int base, int r0, int t) {
+    if (TID == 0) {
+        int a = 0x7fffffff, b = -1;
+        for (int r = 0; r < ROWS; r++) {
+            int i = r0 + r;
+            if (i < t && lo.v[base + i] <= hi.v[base + i]) {
+                a = min(a, lo.v[base + i]);
+                b = max(b, hi.v[base + i]);
+            }
+        }
+        span_[0] = a;
+        span_[1] = b;
+    }
+    memoryBarrierShared();
+    barrier();
+}
+#endif
+
+#ifdef K_attn_fwd
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB o; F32 lse; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale;
+} p;
+shared float q_sh[ROWS * DMAX];
+shared float m_sh[ROWS], l_sh[ROWS], corr_sh[ROWS];
+void main() {
+    int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), r0 = int(gl_WorkGroupID.x) * ROWS;
+    int d = p.d, t = p.t, g = h / (p.hq / p.hk);
+    int qs = p.hq * d, kvs = p.hk * d, base = bi * t;
+    key_span(p.lo, p.hi, base, r0, t);
+    for (int e = TID; e < ROWS * d; e += 128) {
+        int r = e / d, j = e % d, qi = r0 + r;
+        q_sh[r * DMAX + j] = qi < t ? ld(p.q, (base + qi) * qs + h * d + j) : 0.0;
+    }
+    if (TID < ROWS) {
+        m_sh[TID] = -INF;
+        l_sh[TID] = 0.0;
+    }
+    float acc[PER];
+    for (int c = 0; c < PER; c++) acc[c] = 0.0;
+    for (int k0 = span_[0]; k0 <= span_[1]; k0 += TILE) {
+        barrier();
+        for (int e = TID; e < TILE * d; e += 128) {
+            int kr = k0 + e / d, j = e % d;
+            bool ok = kr < t;
+            tile_a[(e / d) * DMAX + j] = ok ? ld(p.k, (base + kr) * kvs + g * d + j) : 0.0;
+            tile_b[(e / d) * DMAX + j] = ok ? ld(p.v, (base + kr) * kvs + g * d + j) : 0.0;
+        }
+        memoryBarrierShared();
+        barrier();
+        if (TID < PAIRS) {
+            int r = TID / TILE, kk = TID % TILE;
+            float s = 0.0;
+            for (int j = 0; j < d; j++) s += q_sh[r * DMAX + j] * tile_a[kk * DMAX + j];
+            pair_p[TID] = s * p.scale;
+        }
+        memoryBarrierShared();
+        barrier();
+        if (TID < ROWS) {
+            int r = TID, qi = r0 + r;
+            int mylo = qi < t ? p.lo.v[base + qi] : 1, myhi = qi < t ? p.hi.v[base + qi] : 0;
+            float mt = -INF;
+            for (int kk = 0; kk < TILE; kk++) {
+                int key = k0 + kk;
+                if (key >= mylo && key <= myhi) mt = max(mt, pair_p[r * TILE + kk]);
+            }
+            if (mt == -INF) {
+                corr_sh[r] = 1.0;
+                for (int kk = 0; kk < TILE; kk++) pair_p[r * TILE + kk] = 0.0;
+            } else {
+                float m = m_sh[r], mn = max(m, mt), sum = 0.0;
+                for (int kk = 0; kk < TILE; kk++) {
+                    int key = k0 + kk;
+                    float pk = (key >= mylo && key <= myhi) ? exp(pair_p[r * TILE + kk] - mn) : 0.0;
+                    pair_p[r * TILE + kk] = pk;
+                    sum += pk;
+                }
+                float corr = exp(m - mn);
+                corr_sh[r] = corr;
+                l_sh[r] = l_sh[r] * corr + sum;
+                m_sh[r] = mn;
+            }
+        }
+        memoryBarrierShared();
+        barrier();
+        for (int c = 0; c < PER; c++) {
+            int e = TID + 128 * c;
+            if (e < ROWS * d) {
+                int r = e / d, j = e % d;
+                float a = acc[c] * corr_sh[r];
+                for (int kk = 0; kk < TILE; kk++) a += pair_p[r * TILE + kk] * tile_b[kk * DMAX + j];
+                acc[c] = a;
+            }
+        }
+    }
+    barrier();
+    for (int c = 0; c < PER; c++) {
+        int e = TID + 128 * c;
+        if (e < ROWS * d) {
+            int r = e / d, j = e % d, qi = r0 + r;
+            float l = l_sh[r];
+            if (qi < t) st(p.o, (base + qi) * qs + h * d + j, acc[c] * (l > 0.0 ? 1.0 / l : 0.0));
+        }
+    }
+    if (TID < ROWS && r0 + TID < t) {
+        float l = l_sh[TID];
+        p.lse.v[(bi * p.hq + h) * t + r0 + TID] = l > 0.0 ? m_sh[TID] + log(l) : INF;
+    }
+}
+#endif
+
+// delta[b, h, i] = Σ_j dO[i, j] · O[i, j]; grid (⌈t/4⌉, hq, b), 32 invocations per row.
+#ifdef K_attn_bwd_pre
+layout(push_constant) uniform P { TB o; TB dout; F32 delta; int t; int hq; int d; } p;
+shared float part[128];
+void main() {
+    int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y);
+    int r = TID / 32, lane = TID % 32, qi = int(gl_WorkGroupID.x) * ROWS + r;
+    float s = 0.0;
+    if (qi < p.t) {
+        int off = (bi * p.t + qi) * p.hq * p.d + h * p.d;
+        for (int j = lane; j < p.d; j += 32) s += ld(p.o, off + j) * ld(p.dout, off + j);
+    }
+    part[TID] = s;
+    memoryBarrierShared();
+    barrier();
+    if (lane == 0 && qi < p.t) {
+        float sum = 0.0;
+        for (int l = 0; l < 32; l++) sum += part[r * 32 + l];
+        p.delta.v[(bi * p.hq + h) * p.t + qi] = sum;
+    }
+}
+#endif
+
+// dq = scale · Σ_k P ⊙ (dO·v − delta) · k; grid (⌈t/4⌉, hq, b).
+#ifdef K_attn_bwd_dq
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dq; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale;
+} p;
+shared float q_sh[ROWS * DMAX];
+shared float do_sh[ROWS * DMAX];
+void main() {
+    int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), r0 = int(gl_WorkGroupID.x) * ROWS;
+    int d = p.d, t = p.t, g = h / (p.hq / p.hk);
+    int qs = p.hq * d, kvs = p.hk * d, base = bi * t;
+    key_span(p.lo, p.hi, base, r0, t);
+    for (int e = TID; e < ROWS * d; e += 128) {
+        int r = e / d, j = e % d, qi = r0 + r;
+        bool ok = qi < t;
+        q_sh[r * DMAX + j] = ok ? ld(p.q, (base + qi) * qs + h * d + j) : 0.0;
+        do_sh[r * DMAX + j] = ok ? ld(p.dout, (base + qi) * qs + h * d + j) : 0.0;
+    }
+    float acc[PER];
+    for (int c = 0; c < PER; c++) acc[c] = 0.0;
+    for (int k0 = span_[0]; k0 <= span_[1]; k0 += TILE) {
+        barrier();
+        for (int e = TID; e < TILE * d; e += 128) {
+            int kr = k0 + e / d, j = e % d;
+            bool ok = kr < t;
+            tile_a[(e / d) * DMAX + j] = ok ? ld(p.k, (base + kr) * kvs + g * d + j) : 0.0;
+            tile_b[(e / d) * DMAX + j] = ok ? ld(p.v, (base + kr) * kvs + g * d + j) : 0.0;
+        }
+        memoryBarrierShared();
+        barrier();
+        if (TID < PAIRS) {
+            int r = TID / TILE, kk = TID % TILE, qi = r0 + r, key = k0 + kk;
+            float ds = 0.0;
+            if (qi < t && key >= p.lo.v[base + qi] && key <= p.hi.v[base + qi]) {
+                float s = 0.0, dp = 0.0;
+                for (int j = 0; j < d; j++) {
+                    s += q_sh[r * DMAX + j] * tile_a[kk * DMAX + j];
+                    dp += do_sh[r * DMAX + j] * tile_b[kk * DMAX + j];
+                }
+                int row = (bi * p.hq + h) * t + qi;
+                ds = exp(s * p.scale - p.lse.v[row]) * (dp - p.delta.v[row]);
+            }
+            pair_p[TID] = ds;
+        }
+        memoryBarrierShared();
+        barrier();
+        for (int c = 0; c < PER; c++) {
+            int e = TID + 128 * c;
+            if (e < ROWS * d) {
+                int r = e / d, j = e % d;
+                float a = acc[c];
+                for (int kk = 0; kk < TILE; kk++) a += pair_p[r * TILE + kk] * tile_a[kk * DMAX + j];
+                acc[c] = a;
+            }
+        }
+    }
+    for (int c = 0; c < PER; c++) {
+        int e = TID + 128 * c;
+        if (e < ROWS * d) {
+            int r = e / d, j = e % d, qi = r0 + r;
+            if (qi < t) st(p.dq, (base + qi) * qs + h * d + j, acc[c] * p.scale);
+        }
+    }
+}
+#endif
+
+// dk and dv of one kv head, summed over the query heads that share it; grid (⌈t/4⌉, hk, b).
+// A query i sees key j iff lo[i] ≤ j ≤ hi[i], and hi[i] ≤ i, so only queries from this
+// workgroup's first key on are visited.
+#ifdef K_attn_bwd_dkv
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dk; TB dv; I32 lo; I32 hi; int t; int hq; int hk; int d;
+    float scale;
+} p;
+shared float k_sh[ROWS * DMAX];
+shared float v_sh[ROWS * DMAX];
+shared float ds_p[PAIRS];
+shared float q_l[TILE], q_d[TILE];
+shared int q_lo[TILE], q_hi[TILE];
+void main() {
+    int bi = int(gl_WorkGroupID.z), g = int(gl_WorkGroupID.y), r0 = int(gl_WorkGroupID.x) * ROWS;
+    int d = p.d, t = p.t, rep = p.hq / p.hk;
+    int qs = p.hq * d, kvs = p.hk * d, base = bi * t;
+    for (int e = TID; e < ROWS * d; e += 128) {
+        int r = e / d, j = e % d, kj = r0 + r;
+        bool ok = kj < t;
+        k_sh[r * DMAX + j] = ok ? ld(p.k, (base + kj) * kvs + g * d + j) : 0.0;
+        v_sh[r * DMAX + j] = ok ? ld(p.v, (base + kj) * kvs + g * d + j) : 0.0;
+    }
+    float gk[PER], gv[PER];
+    for (int c = 0; c < PER; c++) {
+        gk[c] = 0.0;
+        gv[c] = 0.0;
+    }
+    for (int hh = 0; hh < rep; hh++) {
+        int h = g * rep + hh;
+        int lrow = (bi * p.hq + h) * t;
+        for (int q0 = r0; q0 < t; q0 += TILE) {
+            barrier();
+            for (int e = TID; e < TILE * d; e += 128) {
+                int qr = q0 + e / d, j = e % d;
+                bool ok = qr < t;
+                tile_a[(e / d) * DMAX + j] = ok ? ld(p.q, (base + qr) * qs + h * d + j) : 0.0;
+                tile_b[(e / d) * DMAX + j] = ok ? ld(p.dout, (base + qr) * qs + h * d + j) : 0.0;
+            }
+            if (TID < TILE) {
+                int qr = q0 + TID;
+                bool ok = qr < t;
+                q_l[TID] = ok ? p.lse.v[lrow + qr] : 0.0;
+                q_d[TID] = ok ? p.delta.v[lrow + qr] : 0.0;
+                q_lo[TID] = ok ? p.lo.v[base + qr] : 1;
+                q_hi[TID] = ok ? p.hi.v[base + qr] : 0;
+            }
+            memoryBarrierShared();
+            barrier();
+            if (TID < PAIRS) {
+                int r = TID / TILE, qq = TID % TILE, kj = r0 + r;
+                float pr = 0.0, ds = 0.0;
+                if (kj < t && kj >= q_lo[qq] && kj <= q_hi[qq]) {
+                    float s = 0.0, dp = 0.0;
+                    for (int j = 0; j < d; j++) {
+                        s += tile_a[qq * DMAX + j] * k_sh[r * DMAX + j];
+                        dp += tile_b[qq * DMAX + j] * v_sh[r * DMAX + j];
+                    }
+                    pr = exp(s * p.scale - q_l[qq]);
+                    ds = pr * (dp - q_d[qq]);
+                }
+                pair_p[TID] = pr;
+                ds_p[TID] = ds;
+            }
+            memoryBarrierShared();
+            barrier();
+            for (int c = 0; c < PER; c++) {
+                int e = TID + 128 * c;
+                if (e < ROWS * d) {
+                    int r = e / d, j = e % d;
+                    float a = gv[c], b = gk[c];
+                    for (int qq = 0; qq < TILE; qq++) {
+                        a += pair_p[r * TILE + qq] * tile_b[qq * DMAX + j];
+                        b += ds_p[r * TILE + qq] * tile_a[qq * DMAX + j];
+                    }
+                    gv[c] = a;
+                    gk[c] = b;
+                }
+            }
+        }
+    }
+    for (int c = 0; c < PER; c++) {
+        int e = TID + 128 * c;
+        if (e < ROWS * d) {
+            int r = e / d, j = e % d, kj = r0 + r;
+            if (kj < t) {
+                st(p.dk, (base + kj) * kvs + g * d + j, gk[c] * p.scale);
+                st(p.dv, (base + kj) * kvs + g * d + j, gv[c]);
+            }
+        }
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Matrix products: C = alpha · op(A) · op(B) + beta · C, row-major with row pitches, A and B in
+// the compute dtype T, C in f32 (`-DC_F32`) or T; f32 accumulation. 64×64 tiles of C per
+// workgroup of 256 invocations, 4×4 outputs each. Grid (⌈n/64⌉, ⌈m/64⌉).
+
+#ifdef K_gemm
+#ifdef C_F32
+#define CB F32
+float ldc_(CB b, int i) { return b.v[i]; }
+void stc_(CB b, int i, float x) { b.v[i] = x; }
+#else
+#define CB TB
+float ldc_(CB b, int i) { return ld(b, i); }
+void stc_(CB b, int i, float x) { st(b, i, x); }
+#endif
+layout(push_constant) uniform P {
+    TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
+    float beta;
+} p;
+#define GT 64
+#define GK 16
+shared float sa[GK * GT];
+shared float sb[GK * GT];
+void main() {
+    int row0 = int(gl_WorkGroupID.y) * GT, col0 = int(gl_WorkGroupID.x) * GT;
+    int tx = TID % 16, ty = TID / 16;
+    float acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = 0.0;
+    for (int k0 = 0; k0 < p.k; k0 += GK) {
+        for (int l = 0; l < 4; l++) {
+            int e = TID + l * 256;
+            // A's tile: GT rows × GK columns of op(A); B's: GK rows × GT columns of op(B).
+            int ar = p.a_trans != 0 ? e % GT : e / GK, ak = p.a_trans != 0 ? e / GT : e % GK;
+            int gr = row0 + ar, gk = k0 + ak;
+            float av = 0.0;
+            if (gr < p.m && gk < p.k) av = ld(p.a, p.a_trans != 0 ? gk * p.lda + gr : gr * p.lda + gk);
+            sa[ak * GT + ar] = av;
+            int bk = p.b_trans != 0 ? e % GK : e / GT, bc = p.b_trans != 0 ? e / GK : e % GT;
+            int hk = k0 + bk, hc = col0 + bc;
+            float bv = 0.0;
+            if (hk < p.k && hc < p.n) bv = ld(p.b, p.b_trans != 0 ? hc * p.ldb + hk : hk * p.ldb + hc);
+            sb[bk * GT + bc] = bv;
+        }
+        memoryBarrierShared();
+        barrier();
+        for (int kk = 0; kk < GK; kk++) {
+            float ra[4], rb[4];
+            for (int i = 0; i < 4; i++) {
+                ra[i] = sa[kk * GT + ty * 4 + i];
+                rb[i] = sb[kk * GT + tx * 4 + i];
+            }
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) acc[i * 4 + j] = fma(ra[i], rb[j], acc[i * 4 + j]);
+        }
+        barrier();
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            int r = row0 + ty * 4 + i, cc = col0 + tx * 4 + j;
+            if (r < p.m && cc < p.n) {
+                int at = r * p.ldc + cc;
+                float out_ = p.alpha * acc[i * 4 + j];
+                if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at);
+                stc_(p.c, at, out_);
+            }
+        }
+}
+#endif

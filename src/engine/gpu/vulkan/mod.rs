@@ -1,0 +1,779 @@
+//! [`Gpu`] on a Vulkan device: the GPU engine's kernels as SPIR-V compute shaders
+//! (`kernels.comp`, compiled ahead of time by scripts/build-spirv.sh into `spirv/`), reached
+//! through the loader with `ash` (opened at run time; nothing is linked at build time).
+//!
+//! The engine's raw-pointer model maps onto Vulkan 1.2's buffer device addresses: every
+//! allocation is one `VkBuffer` with its own memory and a 64-bit address, kernels take their
+//! pointers and scalars as push constants, and copies and fills find the buffer that holds an
+//! address. Work is recorded into command buffers on one queue, with a full memory barrier
+//! after every command (the stream order CUDA gives), and submitted in batches; reading memory
+//! back waits for it. Freed blocks are cached by size class and reused by later work, which the
+//! barriers order after their last use, as the CUDA device's stream-ordered pool does.
+
+mod index;
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use ash::vk;
+
+use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory};
+
+/// Commands recorded into one command buffer before it is submitted.
+const BATCH: usize = 256;
+/// Submitted command buffers in flight before the oldest is waited for.
+const IN_FLIGHT: usize = 3;
+/// Push-constant bytes of every kernel (Vulkan guarantees 128; the longest argument list,
+/// attention's backward pass, takes 100).
+const PUSH_BYTES: u32 = 128;
+
+struct Block {
+    buf: vk::Buffer,
+    mem: vk::DeviceMemory,
+    addr: u64,
+    size: usize,
+    /// Host address of a mapped (staging) block.
+    mapped: *mut u8,
+}
+
+struct Batch {
+    cmd: vk::CommandBuffer,
+    fence: vk::Fence,
+    commands: usize,
+    /// Staging blocks the batch's copies read or write, recycled when it completes.
+    staging: Vec<Block>,
+}
+
+#[derive(Default)]
+struct State {
+    pipelines: HashMap<(String, u32), vk::Pipeline>,
+    modules: HashMap<&'static str, vk::ShaderModule>,
+    /// Live blocks by device address.
+    live: BTreeMap<u64, Block>,
+    /// Freed device blocks and idle staging blocks, by size class.
+    cache: HashMap<usize, Vec<Block>>,
+    staging: HashMap<usize, Vec<Block>>,
+    recording: Option<Batch>,
+    in_flight: VecDeque<Batch>,
+    idle: Vec<(vk::CommandBuffer, vk::Fence)>,
+    live_bytes: u64,
+    peak: u64,
+    /// Bytes of device memory held (live and cached).
+    held: u64,
+    /// Set once the device is lost: every later call fails with it.
+    lost: Option<String>,
+    /// `RTUNE_PROFILE=kernels`: seconds and calls per kernel (each dispatch waited for).
+    profile: Option<BTreeMap<String, (f64, u64)>>,
+}
+
+/// A Vulkan device driven by the GPU engine.
+pub struct VulkanGpu {
+    _entry: ash::Entry,
+    instance: ash::Instance,
+    device: ash::Device,
+    queue: vk::Queue,
+    pool: vk::CommandPool,
+    layout: vk::PipelineLayout,
+    memory: vk::PhysicalDeviceMemoryProperties,
+    /// Largest device-local heap.
+    total: u64,
+    max_invocations: u32,
+    max_groups: [u32; 3],
+    needs: Needs,
+    name: String,
+    state: RefCell<State>,
+}
+
+/// The size class of an allocation: 512-byte steps below 1 MiB, 2 MiB steps above.
+fn size_class(bytes: usize) -> usize {
+    if bytes < 1 << 20 { bytes.div_ceil(512).max(1) * 512 } else { bytes.div_ceil(2 << 20) * (2 << 20) }
+}
+
+fn verr(context: &str) -> impl FnOnce(vk::Result) -> GpuError + '_ {
+    move |e| match e {
+        vk::Result::ERROR_DEVICE_LOST => GpuError::Device(format!("the Vulkan device was lost ({context})")),
+        e => GpuError::Device(format!("{context}: {e}")),
+    }
+}
+
+/// Push-constant bytes of `args`: each at an offset aligned to its size, as a std430 push-constant
+/// block lays out the same members in the same order.
+fn pack(args: &[Arg]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(PUSH_BYTES as usize);
+    for a in args {
+        let bytes: Vec<u8> = match *a {
+            Arg::Ptr(v) | Arg::U64(v) => v.to_le_bytes().to_vec(),
+            Arg::I32(v) => v.to_le_bytes().to_vec(),
+            Arg::U32(v) => v.to_le_bytes().to_vec(),
+            Arg::F32(v) => v.to_le_bytes().to_vec(),
+        };
+        while !out.len().is_multiple_of(bytes.len()) {
+            out.push(0);
+        }
+        out.extend_from_slice(&bytes);
+    }
+    while !out.len().is_multiple_of(4) {
+        out.push(0);
+    }
+    out
+}
+
+/// Optional features: 16-bit storage buffers (bf16, f16) and 16-bit float arithmetic (f16).
+struct Needs {
+    has_16bit: bool,
+    has_f16: bool,
+}
+
+impl VulkanGpu {
+    /// Open Vulkan device `ordinal` (in the loader's order, as `rtune doctor` lists them).
+    pub fn new(ordinal: usize) -> Result<VulkanGpu, GpuError> {
+        // SAFETY: opens the system's Vulkan loader; entry points are called through ash only.
+        let entry = unsafe { ash::Entry::load() }.map_err(|e| GpuError::Device(format!("no Vulkan loader ({e})")))?;
+        let app = vk::ApplicationInfo::default().application_name(c"rtune").api_version(vk::API_VERSION_1_2);
+        // SAFETY: a plain instance; destroyed in `drop` (or below on failure).
+        let instance =
+            unsafe { entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None) }
+                .map_err(verr("cannot create a Vulkan instance"))?;
+        // SAFETY: `instance` is live; on failure it is destroyed before returning.
+        match unsafe { Self::open(entry, instance.clone(), ordinal) } {
+            Ok(gpu) => Ok(gpu),
+            Err(e) => {
+                // SAFETY: nothing created from the instance outlives a failed `open`.
+                unsafe { instance.destroy_instance(None) };
+                Err(e)
+            }
+        }
+    }
+
+    /// # Safety
+    /// `instance` must be live; it is owned by the result.
+    unsafe fn open(entry: ash::Entry, instance: ash::Instance, ordinal: usize) -> Result<VulkanGpu, GpuError> {
+        // SAFETY (whole body): every handle comes from `instance`; structures chained through
+        // `push_next` live across the calls that read or fill them.
+        unsafe {
+            let pds = instance.enumerate_physical_devices().map_err(verr("cannot list Vulkan devices"))?;
+            let pd = *pds.get(ordinal).ok_or_else(|| {
+                GpuError::Device(format!("there is no Vulkan device {ordinal} ({} listed)", pds.len()))
+            })?;
+            let props = instance.get_physical_device_properties(pd);
+            let name = format!(
+                "{} (vulkan:{ordinal})",
+                props.device_name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
+            );
+            if vk::api_version_minor(props.api_version) < 2 && vk::api_version_major(props.api_version) == 1 {
+                return Err(GpuError::Device(format!("{name} supports Vulkan 1.1; the engine needs 1.2")));
+            }
+            let needs = Self::check_features(&instance, pd, &name)?;
+            let qfi = instance
+                .get_physical_device_queue_family_properties(pd)
+                .iter()
+                .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE))
+                .ok_or_else(|| GpuError::Device(format!("{name} has no compute queue")))? as u32;
+            let prio = [1.0f32];
+            let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(qfi).queue_priorities(&prio)];
+            let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(needs.has_16bit);
+            let mut v12 =
+                vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true).shader_float16(needs.has_f16);
+            let features = vk::PhysicalDeviceFeatures::default().shader_int64(true).shader_float64(true);
+            let create = vk::DeviceCreateInfo::default()
+                .queue_create_infos(&queues)
+                .enabled_features(&features)
+                .push_next(&mut v12)
+                .push_next(&mut v11);
+            let device = instance.create_device(pd, &create, None).map_err(verr("cannot open the Vulkan device"))?;
+            let queue = device.get_device_queue(qfi, 0);
+            let pool = device
+                .create_command_pool(
+                    &vk::CommandPoolCreateInfo::default()
+                        .queue_family_index(qfi)
+                        .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER),
+                    None,
+                )
+                .map_err(verr("command pool"))?;
+            let ranges = [vk::PushConstantRange::default()
+                .stage_flags(vk::ShaderStageFlags::COMPUTE)
+                .offset(0)
+                .size(PUSH_BYTES)];
+            let layout = device
+                .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges), None)
+                .map_err(verr("pipeline layout"))?;
+            let memory = instance.get_physical_device_memory_properties(pd);
+            let total = memory.memory_heaps[..memory.memory_heap_count as usize]
+                .iter()
+                .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+                .map(|h| h.size)
+                .max()
+                .unwrap_or(0);
+            Ok(VulkanGpu {
+                _entry: entry,
+                instance,
+                device,
+                queue,
+                pool,
+                layout,
+                memory,
+                total,
+                max_invocations: props.limits.max_compute_work_group_invocations,
+                max_groups: props.limits.max_compute_work_group_count,
+                needs,
+                name,
+                state: RefCell::new(State {
+                    profile: std::env::var("RTUNE_PROFILE").is_ok_and(|v| v == "kernels").then(BTreeMap::new),
+                    ..State::default()
+                }),
+            })
+        }
+    }
+
+    /// # Safety
+    /// `pd` must be a physical device of the live `instance`.
+    unsafe fn check_features(instance: &ash::Instance, pd: vk::PhysicalDevice, name: &str) -> Result<Needs, GpuError> {
+        let mut v11 = vk::PhysicalDeviceVulkan11Features::default();
+        let mut v12 = vk::PhysicalDeviceVulkan12Features::default();
+        let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut v11).push_next(&mut v12);
+        // SAFETY: the caller's contract; the chained structures outlive the call.
+        unsafe { instance.get_physical_device_features2(pd, &mut f2) };
+        let base = f2.features;
+        let mut missing = Vec::new();
+        if v12.buffer_device_address != vk::TRUE {
+            missing.push("bufferDeviceAddress");
+        }
+        if base.shader_int64 != vk::TRUE {
+            missing.push("shaderInt64");
+        }
+        if base.shader_float64 != vk::TRUE {
+            missing.push("shaderFloat64 (the loss and gradient-norm sums are f64)");
+        }
+        if !missing.is_empty() {
+            return Err(GpuError::Device(format!(
+                "{name} lacks Vulkan features the engine needs: {}",
+                missing.join(", ")
+            )));
+        }
+        Ok(Needs {
+            has_16bit: v11.storage_buffer16_bit_access == vk::TRUE,
+            has_f16: v12.shader_float16 == vk::TRUE && v11.storage_buffer16_bit_access == vk::TRUE,
+        })
+    }
+
+    /// Whether the device can run kernels of `dt` (bf16 needs 16-bit storage buffers, f16 also
+    /// `shaderFloat16`).
+    pub fn supports(&self, dt: Dt) -> bool {
+        match dt {
+            Dt::Bf16 => self.needs.has_16bit,
+            Dt::F16 => self.needs.has_f16,
+            _ => true,
+        }
+    }
+
+    fn check(&self, st: &State) -> Result<(), GpuError> {
+        match &st.lost {
+            Some(why) => Err(GpuError::Device(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn memory_type(&self, bits: u32, want: vk::MemoryPropertyFlags) -> Option<u32> {
+        (0..self.memory.memory_type_count)
+            .find(|&i| bits & (1 << i) != 0 && self.memory.memory_types[i as usize].property_flags.contains(want))
+    }
+
+    /// A new block of `size` bytes (device-local, or host-visible and mapped for staging).
+    fn create_block(&self, size: usize, staging: bool) -> Result<Block, vk::Result> {
+        let usage = vk::BufferUsageFlags::STORAGE_BUFFER
+            | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS
+            | vk::BufferUsageFlags::TRANSFER_SRC
+            | vk::BufferUsageFlags::TRANSFER_DST;
+        // SAFETY: handles of the live device; on failure everything created here is destroyed.
+        unsafe {
+            let buf =
+                self.device.create_buffer(&vk::BufferCreateInfo::default().size(size as u64).usage(usage), None)?;
+            let req = self.device.get_buffer_memory_requirements(buf);
+            let host = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+            let ty = if staging {
+                self.memory_type(req.memory_type_bits, host | vk::MemoryPropertyFlags::HOST_CACHED)
+                    .or_else(|| self.memory_type(req.memory_type_bits, host))
+            } else {
+                self.memory_type(req.memory_type_bits, vk::MemoryPropertyFlags::DEVICE_LOCAL)
+            };
+            let Some(ty) = ty else {
+                self.device.destroy_buffer(buf, None);
+                return Err(vk::Result::ERROR_FEATURE_NOT_PRESENT);
+            };
+            let mut flags = vk::MemoryAllocateFlagsInfo::default().flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
+            let info =
+                vk::MemoryAllocateInfo::default().allocation_size(req.size).memory_type_index(ty).push_next(&mut flags);
+            let mem = match self.device.allocate_memory(&info, None) {
+                Ok(m) => m,
+                Err(e) => {
+                    self.device.destroy_buffer(buf, None);
+                    return Err(e);
+                }
+            };
+            if let Err(e) = self.device.bind_buffer_memory(buf, mem, 0) {
+                self.device.destroy_buffer(buf, None);
+                self.device.free_memory(mem, None);
+                return Err(e);
+            }
+            let mapped = if staging {
+                match self.device.map_memory(mem, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) {
+                    Ok(p) => p as *mut u8,
+                    Err(e) => {
+                        self.device.destroy_buffer(buf, None);
+                        self.device.free_memory(mem, None);
+                        return Err(e);
+                    }
+                }
+            } else {
+                std::ptr::null_mut()
+            };
+            let addr = self.device.get_buffer_device_address(&vk::BufferDeviceAddressInfo::default().buffer(buf));
+            Ok(Block { buf, mem, addr, size, mapped })
+        }
+    }
+
+    fn destroy_block(&self, b: Block) {
+        // SAFETY: the block is unused by any pending work (callers wait first).
+        unsafe {
+            self.device.destroy_buffer(b.buf, None);
+            self.device.free_memory(b.mem, None);
+        }
+    }
+
+    /// A staging block of at least `bytes`.
+    fn staging(&self, st: &mut State, bytes: usize) -> Result<Block, GpuError> {
+        let class = size_class(bytes);
+        if let Some(b) = st.staging.get_mut(&class).and_then(Vec::pop) {
+            return Ok(b);
+        }
+        self.create_block(class, true).map_err(verr("cannot allocate host-visible staging memory"))
+    }
+
+    /// The buffer holding `addr .. addr + bytes`, and the offset of `addr` in it.
+    fn find(st: &State, addr: u64, bytes: usize) -> Result<(vk::Buffer, u64), GpuError> {
+        match st.live.range(..=addr).next_back() {
+            Some((&start, b)) if addr + bytes as u64 <= start + b.size as u64 => Ok((b.buf, addr - start)),
+            _ => Err(GpuError::Device(format!("address {addr:#x} (+{bytes} bytes) is not in a live Vulkan buffer"))),
+        }
+    }
+
+    /// The command buffer being recorded, begun if needed.
+    fn recording<'s>(&self, st: &'s mut State) -> Result<&'s mut Batch, GpuError> {
+        if st.recording.is_none() {
+            let (cmd, fence) = match st.idle.pop() {
+                Some(x) => x,
+                // SAFETY: the pool and device are live; both handles are destroyed in `drop`.
+                None => unsafe {
+                    let cmd = self
+                        .device
+                        .allocate_command_buffers(
+                            &vk::CommandBufferAllocateInfo::default().command_pool(self.pool).command_buffer_count(1),
+                        )
+                        .map_err(verr("command buffer"))?[0];
+                    let fence =
+                        self.device.create_fence(&vk::FenceCreateInfo::default(), None).map_err(verr("fence"))?;
+                    (cmd, fence)
+                },
+            };
+            let begin = vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+            // SAFETY: an idle command buffer (never submitted, or its fence has signalled).
+            unsafe {
+                self.device.reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty()).map_err(verr("reset"))?;
+                self.device.begin_command_buffer(cmd, &begin).map_err(verr("begin"))?;
+            }
+            st.recording = Some(Batch { cmd, fence, commands: 0, staging: Vec::new() });
+        }
+        Ok(st.recording.as_mut().expect("begun above"))
+    }
+
+    /// Record one command with `f`, then a barrier that orders it before everything after it.
+    fn record(&self, st: &mut State, f: impl FnOnce(&ash::Device, vk::CommandBuffer)) -> Result<(), GpuError> {
+        self.check(st)?;
+        let batch = self.recording(st)?;
+        f(&self.device, batch.cmd);
+        let stages = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
+        let barrier = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(
+                vk::AccessFlags::SHADER_READ
+                    | vk::AccessFlags::SHADER_WRITE
+                    | vk::AccessFlags::TRANSFER_READ
+                    | vk::AccessFlags::TRANSFER_WRITE,
+            );
+        // SAFETY: a command buffer in the recording state.
+        unsafe {
+            self.device.cmd_pipeline_barrier(
+                batch.cmd,
+                stages,
+                stages | vk::PipelineStageFlags::HOST,
+                vk::DependencyFlags::empty(),
+                &[barrier.dst_access_mask(barrier.dst_access_mask | vk::AccessFlags::HOST_READ)],
+                &[],
+                &[],
+            )
+        };
+        batch.commands += 1;
+        if batch.commands >= BATCH {
+            self.submit(st)?;
+        }
+        Ok(())
+    }
+
+    /// Submit the batch being recorded (if any) without waiting for it.
+    fn submit(&self, st: &mut State) -> Result<(), GpuError> {
+        let Some(batch) = st.recording.take() else { return Ok(()) };
+        let cmds = [batch.cmd];
+        // SAFETY: a fully recorded command buffer and an unsignalled fence.
+        let r = unsafe {
+            self.device.end_command_buffer(batch.cmd).and_then(|_| {
+                self.device.queue_submit(self.queue, &[vk::SubmitInfo::default().command_buffers(&cmds)], batch.fence)
+            })
+        };
+        st.in_flight.push_back(batch);
+        if let Err(e) = r {
+            return Err(self.fail(st, verr("submitting work")(e)));
+        }
+        while st.in_flight.len() > IN_FLIGHT {
+            self.retire_oldest(st)?;
+        }
+        Ok(())
+    }
+
+    /// Wait for the oldest submitted batch and recycle what it used.
+    fn retire_oldest(&self, st: &mut State) -> Result<(), GpuError> {
+        let Some(mut batch) = st.in_flight.pop_front() else { return Ok(()) };
+        // SAFETY: the fence belongs to a submitted batch.
+        let r = unsafe { self.device.wait_for_fences(&[batch.fence], true, u64::MAX) };
+        if let Err(e) = r {
+            return Err(self.fail(st, verr("waiting for the GPU")(e)));
+        }
+        // SAFETY: the fence has signalled, so it is no longer in use.
+        unsafe { self.device.reset_fences(&[batch.fence]) }.map_err(verr("fence"))?;
+        for b in batch.staging.drain(..) {
+            st.staging.entry(b.size).or_default().push(b);
+        }
+        st.idle.push((batch.cmd, batch.fence));
+        Ok(())
+    }
+
+    /// Record a device error; a lost device fails every later call.
+    fn fail(&self, st: &mut State, e: GpuError) -> GpuError {
+        if let GpuError::Device(why) = &e
+            && why.contains("lost")
+        {
+            st.lost = Some(why.clone());
+        }
+        e
+    }
+
+    fn sync(&self, st: &mut State) -> Result<(), GpuError> {
+        self.check(st)?;
+        self.submit(st)?;
+        while !st.in_flight.is_empty() {
+            self.retire_oldest(st)?;
+        }
+        Ok(())
+    }
+
+    fn pipeline(&self, st: &mut State, kernel: &str, block: u32) -> Result<vk::Pipeline, GpuError> {
+        if let Some(p) = st.pipelines.get(&(kernel.to_string(), block)) {
+            return Ok(*p);
+        }
+        let (name, spv) = index::KERNELS
+            .iter()
+            .find(|(n, _)| *n == kernel)
+            .ok_or_else(|| GpuError::Device(format!("kernel `{kernel}` has no Vulkan version")))?;
+        let module = match st.modules.get(name) {
+            Some(m) => *m,
+            None => {
+                let code = ash::util::read_spv(&mut std::io::Cursor::new(spv))
+                    .map_err(|e| GpuError::Device(format!("kernel `{kernel}`: bad SPIR-V ({e})")))?;
+                // SAFETY: valid SPIR-V words (checked by glslangValidator when built).
+                let m = unsafe {
+                    self.device.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None)
+                }
+                .map_err(verr("shader module"))?;
+                st.modules.insert(name, m);
+                m
+            }
+        };
+        let data = block.to_le_bytes();
+        let entries = [vk::SpecializationMapEntry::default().constant_id(0).offset(0).size(4)];
+        let spec = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
+        let stage = vk::PipelineShaderStageCreateInfo::default()
+            .stage(vk::ShaderStageFlags::COMPUTE)
+            .module(module)
+            .name(c"main")
+            .specialization_info(&spec);
+        // SAFETY: the module and layout are live; the pipeline is destroyed in `drop`.
+        let p = unsafe {
+            self.device.create_compute_pipelines(
+                vk::PipelineCache::null(),
+                &[vk::ComputePipelineCreateInfo::default().stage(stage).layout(self.layout)],
+                None,
+            )
+        }
+        .map_err(|(_, e)| verr("compiling a kernel")(e))?[0];
+        st.pipelines.insert((kernel.to_string(), block), p);
+        Ok(p)
+    }
+
+    fn dispatch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        if block > self.max_invocations {
+            return Err(GpuError::Device(format!(
+                "kernel `{kernel}`: {block} invocations per workgroup, the device allows {}",
+                self.max_invocations
+            )));
+        }
+        if grid.iter().zip(self.max_groups).any(|(g, max)| *g > max) || grid.contains(&0) {
+            return Err(GpuError::Device(format!("kernel `{kernel}`: grid {grid:?} is outside the device's limits")));
+        }
+        let push = pack(args);
+        if push.len() > PUSH_BYTES as usize {
+            return Err(GpuError::Device(format!("kernel `{kernel}`: {} bytes of arguments", push.len())));
+        }
+        let st = &mut *self.state.borrow_mut();
+        self.check(st)?;
+        let pipeline = self.pipeline(st, kernel, block)?;
+        let layout = self.layout;
+        let start = st.profile.is_some().then(|| self.sync(st).map(|_| std::time::Instant::now())).transpose()?;
+        self.record(st, |d, cmd| {
+            // SAFETY: a recording command buffer, a compute pipeline of `layout`, and push
+            // constants within its range.
+            unsafe {
+                d.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline);
+                d.cmd_push_constants(cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, &push);
+                d.cmd_dispatch(cmd, grid[0], grid[1], grid[2]);
+            }
+        })?;
+        if let Some(start) = start {
+            self.sync(st)?;
+            let e = st.profile.as_mut().expect("profiling").entry(kernel.to_string()).or_default();
+            e.0 += start.elapsed().as_secs_f64();
+            e.1 += 1;
+        }
+        Ok(())
+    }
+
+    fn release_cache(&self, st: &mut State) {
+        let _ = self.sync(st);
+        for (_, blocks) in st.cache.drain().collect::<Vec<_>>() {
+            for b in blocks {
+                st.held -= b.size as u64;
+                self.destroy_block(b);
+            }
+        }
+    }
+}
+
+impl Gpu for VulkanGpu {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
+        let class = size_class(bytes);
+        let st = &mut *self.state.borrow_mut();
+        self.check(st)?;
+        let oom = |st: &State| GpuError::OutOfMemory {
+            requested: bytes as u64,
+            free: self.total.saturating_sub(st.live_bytes),
+            total: self.total,
+        };
+        let block = match st.cache.get_mut(&class).and_then(Vec::pop) {
+            Some(b) => b,
+            None => {
+                if st.live_bytes + class as u64 > self.total {
+                    return Err(oom(st));
+                }
+                if st.held + class as u64 > self.total {
+                    self.release_cache(st);
+                }
+                let b = match self.create_block(class, false) {
+                    Ok(b) => b,
+                    Err(vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY) => {
+                        self.release_cache(st);
+                        self.create_block(class, false).map_err(|_| oom(st))?
+                    }
+                    Err(e) => return Err(verr("allocating GPU memory")(e)),
+                };
+                st.held += class as u64;
+                b
+            }
+        };
+        let addr = block.addr;
+        st.live_bytes += class as u64;
+        st.peak = st.peak.max(st.live_bytes);
+        st.live.insert(addr, block);
+        Ok(addr)
+    }
+
+    fn free(&self, ptr: u64) {
+        let st = &mut *self.state.borrow_mut();
+        if let Some(b) = st.live.remove(&ptr) {
+            st.live_bytes -= b.size as u64;
+            // Reused by later work only, which the barriers order after this block's last use.
+            st.cache.entry(b.size).or_default().push(b);
+        }
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), GpuError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let st = &mut *self.state.borrow_mut();
+        self.check(st)?;
+        let (buf, offset) = Self::find(st, dst, src.len())?;
+        let stage = self.staging(st, src.len())?;
+        // SAFETY: a mapped host-visible block of at least `src.len()` bytes, unused by the GPU.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), stage.mapped, src.len()) };
+        let region = vk::BufferCopy::default().dst_offset(offset).size(src.len() as u64);
+        let sbuf = stage.buf;
+        self.recording(st)?.staging.push(stage);
+        // SAFETY: both buffers are live; the region is inside both.
+        self.record(st, |d, cmd| unsafe { d.cmd_copy_buffer(cmd, sbuf, buf, &[region]) })
+    }
+
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let st = &mut *self.state.borrow_mut();
+        self.check(st)?;
+        let (buf, offset) = Self::find(st, src, dst.len())?;
+        let stage = self.staging(st, dst.len())?;
+        let (sbuf, mapped) = (stage.buf, stage.mapped);
+        let region = vk::BufferCopy::default().src_offset(offset).size(dst.len() as u64);
+        self.recording(st)?.staging.push(stage);
+        // SAFETY: both buffers are live; the region is inside both.
+        self.record(st, |d, cmd| unsafe { d.cmd_copy_buffer(cmd, buf, sbuf, &[region]) })?;
+        self.sync(st)?;
+        // SAFETY: the copy has completed (synchronised above, with a host-read barrier), and the
+        // staging block is idle again but not reused before this read.
+        unsafe { std::ptr::copy_nonoverlapping(mapped, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let st = &mut *self.state.borrow_mut();
+        let (sbuf, soff) = Self::find(st, src, bytes)?;
+        let (dbuf, doff) = Self::find(st, dst, bytes)?;
+        let region = vk::BufferCopy::default().src_offset(soff).dst_offset(doff).size(bytes as u64);
+        // SAFETY: both buffers are live; the regions are inside them.
+        self.record(st, |d, cmd| unsafe { d.cmd_copy_buffer(cmd, sbuf, dbuf, &[region]) })
+    }
+
+    fn zero(&self, dst: u64, bytes: usize) -> Result<(), GpuError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if !dst.is_multiple_of(4) || !bytes.is_multiple_of(4) {
+            if !dst.is_multiple_of(2) || !bytes.is_multiple_of(2) {
+                return Err(GpuError::Device(format!("cannot clear {bytes} bytes at odd address {dst:#x}")));
+            }
+            let n = bytes / 2;
+            let grid = [n.div_ceil(256).clamp(1, 16384) as u32, 1, 1];
+            return self.dispatch("zero16", grid, 256, &[Arg::Ptr(dst), Arg::I32(n as i32)]);
+        }
+        let st = &mut *self.state.borrow_mut();
+        let (buf, offset) = Self::find(st, dst, bytes)?;
+        // SAFETY: a live buffer; offset and size are multiples of 4 inside it.
+        self.record(st, |d, cmd| unsafe { d.cmd_fill_buffer(cmd, buf, offset, bytes as u64, 0) })
+    }
+
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        self.dispatch(kernel, grid, block, args)
+    }
+
+    fn gemm(&self, g: &Gemm) -> Result<(), GpuError> {
+        let c = if g.c_dt == Dt::F32 { "f32" } else { g.c_dt.suffix() };
+        if g.c_dt != Dt::F32 && g.c_dt != g.ab {
+            return Err(GpuError::Device(format!("no product of {:?} inputs into {:?}", g.ab, g.c_dt)));
+        }
+        let i = |v: usize| Arg::I32(v as i32);
+        let args = [
+            Arg::Ptr(g.a),
+            Arg::Ptr(g.b),
+            Arg::Ptr(g.c),
+            i(g.m),
+            i(g.n),
+            i(g.k),
+            i(g.lda),
+            i(g.ldb),
+            i(g.ldc),
+            Arg::I32(g.a_trans as i32),
+            Arg::I32(g.b_trans as i32),
+            Arg::F32(g.alpha),
+            Arg::F32(g.beta),
+        ];
+        let grid = [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1];
+        self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), grid, 256, &args)
+    }
+
+    fn synchronize(&self) -> Result<(), GpuError> {
+        self.sync(&mut self.state.borrow_mut())
+    }
+
+    fn memory(&self) -> Memory {
+        let st = self.state.borrow();
+        Memory { peak_used: st.peak, free: self.total.saturating_sub(st.live_bytes), total: self.total }
+    }
+
+    fn reset_peak(&self) {
+        let st = &mut *self.state.borrow_mut();
+        st.peak = st.live_bytes;
+    }
+
+    fn tensor_core_attention(&self) -> bool {
+        false
+    }
+}
+
+impl Drop for VulkanGpu {
+    fn drop(&mut self) {
+        let st = &mut *self.state.borrow_mut();
+        if let Some(profile) = st.profile.take() {
+            let total: f64 = profile.values().map(|v| v.0).sum();
+            let mut rows: Vec<_> = profile.into_iter().collect();
+            rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+            eprintln!("{}: {total:.3} s in kernels", self.name);
+            for (k, (secs, calls)) in rows {
+                eprintln!("  {k:28} {secs:9.3} s {calls:8} calls {:9.1} µs/call", secs / calls as f64 * 1e6);
+            }
+        }
+        // SAFETY: after the device is idle nothing uses any handle destroyed below.
+        unsafe {
+            let _ = self.device.device_wait_idle();
+            let batches: Vec<Batch> = st.recording.take().into_iter().chain(st.in_flight.drain(..)).collect();
+            let mut blocks: Vec<Block> = std::mem::take(&mut st.live)
+                .into_values()
+                .chain(st.cache.drain().flat_map(|(_, v)| v))
+                .chain(st.staging.drain().flat_map(|(_, v)| v))
+                .collect();
+            for b in batches {
+                blocks.extend(b.staging);
+                st.idle.push((b.cmd, b.fence));
+            }
+            for b in blocks {
+                self.device.destroy_buffer(b.buf, None);
+                self.device.free_memory(b.mem, None);
+            }
+            for (_, p) in st.pipelines.drain() {
+                self.device.destroy_pipeline(p, None);
+            }
+            for (_, m) in st.modules.drain() {
+                self.device.destroy_shader_module(m, None);
+            }
+            for (_, f) in st.idle.drain(..) {
+                self.device.destroy_fence(f, None);
+            }
+            self.device.destroy_command_pool(self.pool, None);
+            self.device.destroy_pipeline_layout(self.layout, None);
+            self.device.destroy_device(None);
+            self.instance.destroy_instance(None);
+        }
+    }
+}
