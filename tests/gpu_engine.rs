@@ -898,3 +898,33 @@ fn gpu_timings() {
         println!("product {m}×{n}×{k} (x·Wᵀ): {:.3} ms, {:.0} TFLOP/s", s * 1e3, 2.0 * (m * n * k) as f64 / s / 1e12);
     }
 }
+
+/// Large transfers (beyond the Vulkan device's staging-block cache) round-trip exactly, a
+/// device-to-device copy at an offset and an unaligned 16-bit clear land where they should,
+/// and asking for more than the device has is an out-of-memory error, not a crash.
+#[test]
+fn memory_round_trips_and_out_of_memory_is_an_error() {
+    for gpu in devices() {
+        let n = 10 << 20; // 40 MiB of f32
+        let v: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 0.5).collect();
+        let a = Buf::from_f32(&gpu, &v, Dt::F32).unwrap();
+        assert_eq!(a.to_vec().unwrap(), v, "{}: 40 MiB upload and download", gpu.name());
+        let b = Buf::zeros(&gpu, 1000, Dt::F32).unwrap();
+        gpu.copy(b.at(10), a.at(100), 20 * 4).unwrap();
+        let got = b.to_vec().unwrap();
+        assert_eq!(&got[10..30], &v[100..120], "{}: copy at offsets", gpu.name());
+        assert!(got[..10].iter().chain(&got[30..]).all(|x| *x == 0.0), "{}: copy stays in range", gpu.name());
+        let h = Buf::from_f32(&gpu, &[1.0; 9], Dt::Bf16).unwrap();
+        gpu.zero(h.at(3), 3 * 2).unwrap();
+        assert_eq!(h.to_vec().unwrap(), [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0], "{}: 16-bit clear", gpu.name());
+        let total = gpu.memory().total;
+        if gpu.name().contains("(vulkan:") {
+            match gpu.alloc(total as usize + (1 << 20)) {
+                Err(GpuError::OutOfMemory { requested, .. }) => assert!(requested > total),
+                other => panic!("{}: allocating more than the device has gave {other:?}", gpu.name()),
+            }
+            // The device is still usable afterwards.
+            assert_eq!(b.to_vec().unwrap(), got);
+        }
+    }
+}

@@ -23,6 +23,10 @@ use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory};
 const BATCH: usize = 256;
 /// Submitted command buffers in flight before the oldest is waited for.
 const IN_FLIGHT: usize = 3;
+/// Staged upload bytes after which a batch is submitted (bounds the host memory that loading a
+/// model's weights holds), and the largest staging block kept for reuse.
+const STAGED_PER_BATCH: usize = 256 << 20;
+const STAGING_KEPT: usize = 16 << 20;
 /// Push-constant bytes of every kernel (Vulkan guarantees 128; the longest argument list,
 /// attention's backward pass, takes 100).
 const PUSH_BYTES: u32 = 128;
@@ -42,6 +46,7 @@ struct Batch {
     commands: usize,
     /// Staging blocks the batch's copies read or write, recycled when it completes.
     staging: Vec<Block>,
+    staged: usize,
 }
 
 #[derive(Default)]
@@ -381,7 +386,7 @@ impl VulkanGpu {
                 self.device.reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty()).map_err(verr("reset"))?;
                 self.device.begin_command_buffer(cmd, &begin).map_err(verr("begin"))?;
             }
-            st.recording = Some(Batch { cmd, fence, commands: 0, staging: Vec::new() });
+            st.recording = Some(Batch { cmd, fence, commands: 0, staging: Vec::new(), staged: 0 });
         }
         Ok(st.recording.as_mut().expect("begun above"))
     }
@@ -450,7 +455,11 @@ impl VulkanGpu {
         // SAFETY: the fence has signalled, so it is no longer in use.
         unsafe { self.device.reset_fences(&[batch.fence]) }.map_err(verr("fence"))?;
         for b in batch.staging.drain(..) {
-            st.staging.entry(b.size).or_default().push(b);
+            if b.size <= STAGING_KEPT {
+                st.staging.entry(b.size).or_default().push(b);
+            } else {
+                self.destroy_block(b);
+            }
         }
         st.idle.push((batch.cmd, batch.fence));
         Ok(())
@@ -629,9 +638,13 @@ impl Gpu for VulkanGpu {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), stage.mapped, src.len()) };
         let region = vk::BufferCopy::default().dst_offset(offset).size(src.len() as u64);
         let sbuf = stage.buf;
-        self.recording(st)?.staging.push(stage);
+        let batch = self.recording(st)?;
+        batch.staging.push(stage);
+        batch.staged += src.len();
+        let full = batch.staged >= STAGED_PER_BATCH;
         // SAFETY: both buffers are live; the region is inside both.
-        self.record(st, |d, cmd| unsafe { d.cmd_copy_buffer(cmd, sbuf, buf, &[region]) })
+        self.record(st, |d, cmd| unsafe { d.cmd_copy_buffer(cmd, sbuf, buf, &[region]) })?;
+        if full { self.submit(st) } else { Ok(()) }
     }
 
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), GpuError> {
@@ -644,14 +657,22 @@ impl Gpu for VulkanGpu {
         let stage = self.staging(st, dst.len())?;
         let (sbuf, mapped) = (stage.buf, stage.mapped);
         let region = vk::BufferCopy::default().src_offset(offset).size(dst.len() as u64);
-        self.recording(st)?.staging.push(stage);
         // SAFETY: both buffers are live; the region is inside both.
-        self.record(st, |d, cmd| unsafe { d.cmd_copy_buffer(cmd, buf, sbuf, &[region]) })?;
-        self.sync(st)?;
-        // SAFETY: the copy has completed (synchronised above, with a host-read barrier), and the
-        // staging block is idle again but not reused before this read.
-        unsafe { std::ptr::copy_nonoverlapping(mapped, dst.as_mut_ptr(), dst.len()) };
-        Ok(())
+        let done = self
+            .record(st, |d, cmd| unsafe { d.cmd_copy_buffer(cmd, buf, sbuf, &[region]) })
+            .and_then(|_| self.sync(st));
+        if done.is_ok() {
+            // SAFETY: the copy has completed (synchronised, with a host-read barrier) and the
+            // staging block, held here rather than by the batch, is still mapped.
+            unsafe { std::ptr::copy_nonoverlapping(mapped, dst.as_mut_ptr(), dst.len()) };
+        }
+        match done {
+            Ok(()) if stage.size <= STAGING_KEPT => st.staging.entry(stage.size).or_default().push(stage),
+            Ok(()) => self.destroy_block(stage),
+            // On a failed device work may still reference the block: leaked, not freed under it.
+            Err(_) => {}
+        }
+        done
     }
 
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError> {
