@@ -100,10 +100,48 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
     } else {
         format!("driver version {:#x}", props.driver_version)
     };
+    let support = unsafe { engine_support(instance, pd) };
+    let memory_bytes = device_local_bytes(&unsafe { instance.get_physical_device_memory_properties(pd) });
+    VulkanInfo {
+        name: text(props.device_name_as_c_str()),
+        vendor_id: props.vendor_id,
+        kind: match props.device_type {
+            vk::PhysicalDeviceType::DISCRETE_GPU => "discrete",
+            vk::PhysicalDeviceType::INTEGRATED_GPU => "integrated",
+            vk::PhysicalDeviceType::VIRTUAL_GPU => "virtual",
+            vk::PhysicalDeviceType::CPU => "cpu",
+            _ => "other",
+        },
+        driver,
+        api: format!("{}.{}", vk::api_version_major(api), vk::api_version_minor(api)),
+        memory_bytes,
+        f16: support.f16,
+        storage16: support.storage16,
+        bf16: has("VK_KHR_shader_bfloat16"),
+        cooperative_matrix: has("VK_KHR_cooperative_matrix"),
+        missing: support.missing,
+    }
+}
+
+/// What the GPU engine needs of a Vulkan device and what it can use there.
+pub struct EngineSupport {
+    /// Required features the device lacks (empty: the engine runs there).
+    pub missing: Vec<&'static str>,
+    /// 16-bit storage buffers (bf16 and f16 tensors).
+    pub storage16: bool,
+    /// 16-bit storage and `shaderFloat16` (f16 compute).
+    pub f16: bool,
+}
+
+/// # Safety
+/// `pd` must be a physical device of the live `instance`.
+pub unsafe fn engine_support(instance: &ash::Instance, pd: vk::PhysicalDevice) -> EngineSupport {
+    // SAFETY (both calls): the caller's contract; the chained structures outlive the call.
+    let api = unsafe { instance.get_physical_device_properties(pd) }.api_version;
+    let v12 = vk::api_version_major(api) > 1 || vk::api_version_minor(api) >= 2;
     let mut f16 = vk::PhysicalDeviceShaderFloat16Int8Features::default();
     let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default();
     let mut bda = vk::PhysicalDeviceBufferDeviceAddressFeatures::default();
-    let v12 = vk::api_version_major(api) > 1 || vk::api_version_minor(api) >= 2;
     let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut f16).push_next(&mut storage16);
     if v12 {
         features = features.push_next(&mut bda);
@@ -123,30 +161,16 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
     if base.shader_float64 != vk::TRUE {
         missing.push("shaderFloat64");
     }
-    let memory = unsafe { instance.get_physical_device_memory_properties(pd) };
-    let memory_bytes = memory.memory_heaps[..memory.memory_heap_count as usize]
+    let storage16 = storage16.storage_buffer16_bit_access == vk::TRUE;
+    EngineSupport { missing, storage16, f16: storage16 && f16.shader_float16 == vk::TRUE }
+}
+
+/// The largest device-local memory heap.
+pub fn device_local_bytes(memory: &vk::PhysicalDeviceMemoryProperties) -> u64 {
+    memory.memory_heaps[..memory.memory_heap_count as usize]
         .iter()
         .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
         .map(|h| h.size)
         .max()
-        .unwrap_or(0);
-    VulkanInfo {
-        name: text(props.device_name_as_c_str()),
-        vendor_id: props.vendor_id,
-        kind: match props.device_type {
-            vk::PhysicalDeviceType::DISCRETE_GPU => "discrete",
-            vk::PhysicalDeviceType::INTEGRATED_GPU => "integrated",
-            vk::PhysicalDeviceType::VIRTUAL_GPU => "virtual",
-            vk::PhysicalDeviceType::CPU => "cpu",
-            _ => "other",
-        },
-        driver,
-        api: format!("{}.{}", vk::api_version_major(api), vk::api_version_minor(api)),
-        memory_bytes,
-        f16: f16.shader_float16 == vk::TRUE && storage16.storage_buffer16_bit_access == vk::TRUE,
-        storage16: storage16.storage_buffer16_bit_access == vk::TRUE,
-        bf16: has("VK_KHR_shader_bfloat16"),
-        cooperative_matrix: has("VK_KHR_cooperative_matrix"),
-        missing,
-    }
+        .unwrap_or(0)
 }

@@ -84,7 +84,9 @@ pub struct VulkanGpu {
     total: u64,
     max_invocations: u32,
     max_groups: [u32; 3],
-    needs: Needs,
+    /// 16-bit storage buffers (bf16, f16) and `shaderFloat16` (f16).
+    storage16: bool,
+    f16: bool,
     name: String,
     state: RefCell<State>,
 }
@@ -121,12 +123,6 @@ fn pack(args: &[Arg]) -> Vec<u8> {
         out.push(0);
     }
     out
-}
-
-/// Optional features: 16-bit storage buffers (bf16, f16) and 16-bit float arithmetic (f16).
-struct Needs {
-    has_16bit: bool,
-    has_f16: bool,
 }
 
 impl VulkanGpu {
@@ -168,7 +164,13 @@ impl VulkanGpu {
             if vk::api_version_minor(props.api_version) < 2 && vk::api_version_major(props.api_version) == 1 {
                 return Err(GpuError::Device(format!("{name} supports Vulkan 1.1; the engine needs 1.2")));
             }
-            let needs = Self::check_features(&instance, pd, &name)?;
+            let support = crate::device::vulkan::engine_support(&instance, pd);
+            if !support.missing.is_empty() {
+                return Err(GpuError::Device(format!(
+                    "{name} lacks Vulkan features the engine needs: {}",
+                    support.missing.join(", ")
+                )));
+            }
             let qfi = instance
                 .get_physical_device_queue_family_properties(pd)
                 .iter()
@@ -176,9 +178,9 @@ impl VulkanGpu {
                 .ok_or_else(|| GpuError::Device(format!("{name} has no compute queue")))? as u32;
             let prio = [1.0f32];
             let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(qfi).queue_priorities(&prio)];
-            let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(needs.has_16bit);
+            let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(support.storage16);
             let mut v12 =
-                vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true).shader_float16(needs.has_f16);
+                vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true).shader_float16(support.f16);
             let features = vk::PhysicalDeviceFeatures::default().shader_int64(true).shader_float64(true);
             let create = vk::DeviceCreateInfo::default()
                 .queue_create_infos(&queues)
@@ -203,12 +205,7 @@ impl VulkanGpu {
                 .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges), None)
                 .map_err(verr("pipeline layout"))?;
             let memory = instance.get_physical_device_memory_properties(pd);
-            let total = memory.memory_heaps[..memory.memory_heap_count as usize]
-                .iter()
-                .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
-                .map(|h| h.size)
-                .max()
-                .unwrap_or(0);
+            let total = crate::device::vulkan::device_local_bytes(&memory);
             Ok(VulkanGpu {
                 _entry: entry,
                 instance,
@@ -220,7 +217,8 @@ impl VulkanGpu {
                 total,
                 max_invocations: props.limits.max_compute_work_group_invocations,
                 max_groups: props.limits.max_compute_work_group_count,
-                needs,
+                storage16: support.storage16,
+                f16: support.f16,
                 name,
                 state: RefCell::new(State {
                     profile: std::env::var("RTUNE_PROFILE").is_ok_and(|v| v == "kernels").then(BTreeMap::new),
@@ -230,43 +228,12 @@ impl VulkanGpu {
         }
     }
 
-    /// # Safety
-    /// `pd` must be a physical device of the live `instance`.
-    unsafe fn check_features(instance: &ash::Instance, pd: vk::PhysicalDevice, name: &str) -> Result<Needs, GpuError> {
-        let mut v11 = vk::PhysicalDeviceVulkan11Features::default();
-        let mut v12 = vk::PhysicalDeviceVulkan12Features::default();
-        let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut v11).push_next(&mut v12);
-        // SAFETY: the caller's contract; the chained structures outlive the call.
-        unsafe { instance.get_physical_device_features2(pd, &mut f2) };
-        let base = f2.features;
-        let mut missing = Vec::new();
-        if v12.buffer_device_address != vk::TRUE {
-            missing.push("bufferDeviceAddress");
-        }
-        if base.shader_int64 != vk::TRUE {
-            missing.push("shaderInt64");
-        }
-        if base.shader_float64 != vk::TRUE {
-            missing.push("shaderFloat64 (the loss and gradient-norm sums are f64)");
-        }
-        if !missing.is_empty() {
-            return Err(GpuError::Device(format!(
-                "{name} lacks Vulkan features the engine needs: {}",
-                missing.join(", ")
-            )));
-        }
-        Ok(Needs {
-            has_16bit: v11.storage_buffer16_bit_access == vk::TRUE,
-            has_f16: v12.shader_float16 == vk::TRUE && v11.storage_buffer16_bit_access == vk::TRUE,
-        })
-    }
-
     /// Whether the device can run kernels of `dt` (bf16 needs 16-bit storage buffers, f16 also
     /// `shaderFloat16`).
     pub fn supports(&self, dt: Dt) -> bool {
         match dt {
-            Dt::Bf16 => self.needs.has_16bit,
-            Dt::F16 => self.needs.has_f16,
+            Dt::Bf16 => self.storage16,
+            Dt::F16 => self.f16,
             _ => true,
         }
     }
