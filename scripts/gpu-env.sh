@@ -18,6 +18,15 @@ for z in .gpu/*.gz; do
   [ -e "$z" ] || continue
   [ -e "${z%.gz}" ] || { gunzip -c "$z" >"${z%.gz}" && chmod +x "${z%.gz}"; }
 done
+# The Vulkan loader, where the machine lacks one: libvulkan1's .deb carried under .gl/ (see
+# docs/devices.md, "Vulkan"), unpacked beside it; NVIDIA's ICD file where the driver puts it.
+if ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 && ls .gl/*.deb >/dev/null 2>&1; then
+  for f in .gl/*.deb; do dpkg -x "$f" .gl/root; done
+  export LD_LIBRARY_PATH="$PWD/.gl/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
+  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+fi
 # Test binaries find their fixtures under the path they were built in.
 if [ -f .gpu/manifest-dir ] && [ ! -e "$(cat .gpu/manifest-dir)" ]; then
   mkdir -p "$(dirname "$(cat .gpu/manifest-dir)")" && ln -s "$PWD" "$(cat .gpu/manifest-dir)"

@@ -11,7 +11,9 @@
 #    50 training losses are compared;
 # 4. the default recipe's training in bf16 and f16 (loss scaling) on CUDA;
 # 5. a full fine-tune (candle's autograd) of the default recipe's model, 50 steps on CUDA and on
-#    the CPU, compared.
+#    the CPU, compared;
+# 6. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
+#    the GPU through Vulkan, and the default recipe through Vulkan against the CPU (issue 18).
 # Logs go to $OUT (or /tmp/rtune-gpu-verify).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,16 @@ full=(--only train --set adapter.kind=none --set stages.train.max_steps=50 --set
   --set 'stages.quantize.formats=["safetensors-merged"]')
 run_recipe full-cuda /tmp/rtune-cache-cuda "${full[@]}"
 run_recipe full-cpu /tmp/rtune-cache-cpu "${full[@]}" --set 'device.prefer=["cpu"]'
+
+step "Vulkan: the GPU engine's tests and the default recipe"
+if .gpu/rtune doctor 2>/dev/null | grep -q "^  vulkan:"; then
+  .gpu/rtune doctor 2>&1 | grep -A1 "^  vulkan:" | tee "$out/doctor-vulkan.txt"
+  RTUNE_TEST_VULKAN="${RTUNE_TEST_VULKAN:-0}" RTUNE_REQUIRE_VULKAN=1 .gpu/gpu_engine --test-threads 1 2>&1 |
+    tee "$out/gpu_engine-vulkan.txt" | grep -E "^test |test result|panicked" || status=1
+  run_recipe tiny-vulkan /tmp/rtune-cache-vulkan --set 'device.prefer=["vulkan"]'
+else
+  echo "no Vulkan device (carry the loader's .deb under .gl/)"
+fi
 
 step "CUDA vs CPU"
 python3 - "$out" <<'PY' || status=1
@@ -91,6 +103,17 @@ try:
 except Exception as e:
     print(f"full fine-tune: {e}")
     failed = True
+vk = out / "tiny-vulkan.stdout"
+if vk.exists():
+    try:
+        _, mv = curve("tiny-vulkan")
+        d = abs(mv["eval_loss_end"] - mp["eval_loss_end"]) / mp["eval_loss_end"]
+        print(f"Vulkan: eval loss after training {mv['eval_loss_end']:.7f} vs CPU {mp['eval_loss_end']:.7f} "
+              f"({d:.2e} relative), {mv.get('tokens_per_s')} tok/s, {mv.get('engine')}")
+        failed |= d > 1e-4
+    except Exception as e:
+        print(f"tiny-vulkan: {e}")
+        failed = True
 if failed:
     print("FAIL")
     sys.exit(1)
