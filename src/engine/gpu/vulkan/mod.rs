@@ -161,9 +161,6 @@ impl VulkanGpu {
                 "{} (vulkan:{ordinal})",
                 props.device_name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
             );
-            if vk::api_version_minor(props.api_version) < 2 && vk::api_version_major(props.api_version) == 1 {
-                return Err(GpuError::Device(format!("{name} supports Vulkan 1.1; the engine needs 1.2")));
-            }
             let support = crate::device::vulkan::engine_support(&instance, pd);
             if !support.missing.is_empty() {
                 return Err(GpuError::Device(format!(
