@@ -133,15 +133,14 @@ pub(super) fn resolve_key(
                 },
                 // Exports are computed in f32 with candle, whatever dtype and engine trained;
                 // candle has no Vulkan backend, so a Vulkan run merges on the CPU.
-                device: match device.class {
-                    crate::device::DeviceClass::Vulkan => DeviceKey {
-                        class: crate::device::DeviceClass::Cpu,
-                        dtype: crate::recipe::Dtype::F32,
-                        tf32: false,
-                        engine: None,
-                        ordinal: 0,
-                    },
-                    _ => DeviceKey { dtype: crate::recipe::Dtype::F32, tf32: false, ..on_device(false) },
+                device: {
+                    let merge = DeviceKey { dtype: crate::recipe::Dtype::F32, tf32: false, ..on_device(false) };
+                    match merge.class {
+                        crate::device::DeviceClass::Vulkan => {
+                            DeviceKey { class: crate::device::DeviceClass::Cpu, ordinal: 0, ..merge }
+                        }
+                        _ => merge,
+                    }
                 },
             })
         }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{CudaContext, CudaStream, result as drv, sys};
 
-use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory};
+use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory, size_class};
 
 /// kernels.cu as PTX (build.rs; `CUDA_COMPUTE_CAP`, default 80: runs on Ampere and later).
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rtune_kernels.ptx"));
@@ -37,12 +37,6 @@ pub struct CudaGpu {
 
 /// cuBLAS's recommended workspace on Hopper.
 const CUBLAS_WORKSPACE: usize = 32 << 20;
-
-/// The size class of an allocation: 512-byte steps below 1 MiB, 2 MiB steps above, so that
-/// batches of nearby shapes reuse each other's blocks.
-fn size_class(bytes: usize) -> usize {
-    if bytes < 1 << 20 { bytes.div_ceil(512).max(1) * 512 } else { bytes.div_ceil(2 << 20) * (2 << 20) }
-}
 
 fn derr(context: &str) -> impl FnOnce(drv::DriverError) -> GpuError + '_ {
     move |e| GpuError::Device(format!("{context}: {e}"))

@@ -55,6 +55,12 @@ impl Dt {
     }
 }
 
+/// The size class of a device allocation: 512-byte steps below 1 MiB, 2 MiB steps above, so that
+/// batches of nearby shapes reuse each other's cached blocks (the CUDA and Vulkan devices' caches).
+pub fn size_class(bytes: usize) -> usize {
+    if bytes < 1 << 20 { bytes.div_ceil(512).max(1) * 512 } else { bytes.div_ceil(2 << 20) * (2 << 20) }
+}
+
 /// One kernel argument.
 #[derive(Debug, Clone, Copy)]
 pub enum Arg {

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use ash::vk;
 
-use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory};
+use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory, size_class};
 
 /// Commands recorded into one command buffer before it is submitted.
 const BATCH: usize = 256;
@@ -89,11 +89,6 @@ pub struct VulkanGpu {
     f16: bool,
     name: String,
     state: RefCell<State>,
-}
-
-/// The size class of an allocation: 512-byte steps below 1 MiB, 2 MiB steps above.
-fn size_class(bytes: usize) -> usize {
-    if bytes < 1 << 20 { bytes.div_ceil(512).max(1) * 512 } else { bytes.div_ceil(2 << 20) * (2 << 20) }
 }
 
 fn verr(context: &str) -> impl FnOnce(vk::Result) -> GpuError + '_ {
@@ -400,7 +395,7 @@ impl VulkanGpu {
         };
         st.in_flight.push_back(batch);
         if let Err(e) = r {
-            return Err(self.fail(st, verr("submitting work")(e)));
+            return Err(Self::fail(st, e, "submitting work"));
         }
         while st.in_flight.len() > IN_FLIGHT {
             self.retire_oldest(st)?;
@@ -414,7 +409,7 @@ impl VulkanGpu {
         // SAFETY: the fence belongs to a submitted batch.
         let r = unsafe { self.device.wait_for_fences(&[batch.fence], true, u64::MAX) };
         if let Err(e) = r {
-            return Err(self.fail(st, verr("waiting for the GPU")(e)));
+            return Err(Self::fail(st, e, "waiting for the GPU"));
         }
         // SAFETY: the fence has signalled, so it is no longer in use.
         unsafe { self.device.reset_fences(&[batch.fence]) }.map_err(verr("fence"))?;
@@ -429,14 +424,13 @@ impl VulkanGpu {
         Ok(())
     }
 
-    /// Record a device error; a lost device fails every later call.
-    fn fail(&self, st: &mut State, e: GpuError) -> GpuError {
-        if let GpuError::Device(why) = &e
-            && why.contains("lost")
-        {
+    /// The error of a failed submission or wait; a lost device fails every later call.
+    fn fail(st: &mut State, e: vk::Result, context: &str) -> GpuError {
+        let err = verr(context)(e);
+        if let (vk::Result::ERROR_DEVICE_LOST, GpuError::Device(why)) = (e, &err) {
             st.lost = Some(why.clone());
         }
-        e
+        err
     }
 
     fn sync(&self, st: &mut State) -> Result<(), GpuError> {
