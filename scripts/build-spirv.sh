@@ -16,7 +16,8 @@ command -v glslangValidator >/dev/null || { echo "build-spirv: glslangValidator 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 typed="embed gather_rows scatter_add_rows add add_bias cast_from_f32 rmsnorm_fwd rmsnorm_apply rmsnorm_bwd rope
-  swiglu swiglu_bwd dropout dropout_acc cross_entropy attn_fwd attn_bwd_pre attn_bwd_dq attn_bwd_dkv"
+  swiglu swiglu_bwd dropout dropout_acc cross_entropy attn_fwd attn_bwd_pre attn_bwd_dq attn_bwd_dkv
+  attn_fwd_sg attn_bwd_dq_sg attn_bwd_dkv_sg"
 plain="sum_scaled sum_squares adamw ema zero16"
 compile() { # name, defines...
   local name=$1
@@ -32,6 +33,8 @@ for k in $plain; do compile "$k" "-DK_$k" -DT_F32; done
 for t in f32 bf16 f16; do
   compile "gemm_${t}_f32" -DK_gemm "-DT_${t^^}" -DC_F32
   [ "$t" = f32 ] || compile "gemm_${t}_$t" -DK_gemm "-DT_${t^^}"
+  compile "gemm_sg_${t}_f32" -DK_gemm_sg "-DT_${t^^}" -DC_F32
+  [ "$t" = f32 ] || compile "gemm_sg_${t}_$t" -DK_gemm_sg "-DT_${t^^}"
 done
 {
   echo "// Written by scripts/build-spirv.sh from kernels.comp; do not edit."

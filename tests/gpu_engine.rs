@@ -164,7 +164,16 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
     }
     #[cfg(feature = "vulkan")]
     match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
-        Ok(g) => v.push(Rc::new(g)),
+        Ok(g) => {
+            // On a CPU implementation (lavapipe) the device runs its per-lane kernels; the
+            // kernels written for GPUs are tested there too, on a second instance.
+            if g.cpu_lanes().is_some() {
+                v.push(Rc::new(
+                    rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap().with_gpu_kernels(),
+                ));
+            }
+            v.push(Rc::new(g));
+        }
         // CI sets RTUNE_REQUIRE_VULKAN (it installs lavapipe), so the Vulkan kernels never go
         // untested there by accident.
         Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
@@ -214,6 +223,67 @@ fn tol(dt: Dt) -> f32 {
 
 // ---------------------------------------------------------------------------------------------
 // Kernels against references.
+
+/// `C = α·op(A)·op(B) + β·C` against an f64 product: both transposes of each operand, β = 0 and
+/// β ≠ 0, C in f32 and in the compute dtype, row pitches wider than the rows, shapes that leave
+/// partial tiles and shapes wider than tall (which the CPU-device kernel computes as Cᵀ).
+#[test]
+fn products_match_a_reference() {
+    for gpu in devices() {
+        for (dt, c_dt) in [(Dt::F32, Dt::F32), (Dt::Bf16, Dt::F32), (Dt::Bf16, Dt::Bf16), (Dt::F16, Dt::F16)] {
+            for (m, n, k) in [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130)] {
+                for (a_trans, b_trans, beta) in
+                    [(false, false, 0.0), (false, true, 0.5), (true, false, 0.0), (true, true, -1.0)]
+                {
+                    let mut rng = Rng::new((m * 1000 + n * 10 + k) as u64);
+                    let (lda, ldb, ldc) = (if a_trans { m } else { k } + 3, if b_trans { k } else { n } + 2, n + 1);
+                    let a = rounded(dt, &rand_vec(&mut rng, (if a_trans { k } else { m }) * lda, 1.0));
+                    let b = rounded(dt, &rand_vec(&mut rng, (if b_trans { n } else { k }) * ldb, 1.0));
+                    let c0 = rounded(c_dt, &rand_vec(&mut rng, m * ldc, 1.0));
+                    let (ab, bb, cb) = (
+                        Buf::from_f32(&gpu, &a, dt).unwrap(),
+                        Buf::from_f32(&gpu, &b, dt).unwrap(),
+                        Buf::from_f32(&gpu, &c0, c_dt).unwrap(),
+                    );
+                    gpu.gemm(&Gemm {
+                        m,
+                        n,
+                        k,
+                        a: ab.ptr(),
+                        a_trans,
+                        lda,
+                        b: bb.ptr(),
+                        b_trans,
+                        ldb,
+                        c: cb.ptr(),
+                        ldc,
+                        ab: dt,
+                        c_dt,
+                        alpha: 1.5,
+                        beta,
+                    })
+                    .unwrap();
+                    let mut want = c0.clone();
+                    for r in 0..m {
+                        for c in 0..n {
+                            let dot: f64 = (0..k)
+                                .map(|p| {
+                                    let x = if a_trans { a[p * lda + r] } else { a[r * lda + p] };
+                                    let y = if b_trans { b[c * ldb + p] } else { b[p * ldb + c] };
+                                    x as f64 * y as f64
+                                })
+                                .sum();
+                            want[r * ldc + c] = (1.5 * dot + beta as f64 * c0[r * ldc + c] as f64) as f32;
+                        }
+                    }
+                    let what =
+                        format!("{}: {dt:?}→{c_dt:?} {m}×{n}×{k} trans {a_trans}/{b_trans} β {beta}", gpu.name());
+                    assert_close(&what, &cb.to_vec().unwrap(), &want, if c_dt == Dt::F32 { 1e-5 } else { 1e-2 });
+                }
+            }
+        }
+    }
+}
 
 #[test]
 fn row_kernels_match_references() {

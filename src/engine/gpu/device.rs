@@ -127,6 +127,14 @@ pub trait Gpu {
     fn synchronize(&self) -> Result<(), GpuError>;
     fn memory(&self) -> Memory;
     fn reset_peak(&self);
+    /// `Some(n)` where the device runs `n` invocations as one SIMD vector on a CPU and a memory
+    /// access costs far more than arithmetic (lavapipe): ops.rs then gives per-row reductions
+    /// `n`-invocation workgroups and uses the attention kernels that keep a row per lane
+    /// (`attn_*_sg`). `None` on GPUs.
+    fn cpu_lanes(&self) -> Option<u32> {
+        None
+    }
+
     /// Whether the tensor-core attention kernels (`attn_*_mma_*`) exist on this device; without
     /// them attention runs on the scalar kernels.
     fn tensor_core_attention(&self) -> bool {

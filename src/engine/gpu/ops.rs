@@ -72,6 +72,24 @@ impl Ops<'_> {
         format!("{name}_{}", self.dt.suffix())
     }
 
+    /// The per-lane (`_sg`) form of an attention kernel for CPU devices, specialised to head size
+    /// `d` (in vec4s).
+    fn k_sg(&self, name: &str, d: usize) -> String {
+        format!("{name}_sg_{}_{}", self.dt.suffix(), d / 4)
+    }
+
+    /// Lanes per workgroup of the per-lane attention kernels, on CPU devices and head sizes
+    /// they take (multiples of 4).
+    fn attn_lanes(&self, d: usize) -> Option<u32> {
+        self.gpu.cpu_lanes().filter(|_| d.is_multiple_of(4))
+    }
+
+    /// Threads per block of a row kernel: `full` on GPUs, one SIMD vector on CPU devices (where a
+    /// barrier switches between the vectors of a block).
+    fn row_block(&self, full: u32) -> u32 {
+        self.gpu.cpu_lanes().unwrap_or(full)
+    }
+
     fn run(&self, name: &str, n: usize, args: &[Arg]) -> R {
         self.gpu.launch(&self.k(name), grid(n), BLOCK, args)
     }
@@ -135,7 +153,7 @@ impl Ops<'_> {
 
     pub fn rmsnorm_fwd(&self, x: u64, w: u64, y: u64, inv: u64, n: usize, h: usize, eps: f32) -> R {
         let args = [Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::Ptr(inv), i(h), Arg::F32(eps)];
-        self.gpu.launch(&self.k("rmsnorm_fwd"), [n as u32, 1, 1], ROW_BLOCK, &args)
+        self.gpu.launch(&self.k("rmsnorm_fwd"), [n as u32, 1, 1], self.row_block(ROW_BLOCK), &args)
     }
 
     pub fn rmsnorm_apply(&self, x: u64, inv: u64, w: u64, y: u64, n: usize, h: usize) -> R {
@@ -145,7 +163,7 @@ impl Ops<'_> {
     pub fn rmsnorm_bwd(&self, x: u64, inv: u64, w: u64, dy: u64, dx: u64, n: usize, h: usize, accumulate: bool) -> R {
         let args =
             [Arg::Ptr(x), Arg::Ptr(inv), Arg::Ptr(w), Arg::Ptr(dy), Arg::Ptr(dx), i(h), Arg::I32(accumulate as i32)];
-        self.gpu.launch(&self.k("rmsnorm_bwd"), [n as u32, 1, 1], ROW_BLOCK, &args)
+        self.gpu.launch(&self.k("rmsnorm_bwd"), [n as u32, 1, 1], self.row_block(ROW_BLOCK), &args)
     }
 
     pub fn rope(&self, x: u64, pos: u64, cos: u64, sin: u64, n: usize, heads: usize, d: usize, inverse: bool) -> R {
@@ -195,7 +213,7 @@ impl Ops<'_> {
 
     pub fn cross_entropy(&self, logits: u64, targets: u64, loss: u64, rows: usize, vocab: usize, grad_scale: f32) -> R {
         let args = [Arg::Ptr(logits), Arg::Ptr(targets), Arg::Ptr(loss), i(vocab), Arg::F32(grad_scale)];
-        self.gpu.launch(&self.k("cross_entropy"), [rows as u32, 1, 1], 512, &args)
+        self.gpu.launch(&self.k("cross_entropy"), [rows as u32, 1, 1], self.row_block(512), &args)
     }
 
     /// `out[0] += weight · Σ x` in f64.
@@ -244,8 +262,12 @@ impl Ops<'_> {
             let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([Arg::F32(s.scale)]).collect();
             return self.gpu.launch(&name, grid, ATT_BLOCK, &args);
         }
-        let grid = [s.t.div_ceil(ATT_ROWS) as u32, s.hq as u32, s.b as u32];
         let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([i(s.d), Arg::F32(s.scale)]).collect();
+        if let Some(lanes) = self.attn_lanes(s.d) {
+            let grid = [s.t.div_ceil(lanes as usize) as u32, s.hq as u32, s.b as u32];
+            return self.gpu.launch(&self.k_sg("attn_fwd", s.d), grid, lanes, &args);
+        }
+        let grid = [s.t.div_ceil(ATT_ROWS) as u32, s.hq as u32, s.b as u32];
         self.gpu.launch(&self.k("attn_fwd"), grid, ATT_BLOCK, &args)
     }
 
@@ -291,12 +313,17 @@ impl Ops<'_> {
             return self.run("attn_reduce_heads", n * s.hk * s.d, &args);
         }
         let tail = [i(s.d), Arg::F32(s.scale)];
-        let a: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
-        self.gpu.launch(&self.k("attn_bwd_dq"), pre_grid, ATT_BLOCK, &a)?;
+        let dq_args: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
         let dkv_args = [q, k, v, dout, lse, delta, dk, dv, lo, hi].map(Arg::Ptr);
-        let a: Vec<Arg> = dkv_args.into_iter().chain(dims).chain(tail).collect();
+        let dkv_args: Vec<Arg> = dkv_args.into_iter().chain(dims).chain(tail).collect();
+        if let Some(lanes) = self.attn_lanes(s.d) {
+            let rows = s.t.div_ceil(lanes as usize) as u32;
+            self.gpu.launch(&self.k_sg("attn_bwd_dq", s.d), [rows, s.hq as u32, s.b as u32], lanes, &dq_args)?;
+            return self.gpu.launch(&self.k_sg("attn_bwd_dkv", s.d), [rows, s.hk as u32, s.b as u32], lanes, &dkv_args);
+        }
+        self.gpu.launch(&self.k("attn_bwd_dq"), pre_grid, ATT_BLOCK, &dq_args)?;
         let grid = [s.t.div_ceil(ATT_ROWS) as u32, s.hk as u32, s.b as u32];
-        self.gpu.launch(&self.k("attn_bwd_dkv"), grid, ATT_BLOCK, &a)
+        self.gpu.launch(&self.k("attn_bwd_dkv"), grid, ATT_BLOCK, &dkv_args)
     }
 }
 

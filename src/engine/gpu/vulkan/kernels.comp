@@ -18,12 +18,18 @@
 // - there are no tensor-core attention kernels (ops.rs only asks for them on CUDA).
 
 #extension GL_EXT_buffer_reference : require
+#extension GL_EXT_control_flow_attributes : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
 #if defined(T_BF16) || defined(T_F16) || defined(K_zero16)
 #extension GL_EXT_shader_16bit_storage : require
 #endif
 #if defined(T_F16)
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#endif
+#if defined(K_gemm_sg) || defined(K_attn_fwd_sg) || defined(K_attn_bwd_dq_sg) || defined(K_attn_bwd_dkv_sg)
+#extension GL_KHR_shader_subgroup_ballot : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#extension GL_KHR_shader_subgroup_vote : require
 #endif
 
 layout(local_size_x_id = 0) in;
@@ -707,51 +713,298 @@ layout(push_constant) uniform P {
     float beta;
 } p;
 #define GT 64
-#define GK 16
-shared float sa[GK * GT];
-shared float sb[GK * GT];
+#define GK 32
+// Shared tiles as vec4 rows: sa[kk][r/4] holds op(A)[row0 + r .. r+3][k0 + kk], sb[kk][c/4]
+// holds op(B)[k0 + kk][col0 + c .. c+3], so each invocation reads its 4 × 4 operands as two vec4.
+shared vec4 sa[GK * GT / 4];
+shared vec4 sb[GK * GT / 4];
 void main() {
     int row0 = int(gl_WorkGroupID.y) * GT, col0 = int(gl_WorkGroupID.x) * GT;
     int tx = TID % 16, ty = TID / 16;
-    float acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = 0.0;
+    vec4 acc0 = vec4(0.0), acc1 = vec4(0.0), acc2 = vec4(0.0), acc3 = vec4(0.0);
+    bool at = p.a_trans != 0, bt = p.b_trans != 0;
     for (int k0 = 0; k0 < p.k; k0 += GK) {
-        for (int l = 0; l < 4; l++) {
+        [[unroll]] for (int l = 0; l < GK * GT / 256; l++) {
             int e = TID + l * 256;
             // A's tile: GT rows × GK columns of op(A); B's: GK rows × GT columns of op(B).
-            int ar = p.a_trans != 0 ? e % GT : e / GK, ak = p.a_trans != 0 ? e / GT : e % GK;
+            int ar = at ? e % GT : e / GK, ak = at ? e / GT : e % GK;
             int gr = row0 + ar, gk = k0 + ak;
             float av = 0.0;
-            if (gr < p.m && gk < p.k) av = ld(p.a, p.a_trans != 0 ? gk * p.lda + gr : gr * p.lda + gk);
-            sa[ak * GT + ar] = av;
-            int bk = p.b_trans != 0 ? e % GK : e / GT, bc = p.b_trans != 0 ? e / GK : e % GT;
+            if (gr < p.m && gk < p.k) av = ld(p.a, at ? gk * p.lda + gr : gr * p.lda + gk);
+            sa[ak * (GT / 4) + ar / 4][ar % 4] = av;
+            int bk = bt ? e % GK : e / GT, bc = bt ? e / GK : e % GT;
             int hk = k0 + bk, hc = col0 + bc;
             float bv = 0.0;
-            if (hk < p.k && hc < p.n) bv = ld(p.b, p.b_trans != 0 ? hc * p.ldb + hk : hk * p.ldb + hc);
-            sb[bk * GT + bc] = bv;
+            if (hk < p.k && hc < p.n) bv = ld(p.b, bt ? hc * p.ldb + hk : hk * p.ldb + hc);
+            sb[bk * (GT / 4) + bc / 4][bc % 4] = bv;
         }
         memoryBarrierShared();
         barrier();
-        for (int kk = 0; kk < GK; kk++) {
-            float ra[4], rb[4];
-            for (int i = 0; i < 4; i++) {
-                ra[i] = sa[kk * GT + ty * 4 + i];
-                rb[i] = sb[kk * GT + tx * 4 + i];
-            }
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 4; j++) acc[i * 4 + j] = fma(ra[i], rb[j], acc[i * 4 + j]);
+        [[unroll]] for (int kk = 0; kk < GK; kk++) {
+            vec4 a = sa[kk * (GT / 4) + ty], b = sb[kk * (GT / 4) + tx];
+            acc0 = fma(vec4(a.x), b, acc0);
+            acc1 = fma(vec4(a.y), b, acc1);
+            acc2 = fma(vec4(a.z), b, acc2);
+            acc3 = fma(vec4(a.w), b, acc3);
         }
         barrier();
     }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) {
+    vec4 acc[4] = vec4[4](acc0, acc1, acc2, acc3);
+    [[unroll]] for (int i = 0; i < 4; i++)
+        [[unroll]] for (int j = 0; j < 4; j++) {
             int r = row0 + ty * 4 + i, cc = col0 + tx * 4 + j;
             if (r < p.m && cc < p.n) {
-                int at = r * p.ldc + cc;
-                float out_ = p.alpha * acc[i * 4 + j];
-                if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at);
-                stc_(p.c, at, out_);
+                int at_ = r * p.ldc + cc;
+                float out_ = p.alpha * acc[i][j];
+                if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at_);
+                stc_(p.c, at_, out_);
             }
+        }
+}
+#endif
+
+// The same product for devices that run a subgroup as one SIMD vector on a CPU and access memory
+// lane by lane (lavapipe: a load costs as much as a few hundred multiply-adds, shared memory
+// included). A workgroup is one subgroup; it computes GR rows × (BLOCK · GC) columns of C. Each
+// lane loads GR / BLOCK values of A's column k and GC values of B's row k, and the A values reach
+// every lane through subgroupBroadcast (a register move there), so each load feeds BLOCK · GC or
+// GR products. `c_trans` stores Cᵀ (the host swaps A and B when m is the smaller side).
+#if defined(K_gemm_sg)
+#ifdef C_F32
+#define CB F32
+float ldc_(CB b, int i) { return b.v[i]; }
+void stc_(CB b, int i, float x) { b.v[i] = x; }
+#else
+#define CB TB
+float ldc_(CB b, int i) { return ld(b, i); }
+void stc_(CB b, int i, float x) { st(b, i, x); }
+#endif
+layout(push_constant) uniform P {
+    TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
+    float beta; int c_trans;
+} p;
+#define GR 32
+layout(constant_id = 1) const int GC = 4;
+void main() {
+    int lane = TID;
+    int row0 = int(gl_WorkGroupID.y) * GR, col0 = int(gl_WorkGroupID.x) * BLOCK * GC;
+    bool at = p.a_trans != 0, bt = p.b_trans != 0;
+    // Element (r, k) of op(A) is at ra[q] + k·sa for r = row0 + lane + BLOCK·q; rows and columns
+    // past the edge read the last valid one (no branches) and are not stored.
+    int ra[GR / BLOCK], cb[GC];
+    [[unroll]] for (int q = 0; q < GR / BLOCK; q++) {
+        int r = min(row0 + lane + BLOCK * q, p.m - 1);
+        ra[q] = at ? r : r * p.lda;
+    }
+    [[unroll]] for (int c = 0; c < GC; c++) {
+        int cc = min(col0 + lane + BLOCK * c, p.n - 1);
+        cb[c] = bt ? cc * p.ldb : cc;
+    }
+    int sa = at ? p.lda : 1, sb = bt ? 1 : p.ldb;
+    float acc[GR * GC];
+    [[unroll]] for (int i = 0; i < GR * GC; i++) acc[i] = 0.0;
+    for (int k = 0; k < p.k; k++) {
+        float av[GR / BLOCK], bv[GC];
+        [[unroll]] for (int q = 0; q < GR / BLOCK; q++) av[q] = ld(p.a, ra[q] + k * sa);
+        [[unroll]] for (int c = 0; c < GC; c++) bv[c] = ld(p.b, cb[c] + k * sb);
+        [[unroll]] for (int i = 0; i < GR; i++) {
+            float a = subgroupBroadcast(av[i / BLOCK], i % BLOCK);
+            [[unroll]] for (int c = 0; c < GC; c++) acc[i * GC + c] = fma(a, bv[c], acc[i * GC + c]);
+        }
+    }
+    [[unroll]] for (int i = 0; i < GR; i++)
+        [[unroll]] for (int c = 0; c < GC; c++) {
+            int r = row0 + i, cc = col0 + lane + BLOCK * c;
+            if (r < p.m && cc < p.n) {
+                int at_ = p.c_trans != 0 ? cc * p.ldc + r : r * p.ldc + cc;
+                float out_ = p.alpha * acc[i * GC + c];
+                if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at_);
+                stc_(p.c, at_, out_);
+            }
+        }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Attention for CPU implementations of Vulkan (see gemm_sg): a workgroup is one subgroup, one
+// lane per query row (or key row for dK/dV) with the head's values in registers as D4 = d/4
+// vec4s (D4 is specialisation constant 1). A block of BLOCK keys (queries) is loaded one row per
+// lane and reaches every lane through subgroupBroadcast, so nothing goes through shared memory
+// and there are no barriers. Loops over the head stay loops (unrolling them for d = 128 takes
+// llvmpipe minutes to compile); loops over a block's keys are unrolled (broadcasts need constant
+// lanes to be cheap). Same arguments and math as the kernels above; grids (⌈t/BLOCK⌉, heads, b).
+
+#if defined(K_attn_fwd_sg) || defined(K_attn_bwd_dq_sg) || defined(K_attn_bwd_dkv_sg)
+layout(constant_id = 1) const int D4 = 16;
+vec4 ld4(TB b, int i) { return vec4(ld(b, i), ld(b, i + 1), ld(b, i + 2), ld(b, i + 3)); }
+void st4(TB b, int i, vec4 x) {
+    st(b, i, x.x);
+    st(b, i + 1, x.y);
+    st(b, i + 2, x.z);
+    st(b, i + 3, x.w);
+}
+#define BC(x, i) subgroupBroadcast(x, i)
+#endif
+
+#ifdef K_attn_fwd_sg
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB o; F32 lse; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale;
+} p;
+void main() {
+    int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), qi = int(gl_WorkGroupID.x) * BLOCK + TID;
+    int t = p.t, d = 4 * D4, g = h / (p.hq / p.hk), qs = p.hq * d, kvs = p.hk * d, base = bi * t;
+    int qc = min(qi, t - 1);
+    int lo = p.lo.v[base + qc], hi = p.hi.v[base + qc];
+    if (qi >= t) {
+        lo = 1;
+        hi = 0;
+    }
+    int first = subgroupMin(lo <= hi ? lo : 0x7fffffff), last = subgroupMax(lo <= hi ? hi : -1);
+    vec4 q[D4], acc[D4];
+    [[dont_unroll]] for (int j = 0; j < D4; j++) {
+        q[j] = ld4(p.q, (base + qc) * qs + h * d + 4 * j);
+        acc[j] = vec4(0.0);
+    }
+    float m = -INF, l = 0.0;
+    for (int k0 = first; k0 <= last; k0 += BLOCK) {
+        int kr = min(k0 + TID, t - 1);
+        vec4 kv[D4], vv[D4];
+        [[dont_unroll]] for (int j = 0; j < D4; j++) {
+            kv[j] = ld4(p.k, (base + kr) * kvs + g * d + 4 * j);
+            vv[j] = ld4(p.v, (base + kr) * kvs + g * d + 4 * j);
+        }
+        float sc[BLOCK], pk[BLOCK];
+        float mt = -INF;
+        [[unroll]] for (int kk = 0; kk < BLOCK; kk++) {
+            float s = 0.0;
+            [[dont_unroll]] for (int j = 0; j < D4; j++) s += dot(q[j], BC(kv[j], kk));
+            int key = k0 + kk;
+            sc[kk] = key >= lo && key <= hi ? s * p.scale : -INF;
+            mt = max(mt, sc[kk]);
+            pk[kk] = 0.0;
+        }
+        if (mt > -INF) {
+            float mn = max(m, mt), corr = exp(m - mn), sum = 0.0;
+            [[unroll]] for (int kk = 0; kk < BLOCK; kk++) {
+                pk[kk] = sc[kk] == -INF ? 0.0 : exp(sc[kk] - mn);
+                sum += pk[kk];
+            }
+            [[dont_unroll]] for (int j = 0; j < D4; j++) acc[j] *= corr;
+            l = l * corr + sum;
+            m = mn;
+        }
+        [[unroll]] for (int kk = 0; kk < BLOCK; kk++)
+            [[dont_unroll]] for (int j = 0; j < D4; j++) acc[j] += pk[kk] * BC(vv[j], kk);
+    }
+    if (qi < t) {
+        float inv = l > 0.0 ? 1.0 / l : 0.0;
+        [[dont_unroll]] for (int j = 0; j < D4; j++) st4(p.o, (base + qi) * qs + h * d + 4 * j, acc[j] * inv);
+        p.lse.v[(bi * p.hq + h) * t + qi] = l > 0.0 ? m + log(l) : INF;
+    }
+}
+#endif
+
+#ifdef K_attn_bwd_dq_sg
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dq; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale;
+} p;
+void main() {
+    int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), qi = int(gl_WorkGroupID.x) * BLOCK + TID;
+    int t = p.t, d = 4 * D4, g = h / (p.hq / p.hk), qs = p.hq * d, kvs = p.hk * d, base = bi * t;
+    int qc = min(qi, t - 1), row = (bi * p.hq + h) * t + qc;
+    int lo = p.lo.v[base + qc], hi = p.hi.v[base + qc];
+    if (qi >= t) {
+        lo = 1;
+        hi = 0;
+    }
+    int first = subgroupMin(lo <= hi ? lo : 0x7fffffff), last = subgroupMax(lo <= hi ? hi : -1);
+    float lse = p.lse.v[row], delta = p.delta.v[row];
+    vec4 q[D4], dout[D4], acc[D4];
+    [[dont_unroll]] for (int j = 0; j < D4; j++) {
+        q[j] = ld4(p.q, (base + qc) * qs + h * d + 4 * j);
+        dout[j] = ld4(p.dout, (base + qc) * qs + h * d + 4 * j);
+        acc[j] = vec4(0.0);
+    }
+    for (int k0 = first; k0 <= last; k0 += BLOCK) {
+        int kr = min(k0 + TID, t - 1);
+        vec4 kv[D4], vv[D4];
+        [[dont_unroll]] for (int j = 0; j < D4; j++) {
+            kv[j] = ld4(p.k, (base + kr) * kvs + g * d + 4 * j);
+            vv[j] = ld4(p.v, (base + kr) * kvs + g * d + 4 * j);
+        }
+        float ds[BLOCK];
+        [[unroll]] for (int kk = 0; kk < BLOCK; kk++) {
+            float s = 0.0, dp = 0.0;
+            [[dont_unroll]] for (int j = 0; j < D4; j++) {
+                s += dot(q[j], BC(kv[j], kk));
+                dp += dot(dout[j], BC(vv[j], kk));
+            }
+            int key = k0 + kk;
+            ds[kk] = key >= lo && key <= hi ? exp(s * p.scale - lse) * (dp - delta) : 0.0;
+        }
+        [[unroll]] for (int kk = 0; kk < BLOCK; kk++)
+            [[dont_unroll]] for (int j = 0; j < D4; j++) acc[j] += ds[kk] * BC(kv[j], kk);
+    }
+    if (qi < t)
+        [[dont_unroll]] for (int j = 0; j < D4; j++) st4(p.dq, (base + qi) * qs + h * d + 4 * j, acc[j] * p.scale);
+}
+#endif
+
+// dK and dV of a lane's key, summed over the query heads that share its kv head. A query i sees
+// key j iff lo[i] ≤ j ≤ hi[i] and hi[i] ≤ i, so query blocks start at the workgroup's first key;
+// blocks whose queries see none of the workgroup's keys are skipped.
+#ifdef K_attn_bwd_dkv_sg
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dk; TB dv; I32 lo; I32 hi; int t; int hq; int hk; int d;
+    float scale;
+} p;
+void main() {
+    int bi = int(gl_WorkGroupID.z), g = int(gl_WorkGroupID.y), r0 = int(gl_WorkGroupID.x) * BLOCK, kj = r0 + TID;
+    int t = p.t, d = 4 * D4, rep = p.hq / p.hk, qs = p.hq * d, kvs = p.hk * d, base = bi * t;
+    int kc = min(kj, t - 1), r1 = min(r0 + BLOCK, t) - 1;
+    vec4 k[D4], v[D4], gk[D4], gv[D4];
+    [[dont_unroll]] for (int j = 0; j < D4; j++) {
+        k[j] = ld4(p.k, (base + kc) * kvs + g * d + 4 * j);
+        v[j] = ld4(p.v, (base + kc) * kvs + g * d + 4 * j);
+        gk[j] = vec4(0.0);
+        gv[j] = vec4(0.0);
+    }
+    for (int q0 = r0; q0 < t; q0 += BLOCK) {
+        int qr = min(q0 + TID, t - 1);
+        int lo = p.lo.v[base + qr], hi = p.hi.v[base + qr];
+        if (q0 + TID >= t) {
+            lo = 1;
+            hi = 0;
+        }
+        if (!subgroupAny(lo <= hi && lo <= r1 && hi >= r0)) continue;
+        for (int hh = 0; hh < rep; hh++) {
+            int h = g * rep + hh, row = (bi * p.hq + h) * t + qr;
+            float lse = p.lse.v[row], delta = p.delta.v[row];
+            vec4 qv[D4], dov[D4];
+            [[dont_unroll]] for (int j = 0; j < D4; j++) {
+                qv[j] = ld4(p.q, (base + qr) * qs + h * d + 4 * j);
+                dov[j] = ld4(p.dout, (base + qr) * qs + h * d + 4 * j);
+            }
+            [[unroll]] for (int qq = 0; qq < BLOCK; qq++) {
+                float s = 0.0, dp = 0.0;
+                [[dont_unroll]] for (int j = 0; j < D4; j++) {
+                    s += dot(BC(qv[j], qq), k[j]);
+                    dp += dot(BC(dov[j], qq), v[j]);
+                }
+                bool in_ = kj < t && kj >= BC(lo, qq) && kj <= BC(hi, qq);
+                float pr = in_ ? exp(s * p.scale - BC(lse, qq)) : 0.0;
+                float ds = pr * (dp - BC(delta, qq));
+                [[dont_unroll]] for (int j = 0; j < D4; j++) {
+                    gv[j] += pr * BC(dov[j], qq);
+                    gk[j] += ds * BC(qv[j], qq);
+                }
+            }
+        }
+    }
+    if (kj < t)
+        [[dont_unroll]] for (int j = 0; j < D4; j++) {
+            st4(p.dk, (base + kj) * kvs + g * d + 4 * j, gk[j] * p.scale);
+            st4(p.dv, (base + kj) * kvs + g * d + 4 * j, gv[j]);
         }
 }
 #endif

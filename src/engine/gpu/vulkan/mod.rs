@@ -87,6 +87,10 @@ pub struct VulkanGpu {
     /// 16-bit storage buffers (bf16, f16) and `shaderFloat16` (f16).
     storage16: bool,
     f16: bool,
+    /// Subgroup size where the device is a CPU implementation of Vulkan (lavapipe, SwiftShader)
+    /// with subgroup broadcasts in compute shaders: kernels written for its cost model
+    /// (`gemm_sg`) run there. `None` on GPUs.
+    cpu_subgroup: Option<u32>,
     name: String,
     state: RefCell<State>,
 }
@@ -198,6 +202,18 @@ impl VulkanGpu {
                 .map_err(verr("pipeline layout"))?;
             let memory = instance.get_physical_device_memory_properties(pd);
             let total = crate::device::vulkan::device_local_bytes(&memory);
+            let mut sub = vk::PhysicalDeviceSubgroupProperties::default();
+            instance
+                .get_physical_device_properties2(pd, &mut vk::PhysicalDeviceProperties2::default().push_next(&mut sub));
+            let cpu_subgroup = (props.device_type == vk::PhysicalDeviceType::CPU
+                && sub.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
+                && sub.supported_operations.contains(
+                    vk::SubgroupFeatureFlags::BALLOT
+                        | vk::SubgroupFeatureFlags::VOTE
+                        | vk::SubgroupFeatureFlags::ARITHMETIC,
+                )
+                && [4, 8, 16, 32].contains(&sub.subgroup_size))
+            .then_some(sub.subgroup_size);
             Ok(VulkanGpu {
                 _entry: entry,
                 instance,
@@ -211,6 +227,7 @@ impl VulkanGpu {
                 max_groups: props.limits.max_compute_work_group_count,
                 storage16: support.storage16,
                 f16: support.f16,
+                cpu_subgroup,
                 name,
                 state: RefCell::new(State {
                     profile: std::env::var("RTUNE_PROFILE").is_ok_and(|v| v == "kernels").then(BTreeMap::new),
@@ -218,6 +235,15 @@ impl VulkanGpu {
                 }),
             })
         }
+    }
+
+    /// The same device running the kernels written for GPUs even where it is a CPU
+    /// implementation of Vulkan (the tests run both sets on lavapipe).
+    pub fn with_gpu_kernels(mut self) -> VulkanGpu {
+        if self.cpu_subgroup.take().is_some() {
+            self.name.push_str(" with GPU kernels");
+        }
+        self
     }
 
     /// Whether the device can run kernels of `dt` (bf16 needs 16-bit storage buffers, f16 also
@@ -442,14 +468,22 @@ impl VulkanGpu {
         Ok(())
     }
 
+    /// The pipeline of `kernel` with `block` invocations per workgroup (specialisation constant
+    /// 0). `<module>_<n>` names module `<module>` specialised with constant 1 = n (a head size,
+    /// a tile width), as kernels.cu names its templated kernels.
     fn pipeline(&self, st: &mut State, kernel: &str, block: u32) -> Result<vk::Pipeline, GpuError> {
         if let Some(p) = st.pipelines.get(&(kernel.to_string(), block)) {
             return Ok(*p);
         }
-        let (name, spv) = index::KERNELS
-            .iter()
-            .find(|(n, _)| *n == kernel)
-            .ok_or_else(|| GpuError::Device(format!("kernel `{kernel}` has no Vulkan version")))?;
+        let module_of = |k: &str| index::KERNELS.iter().find(|(n, _)| *n == k);
+        let (found, variant) = match module_of(kernel) {
+            Some(m) => (Some(m), 0),
+            None => match kernel.rsplit_once('_').and_then(|(m, n)| Some((module_of(m)?, n.parse::<u32>().ok()?))) {
+                Some((m, n)) => (Some(m), n),
+                None => (None, 0),
+            },
+        };
+        let (name, spv) = found.ok_or_else(|| GpuError::Device(format!("kernel `{kernel}` has no Vulkan version")))?;
         let module = match st.modules.get(name) {
             Some(m) => *m,
             None => {
@@ -464,14 +498,17 @@ impl VulkanGpu {
                 m
             }
         };
-        let data = block.to_le_bytes();
-        let entries = [vk::SpecializationMapEntry::default().constant_id(0).offset(0).size(4)];
-        let spec = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
+        let data: Vec<u8> = [block, variant].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let entries = [
+            vk::SpecializationMapEntry::default().constant_id(0).offset(0).size(4),
+            vk::SpecializationMapEntry::default().constant_id(1).offset(4).size(4),
+        ];
+        let info = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
         let stage = vk::PipelineShaderStageCreateInfo::default()
             .stage(vk::ShaderStageFlags::COMPUTE)
             .module(module)
             .name(c"main")
-            .specialization_info(&spec);
+            .specialization_info(&info);
         // SAFETY: the module and layout are live; the pipeline is destroyed in `drop`.
         let p = unsafe {
             self.device.create_compute_pipelines(
@@ -673,23 +710,53 @@ impl Gpu for VulkanGpu {
             return Err(GpuError::Device(format!("no product of {:?} inputs into {:?}", g.ab, g.c_dt)));
         }
         let i = |v: usize| Arg::I32(v as i32);
+        let Some(sg) = self.cpu_subgroup else {
+            let args = [
+                Arg::Ptr(g.a),
+                Arg::Ptr(g.b),
+                Arg::Ptr(g.c),
+                i(g.m),
+                i(g.n),
+                i(g.k),
+                i(g.lda),
+                i(g.ldb),
+                i(g.ldc),
+                Arg::I32(g.a_trans as i32),
+                Arg::I32(g.b_trans as i32),
+                Arg::F32(g.alpha),
+                Arg::F32(g.beta),
+            ];
+            let grid = [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1];
+            return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), grid, 256, &args);
+        };
+        // gemm_sg computes 32 rows × (subgroup · GC) columns per workgroup: the longer side of C
+        // goes across (Cᵀ = op(B)ᵀ·op(A)ᵀ when m < n), GC as small as the columns allow.
+        let swap = g.m < g.n;
+        let (a, a_trans, lda, b, b_trans, ldb, m, n) = if swap {
+            (g.b, !g.b_trans, g.ldb, g.a, !g.a_trans, g.lda, g.n, g.m)
+        } else {
+            (g.a, g.a_trans, g.lda, g.b, g.b_trans, g.ldb, g.m, g.n)
+        };
+        let sg = sg as usize;
+        let gc = n.div_ceil(sg).clamp(1, 4);
         let args = [
-            Arg::Ptr(g.a),
-            Arg::Ptr(g.b),
+            Arg::Ptr(a),
+            Arg::Ptr(b),
             Arg::Ptr(g.c),
-            i(g.m),
-            i(g.n),
+            i(m),
+            i(n),
             i(g.k),
-            i(g.lda),
-            i(g.ldb),
+            i(lda),
+            i(ldb),
             i(g.ldc),
-            Arg::I32(g.a_trans as i32),
-            Arg::I32(g.b_trans as i32),
+            Arg::I32(a_trans as i32),
+            Arg::I32(b_trans as i32),
             Arg::F32(g.alpha),
             Arg::F32(g.beta),
+            Arg::I32(swap as i32),
         ];
-        let grid = [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1];
-        self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), grid, 256, &args)
+        let grid = [n.div_ceil(sg * gc) as u32, m.div_ceil(32) as u32, 1];
+        self.dispatch(&format!("gemm_sg_{}_{c}_{gc}", g.ab.suffix()), grid, sg as u32, &args)
     }
 
     fn synchronize(&self) -> Result<(), GpuError> {
@@ -704,6 +771,10 @@ impl Gpu for VulkanGpu {
     fn reset_peak(&self) {
         let st = &mut *self.state.borrow_mut();
         st.peak = st.live_bytes;
+    }
+
+    fn cpu_lanes(&self) -> Option<u32> {
+        self.cpu_subgroup
     }
 
     fn tensor_core_attention(&self) -> bool {
