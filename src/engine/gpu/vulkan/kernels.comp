@@ -698,7 +698,8 @@ void main() {
 // the compute dtype T, C in f32 (`-DC_F32`) or T; f32 accumulation. 64×64 tiles of C per
 // workgroup of 256 invocations, 4×4 outputs each. Grid (⌈n/64⌉, ⌈m/64⌉).
 
-#ifdef K_gemm
+#if defined(K_gemm) || defined(K_gemm_sg)
+// C is f32 (`-DC_F32`) or the compute dtype.
 #ifdef C_F32
 #define CB F32
 float ldc_(CB b, int i) { return b.v[i]; }
@@ -708,6 +709,9 @@ void stc_(CB b, int i, float x) { b.v[i] = x; }
 float ldc_(CB b, int i) { return ld(b, i); }
 void stc_(CB b, int i, float x) { st(b, i, x); }
 #endif
+#endif
+
+#ifdef K_gemm
 layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
     float beta;
@@ -770,15 +774,6 @@ void main() {
 // every lane through subgroupBroadcast (a register move there), so each load feeds BLOCK · GC or
 // GR products. `c_trans` stores Cᵀ (the host swaps A and B when m is the smaller side).
 #if defined(K_gemm_sg)
-#ifdef C_F32
-#define CB F32
-float ldc_(CB b, int i) { return b.v[i]; }
-void stc_(CB b, int i, float x) { b.v[i] = x; }
-#else
-#define CB TB
-float ldc_(CB b, int i) { return ld(b, i); }
-void stc_(CB b, int i, float x) { st(b, i, x); }
-#endif
 layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
     float beta; int c_trans;
