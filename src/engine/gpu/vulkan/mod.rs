@@ -710,36 +710,16 @@ impl Gpu for VulkanGpu {
             return Err(GpuError::Device(format!("no product of {:?} inputs into {:?}", g.ab, g.c_dt)));
         }
         let i = |v: usize| Arg::I32(v as i32);
-        let Some(sg) = self.cpu_subgroup else {
-            let args = [
-                Arg::Ptr(g.a),
-                Arg::Ptr(g.b),
-                Arg::Ptr(g.c),
-                i(g.m),
-                i(g.n),
-                i(g.k),
-                i(g.lda),
-                i(g.ldb),
-                i(g.ldc),
-                Arg::I32(g.a_trans as i32),
-                Arg::I32(g.b_trans as i32),
-                Arg::F32(g.alpha),
-                Arg::F32(g.beta),
-            ];
-            let grid = [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1];
-            return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), grid, 256, &args);
-        };
-        // gemm_sg computes 32 rows × (subgroup · GC) columns per workgroup: the longer side of C
-        // goes across (Cᵀ = op(B)ᵀ·op(A)ᵀ when m < n), GC as small as the columns allow.
-        let swap = g.m < g.n;
+        // On CPU devices gemm_sg computes 32 rows × (subgroup · GC) columns per workgroup: the
+        // longer side of C goes across (Cᵀ = op(B)ᵀ·op(A)ᵀ when m < n), GC as small as the
+        // columns allow.
+        let swap = self.cpu_subgroup.is_some() && g.m < g.n;
         let (a, a_trans, lda, b, b_trans, ldb, m, n) = if swap {
             (g.b, !g.b_trans, g.ldb, g.a, !g.a_trans, g.lda, g.n, g.m)
         } else {
             (g.a, g.a_trans, g.lda, g.b, g.b_trans, g.ldb, g.m, g.n)
         };
-        let sg = sg as usize;
-        let gc = n.div_ceil(sg).clamp(1, 4);
-        let args = [
+        let mut args = vec![
             Arg::Ptr(a),
             Arg::Ptr(b),
             Arg::Ptr(g.c),
@@ -753,8 +733,13 @@ impl Gpu for VulkanGpu {
             Arg::I32(b_trans as i32),
             Arg::F32(g.alpha),
             Arg::F32(g.beta),
-            Arg::I32(swap as i32),
         ];
+        let Some(sg) = self.cpu_subgroup.map(|s| s as usize) else {
+            let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+            return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), grid, 256, &args);
+        };
+        args.push(Arg::I32(swap as i32));
+        let gc = n.div_ceil(sg).clamp(1, 4);
         let grid = [n.div_ceil(sg * gc) as u32, m.div_ceil(32) as u32, 1];
         self.dispatch(&format!("gemm_sg_{}_{c}_{gc}", g.ab.suffix()), grid, sg as u32, &args)
     }
