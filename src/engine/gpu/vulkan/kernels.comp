@@ -7,7 +7,9 @@
 // The argument list of every kernel is a push-constant block in the order src/engine/gpu/ops.rs
 // passes it; pointers are buffer device addresses (GL_EXT_buffer_reference), so the engine's
 // raw-pointer model carries over unchanged. The workgroup size is specialisation constant 0 (the
-// launch's block size).
+// launch's block size); constant 1, where a kernel has one, is the `_<n>` suffix of the name it
+// is launched under (gemm_sg's column groups, the `_sg` attention kernels' head size in vec4s).
+// The `_sg` kernels at the end are the forms for CPU implementations of Vulkan (lavapipe).
 //
 // Differences from kernels.cu, all numerically equivalent up to summation order:
 // - reductions go through shared memory (subgroup sizes vary between 4 and 128 across vendors,

@@ -88,8 +88,9 @@ pub struct VulkanGpu {
     storage16: bool,
     f16: bool,
     /// Subgroup size where the device is a CPU implementation of Vulkan (lavapipe, SwiftShader)
-    /// with subgroup broadcasts in compute shaders: kernels written for its cost model
-    /// (`gemm_sg`) run there. `None` on GPUs.
+    /// with subgroup ballot, vote and arithmetic in compute shaders: the kernels written for its
+    /// cost model (`gemm_sg`, and through `Gpu::cpu_lanes` the `attn_*_sg` kernels and
+    /// one-subgroup row reductions) run there. `None` on GPUs.
     cpu_subgroup: Option<u32>,
     name: String,
     state: RefCell<State>,
@@ -476,14 +477,13 @@ impl VulkanGpu {
             return Ok(*p);
         }
         let module_of = |k: &str| index::KERNELS.iter().find(|(n, _)| *n == k);
-        let (found, variant) = match module_of(kernel) {
-            Some(m) => (Some(m), 0),
-            None => match kernel.rsplit_once('_').and_then(|(m, n)| Some((module_of(m)?, n.parse::<u32>().ok()?))) {
-                Some((m, n)) => (Some(m), n),
-                None => (None, 0),
-            },
-        };
-        let (name, spv) = found.ok_or_else(|| GpuError::Device(format!("kernel `{kernel}` has no Vulkan version")))?;
+        let (&(name, spv), variant) = module_of(kernel)
+            .map(|m| (m, 0))
+            .or_else(|| {
+                let (m, n) = kernel.rsplit_once('_')?;
+                Some((module_of(m)?, n.parse::<u32>().ok()?))
+            })
+            .ok_or_else(|| GpuError::Device(format!("kernel `{kernel}` has no Vulkan version")))?;
         let module = match st.modules.get(name) {
             Some(m) => *m,
             None => {
