@@ -468,6 +468,75 @@ fn adamw_and_reductions_match_the_cpu_optimizer() {
     }
 }
 
+/// The f64 accumulators (a step's loss, the squared gradient norm) on long inputs whose sums
+/// every backend can form exactly — per-block f32 sums on CUDA, float-float pairs added to the
+/// f64's bits with integer arithmetic on Vulkan (no `shaderFloat64` there) — so the results must
+/// be the exact sums rounded once; a sum held in plain f32 over thousands of elements per
+/// invocation is far off. Then rounding at the last bit, and non-finite sums.
+#[test]
+fn sums_into_f64_accumulators_are_exact_and_keep_non_finite_values() {
+    let f64_at = |gpu: &Rc<dyn Gpu>, acc: &Buf, i: usize| {
+        let mut bytes = [0u8; 8];
+        gpu.download(acc.at(2 * i), &mut bytes).unwrap();
+        f64::from_le_bytes(bytes)
+    };
+    let set = |gpu: &Rc<dyn Gpu>, acc: &Buf, i: usize, v: f64| gpu.upload(acc.at(2 * i), &v.to_le_bytes()).unwrap();
+    let n = 1 << 22;
+    // Multiples of 2^-12 (a weighted sum) and 2^-4 (squares: multiples of 2^-8).
+    let x: Vec<f32> = (0..n).map(|i| (i % 8 + 1) as f32 + 3.0 / 4096.0).collect();
+    let y: Vec<f32> = (0..n).map(|i| (i % 64) as f32 / 16.0).collect();
+    let weight = -0.3f32;
+    let start = 1e6 + 0.1;
+    let want_scaled = start + x.iter().map(|v| *v as f64).sum::<f64>() * weight as f64;
+    let want_squares = start + y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>();
+    for gpu in devices() {
+        let o = Ops { gpu: &*gpu, dt: Dt::F32 };
+        let name = gpu.name();
+        let (xb, yb) = (Buf::from_f32(&gpu, &x, Dt::F32).unwrap(), Buf::from_f32(&gpu, &y, Dt::F32).unwrap());
+        let acc = Buf::zeros(&gpu, 8, Dt::U32).unwrap();
+        set(&gpu, &acc, 0, start);
+        set(&gpu, &acc, 1, start);
+        o.sum_scaled(xb.ptr(), n, weight, acc.at(0)).unwrap();
+        o.sum_squares(yb.ptr(), n, acc.at(2)).unwrap();
+        let (got_scaled, got_squares) = (f64_at(&gpu, &acc, 0), f64_at(&gpu, &acc, 1));
+        assert!((got_scaled - want_scaled).abs() <= 1e-13 * want_scaled.abs(), "{name}: {got_scaled} vs {want_scaled}");
+        assert!((got_squares - want_squares).abs() <= 1e-13 * want_squares, "{name}: {got_squares} vs {want_squares}");
+
+        // One rounding to nearest at f64's last bit, as the CPU adds (start + v·w is exact
+        // before it); an empty sum changes nothing.
+        let small = Buf::from_f32(&gpu, &[1e-3], Dt::F32).unwrap();
+        let cases = Buf::zeros(&gpu, 16, Dt::U32).unwrap();
+        for i in 0..8 {
+            let (start, v, w) = (1e9 * (i + 1) as f64 / 7.0, (i as f32 + 0.37) * 1e-3, [1.0f32, -3.0][i % 2]);
+            let one = Buf::from_f32(&gpu, &[v], Dt::F32).unwrap();
+            set(&gpu, &cases, i, start);
+            o.sum_scaled(one.ptr(), 1, w, cases.at(2 * i)).unwrap();
+            assert_eq!(f64_at(&gpu, &cases, i), start + v as f64 * w as f64, "{name}: case {i}");
+        }
+        set(&gpu, &acc, 0, 0.1);
+        o.sum_squares(small.ptr(), 0, acc.at(0)).unwrap();
+        assert_eq!(f64_at(&gpu, &acc, 0), 0.1, "{name}");
+
+        // An infinite or NaN element makes the sum non-finite, and a non-finite accumulator
+        // stays non-finite (the trainer skips such a step).
+        let bad = Buf::from_f32(&gpu, &[1.0, f32::INFINITY, 2.0, 3.0], Dt::F32).unwrap();
+        let nan = Buf::from_f32(&gpu, &[1.0, f32::NAN], Dt::F32).unwrap();
+        for i in 0..4 {
+            set(&gpu, &acc, i, 1.0);
+        }
+        set(&gpu, &acc, 2, f64::INFINITY);
+        o.sum_squares(bad.ptr(), 4, acc.at(0)).unwrap();
+        o.sum_scaled(nan.ptr(), 2, 1.0, acc.at(2)).unwrap();
+        o.sum_scaled(small.ptr(), 1, 1.0, acc.at(4)).unwrap();
+        o.sum_scaled(small.ptr(), 1, 1.0, acc.at(6)).unwrap();
+        o.sum_scaled(small.ptr(), 1, 1.0, acc.at(6)).unwrap();
+        assert_eq!(f64_at(&gpu, &acc, 0), f64::INFINITY, "{name}");
+        assert!(f64_at(&gpu, &acc, 1).is_nan(), "{name}");
+        assert_eq!(f64_at(&gpu, &acc, 2), f64::INFINITY, "{name}");
+        assert_eq!(f64_at(&gpu, &acc, 3), 1.0 + 1e-3f32 as f64 + 1e-3f32 as f64, "{name}");
+    }
+}
+
 /// Attention in f64 from the kernels' inputs: O, lse and the gradients of Σ O ⊙ dO.
 #[allow(clippy::type_complexity)]
 fn attention_reference(

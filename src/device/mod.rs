@@ -558,7 +558,7 @@ mod tests {
     #[test]
     fn rocm_and_directml_resolve_to_a_vulkan_gpu_of_their_vendor() {
         // A software driver (lavapipe) first, then an Intel and an AMD GPU that lack features.
-        const LACKS: &str = "the GPU engine needs shaderFloat64 on Vulkan, which this device lacks";
+        const LACKS: &str = "the GPU engine needs bufferDeviceAddress on Vulkan, which this device lacks";
         let inv = vulkan_box(&[
             (0x10005, false, Some(LACKS)),
             (VENDOR_INTEL, true, Some(LACKS)),

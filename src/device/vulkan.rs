@@ -1,6 +1,6 @@
 //! Vulkan devices as the loader reports them: name, vendor, kind, driver, device-local memory
-//! and the compute features the GPU engine needs (buffer device addresses, 64-bit integers and
-//! floats, 16-bit storage for bf16/f16) or could use (bfloat16, cooperative matrices). The loader (`libvulkan.so.1`, `vulkan-1.dll`) is opened at run time, so a build
+//! and the compute features the GPU engine needs (buffer device addresses, 64-bit integers,
+//! 16-bit storage for bf16/f16) or could use (bfloat16, cooperative matrices). The loader (`libvulkan.so.1`, `vulkan-1.dll`) is opened at run time, so a build
 //! with this feature runs on machines without Vulkan and simply finds no devices there.
 
 use std::ffi::CStr;
@@ -31,7 +31,7 @@ pub struct VulkanInfo {
     /// `VK_KHR_cooperative_matrix`: tensor-core / matrix-core GEMMs from shaders.
     pub cooperative_matrix: bool,
     /// Features the GPU engine needs that the device lacks (Vulkan 1.2, buffer device
-    /// addresses, 64-bit integers and floats); empty when it can train here.
+    /// addresses, 64-bit integers); empty when it can train here.
     pub missing: Vec<&'static str>,
 }
 
@@ -55,16 +55,47 @@ impl VulkanInfo {
     }
 }
 
-/// The Vulkan devices of this machine, or why there are none (no loader, no driver).
-pub fn devices() -> Result<Vec<VulkanInfo>, String> {
+/// Open the system's Vulkan loader and create an instance (no layers) that the caller destroys.
+/// Where the loader offers `VK_KHR_portability_enumeration`, it is enabled, so that drivers
+/// layered on another API — MoltenVK on Apple's Metal — are listed too (since loader 1.3.216
+/// they are hidden otherwise).
+pub fn instance() -> Result<(ash::Entry, ash::Instance), String> {
     // SAFETY: opens the system's Vulkan loader library; its entry points are only called
-    // through `ash`'s typed wrappers below.
+    // through `ash`'s typed wrappers.
     let entry = unsafe { ash::Entry::load() }.map_err(|e| format!("no Vulkan loader ({e})"))?;
+    let portability = ash::khr::portability_enumeration::NAME;
+    // SAFETY: a query of the loader with no layer named.
+    let offered = unsafe { entry.enumerate_instance_extension_properties(None) }
+        .unwrap_or_default()
+        .iter()
+        .any(|e| e.extension_name_as_c_str() == Ok(portability));
+    let extensions = if offered { vec![portability.as_ptr()] } else { Vec::new() };
+    let flags =
+        if offered { vk::InstanceCreateFlags::ENUMERATE_PORTABILITY_KHR } else { vk::InstanceCreateFlags::empty() };
     let app = vk::ApplicationInfo::default().application_name(c"rtune").api_version(vk::API_VERSION_1_2);
-    let create = vk::InstanceCreateInfo::default().application_info(&app);
-    // SAFETY: a plain instance with no layers or extensions; destroyed below.
+    let create =
+        vk::InstanceCreateInfo::default().application_info(&app).enabled_extension_names(&extensions).flags(flags);
+    // SAFETY: the create info and what it points to live across the call.
     let instance = unsafe { entry.create_instance(&create, None) }
         .map_err(|e| format!("the Vulkan loader found no usable driver ({e})"))?;
+    Ok((entry, instance))
+}
+
+/// Whether device `pd` lists device extension `name`.
+///
+/// # Safety
+/// `pd` must be a physical device of the live `instance`.
+pub unsafe fn has_extension(instance: &ash::Instance, pd: vk::PhysicalDevice, name: &CStr) -> bool {
+    // SAFETY: the caller's contract.
+    unsafe { instance.enumerate_device_extension_properties(pd) }
+        .unwrap_or_default()
+        .iter()
+        .any(|e| e.extension_name_as_c_str() == Ok(name))
+}
+
+/// The Vulkan devices of this machine, or why there are none (no loader, no driver).
+pub fn devices() -> Result<Vec<VulkanInfo>, String> {
+    let (_entry, instance) = instance()?;
     // SAFETY: `instance` is live until `destroy_instance`, and every handle used comes from it.
     let found = unsafe { instance.enumerate_physical_devices() }
         .map_err(|e| format!("cannot list Vulkan devices ({e})"))
@@ -157,9 +188,6 @@ pub unsafe fn engine_support(instance: &ash::Instance, pd: vk::PhysicalDevice) -
     }
     if base.shader_int64 != vk::TRUE {
         missing.push("shaderInt64");
-    }
-    if base.shader_float64 != vk::TRUE {
-        missing.push("shaderFloat64");
     }
     let storage16 = storage16.storage_buffer16_bit_access == vk::TRUE;
     EngineSupport { missing, storage16, f16: storage16 && f16.shader_float16 == vk::TRUE }

@@ -16,7 +16,9 @@
 //   so nothing assumes a 32-lane warp);
 // - attention processes a tile of keys per workgroup in three phases (scores, online softmax
 //   per row, weighted sums), so every barrier is in uniform control flow;
-// - sum_scaled and sum_squares reduce in one workgroup (no 64-bit float atomics in Vulkan core);
+// - sum_scaled and sum_squares reduce in one workgroup (no 64-bit float atomics in Vulkan core),
+//   in float-float pairs, adding to the f64 accumulator with integer arithmetic: no kernel
+//   needs shaderFloat64;
 // - there are no tensor-core attention kernels (ops.rs only asks for them on CUDA).
 
 #extension GL_EXT_buffer_reference : require
@@ -39,7 +41,6 @@ layout(local_size_x_id = 0) in;
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer F32 { float v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer U32 { uint v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 8) buffer F64 { double v[]; };
 
 // ------------------------------------------------------------------------------------------------
 // The compute dtype T: `TB` is a pointer to T; ld/st convert to and from f32 (round to nearest
@@ -304,37 +305,122 @@ void main() {
 // Optimizer and reductions over f32 buffers (no dtype suffix).
 
 #if defined(K_sum_scaled) || defined(K_sum_squares)
-shared double redd[1024];
+// The accumulator is an f64 in memory, but the shaders use no 64-bit floats (Intel's Xe and Arc
+// GPUs and Apple's, through MoltenVK, have none): every invocation sums its elements as a
+// float-float pair (hi + lo, ~48 significant bits), the workgroup adds the pairs, and the first
+// invocation adds the total to the f64's bits with 64-bit integer arithmetic, rounding once.
+layout(buffer_reference, std430, buffer_reference_align = 8) buffer U64 { uint64_t v[]; };
 #ifdef K_sum_scaled
-layout(push_constant) uniform P { F32 x; int n; float weight; F64 dst; } p;
+layout(push_constant) uniform P { F32 x; int n; float weight; U64 dst; } p;
 #else
-layout(push_constant) uniform P { F32 x; int n; F64 dst; } p;
+layout(push_constant) uniform P { F32 x; int n; U64 dst; } p;
 #endif
-// out[0] += weight · Σ x (or Σ x²) in f64: the first workgroup does it all, the others return.
+shared vec2 red2[1024];
+
+// a + b as a float-float pair: Knuth's two-sum of the high parts, then the low parts. `precise`
+// keeps the compiler from reassociating or fusing what the error terms depend on.
+vec2 ff_add(vec2 a, vec2 b) {
+    precise float s = a.x + b.x;
+    precise float v = s - a.x;
+    precise float e = (a.x - (s - v)) + (b.x - v);
+    precise float t = e + (a.y + b.y);
+    precise float hi = s + t;
+    precise float lo = t - (hi - s);
+    return isinf(s) ? vec2(s, 0.0) : vec2(hi, lo); // an infinite sum stays one (not NaN)
+}
+
+// A finite number exactly, as m · 2^e.
+struct Exact { int64_t m; int e; };
+Exact exact_f32(float f) {
+    uint b = floatBitsToUint(f);
+    int e = int((b >> 23) & 0xffu);
+    int64_t m = int64_t(b & 0x7fffffu);
+    if (e == 0) e = 1; else m |= int64_t(0x800000);
+    return Exact((b >> 31) != 0u ? -m : m, e - 150);
+}
+Exact exact_f64(uint64_t u) {
+    int e = int((u >> 52) & 0x7fful);
+    int64_t m = int64_t(u & 0xffffffffffffful);
+    if (e == 0) e = 1; else m |= int64_t(1) << 52;
+    return Exact((u >> 63) != 0ul ? -m : m, e - 1075);
+}
+int msb64(uint64_t a) {
+    uint h = uint(a >> 32);
+    return h != 0u ? 32 + findMSB(h) : findMSB(uint(a));
+}
+// The f64 bits of t[0] + t[1] + t[2] (each |m| < 2^53), rounded once to nearest even. The terms
+// are aligned 60 bits below the largest one's leading bit: what falls below that is 2^-60 of
+// the total, far under the f64's own rounding.
+uint64_t f64_sum(Exact t[3]) {
+    int top = -100000;
+    for (int i = 0; i < 3; i++) {
+        if (t[i].m != int64_t(0)) top = max(top, t[i].e + msb64(uint64_t(abs(t[i].m))));
+    }
+    if (top == -100000) return 0ul;
+    int e = top - 60;
+    int64_t n = int64_t(0);
+    for (int i = 0; i < 3; i++) {
+        int shift = t[i].e - e;
+        if (shift >= 0) n += t[i].m << shift;
+        else if (shift > -63) n += t[i].m >> -shift;
+    }
+    if (n == int64_t(0)) return 0ul;
+    uint64_t sign = n < int64_t(0) ? 1ul << 63 : 0ul;
+    uint64_t a = uint64_t(abs(n));
+    int lead = msb64(a);
+    if (lead > 52) {
+        int s = lead - 52;
+        uint64_t rest = a & ((1ul << s) - 1ul), mid = 1ul << (s - 1);
+        a >>= s;
+        e += s;
+        if (rest > mid || (rest == mid && (a & 1ul) != 0ul)) a += 1ul;
+        if (a == 1ul << 53) { a >>= 1; e += 1; }
+    } else {
+        a <<= 52 - lead;
+        e -= 52 - lead;
+    }
+    int biased = e + 52 + 1023;
+    if (biased >= 2047) return sign | 0x7ff0000000000000ul;
+    if (biased <= 0) return sign; // below f64's normal range: zero
+    return sign | (uint64_t(biased) << 52) | (a & 0xffffffffffffful);
+}
+
+// out[0] += weight · Σ x (or Σ x²): the first workgroup does it all, the others return. A
+// non-finite sum makes the accumulator non-finite (inf or NaN), and it stays so.
 void main() {
     if (gl_WorkGroupID.x != 0) return;
-    double s = 0.0;
+    vec2 s = vec2(0.0);
     for (int i = TID; i < p.n; i += BLOCK) {
         float v = p.x.v[i];
-#ifdef K_sum_scaled
-        s += double(v);
-#else
-        s += double(v * v);
+#ifdef K_sum_squares
+        v = v * v;
 #endif
+        s = ff_add(s, vec2(v, 0.0));
     }
-    redd[TID] = s;
+    red2[TID] = s;
     memoryBarrierShared();
     barrier();
     for (int k = BLOCK / 2; k > 0; k >>= 1) {
-        if (TID < k) redd[TID] += redd[TID + k];
+        if (TID < k) red2[TID] = ff_add(red2[TID], red2[TID + k]);
         memoryBarrierShared();
         barrier();
     }
+    if (TID != 0) return;
+    vec2 r = red2[0];
+    uint64_t d = p.dst.v[0];
+    if (((d >> 52) & 0x7fful) == 0x7fful) return;
+    if (isnan(r.x) || isnan(r.y) || isinf(r.x)) {
+        p.dst.v[0] = isinf(r.x) ? (r.x < 0.0 ? 0xfff0000000000000ul : 0x7ff0000000000000ul) : 0x7ff8000000000000ul;
+        return;
+    }
+    Exact t[3] = Exact[3](exact_f64(d), exact_f32(r.x), exact_f32(r.y));
 #ifdef K_sum_scaled
-    if (TID == 0) p.dst.v[0] += redd[0] * double(p.weight);
-#else
-    if (TID == 0) p.dst.v[0] += redd[0];
+    // Products of two 24-bit significands are exact in 48 bits.
+    Exact w = exact_f32(p.weight);
+    t[1] = Exact(t[1].m * w.m, t[1].e + w.e);
+    t[2] = Exact(t[2].m * w.m, t[2].e + w.e);
 #endif
+    p.dst.v[0] = f64_sum(t);
 }
 #endif
 

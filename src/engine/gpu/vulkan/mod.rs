@@ -128,13 +128,8 @@ fn pack(args: &[Arg]) -> Vec<u8> {
 impl VulkanGpu {
     /// Open Vulkan device `ordinal` (in the loader's order, as `rtune doctor` lists them).
     pub fn new(ordinal: usize) -> Result<VulkanGpu, GpuError> {
-        // SAFETY: opens the system's Vulkan loader; entry points are called through ash only.
-        let entry = unsafe { ash::Entry::load() }.map_err(|e| GpuError::Device(format!("no Vulkan loader ({e})")))?;
-        let app = vk::ApplicationInfo::default().application_name(c"rtune").api_version(vk::API_VERSION_1_2);
-        // SAFETY: a plain instance; destroyed in `drop` (or below on failure).
-        let instance =
-            unsafe { entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None) }
-                .map_err(verr("cannot create a Vulkan instance"))?;
+        // The instance is destroyed in `drop` (or below on failure).
+        let (entry, instance) = crate::device::vulkan::instance().map_err(GpuError::Device)?;
         // SAFETY: `instance` is live; on failure it is destroyed before returning.
         match unsafe { Self::open(entry, instance.clone(), ordinal) } {
             Ok(gpu) => Ok(gpu),
@@ -178,9 +173,18 @@ impl VulkanGpu {
             let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(support.storage16);
             let mut v12 =
                 vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true).shader_float16(support.f16);
-            let features = vk::PhysicalDeviceFeatures::default().shader_int64(true).shader_float64(true);
+            let features = vk::PhysicalDeviceFeatures::default().shader_int64(true);
+            // A driver on top of another API (MoltenVK) lists VK_KHR_portability_subset, and the
+            // spec requires enabling it; the engine uses nothing the subset leaves out.
+            let portability = ash::khr::portability_subset::NAME;
+            let extensions = if crate::device::vulkan::has_extension(&instance, pd, portability) {
+                vec![portability.as_ptr()]
+            } else {
+                Vec::new()
+            };
             let create = vk::DeviceCreateInfo::default()
                 .queue_create_infos(&queues)
+                .enabled_extension_names(&extensions)
                 .enabled_features(&features)
                 .push_next(&mut v12)
                 .push_next(&mut v11);
@@ -809,6 +813,49 @@ impl Drop for VulkanGpu {
             self.device.destroy_pipeline_layout(self.layout, None);
             self.device.destroy_device(None);
             self.instance.destroy_instance(None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::index::KERNELS;
+
+    /// The capabilities a SPIR-V module declares (`OpCapability` operands).
+    fn capabilities(spv: &[u8]) -> Vec<u32> {
+        let words: Vec<u32> = spv.chunks_exact(4).map(|w| u32::from_le_bytes(w.try_into().unwrap())).collect();
+        assert_eq!(words[0], 0x0723_0203, "SPIR-V magic");
+        let (mut caps, mut i) = (Vec::new(), 5);
+        while i < words.len() {
+            let (len, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+            if op == 17 {
+                caps.push(words[i + 1]);
+            }
+            i += len.max(1);
+        }
+        caps
+    }
+
+    /// Every module needs only what the engine enables on a device or checks before running it:
+    /// a kernel that declared, say, Float64 would fail on Intel's Xe and Arc GPUs and on Apple's.
+    #[test]
+    fn modules_need_only_what_the_engine_enables() {
+        for (name, spv) in KERNELS {
+            for cap in capabilities(spv) {
+                let ok = match cap {
+                    // Shader; PhysicalStorageBufferAddresses (bufferDeviceAddress) and Int64
+                    // (shaderInt64), both required of a device.
+                    1 | 5347 | 11 => true,
+                    // StorageBuffer16BitAccess: the bf16/f16 kernels, which run only where
+                    // `supports` says the device has it, and the 16-bit clear.
+                    4433 => name.contains("_bf16") || name.contains("_f16") || *name == "zero16",
+                    // Subgroup operations: the CPU-device kernels, chosen only where
+                    // `cpu_subgroup` found ballot, vote and arithmetic.
+                    61..=64 => name.contains("_sg"),
+                    _ => false,
+                };
+                assert!(ok, "module {name} declares SPIR-V capability {cap}, which the engine does not enable");
+            }
         }
     }
 }
