@@ -285,6 +285,80 @@ fn products_match_a_reference() {
     }
 }
 
+/// RMSNorm (ε = 1e-5) of rows of width `h`: output, inverse RMS per row, and the input's
+/// gradient for output gradient `dy`.
+fn rmsnorm_reference(x: &[f32], w: &[f32], dy: &[f32], h: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = x.len() / h;
+    let (mut y, mut inv, mut dx) = (vec![0f32; n * h], vec![0f32; n], vec![0f32; n * h]);
+    for r in 0..n {
+        let row = &x[r * h..][..h];
+        let iv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / h as f32 + 1e-5).sqrt();
+        inv[r] = iv;
+        let dot: f32 = (0..h).map(|j| row[j] * dy[r * h + j] * w[j]).sum::<f32>() / h as f32;
+        for j in 0..h {
+            y[r * h + j] = (row[j] * iv) * w[j];
+            dx[r * h + j] = iv * dy[r * h + j] * w[j] - row[j] * iv * iv * iv * dot;
+        }
+    }
+    (y, inv, dx)
+}
+
+/// Cross-entropy of logit rows of width `vocab`: per-row loss and (softmax − onehot) · scale.
+fn cross_entropy_reference(z: &[f32], targets: &[u32], vocab: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let n = z.len() / vocab;
+    let (mut loss, mut grad) = (vec![0f32; n], vec![0f32; n * vocab]);
+    for r in 0..n {
+        let row = &z[r * vocab..][..vocab];
+        let m = row.iter().copied().fold(f32::MIN, f32::max);
+        let s: f32 = row.iter().map(|v| (v - m).exp()).sum();
+        loss[r] = s.ln() - (row[targets[r] as usize] - m);
+        for j in 0..vocab {
+            grad[r * vocab + j] = (row[j] - m).exp() / s * scale - if j == targets[r] as usize { scale } else { 0.0 };
+        }
+    }
+    (loss, grad)
+}
+
+/// The kernels that work one row per workgroup, on more rows than a grid holds on Vulkan
+/// (65535 workgroups along x on Intel's GPUs, MoltenVK and lavapipe): ops launches them in parts.
+/// Not on the emulator, which has no such limit and would take minutes to emulate every thread.
+#[test]
+fn row_kernels_take_more_rows_than_one_grid_holds() {
+    for gpu in devices().into_iter().filter(|g| g.name() != "CPU emulator") {
+        let o = Ops { gpu: &*gpu, dt: Dt::F32 };
+        let mut rng = Rng::new(12);
+        let (n, h, vocab) = (65_535 + 70, 4, 5);
+        let (x, w, dy) = (rand_vec(&mut rng, n * h, 2.0), rand_vec(&mut rng, h, 1.0), rand_vec(&mut rng, n * h, 1.0));
+        let (xb, wb, dyb) = (
+            Buf::from_f32(&gpu, &x, Dt::F32).unwrap(),
+            Buf::from_f32(&gpu, &w, Dt::F32).unwrap(),
+            Buf::from_f32(&gpu, &dy, Dt::F32).unwrap(),
+        );
+        let (y, inv, dx) = (
+            Buf::new(&gpu, n * h, Dt::F32).unwrap(),
+            Buf::new(&gpu, n, Dt::F32).unwrap(),
+            Buf::zeros(&gpu, n * h, Dt::F32).unwrap(),
+        );
+        o.rmsnorm_fwd(xb.ptr(), wb.ptr(), y.ptr(), inv.ptr(), n, h, 1e-5).unwrap();
+        o.rmsnorm_bwd(xb.ptr(), inv.ptr(), wb.ptr(), dyb.ptr(), dx.ptr(), n, h, false).unwrap();
+        let (want_y, want_inv, want_dx) = rmsnorm_reference(&x, &w, &dy, h);
+        assert_close("rmsnorm", &y.to_vec().unwrap(), &want_y, tol(Dt::F32));
+        assert_close("rmsnorm inv", &inv.to_vec().unwrap(), &want_inv, 1e-5);
+        assert_close("rmsnorm backward", &dx.to_vec().unwrap(), &want_dx, tol(Dt::F32) * 4.0);
+        let z = rand_vec(&mut rng, n * vocab, 5.0);
+        let targets: Vec<u32> = (0..n as u32).map(|r| (r * 3) % vocab as u32).collect();
+        let (zb, tb, loss) = (
+            Buf::from_f32(&gpu, &z, Dt::F32).unwrap(),
+            Buf::from_u32(&gpu, &targets).unwrap(),
+            Buf::new(&gpu, n, Dt::F32).unwrap(),
+        );
+        o.cross_entropy(zb.ptr(), tb.ptr(), loss.ptr(), n, vocab, 0.5).unwrap();
+        let (want_l, want_g) = cross_entropy_reference(&z, &targets, vocab, 0.5);
+        assert_close("cross-entropy loss", &loss.to_vec().unwrap(), &want_l, 1e-5);
+        assert_close("cross-entropy gradient", &zb.to_vec().unwrap(), &want_g, tol(Dt::F32));
+    }
+}
+
 #[test]
 fn row_kernels_match_references() {
     for gpu in devices() {
@@ -303,19 +377,7 @@ fn row_kernels_match_references() {
             // RMSNorm forward, recompute and backward.
             let (y, inv) = (Buf::new(&gpu, n * h, dt).unwrap(), Buf::new(&gpu, n, Dt::F32).unwrap());
             o.rmsnorm_fwd(xb.ptr(), wb.ptr(), y.ptr(), inv.ptr(), n, h, 1e-5).unwrap();
-            let mut want_y = vec![0f32; n * h];
-            let mut want_inv = vec![0f32; n];
-            let mut want_dx = vec![0f32; n * h];
-            for r in 0..n {
-                let row = &x[r * h..][..h];
-                let iv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / h as f32 + 1e-5).sqrt();
-                want_inv[r] = iv;
-                let dot: f32 = (0..h).map(|j| row[j] * dy[r * h + j] * w[j]).sum::<f32>() / h as f32;
-                for j in 0..h {
-                    want_y[r * h + j] = (row[j] * iv) * w[j];
-                    want_dx[r * h + j] = iv * dy[r * h + j] * w[j] - row[j] * iv * iv * iv * dot;
-                }
-            }
+            let (want_y, want_inv, want_dx) = rmsnorm_reference(&x, &w, &dy, h);
             assert_close(&format!("{dt:?} rmsnorm"), &y.to_vec().unwrap(), &want_y, tol(dt));
             assert_close(&format!("{dt:?} rmsnorm inv"), &inv.to_vec().unwrap(), &want_inv, 1e-5);
             let y2 = Buf::new(&gpu, n * h, dt).unwrap();
@@ -360,17 +422,7 @@ fn row_kernels_match_references() {
             let tb = Buf::from_u32(&gpu, &targets).unwrap();
             let loss = Buf::new(&gpu, n, Dt::F32).unwrap();
             o.cross_entropy(zb.ptr(), tb.ptr(), loss.ptr(), n, vocab, 0.25).unwrap();
-            let (mut want_l, mut want_g) = (vec![0f32; n], vec![0f32; n * vocab]);
-            for r in 0..n {
-                let row = &z[r * vocab..][..vocab];
-                let m = row.iter().copied().fold(f32::MIN, f32::max);
-                let s: f32 = row.iter().map(|v| (v - m).exp()).sum();
-                want_l[r] = s.ln() - (row[targets[r] as usize] - m);
-                for j in 0..vocab {
-                    want_g[r * vocab + j] =
-                        (row[j] - m).exp() / s * 0.25 - if j == targets[r] as usize { 0.25 } else { 0.0 };
-                }
-            }
+            let (want_l, want_g) = cross_entropy_reference(&z, &targets, vocab, 0.25);
             assert_close(&format!("{dt:?} cross-entropy loss"), &loss.to_vec().unwrap(), &want_l, 1e-5);
             assert_close(&format!("{dt:?} cross-entropy gradient"), &zb.to_vec().unwrap(), &want_g, tol(dt));
 

@@ -16,6 +16,10 @@ const ATT_BLOCK: u32 = 128;
 const ATT_ROWS: usize = 4;
 const MMA_ROWS: usize = 64;
 
+/// Blocks a grid may have along x on every device: Vulkan guarantees 65535 (Intel's GPUs,
+/// MoltenVK and lavapipe allow no more); CUDA allows 2³¹ − 1.
+const MAX_GRID_X: usize = 65535;
+
 fn grid(n: usize) -> [u32; 3] {
     [n.div_ceil(BLOCK as usize).clamp(1, 16384) as u32, 1, 1]
 }
@@ -90,6 +94,16 @@ impl Ops<'_> {
         self.gpu.cpu_lanes().unwrap_or(full)
     }
 
+    /// Launch row kernel `name` (one block per row) over `rows` rows, at most [`MAX_GRID_X`]
+    /// at a time: `args(first)` are the arguments with the row pointers moved to row `first`.
+    fn per_row(&self, name: &str, rows: usize, block: u32, args: impl Fn(u64) -> Vec<Arg>) -> R {
+        for first in (0..rows).step_by(MAX_GRID_X) {
+            let grid = [MAX_GRID_X.min(rows - first) as u32, 1, 1];
+            self.gpu.launch(&self.k(name), grid, block, &args(first as u64))?;
+        }
+        Ok(())
+    }
+
     fn run(&self, name: &str, n: usize, args: &[Arg]) -> R {
         self.gpu.launch(&self.k(name), grid(n), BLOCK, args)
     }
@@ -152,8 +166,10 @@ impl Ops<'_> {
     }
 
     pub fn rmsnorm_fwd(&self, x: u64, w: u64, y: u64, inv: u64, n: usize, h: usize, eps: f32) -> R {
-        let args = [Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::Ptr(inv), i(h), Arg::F32(eps)];
-        self.gpu.launch(&self.k("rmsnorm_fwd"), [n as u32, 1, 1], self.row_block(ROW_BLOCK), &args)
+        let row = (h * self.dt.size()) as u64;
+        self.per_row("rmsnorm_fwd", n, self.row_block(ROW_BLOCK), |r| {
+            vec![Arg::Ptr(x + r * row), Arg::Ptr(w), Arg::Ptr(y + r * row), Arg::Ptr(inv + r * 4), i(h), Arg::F32(eps)]
+        })
     }
 
     pub fn rmsnorm_apply(&self, x: u64, inv: u64, w: u64, y: u64, n: usize, h: usize) -> R {
@@ -161,9 +177,11 @@ impl Ops<'_> {
     }
 
     pub fn rmsnorm_bwd(&self, x: u64, inv: u64, w: u64, dy: u64, dx: u64, n: usize, h: usize, accumulate: bool) -> R {
-        let args =
-            [Arg::Ptr(x), Arg::Ptr(inv), Arg::Ptr(w), Arg::Ptr(dy), Arg::Ptr(dx), i(h), Arg::I32(accumulate as i32)];
-        self.gpu.launch(&self.k("rmsnorm_bwd"), [n as u32, 1, 1], self.row_block(ROW_BLOCK), &args)
+        let row = (h * self.dt.size()) as u64;
+        self.per_row("rmsnorm_bwd", n, self.row_block(ROW_BLOCK), |r| {
+            let rows = [x + r * row, inv + r * 4, w, dy + r * row, dx + r * row];
+            rows.map(Arg::Ptr).into_iter().chain([i(h), Arg::I32(accumulate as i32)]).collect()
+        })
     }
 
     pub fn rope(&self, x: u64, pos: u64, cos: u64, sin: u64, n: usize, heads: usize, d: usize, inverse: bool) -> R {
@@ -212,8 +230,11 @@ impl Ops<'_> {
     }
 
     pub fn cross_entropy(&self, logits: u64, targets: u64, loss: u64, rows: usize, vocab: usize, grad_scale: f32) -> R {
-        let args = [Arg::Ptr(logits), Arg::Ptr(targets), Arg::Ptr(loss), i(vocab), Arg::F32(grad_scale)];
-        self.gpu.launch(&self.k("cross_entropy"), [rows as u32, 1, 1], self.row_block(512), &args)
+        let row = (vocab * self.dt.size()) as u64;
+        self.per_row("cross_entropy", rows, self.row_block(512), |r| {
+            let rows = [logits + r * row, targets + r * 4, loss + r * 4];
+            rows.map(Arg::Ptr).into_iter().chain([i(vocab), Arg::F32(grad_scale)]).collect()
+        })
     }
 
     /// `out[0] += weight · Σ x` in f64.
