@@ -20,7 +20,8 @@ pub struct VulkanInfo {
     pub driver: String,
     /// Vulkan version the device supports, e.g. `1.3`.
     pub api: String,
-    /// The largest device-local memory heap.
+    /// Memory for tensors: the largest device-local heap (on an integrated GPU, or the largest
+    /// other heap if that is larger; see [`tensor_memory_bytes`]).
     pub memory_bytes: u64,
     /// `shaderFloat16` and 16-bit storage buffers: f16 compute.
     pub f16: bool,
@@ -132,7 +133,8 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
         format!("driver version {:#x}", props.driver_version)
     };
     let support = unsafe { engine_support(instance, pd) };
-    let memory_bytes = device_local_bytes(&unsafe { instance.get_physical_device_memory_properties(pd) });
+    let integrated = props.device_type == vk::PhysicalDeviceType::INTEGRATED_GPU;
+    let memory_bytes = tensor_memory_bytes(&unsafe { instance.get_physical_device_memory_properties(pd) }, integrated);
     VulkanInfo {
         name: text(props.device_name_as_c_str()),
         vendor_id: props.vendor_id,
@@ -193,12 +195,85 @@ pub unsafe fn engine_support(instance: &ash::Instance, pd: vk::PhysicalDevice) -
     EngineSupport { missing, storage16, f16: storage16 && f16.shader_float16 == vk::TRUE }
 }
 
-/// The largest device-local memory heap.
-pub fn device_local_bytes(memory: &vk::PhysicalDeviceMemoryProperties) -> u64 {
-    memory.memory_heaps[..memory.memory_heap_count as usize]
-        .iter()
-        .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
-        .map(|h| h.size)
-        .max()
-        .unwrap_or(0)
+/// The memory the GPU engine may fill with tensors: the largest device-local heap, and on an
+/// integrated GPU — whose heaps are all system memory — the larger of that and the largest other
+/// heap. AMD's APUs keep a small carve-out device-local (often 512 MiB) and the rest of the GPU's
+/// memory in a second heap, which the engine spills to (see [`tensor_memory_types`]); the two
+/// are not summed, since a large carve-out and the second heap share the same RAM.
+pub fn tensor_memory_bytes(memory: &vk::PhysicalDeviceMemoryProperties, integrated: bool) -> u64 {
+    let heaps = &memory.memory_heaps[..memory.memory_heap_count as usize];
+    let largest = |local: bool| {
+        heaps.iter().filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL) == local).map(|h| h.size).max()
+    };
+    let local = largest(true).unwrap_or(0);
+    if integrated { local.max(largest(false).unwrap_or(0)) } else { local }
+}
+
+/// The memory types (indices) a tensor buffer may live in, among `bits` (its requirements), in
+/// order of preference: device-local types; on an integrated GPU then the types of other heaps
+/// (uncached ones first: the GPU reads them without snooping the CPU's caches), where tensors go
+/// once the device-local heap is full.
+pub fn tensor_memory_types(memory: &vk::PhysicalDeviceMemoryProperties, bits: u32, integrated: bool) -> Vec<u32> {
+    let types = &memory.memory_types[..memory.memory_type_count as usize];
+    let allowed = |i: &u32| bits & (1 << i) != 0;
+    let local = |i: u32| types[i as usize].property_flags.contains(vk::MemoryPropertyFlags::DEVICE_LOCAL);
+    let cached = |i: u32| types[i as usize].property_flags.contains(vk::MemoryPropertyFlags::HOST_CACHED);
+    let mut order: Vec<u32> = (0..types.len() as u32).filter(allowed).filter(|&i| local(i)).collect();
+    if integrated {
+        let mut other: Vec<u32> = (0..types.len() as u32).filter(allowed).filter(|&i| !local(i)).collect();
+        other.sort_by_key(|&i| cached(i));
+        order.extend(other);
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memory(heaps: &[(u64, bool)], types: &[(u32, vk::MemoryPropertyFlags)]) -> vk::PhysicalDeviceMemoryProperties {
+        let mut m = vk::PhysicalDeviceMemoryProperties {
+            memory_heap_count: heaps.len() as u32,
+            memory_type_count: types.len() as u32,
+            ..Default::default()
+        };
+        for (i, &(size, local)) in heaps.iter().enumerate() {
+            let flags = if local { vk::MemoryHeapFlags::DEVICE_LOCAL } else { vk::MemoryHeapFlags::empty() };
+            m.memory_heaps[i] = vk::MemoryHeap { size, flags };
+        }
+        for (i, &(heap_index, property_flags)) in types.iter().enumerate() {
+            m.memory_types[i] = vk::MemoryType { property_flags, heap_index };
+        }
+        m
+    }
+
+    #[test]
+    fn integrated_gpus_spill_tensors_to_their_second_heap() {
+        const GIB: u64 = 1 << 30;
+        let (dl, hv, hc, hk) = (
+            vk::MemoryPropertyFlags::DEVICE_LOCAL,
+            vk::MemoryPropertyFlags::HOST_VISIBLE,
+            vk::MemoryPropertyFlags::HOST_COHERENT,
+            vk::MemoryPropertyFlags::HOST_CACHED,
+        );
+        // An AMD APU as RADV lists it: a 512 MiB carve-out, 7.5 GiB of GTT; cached GTT first.
+        let apu = memory(
+            &[(GIB / 2, true), (15 * GIB / 2, false)],
+            &[(1, hv | hc | hk), (0, dl), (1, hv | hc), (0, dl | hv | hc)],
+        );
+        assert_eq!(tensor_memory_bytes(&apu, true), 15 * GIB / 2);
+        assert_eq!(tensor_memory_types(&apu, 0b1111, true), [1, 3, 2, 0]);
+        assert_eq!(tensor_memory_types(&apu, 0b0101, true), [2, 0], "only the types the buffer allows");
+        // The same layout on a discrete GPU (VRAM, and system memory it reaches over PCIe):
+        // tensors stay in VRAM.
+        assert_eq!(tensor_memory_bytes(&apu, false), GIB / 2);
+        assert_eq!(tensor_memory_types(&apu, 0b1111, false), [1, 3]);
+        // A large carve-out is not counted twice with the heap that shares its RAM.
+        let big = memory(&[(96 * GIB, true), (105 * GIB, false)], &[(0, dl), (1, hv | hc)]);
+        assert_eq!(tensor_memory_bytes(&big, true), 105 * GIB);
+        // One heap for everything (Intel, Apple, lavapipe).
+        let unified = memory(&[(16 * GIB, true)], &[(0, dl), (0, dl | hv | hc), (0, dl | hv | hc | hk)]);
+        assert_eq!(tensor_memory_bytes(&unified, true), 16 * GIB);
+        assert_eq!(tensor_memory_types(&unified, 0b111, true), [0, 1, 2]);
+    }
 }

@@ -80,7 +80,9 @@ pub struct VulkanGpu {
     pool: vk::CommandPool,
     layout: vk::PipelineLayout,
     memory: vk::PhysicalDeviceMemoryProperties,
-    /// Largest device-local heap.
+    /// An integrated GPU: tensors may spill from the device-local heap to the others.
+    integrated: bool,
+    /// Bytes for tensors (`device::vulkan::tensor_memory_bytes`).
     total: u64,
     max_invocations: u32,
     max_groups: [u32; 3],
@@ -206,7 +208,8 @@ impl VulkanGpu {
                 .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges), None)
                 .map_err(verr("pipeline layout"))?;
             let memory = instance.get_physical_device_memory_properties(pd);
-            let total = crate::device::vulkan::device_local_bytes(&memory);
+            let integrated = props.device_type == vk::PhysicalDeviceType::INTEGRATED_GPU;
+            let total = crate::device::vulkan::tensor_memory_bytes(&memory, integrated);
             let mut sub = vk::PhysicalDeviceSubgroupProperties::default();
             instance
                 .get_physical_device_properties2(pd, &mut vk::PhysicalDeviceProperties2::default().push_next(&mut sub));
@@ -227,6 +230,7 @@ impl VulkanGpu {
                 pool,
                 layout,
                 memory,
+                integrated,
                 total,
                 max_invocations: props.limits.max_compute_work_group_invocations,
                 max_groups: props.limits.max_compute_work_group_count,
@@ -285,20 +289,30 @@ impl VulkanGpu {
                 self.device.create_buffer(&vk::BufferCreateInfo::default().size(size as u64).usage(usage), None)?;
             let req = self.device.get_buffer_memory_requirements(buf);
             let host = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
-            let ty = if staging {
-                self.memory_type(req.memory_type_bits, host | vk::MemoryPropertyFlags::HOST_CACHED)
-                    .or_else(|| self.memory_type(req.memory_type_bits, host))
+            let types = if staging {
+                let ty = self
+                    .memory_type(req.memory_type_bits, host | vk::MemoryPropertyFlags::HOST_CACHED)
+                    .or_else(|| self.memory_type(req.memory_type_bits, host));
+                ty.into_iter().collect()
             } else {
-                self.memory_type(req.memory_type_bits, vk::MemoryPropertyFlags::DEVICE_LOCAL)
+                crate::device::vulkan::tensor_memory_types(&self.memory, req.memory_type_bits, self.integrated)
             };
-            let Some(ty) = ty else {
-                self.device.destroy_buffer(buf, None);
-                return Err(vk::Result::ERROR_FEATURE_NOT_PRESENT);
-            };
-            let mut flags = vk::MemoryAllocateFlagsInfo::default().flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
-            let info =
-                vk::MemoryAllocateInfo::default().allocation_size(req.size).memory_type_index(ty).push_next(&mut flags);
-            let mem = match self.device.allocate_memory(&info, None) {
+            // The first type whose heap has room (an integrated GPU's second heap once the first
+            // is full).
+            let mut found = Err(vk::Result::ERROR_FEATURE_NOT_PRESENT);
+            for ty in types {
+                let mut flags = vk::MemoryAllocateFlagsInfo::default().flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
+                let info = vk::MemoryAllocateInfo::default()
+                    .allocation_size(req.size)
+                    .memory_type_index(ty)
+                    .push_next(&mut flags);
+                found = self.device.allocate_memory(&info, None);
+                if !matches!(found, Err(vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY))
+                {
+                    break;
+                }
+            }
+            let mem = match found {
                 Ok(m) => m,
                 Err(e) => {
                     self.device.destroy_buffer(buf, None);
