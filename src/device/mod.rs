@@ -408,13 +408,10 @@ pub const VENDOR_NVIDIA: u32 = 0x10de;
 
 #[cfg(feature = "vulkan")]
 fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
-    // bf16 needs only 16-bit storage: the kernels convert to f32 for arithmetic.
+    // bf16 and f16 need only 16-bit storage: the kernels convert to f32 for arithmetic.
     let mut dtypes = Vec::new();
     if d.storage16 {
-        dtypes.push(Dtype::Bf16);
-    }
-    if d.f16 {
-        dtypes.push(Dtype::F16);
+        dtypes.extend([Dtype::Bf16, Dtype::F16]);
     }
     dtypes.push(Dtype::F32);
     DeviceInfo {

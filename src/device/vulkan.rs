@@ -23,9 +23,8 @@ pub struct VulkanInfo {
     /// Memory for tensors: the largest device-local heap (on an integrated GPU, or the largest
     /// other heap if that is larger; see [`tensor_memory_bytes`]).
     pub memory_bytes: u64,
-    /// `shaderFloat16` and 16-bit storage buffers: f16 compute.
-    pub f16: bool,
-    /// 16-bit storage buffers: bf16 tensors (the engine converts them to f32 in its kernels).
+    /// 16-bit storage buffers: bf16 and f16 tensors (the kernels compute in f32, so neither
+    /// `shaderFloat16` nor `VK_KHR_shader_bfloat16` is needed).
     pub storage16: bool,
     /// `VK_KHR_shader_bfloat16` (native bf16 arithmetic; the engine does not need it).
     pub bf16: bool,
@@ -148,7 +147,6 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
         driver,
         api: format!("{}.{}", vk::api_version_major(api), vk::api_version_minor(api)),
         memory_bytes,
-        f16: support.f16,
         storage16: support.storage16,
         bf16: has("VK_KHR_shader_bfloat16"),
         cooperative_matrix: has("VK_KHR_cooperative_matrix"),
@@ -162,8 +160,6 @@ pub struct EngineSupport {
     pub missing: Vec<&'static str>,
     /// 16-bit storage buffers (bf16 and f16 tensors).
     pub storage16: bool,
-    /// 16-bit storage and `shaderFloat16` (f16 compute).
-    pub f16: bool,
 }
 
 /// # Safety
@@ -172,10 +168,9 @@ pub unsafe fn engine_support(instance: &ash::Instance, pd: vk::PhysicalDevice) -
     // SAFETY (both calls): the caller's contract; the chained structures outlive the call.
     let api = unsafe { instance.get_physical_device_properties(pd) }.api_version;
     let v12 = vk::api_version_major(api) > 1 || vk::api_version_minor(api) >= 2;
-    let mut f16 = vk::PhysicalDeviceShaderFloat16Int8Features::default();
     let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default();
     let mut bda = vk::PhysicalDeviceBufferDeviceAddressFeatures::default();
-    let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut f16).push_next(&mut storage16);
+    let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut storage16);
     if v12 {
         features = features.push_next(&mut bda);
     }
@@ -191,8 +186,7 @@ pub unsafe fn engine_support(instance: &ash::Instance, pd: vk::PhysicalDevice) -
     if base.shader_int64 != vk::TRUE {
         missing.push("shaderInt64");
     }
-    let storage16 = storage16.storage_buffer16_bit_access == vk::TRUE;
-    EngineSupport { missing, storage16, f16: storage16 && f16.shader_float16 == vk::TRUE }
+    EngineSupport { missing, storage16: storage16.storage_buffer16_bit_access == vk::TRUE }
 }
 
 /// The memory the GPU engine may fill with tensors: the largest device-local heap, and on an

@@ -86,9 +86,8 @@ pub struct VulkanGpu {
     total: u64,
     max_invocations: u32,
     max_groups: [u32; 3],
-    /// 16-bit storage buffers (bf16, f16) and `shaderFloat16` (f16).
+    /// 16-bit storage buffers (bf16 and f16 tensors; the kernels compute in f32).
     storage16: bool,
-    f16: bool,
     /// Subgroup size where the device is a CPU implementation of Vulkan (lavapipe, SwiftShader)
     /// with subgroup ballot, vote and arithmetic in compute shaders: the kernels written for its
     /// cost model (`gemm_sg`, and through `Gpu::cpu_lanes` the `attn_*_sg` kernels and
@@ -173,8 +172,7 @@ impl VulkanGpu {
             let prio = [1.0f32];
             let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(qfi).queue_priorities(&prio)];
             let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(support.storage16);
-            let mut v12 =
-                vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true).shader_float16(support.f16);
+            let mut v12 = vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true);
             let features = vk::PhysicalDeviceFeatures::default().shader_int64(true);
             // A driver on top of another API (MoltenVK) lists VK_KHR_portability_subset, and the
             // spec requires enabling it; the engine uses nothing the subset leaves out.
@@ -235,7 +233,6 @@ impl VulkanGpu {
                 max_invocations: props.limits.max_compute_work_group_invocations,
                 max_groups: props.limits.max_compute_work_group_count,
                 storage16: support.storage16,
-                f16: support.f16,
                 cpu_subgroup,
                 name,
                 state: RefCell::new(State {
@@ -255,12 +252,10 @@ impl VulkanGpu {
         self
     }
 
-    /// Whether the device can run kernels of `dt` (bf16 needs 16-bit storage buffers, f16 also
-    /// `shaderFloat16`).
+    /// Whether the device can run kernels of `dt` (bf16 and f16 need 16-bit storage buffers).
     pub fn supports(&self, dt: Dt) -> bool {
         match dt {
-            Dt::Bf16 => self.storage16,
-            Dt::F16 => self.f16,
+            Dt::Bf16 | Dt::F16 => self.storage16,
             _ => true,
         }
     }
