@@ -717,7 +717,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn resolution(dtype: Dtype, class: DeviceClass) -> Resolution {
-    Resolution { class, ordinal: 0, dtype, skipped: Vec::new(), dtype_notes: Vec::new() }
+    Resolution { class, ordinal: 0, dtype, ..Resolution::cpu() }
 }
 
 fn setup<'a>(

@@ -914,18 +914,22 @@ fn default_recipe_on_vulkan_end_to_end_matches_the_cpu() {
 /// Runs the default recipe with `extra` settings on the CPU and on Vulkan, checks what both
 /// tests check, and returns the two reports (CPU, Vulkan).
 fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::Value) {
-    let vulkan = rtune::device::Inventory::probe(true)
-        .devices
-        .iter()
-        .any(|d| d.class == rtune::device::DeviceClass::Vulkan && d.unusable.is_none());
-    if !vulkan {
+    // `RTUNE_TEST_VULKAN=N` picks device N, as in tests/gpu_engine.rs; else plain `vulkan` (the
+    // first hardware GPU, else lavapipe).
+    let wanted = std::env::var("RTUNE_TEST_VULKAN").map_or("vulkan".to_string(), |n| format!("vulkan:{n}"));
+    let inv = rtune::device::Inventory::probe(true);
+    let device = rtune::device::resolve(std::slice::from_ref(&wanted), &[rtune::recipe::Dtype::F32], &inv)
+        .ok()
+        .filter(|r| r.class == rtune::device::DeviceClass::Vulkan)
+        .map(|r| r.device_name());
+    let Some(device) = device else {
         assert!(
             std::env::var_os("RTUNE_REQUIRE_VULKAN").is_none(),
             "RTUNE_REQUIRE_VULKAN is set but no usable Vulkan device is listed"
         );
         eprintln!("no usable Vulkan device: skipped");
         return (serde_json::Value::Null, serde_json::Value::Null);
-    }
+    };
     let run = |prefer: &str| {
         let p = Project::tiny_offline();
         let report = p.run_json(&args(&["tiny.toml", "--set", prefer], extra));
@@ -933,7 +937,8 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
         (p, report)
     };
     let (_cpu_dir, cpu) = run(r#"device.prefer=["cpu"]"#);
-    let (vk_dir, vk) = run(r#"device.prefer=["vulkan"]"#);
+    let prefer = format!(r#"device.prefer=["{wanted}"]"#);
+    let (vk_dir, vk) = run(&prefer);
     let stage = |r: &serde_json::Value, name: &str| {
         r["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap().clone()
     };
@@ -946,9 +951,9 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
     }
     let train = artifact(&vk, "train");
     let log = std::fs::read_to_string(train.join("train_log.jsonl")).unwrap_or_default();
-    let plan = stdout(&vk_dir.run(&args(&["plan", "tiny.toml", "--set", r#"device.prefer=["vulkan"]"#], extra)));
+    let plan = stdout(&vk_dir.run(&args(&["plan", "tiny.toml", "--set", &prefer], extra)));
     assert!(
-        plan.contains("vulkan:0/f32") && plan.contains("cpu/f32"),
+        plan.contains(&format!("{device}/f32")) && plan.contains("cpu/f32"),
         "train on Vulkan, quantize on the CPU:\n{plan}{log}"
     );
     assert!(vk_dir.path().join("out/tiny-offline/merged/model.safetensors").is_file());

@@ -203,6 +203,9 @@ pub struct Resolution {
     pub skipped: Vec<Skip>,
     /// Dtypes passed over on the chosen device, with why.
     pub dtype_notes: Vec<String>,
+    /// The preference that named the device, where it is another name for it (`rocm` or
+    /// `directml` resolved to a Vulkan GPU): its `[device.<name>]` table applies too.
+    pub via: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -220,6 +223,7 @@ impl Resolution {
             dtype: Dtype::F32,
             skipped: Vec::new(),
             dtype_notes: Vec::new(),
+            via: None,
         }
     }
 
@@ -228,11 +232,15 @@ impl Resolution {
         self.class.device_name(self.ordinal)
     }
 
-    /// The override table names that apply: the exact name first, then the class (`cuda`).
+    /// The override tables that apply, in the order they are merged (a later one wins): the
+    /// class (`cuda`), the preference that chose the device where it is another name for it
+    /// (`rocm`), the exact device (`cuda:1`).
     pub fn override_names(&self) -> Vec<String> {
-        let exact = self.device_name();
-        let class = self.class.as_str().to_string();
-        if exact == class { vec![class] } else { vec![class, exact] }
+        let mut names = vec![self.class.as_str().to_string()];
+        names.extend(self.via.clone());
+        names.push(self.device_name());
+        names.dedup();
+        names
     }
 
     /// The device to hand to candle.
@@ -286,6 +294,8 @@ pub fn resolve_with(
                             dtype: *d,
                             skipped,
                             dtype_notes: notes,
+                            via: (dev.class.as_str() != want.split(':').next().unwrap_or_default())
+                                .then(|| want.clone()),
                         });
                     }
                     notes.push(format!("{}: {} does not train in {}", d.as_str(), dev.class.as_str(), d.as_str()));
@@ -571,8 +581,12 @@ mod tests {
         let inv = vulkan_box(&[(0x10005, false, None), (VENDOR_AMD, true, None)]);
         let r = resolve(&s(&["rocm", "cpu"]), &[Dtype::Bf16, Dtype::F16], &inv).unwrap();
         assert_eq!((r.device_name(), r.dtype), ("vulkan:1".to_string(), Dtype::F16));
+        // `[device.rocm]` applies to what `rocm` became, between `[device.vulkan]` and
+        // `[device.vulkan:1]`.
+        assert_eq!(r.override_names(), ["vulkan", "rocm", "vulkan:1"]);
         let r = resolve(&s(&["vulkan"]), &[Dtype::F32], &inv).unwrap();
         assert_eq!(r.device_name(), "vulkan:1");
+        assert_eq!(r.override_names(), ["vulkan", "vulkan:1"]);
         let r = resolve(&s(&["vulkan:0"]), &[Dtype::F32], &inv).unwrap();
         assert_eq!(r.device_name(), "vulkan:0");
         // Only a software device: rocm finds no AMD GPU, vulkan takes the software one.

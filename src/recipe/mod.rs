@@ -316,12 +316,12 @@ fn check_tree(tree: &Node, problems: &mut Vec<Problem>) -> Option<Stages> {
     stages::build(tree, &schema, problems)
 }
 
-/// `cpu`, `cuda`, `cuda:N`, `metal`, … (names rtune knows, available or not).
+/// `cpu`, `cuda`, `cuda:N`, `vulkan:N`, `metal`, … (names rtune knows, available or not).
 pub fn is_device_name(s: &str) -> bool {
     let base = s.split(':').next().unwrap_or_default();
     let index_ok = match s.split_once(':') {
         None => true,
-        Some((_, n)) => base == "cuda" && n.parse::<u32>().is_ok(),
+        Some((_, n)) => matches!(base, "cuda" | "vulkan") && n.parse::<u32>().is_ok(),
     };
     DEVICE_NAMES.contains(&base) && index_ok
 }
@@ -426,7 +426,7 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
                 p = match diag::did_you_mean(name, DEVICE_NAMES) {
                     Some(m) => p.help(format!("did you mean `{m}`?")),
                     None => p.help(format!(
-                        "known devices: {} (and `cuda:N` for the N-th CUDA device)",
+                        "known devices: {} (and `cuda:N`, `vulkan:N` for the N-th CUDA or Vulkan device)",
                         DEVICE_NAMES.map(|d| format!("`{d}`")).join(", ")
                     )),
                 };
@@ -475,5 +475,18 @@ fn exactly_one(table: &Node, section: &str, keys: &[&str], problems: &mut Vec<Pr
             .at(second, "second source")
             .help(format!("set exactly one of {listed}")),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cuda_and_vulkan_devices_are_numbered() {
+        for ok in ["cpu", "cuda", "cuda:1", "vulkan", "vulkan:0", "vulkan:12", "rocm", "directml", "metal"] {
+            assert!(super::is_device_name(ok), "{ok}");
+        }
+        for bad in ["vulkan:x", "vulkan:", "cpu:1", "rocm:0", "cdua", "cuda:-1"] {
+            assert!(!super::is_device_name(bad), "{bad}");
+        }
     }
 }

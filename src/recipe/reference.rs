@@ -30,7 +30,7 @@ pub fn markdown() -> String {
         }
         if section == "device" {
             out.push_str(
-                "\n`[device.<name>]` tables (`cpu`, `cuda`, `cuda:N`, `metal`, `rocm`) override stage settings when \
+                "\n`[device.<name>]` tables (`cpu`, `cuda`, `cuda:N`, `vulkan`, `vulkan:N`, `metal`, `rocm`) override stage settings when \
                  that device is chosen, e.g. `[device.cpu]` then `train.batch_size = 1`.\n",
             );
         }

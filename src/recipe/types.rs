@@ -289,7 +289,7 @@ impl LoraTarget {
 }
 
 /// Device policy. Besides the keys below, `[device.<name>]` tables (`cpu`, `cuda`, `cuda:N`,
-/// `metal`, `rocm`) hold stage overrides applied only when that device is chosen, e.g.
+/// `vulkan`, `vulkan:N`, `metal`, `rocm`) hold stage overrides applied only when that device is chosen, e.g.
 /// `[device.cpu] train.batch_size = 1`, and the device's own dtype preference, e.g.
 /// `[device.rocm] dtype = ["f32"]`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
