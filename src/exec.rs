@@ -200,12 +200,19 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         manifest.inputs = planned.doc.clone();
         manifest.metrics = metrics.clone();
         manifest.run = json!({
-            "device": plan.device.device_name(),
-            "dtype": plan.device.dtype.as_str(),
             "threads": plan.threads,
             "seconds": started.elapsed().as_secs_f64(),
             "recipe": loaded.name(),
         });
+        // The stage's own device (quantize merges on the CPU after a Vulkan run), as discovery
+        // described it.
+        if let Some(d) = planned.key.device() {
+            manifest.run["device"] = json!(d.resolution().device_name());
+            manifest.run["dtype"] = json!(d.dtype.as_str());
+            if let Some(info) = plan.devices.iter().find(|i| i.class == d.class && i.ordinal == d.ordinal) {
+                manifest.run["device_info"] = json!(info);
+            }
+        }
         let manifest = store.commit(staging.path(), manifest)?;
         drop(staging);
         let work = store.work_dir(fp);

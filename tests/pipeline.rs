@@ -957,5 +957,19 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
         "train on Vulkan, quantize on the CPU:\n{plan}{log}"
     );
     assert!(vk_dir.path().join("out/tiny-offline/merged/model.safetensors").is_file());
+    // Manifests record the device each stage computed on, as discovery described it.
+    let run_of = |stage_name: &str| {
+        let fp = stage(&vk, stage_name)["fingerprint"].as_str().unwrap().to_string();
+        let path = vk_dir.cache().join("store-v1/manifests").join(format!("{fp}.json"));
+        let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        m["run"].clone()
+    };
+    let (train_run, quantize_run) = (run_of("train"), run_of("quantize"));
+    let name = inv.devices.iter().find(|d| d.class.device_name(d.ordinal) == device).map(|d| d.name.clone()).unwrap();
+    assert_eq!((train_run["device"].as_str(), train_run["dtype"].as_str()), (Some(device.as_str()), Some("f32")));
+    assert_eq!(train_run["device_info"]["name"].as_str(), Some(name.as_str()), "{train_run}");
+    assert!(train_run["device_info"]["memory_bytes"].as_u64().unwrap() > 0, "{train_run}");
+    assert_eq!(quantize_run["device"].as_str(), Some("cpu"), "{quantize_run}");
+    assert!(run_of("download").get("device").is_none());
     (cpu, vk)
 }

@@ -90,6 +90,9 @@ pub struct Plan {
     /// Hub sources resolve from the HF cache only.
     pub offline: bool,
     pub stages: Vec<PlannedStage>,
+    /// The devices the stages compute on, as discovery describes them (name, memory, driver,
+    /// vendor): recorded in manifests.
+    pub devices: Vec<device::DeviceInfo>,
 }
 
 impl Plan {
@@ -245,7 +248,13 @@ pub fn make(
             reason,
         });
     }
-    Ok(Plan { recipe: recipe.recipe.name.clone(), device, threads, offline: hub.offline, stages: planned })
+    let devices = inv
+        .devices
+        .iter()
+        .filter(|d| planned.iter().filter_map(|p| p.key.device()).any(|k| k.class == d.class && k.ordinal == d.ordinal))
+        .cloned()
+        .collect();
+    Ok(Plan { recipe: recipe.recipe.name.clone(), device, threads, offline: hub.offline, stages: planned, devices })
 }
 
 /// Why a stage with no cached artifact runs, compared with the last recorded run.
