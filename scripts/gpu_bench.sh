@@ -10,11 +10,16 @@
 #
 # Default shapes: smollm2-135m:4x1024 qwen2.5-0.5b:4x1024 qwen2.5-3b:4x1024 qwen2.5-3b:1x512.
 # STEPS (default 20) timed steps each; RTUNE (default .gpu/rtune) the binary; SKIP_TORCH=1 runs
-# rtune alone (e.g. with RTUNE_ENGINE=candle, to measure candle's autograd on the GPU).
+# rtune alone (e.g. with RTUNE_ENGINE=candle, to measure candle's autograd on the GPU); DEVICE
+# (default cuda) and DTYPE (default bf16) are the recipe's device preference and dtype — issue
+# 18's comparison is `DEVICE=vulkan scripts/gpu_bench.sh smollm2-135m:4x512 smollm2-360m:4x512`
+# (the Vulkan engine on the same GPU against PyTorch on CUDA; gpu-env.sh brings the loader).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="${GPU_BENCH_DIR:-/tmp/rtune-gpu-bench}"
 steps="${STEPS:-20}"
+device="${DEVICE:-cuda}"
+dtype="${DTYPE:-bf16}"
 rtune="${RTUNE:-.gpu/rtune}"
 out="${OUT:-$root}"
 mkdir -p "$root" "$out"
@@ -27,10 +32,10 @@ for spec in "${specs[@]}"; do
   shape=${spec%%:*} bs=${spec#*:}
   b=${bs%x*} t=${bs#*x}
   python3 -c "import sys; sys.path.insert(0, 'benches/reference'); import gpu_shapes; gpu_shapes.make('$shape', '$root')"
-  recipe="$root/$shape-${b}x$t.toml"
+  recipe="$root/$shape-${b}x$t-$device.toml"
   cat >"$recipe" <<EOF
 [recipe]
-name = "gpu-bench-$shape-${b}x$t"
+name = "gpu-bench-$shape-${b}x$t-$device"
 seed = 0
 
 [model]
@@ -51,8 +56,8 @@ dropout = 0.05
 targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 [device]
-prefer = ["cuda"]
-dtype = ["bf16"]
+prefer = ["$device"]
+dtype = ["$dtype"]
 
 [stages.train]
 max_steps = $((steps + 3))
@@ -62,8 +67,8 @@ schedule = { kind = "constant" }
 eval_batches = 1
 checkpoint_every = 0
 EOF
-  echo "== $shape $b×$t: rtune" >&2
-  log="$out/rtune-$shape-${b}x$t.log"
+  echo "== $shape $b×$t: rtune on $device ($dtype)" >&2
+  log="$out/rtune-$shape-${b}x$t-$device.log"
   if ! RTUNE_CACHE_DIR="$root/cache" "$rtune" run "$recipe" --force train >"$log" 2>&1; then
     echo "rtune failed on $shape $b×$t:" >&2
     tail -20 "$log" >&2
