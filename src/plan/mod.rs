@@ -257,6 +257,19 @@ pub fn make(
     Ok(Plan { recipe: recipe.recipe.name.clone(), device, threads, offline: hub.offline, stages: planned, devices })
 }
 
+/// A device key as the plan's reasons show it: `cuda/bf16`, with TF32 and a requested engine
+/// where the key has them (`vulkan/f32 (RTUNE_ENGINE=gpu)`), so a change in any hashed part shows.
+fn device_label(v: &Value) -> String {
+    let mut s = format!("{}/{}", v["class"].as_str().unwrap_or("-"), v["dtype"].as_str().unwrap_or("-"));
+    if v["tf32"] == Value::Bool(true) {
+        s.push_str("+tf32");
+    }
+    if let Some(e) = v["engine"].as_str() {
+        s.push_str(&format!(" (RTUNE_ENGINE={e})"));
+    }
+    s
+}
+
 /// Why a stage with no cached artifact runs, compared with the last recorded run.
 fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, planned: &[PlannedStage]) -> String {
     let Some(old) = old else { return "new".into() };
@@ -279,8 +292,11 @@ fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, p
         parts.push(format!("settings changed: {}{more}", shown.join(", ")));
     }
     if old.inputs["device"] != doc["device"] {
-        let d = |v: &Value| format!("{}/{}", v["class"].as_str().unwrap_or("-"), v["dtype"].as_str().unwrap_or("-"));
-        parts.push(format!("device changed: {} → {}", d(&old.inputs["device"]), d(&doc["device"])));
+        parts.push(format!(
+            "device changed: {} → {}",
+            device_label(&old.inputs["device"]),
+            device_label(&doc["device"])
+        ));
     }
     if old.inputs["sources"] != doc["sources"] {
         let changed: Vec<String> = fingerprint::diff(&old.inputs["sources"], &doc["sources"])
@@ -394,4 +410,17 @@ pub fn locked_stages(plan: &Plan) -> BTreeMap<String, LockedStage> {
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn device_labels_show_every_hashed_part() {
+        assert_eq!(super::device_label(&json!({"class": "cuda", "dtype": "bf16"})), "cuda/bf16");
+        assert_eq!(super::device_label(&json!({"class": "cuda", "dtype": "f32", "tf32": true})), "cuda/f32+tf32");
+        let engine = json!({"class": "vulkan", "dtype": "f32", "engine": "gpu"});
+        assert_eq!(super::device_label(&engine), "vulkan/f32 (RTUNE_ENGINE=gpu)");
+    }
 }
