@@ -911,23 +911,60 @@ fn default_recipe_on_vulkan_end_to_end_matches_the_cpu() {
     assert!((a - b).abs() <= 1e-4 * a, "eval loss after training: {b} on Vulkan vs {a} on the CPU");
 }
 
-/// Runs the default recipe with `extra` settings on the CPU and on Vulkan, checks what both
-/// tests check, and returns the two reports (CPU, Vulkan).
-fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::Value) {
-    // `RTUNE_TEST_VULKAN=N` picks device N, as in tests/gpu_engine.rs; else plain `vulkan` (the
-    // first hardware GPU, else lavapipe).
+/// The Vulkan device the tests use — `RTUNE_TEST_VULKAN=N` picks device N, as in
+/// tests/gpu_engine.rs; else plain `vulkan` (the first hardware GPU, else lavapipe) — as the
+/// preference, the device it resolves to and that device's name; None (said) when there is none.
+fn vulkan_under_test() -> Option<(String, String, String)> {
     let wanted = std::env::var("RTUNE_TEST_VULKAN").map_or("vulkan".to_string(), |n| format!("vulkan:{n}"));
     let inv = rtune::device::Inventory::probe(true);
-    let device = rtune::device::resolve(std::slice::from_ref(&wanted), &[rtune::recipe::Dtype::F32], &inv)
+    let found = rtune::device::resolve(std::slice::from_ref(&wanted), &[rtune::recipe::Dtype::F32], &inv)
         .ok()
         .filter(|r| r.class == rtune::device::DeviceClass::Vulkan)
-        .map(|r| r.device_name());
-    let Some(device) = device else {
+        .and_then(|r| inv.devices.iter().find(|d| d.class == r.class && d.ordinal == r.ordinal).cloned());
+    let Some(d) = found else {
         assert!(
             std::env::var_os("RTUNE_REQUIRE_VULKAN").is_none(),
             "RTUNE_REQUIRE_VULKAN is set but no usable Vulkan device is listed"
         );
         eprintln!("no usable Vulkan device: skipped");
+        return None;
+    };
+    Some((wanted, d.class.device_name(d.ordinal), d.name))
+}
+
+/// What no engine can train on a Vulkan device — base weights (candle's autograd has no Vulkan
+/// backend), or another engine than the GPU engine by `RTUNE_ENGINE` — is refused by `plan`,
+/// located in the recipe, not by the stage once earlier stages have run.
+#[test]
+fn plan_refuses_what_cannot_train_on_vulkan() {
+    let Some((wanted, device, _)) = vulkan_under_test() else { return };
+    let p = Project::tiny_offline();
+    let prefer = format!(r#"device.prefer=["{wanted}"]"#);
+    for (extra, env, located) in [
+        ("adapter.kind=none", None, "adapter.kind"),
+        (r#"stages.train.trainable=["*norm*"]"#, None, "stages.train.trainable"),
+        ("recipe.seed=1", Some("candle"), "device.prefer"),
+    ] {
+        let mut c = rtune_cmd();
+        c.args(["plan", "tiny.toml", "--set", &prefer, "--set", extra])
+            .current_dir(p.path())
+            .env("RTUNE_CACHE_DIR", p.cache());
+        match env {
+            Some(e) => c.env("RTUNE_ENGINE", e),
+            None => c.env_remove("RTUNE_ENGINE"),
+        };
+        let o = c.output().unwrap();
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{extra}: plan accepted it");
+        assert!(err.contains("rtune::plan::engine_unavailable") && err.contains(&device), "{extra}: {err}");
+        assert!(err.contains(located), "{extra}: the error points at `{located}`: {err}");
+    }
+}
+
+/// Runs the default recipe with `extra` settings on the CPU and on Vulkan, checks what both
+/// tests check, and returns the two reports (CPU, Vulkan).
+fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::Value) {
+    let Some((wanted, device, name)) = vulkan_under_test() else {
         return (serde_json::Value::Null, serde_json::Value::Null);
     };
     let run = |prefer: &str| {
@@ -965,7 +1002,6 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
         m["run"].clone()
     };
     let (train_run, quantize_run) = (run_of("train"), run_of("quantize"));
-    let name = inv.devices.iter().find(|d| d.class.device_name(d.ordinal) == device).map(|d| d.name.clone()).unwrap();
     assert_eq!((train_run["device"].as_str(), train_run["dtype"].as_str()), (Some(device.as_str()), Some("f32")));
     assert_eq!(train_run["device_info"]["name"].as_str(), Some(name.as_str()), "{train_run}");
     assert!(train_run["device_info"]["memory_bytes"].as_u64().unwrap() > 0, "{train_run}");

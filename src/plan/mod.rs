@@ -163,6 +163,7 @@ pub fn make(
         support::check(spec, loaded)?;
         let locked = previous.and_then(|r| r.stages.get(&spec.name)).map(|d| &d.inputs["sources"]);
         let key = resolve_key(spec, loaded, &device, &hub, locked)?;
+        support::check_device(spec, &key, loaded)?;
         let mut inputs = Inputs::new();
         for (port, producer) in spec.inputs(&loaded.stages) {
             if let Some(p) = planned.iter().find(|p| p.name == producer.name) {
@@ -340,6 +341,49 @@ pub fn check_stages(loaded: &LoadedRecipe) -> Result<(), crate::recipe::Problems
 /// pretends to run.
 mod support {
     use super::*;
+
+    /// What a stage asks of its device that only one engine could do and that engine cannot
+    /// run there: on a Vulkan device only the GPU engine trains (candle's autograd has no Vulkan
+    /// backend), so base weights that train, or another engine asked for by `RTUNE_ENGINE`, would
+    /// fail when the stage starts. (What depends on the model's shape is checked then.)
+    pub fn check_device(spec: &StageSpec, key: &StageKey, loaded: &LoadedRecipe) -> Result<(), Problem> {
+        let dev = match key {
+            StageKey::Train(k) => &k.device,
+            StageKey::Evaluate(k) => &k.device,
+            _ => return Ok(()),
+        };
+        if dev.class != device::DeviceClass::Vulkan {
+            return Ok(());
+        }
+        let on = dev.resolution().device_name();
+        if let Some(engine) = dev.engine.as_deref().filter(|e| *e != "gpu") {
+            return Err(Problem::new(
+                "rtune::plan::engine_unavailable",
+                format!("RTUNE_ENGINE={engine}: on Vulkan devices ({on}) rtune trains with its GPU engine only"),
+            )
+            .at(loaded.origin(&["device", "prefer"]), "resolves to a Vulkan device")
+            .help("unset RTUNE_ENGINE (or set it to `gpu`), or put \"cpu\" or a CUDA device first"));
+        }
+        let StageKey::Train(k) = key else { return Ok(()) };
+        if let crate::model::Trainable::Weights(_) = crate::train::trainable(&k.settings.train, &k.settings.adapter) {
+            let at = if k.settings.train.trainable.is_some() {
+                loaded.origin(&["stages", &spec.name, "trainable"])
+            } else {
+                loaded.origin(&["adapter", "kind"])
+            };
+            return Err(Problem::new(
+                "rtune::plan::engine_unavailable",
+                format!(
+                    "stage `{}` trains base weights, which rtune cannot do on Vulkan devices ({on}): candle's \
+                     autograd has no Vulkan backend, and the GPU engine trains LoRA adapters",
+                    spec.name
+                ),
+            )
+            .at(at, "base weights train")
+            .help("train a LoRA adapter on Vulkan, or put \"cpu\" or a CUDA device first in `device.prefer` for this recipe"));
+        }
+        Ok(())
+    }
 
     pub fn check(spec: &StageSpec, loaded: &LoadedRecipe) -> Result<(), Problem> {
         let recipe = &loaded.recipe;
