@@ -330,7 +330,9 @@ fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, p
 }
 
 /// Every check `plan` makes on the recipe's stages (destinations, export formats, sizes), all
-/// at once: `rtune validate` runs them too, so it and `plan` give the same verdict.
+/// at once: `rtune validate` runs them too, so it and `plan` give the same verdict — except on
+/// what the chosen device can run (`support::check_device`), which depends on the machine and
+/// only `plan` and `run` resolve.
 pub fn check_stages(loaded: &LoadedRecipe) -> Result<(), crate::recipe::Problems> {
     let problems: Vec<Problem> =
         loaded.stages.list.iter().filter_map(|spec| support::check(spec, loaded).err()).collect();
