@@ -913,8 +913,8 @@ fn default_recipe_on_vulkan_end_to_end_matches_the_cpu() {
 
 /// The Vulkan device the tests use — `RTUNE_TEST_VULKAN=N` picks device N, as in
 /// tests/gpu_engine.rs; else plain `vulkan` (the first hardware GPU, else lavapipe) — as the
-/// preference, the device it resolves to and that device's name; None (said) when there is none.
-fn vulkan_under_test() -> Option<(String, String, String)> {
+/// preference and the device it resolves to; None (said) when there is none.
+fn vulkan_under_test() -> Option<(String, rtune::device::DeviceInfo)> {
     let wanted = std::env::var("RTUNE_TEST_VULKAN").map_or("vulkan".to_string(), |n| format!("vulkan:{n}"));
     let inv = rtune::device::Inventory::probe(true);
     let found = rtune::device::resolve(std::slice::from_ref(&wanted), &[rtune::recipe::Dtype::F32], &inv)
@@ -929,7 +929,7 @@ fn vulkan_under_test() -> Option<(String, String, String)> {
         eprintln!("no usable Vulkan device: skipped");
         return None;
     };
-    Some((wanted, d.class.device_name(d.ordinal), d.name))
+    Some((wanted, d))
 }
 
 /// What no engine can train on a Vulkan device — base weights (candle's autograd has no Vulkan
@@ -937,7 +937,8 @@ fn vulkan_under_test() -> Option<(String, String, String)> {
 /// located in the recipe, not by the stage once earlier stages have run.
 #[test]
 fn plan_refuses_what_cannot_train_on_vulkan() {
-    let Some((wanted, device, _)) = vulkan_under_test() else { return };
+    let Some((wanted, info)) = vulkan_under_test() else { return };
+    let device = info.class.device_name(info.ordinal);
     let p = Project::tiny_offline();
     let prefer = format!(r#"device.prefer=["{wanted}"]"#);
     for (extra, env, located) in [
@@ -964,9 +965,10 @@ fn plan_refuses_what_cannot_train_on_vulkan() {
 /// Runs the default recipe with `extra` settings on the CPU and on Vulkan, checks what both
 /// tests check, and returns the two reports (CPU, Vulkan).
 fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::Value) {
-    let Some((wanted, device, name)) = vulkan_under_test() else {
+    let Some((wanted, info)) = vulkan_under_test() else {
         return (serde_json::Value::Null, serde_json::Value::Null);
     };
+    let (device, name) = (info.class.device_name(info.ordinal), info.name.clone());
     let run = |prefer: &str| {
         let p = Project::tiny_offline();
         let report = p.run_json(&args(&["tiny.toml", "--set", prefer], extra));
@@ -993,6 +995,7 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
         plan.contains(&format!("{device}/f32")) && plan.contains("cpu/f32"),
         "train on Vulkan, quantize on the CPU:\n{plan}{log}"
     );
+    assert_eq!(plan.contains("is a software Vulkan driver running on the CPU"), !info.gpu, "{plan}");
     assert!(vk_dir.path().join("out/tiny-offline/merged/model.safetensors").is_file());
     // Manifests record the device each stage computed on, as discovery described it.
     let run_of = |stage_name: &str| {

@@ -15,6 +15,19 @@ pub fn render_text(plan: &Plan) -> String {
     for n in &d.dtype_notes {
         let _ = writeln!(out, "  dtype {n}");
     }
+    // lavapipe and SwiftShader are Vulkan on the CPU: a correctness device, far slower than the
+    // CPU engine, which `prefer = ["vulkan", "cpu"]` on a machine whose GPU driver is missing
+    // would otherwise choose silently.
+    let chosen = plan.devices.iter().find(|i| i.class == d.class && i.ordinal == d.ordinal);
+    if let Some(info) = chosen.filter(|i| i.class == crate::device::DeviceClass::Vulkan && !i.gpu) {
+        let _ = writeln!(
+            out,
+            "  note: {} ({}) is a software Vulkan driver running on the CPU, far slower than rtune's CPU \
+             engine (`cpu`); if this machine has a GPU, its Vulkan driver was not found (`rtune doctor`)",
+            d.device_name(),
+            info.name
+        );
+    }
     out.push('\n');
     let rows: Vec<[String; 7]> = plan
         .stages
