@@ -209,7 +209,7 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         if let Some(d) = planned.key.device() {
             manifest.run["device"] = json!(d.resolution().device_name());
             manifest.run["dtype"] = json!(d.dtype.as_str());
-            if let Some(info) = plan.devices.iter().find(|i| i.class == d.class && i.ordinal == d.ordinal) {
+            if let Some(info) = plan.device_info(d.class, d.ordinal) {
                 manifest.run["device_info"] = json!(info);
             }
         }

@@ -99,6 +99,11 @@ impl Plan {
     pub fn stage(&self, name: &str) -> Option<&PlannedStage> {
         self.stages.iter().find(|s| s.name == name)
     }
+
+    /// What discovery said of device `ordinal` of `class`, if a stage computes on it.
+    pub fn device_info(&self, class: device::DeviceClass, ordinal: usize) -> Option<&device::DeviceInfo> {
+        self.devices.iter().find(|i| i.class == class && i.ordinal == ordinal)
+    }
 }
 
 /// Stage selection from the command line.

@@ -18,8 +18,9 @@ pub fn render_text(plan: &Plan) -> String {
     // lavapipe and SwiftShader are Vulkan on the CPU: a correctness device, far slower than the
     // CPU engine, which `prefer = ["vulkan", "cpu"]` on a machine whose GPU driver is missing
     // would otherwise choose silently.
-    let chosen = plan.devices.iter().find(|i| i.class == d.class && i.ordinal == d.ordinal);
-    if let Some(info) = chosen.filter(|i| i.class == crate::device::DeviceClass::Vulkan && !i.gpu) {
+    if let Some(info) =
+        plan.device_info(d.class, d.ordinal).filter(|i| i.class == crate::device::DeviceClass::Vulkan && !i.gpu)
+    {
         let _ = writeln!(
             out,
             "  note: {} ({}) is a software Vulkan driver running on the CPU, far slower than rtune's CPU \
