@@ -280,6 +280,14 @@ pub fn requested() -> Option<String> {
     std::env::var("RTUNE_ENGINE").ok().filter(|e| !e.is_empty() && e != "auto")
 }
 
+/// Why the engine `requested` cannot run on a Vulkan device: candle has no Vulkan backend, so
+/// the GPU engine is the only engine there (`choose` and `plan` both ask).
+pub fn vulkan_engine_refused(requested: Option<&str>) -> Option<String> {
+    requested
+        .filter(|e| *e != "gpu")
+        .map(|e| format!("RTUNE_ENGINE={e}: on Vulkan devices rtune trains with its GPU engine only (`gpu`)"))
+}
+
 /// The engine for `trainable` on `device`: the GPU engine on CUDA and Vulkan and the fused engine
 /// on the CPU in f32 where they support the model, else candle's autograd (which has no Vulkan
 /// backend: there the GPU engine's limits are an error). `requested` (`RTUNE_ENGINE=candle|fused|gpu`)
@@ -295,11 +303,9 @@ pub fn choose(
     let gpu_why = gpu::unsupported(cfg, trainable, device);
     // candle has no Vulkan backend: on a Vulkan device the GPU engine is the only engine.
     if device.class == DeviceClass::Vulkan {
-        return match (requested, gpu_why) {
-            (None | Some("gpu"), None) => Ok(EngineKind::Gpu),
-            (Some(other), None) => Err(EngineError::Unsupported(format!(
-                "RTUNE_ENGINE={other}: on Vulkan devices rtune trains with its GPU engine only (`gpu`)"
-            ))),
+        return match (vulkan_engine_refused(requested), gpu_why) {
+            (None, None) => Ok(EngineKind::Gpu),
+            (Some(why), None) => Err(EngineError::Unsupported(why)),
             (_, Some(why)) => Err(EngineError::Unsupported(format!(
                 "{}: on Vulkan devices rtune trains with its GPU engine only, and {why} (use `prefer = [\"cpu\"]` or a CUDA device for this)",
                 device.device_name()

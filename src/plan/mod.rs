@@ -363,16 +363,14 @@ mod support {
             return Ok(());
         }
         let on = dev.resolution().device_name();
-        if let Some(engine) = dev.engine.as_deref().filter(|e| *e != "gpu") {
-            return Err(Problem::new(
-                "rtune::plan::engine_unavailable",
-                format!("RTUNE_ENGINE={engine}: on Vulkan devices ({on}) rtune trains with its GPU engine only"),
-            )
-            .at(loaded.origin(&["device", "prefer"]), "resolves to a Vulkan device")
-            .help("unset RTUNE_ENGINE (or set it to `gpu`), or put \"cpu\" or a CUDA device first"));
+        if let Some(why) = crate::engine::vulkan_engine_refused(dev.engine.as_deref()) {
+            return Err(Problem::new("rtune::plan::engine_unavailable", format!("{why} (the recipe runs on {on})"))
+                .at(loaded.origin(&["device", "prefer"]), "resolves to a Vulkan device")
+                .help("unset RTUNE_ENGINE (or set it to `gpu`), or put \"cpu\" or a CUDA device first"));
         }
         let StageKey::Train(k) = key else { return Ok(()) };
-        if let crate::model::Trainable::Weights(_) = crate::train::trainable(&k.settings.train, &k.settings.adapter) {
+        let trainable = crate::train::trainable(&k.settings.train, &k.settings.adapter);
+        if let Some(why) = crate::engine::gpu::trainable_unsupported(&trainable) {
             let at = if k.settings.train.trainable.is_some() {
                 loaded.origin(&["stages", &spec.name, "trainable"])
             } else {
@@ -381,8 +379,7 @@ mod support {
             return Err(Problem::new(
                 "rtune::plan::engine_unavailable",
                 format!(
-                    "stage `{}` trains base weights, which rtune cannot do on Vulkan devices ({on}): candle's \
-                     autograd has no Vulkan backend, and the GPU engine trains LoRA adapters",
+                    "stage `{}` cannot train on {on}, a Vulkan device: {why}, which has no Vulkan backend",
                     spec.name
                 ),
             )

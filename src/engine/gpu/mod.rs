@@ -44,10 +44,17 @@ pub fn unsupported(cfg: &ModelConfig, trainable: &Trainable, device: &Resolution
     model_unsupported(cfg, trainable)
 }
 
+/// Why the GPU engine cannot train `trainable`, whatever the model (`plan` asks before any model
+/// is loaded).
+pub fn trainable_unsupported(trainable: &Trainable) -> Option<String> {
+    matches!(trainable, Trainable::Weights(_))
+        .then(|| "the GPU engine trains LoRA adapters; base weights train on candle's autograd".into())
+}
+
 /// Why the GPU engine cannot run `trainable` of this model on any device.
 pub fn model_unsupported(cfg: &ModelConfig, trainable: &Trainable) -> Option<String> {
-    if let Trainable::Weights(_) = trainable {
-        return Some("the GPU engine trains LoRA adapters; base weights train on candle's autograd".into());
+    if let Some(why) = trainable_unsupported(trainable) {
+        return Some(why);
     }
     if !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > 256 {
         return Some(format!("the GPU engine's attention takes even head sizes up to 256, not {}", cfg.head_dim));
