@@ -18,7 +18,7 @@ trap 'rm -rf "$out"' EXIT
 typed="embed gather_rows scatter_add_rows add add_bias cast_from_f32 rmsnorm_fwd rmsnorm_apply rmsnorm_bwd rope
   swiglu swiglu_bwd dropout dropout_acc cross_entropy attn_fwd attn_bwd_pre attn_bwd_dq attn_bwd_dkv
   attn_fwd_sg attn_bwd_dq_sg attn_bwd_dkv_sg"
-plain="sum_scaled sum_squares adamw ema zero16"
+plain="sum_scaled sum_squares adamw ema zero16 rounding_probe"
 compile() { # name, defines...
   local name=$1
   shift

@@ -4,6 +4,8 @@
 //! CI, Mesa's software driver lavapipe). Each kernel is checked against a plain Rust reference on random inputs, and the
 //! engine against candle's autograd (the reference every engine answers to) on the model tests'
 //! fixtures: loss, every gradient, AdamW steps, checkpoints and generation.
+//! Unix only: the emulator runs CUDA threads as ucontext coroutines.
+#![cfg(unix)]
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
@@ -517,6 +519,72 @@ fn adamw_and_reductions_match_the_cpu_optimizer() {
         let want = (g.iter().map(|v| (*v as f64).powi(2)).sum::<f64>(), 0.5 * g.iter().map(|v| *v as f64).sum::<f64>());
         assert!((got.0 - want.0).abs() < 1e-4 * want.0, "Σx² {} vs {}", got.0, want.0);
         assert!((got.1 - want.1).abs() < 1e-4 * want.1.abs().max(1.0), "weighted sum {} vs {}", got.1, want.1);
+    }
+}
+
+/// Vulkan lets a driver divide within 2.5 ulp and take square roots through an approximate
+/// reciprocal, so the AdamW kernel rounds both itself (kernels.comp's `div_fix`, `sqrt_fix`).
+/// On lavapipe the driver's results are already correctly rounded and the corrections never
+/// move, so the probe kernel starts them from estimates moved up to 9 ulp away: every result must
+/// still be the correctly rounded one (Rust's f32 division and square root).
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_division_and_square_root_round_correctly_from_estimates_ulps_away() {
+    let gpu: Rc<dyn Gpu> = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
+        Ok(g) => Rc::new(g),
+        Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
+        Err(e) => return eprintln!("no Vulkan device: {e}"),
+    };
+    let mut rng = Rng::new(17);
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    // Random significands, signs and exponents over ±2^40.
+    let random = |rng: &mut Rng| {
+        let bits = (rng.next_u64() as u32 & 0x807f_ffff) | (((rng.next_u64() % 81) as u32 + 87) << 23);
+        f32::from_bits(bits)
+    };
+    for _ in 0..4000 {
+        a.push(random(&mut rng));
+        b.push(random(&mut rng));
+    }
+    // Binade edges: all-ones and all-zeros significands, exact quotients and roots, results
+    // next to powers of two from either side.
+    let edges = [1.0f32, 2.0, 4.0, 0.25, 3.0, 9.0, 2.25, 6.0, 1.5, 7.0];
+    let near_one = [f32::from_bits(0x3f7f_ffff), f32::from_bits(0x3f80_0001), f32::from_bits(0x3fff_ffff)];
+    for &x in edges.iter().chain(&near_one) {
+        for &y in edges.iter().chain(&near_one) {
+            a.push(x);
+            b.push(y);
+            a.push(-x * 1024.0);
+            b.push(y / 64.0);
+        }
+    }
+    let n = a.len();
+    let (ab, bb) = (Buf::from_f32(&gpu, &a, Dt::F32).unwrap(), Buf::from_f32(&gpu, &b, Dt::F32).unwrap());
+    let (qb, sb) = (Buf::zeros(&gpu, n, Dt::F32).unwrap(), Buf::zeros(&gpu, n, Dt::F32).unwrap());
+    for nudge in [-9, -3, -1, 0, 1, 2, 9] {
+        let args = [
+            Arg::Ptr(ab.ptr()),
+            Arg::Ptr(bb.ptr()),
+            Arg::Ptr(qb.ptr()),
+            Arg::Ptr(sb.ptr()),
+            Arg::I32(n as i32),
+            Arg::I32(nudge),
+        ];
+        gpu.launch("rounding_probe", [(n as u32).div_ceil(256), 1, 1], 256, &args).unwrap();
+        let (q, s) = (qb.to_vec().unwrap(), sb.to_vec().unwrap());
+        for i in 0..n {
+            let (want_q, want_s) = (a[i] / b[i], a[i].abs().sqrt());
+            assert_eq!(
+                q[i].to_bits(),
+                want_q.to_bits(),
+                "{} / {} from {nudge} ulp off: {} vs {want_q}",
+                a[i],
+                b[i],
+                q[i]
+            );
+            assert_eq!(s[i].to_bits(), want_s.to_bits(), "√{} from {nudge} ulp off: {} vs {want_s}", a[i].abs(), s[i]);
+        }
     }
 }
 

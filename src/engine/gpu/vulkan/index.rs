@@ -69,6 +69,7 @@ pub const KERNELS: &[(&str, &[u8])] = &[
     ("rope_bf16", include_bytes!("spirv/rope_bf16.spv")),
     ("rope_f16", include_bytes!("spirv/rope_f16.spv")),
     ("rope_f32", include_bytes!("spirv/rope_f32.spv")),
+    ("rounding_probe", include_bytes!("spirv/rounding_probe.spv")),
     ("scatter_add_rows_bf16", include_bytes!("spirv/scatter_add_rows_bf16.spv")),
     ("scatter_add_rows_f16", include_bytes!("spirv/scatter_add_rows_f16.spv")),
     ("scatter_add_rows_f32", include_bytes!("spirv/scatter_add_rows_f32.spv")),

@@ -424,8 +424,100 @@ void main() {
 }
 #endif
 
+// Correctly rounded division and square root, as kernels.cu's __fdiv_rn and __fsqrt_rn. Vulkan
+// rounds adds and multiplies correctly but lets a driver divide within 2.5 ulp and take sqrt as
+// 1 / inversesqrt (GPU drivers use reciprocal approximations), while AdamW must equal the CPU
+// optimizer (torch's) bit for bit. Each result starts from the driver's and moves, one ulp at a
+// time, to the float whose rounding interval holds the exact value: the midpoints between
+// neighbouring floats are compared with the exact value through integer arithmetic on the
+// significands (no midpoint is ever hit exactly: for normal floats an exact quotient or root
+// would need 25 significant bits). Normal operands and results only; others keep the driver's
+// value (Vulkan lets drivers flush subnormals anyway).
+#if defined(K_adamw) || defined(K_rounding_probe)
+// m · 2^e of a normal float's magnitude, m < 2^24.
+void parts(float x, out uint64_t m, out int e) {
+    uint u = floatBitsToUint(x);
+    m = uint64_t((u & 0x7fffffu) | 0x800000u);
+    e = int((u >> 23) & 0xffu) - 150;
+}
+// x · 2^d < y, exactly, for 1 ≤ x < 2^26 and 1 ≤ y < 2^51.
+bool less_scaled(uint64_t x, int d, uint64_t y) {
+    if (d >= 52) return false;
+    if (d >= 0) return x < ((y + (uint64_t(1) << d) - 1ul) >> d); // x < ⌈y / 2^d⌉
+    if (d <= -32) return true;
+    return (x >> (-d)) < y; // ⌊x / 2^-d⌋ < y
+}
+bool is_normal(float x) {
+    uint e = (floatBitsToUint(x) >> 23) & 0xffu;
+    return e != 0u && e != 0xffu;
+}
+// Far enough inside the normal range that 16 steps of one ulp stay in it.
+bool is_inner(float x) {
+    uint e = (floatBitsToUint(x) >> 23) & 0xffu;
+    return e > 1u && e < 254u;
+}
+float ulp_up(float x) { return uintBitsToFloat(floatBitsToUint(x) + 1u); }
+float ulp_down(float x) { return uintBitsToFloat(floatBitsToUint(x) - 1u); }
+// |a / b| below the midpoint between q and the next float up (q > 0):
+// ma·2^ea / (mb·2^eb) < (2mq + 1)·2^(eq − 1)  ⇔  ma·2^(ea − eq − eb + 1) < (2mq + 1)·mb.
+bool quotient_below(uint64_t ma, int ea, uint64_t mb, int eb, float q) {
+    uint64_t mq;
+    int eq;
+    parts(q, mq, eq);
+    return less_scaled(ma, ea - eq - eb + 1, (2ul * mq + 1ul) * mb);
+}
+// √x below the midpoint above s: x < ((2ms + 1)·2^(es − 1))²  ⇔  mx·2^(ex − 2es + 2) < (2ms + 1)².
+bool root_below(uint64_t mx, int ex, float s) {
+    uint64_t ms;
+    int es;
+    parts(s, ms, es);
+    return less_scaled(mx, ex - 2 * es + 2, (2ul * ms + 1ul) * (2ul * ms + 1ul));
+}
+// a / b rounded to nearest from an estimate q0 within 16 ulp of it.
+float div_fix(float a, float b, float q0) {
+    float q = abs(q0);
+    if (!is_normal(a) || !is_normal(b) || !is_inner(q)) return q0;
+    uint64_t ma, mb;
+    int ea, eb;
+    parts(a, ma, ea);
+    parts(b, mb, eb);
+    for (int i = 0; i < 16 && !quotient_below(ma, ea, mb, eb, q); i++) q = ulp_up(q);
+    for (int i = 0; i < 16 && quotient_below(ma, ea, mb, eb, ulp_down(q)); i++) q = ulp_down(q);
+    return ((floatBitsToUint(a) ^ floatBitsToUint(b)) & 0x80000000u) != 0u ? -q : q;
+}
+// √x rounded to nearest from an estimate s0 within 16 ulp of it.
+float sqrt_fix(float x, float s0) {
+    float s = s0;
+    if (!is_normal(x) || x < 0.0 || !is_inner(s)) return s0;
+    uint64_t mx;
+    int ex;
+    parts(x, mx, ex);
+    for (int i = 0; i < 16 && !root_below(mx, ex, s); i++) s = ulp_up(s);
+    for (int i = 0; i < 16 && root_below(mx, ex, ulp_down(s)); i++) s = ulp_down(s);
+    return s;
+}
+float div_rn(float a, float b) { return div_fix(a, b, a / b); }
+float sqrt_rn(float x) { return sqrt_fix(x, sqrt(x)); }
+#endif
+
+// The rounding above from estimates moved `nudge` ulps away from the driver's, so that the tests
+// (tests/gpu_engine.rs) reach its corrections on drivers whose own division and square root are
+// already correctly rounded (lavapipe). q = a / b, s = √|a|.
+#ifdef K_rounding_probe
+layout(push_constant) uniform P { F32 a; F32 b; F32 q; F32 s; int n; int nudge; } p;
+void main() {
+    FOR_EACH(i, p.n) {
+        float a = p.a.v[i], b = p.b.v[i];
+        float q0 = uintBitsToFloat(uint(int(floatBitsToUint(a / b)) + p.nudge));
+        float s0 = uintBitsToFloat(uint(int(floatBitsToUint(sqrt(abs(a)))) + p.nudge));
+        p.q.v[i] = div_fix(a, b, q0);
+        p.s.v[i] = sqrt_fix(abs(a), s0);
+    }
+}
+#endif
+
 // One AdamW step in torch.optim.AdamW's operation order (src/train/optim.rs); `precise` keeps
-// the compiler from fusing multiplies and adds.
+// the compiler from fusing multiplies and adds, div_rn and sqrt_rn round as the CPU does.
 #ifdef K_adamw
 layout(push_constant) uniform P {
     F32 w; F32 g; F32 m; F32 v; int n; float decay; float one_minus_b1; float b2; float one_minus_b2;
@@ -438,8 +530,8 @@ void main() {
         precise float m0 = p.m.v[i];
         precise float mi = m0 + (gi - m0) * p.one_minus_b1;
         precise float vi = p.v.v[i] * p.b2 + (gi * gi) * p.one_minus_b2;
-        precise float denom = sqrt(vi) / p.bc2_sqrt + p.eps;
-        precise float wn = wi + (mi / denom) * (-p.step_size);
+        precise float denom = div_rn(sqrt_rn(vi), p.bc2_sqrt) + p.eps;
+        precise float wn = wi + div_rn(mi, denom) * (-p.step_size);
         p.w.v[i] = wn;
         p.m.v[i] = mi;
         p.v.v[i] = vi;
