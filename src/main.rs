@@ -404,7 +404,10 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                 inv.cpu_threads
             );
             for d in &inv.devices {
-                let mem = d.memory_bytes.map(human_bytes).unwrap_or_else(|| "unknown".into());
+                let mut mem = d.memory_bytes.map(human_bytes).unwrap_or_else(|| "unknown".into());
+                if let Some(free) = d.memory_free_bytes {
+                    mem.push_str(&format!(" ({} free)", human_bytes(free)));
+                }
                 let dtypes = d.dtypes.iter().map(|t| t.as_str()).collect::<Vec<_>>().join(", ");
                 let id = d.class.device_name(d.ordinal);
                 out.push_str(&format!("  {id:<8} {}  memory {mem}  training dtypes: {dtypes}\n", d.name));

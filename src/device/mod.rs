@@ -53,6 +53,10 @@ pub struct DeviceInfo {
     /// Training dtypes in the order rtune would pick them.
     pub dtypes: Vec<Dtype>,
     pub memory_bytes: Option<u64>,
+    /// Of that, what the driver says this process may still allocate, where it says (Vulkan
+    /// with `VK_EXT_memory_budget`): less where other programs hold GPU memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_free_bytes: Option<u64>,
     /// Compute capability, driver: what else `rtune doctor` shows.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub details: Option<String>,
@@ -76,6 +80,7 @@ impl DeviceInfo {
             name,
             dtypes: vec![Dtype::F32],
             memory_bytes,
+            memory_free_bytes: None,
             details: None,
             unusable: None,
             vendor_id: None,
@@ -129,6 +134,7 @@ impl Inventory {
                     name: d.name,
                     dtypes,
                     memory_bytes: Some(d.memory_bytes),
+                    memory_free_bytes: None,
                     details: Some(format!("compute capability {major}.{minor}, {} driver", d.driver)),
                     unusable,
                     vendor_id: Some(VENDOR_NVIDIA),
@@ -145,6 +151,7 @@ impl Inventory {
                     name: "metal".into(),
                     dtypes: vec![Dtype::Bf16, Dtype::F16, Dtype::F32],
                     memory_bytes: None,
+                    memory_free_bytes: None,
                     details: None,
                     unusable: None,
                     vendor_id: None,
@@ -430,6 +437,7 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
         name: d.name.clone(),
         dtypes,
         memory_bytes: Some(d.memory_bytes),
+        memory_free_bytes: d.memory_free_bytes,
         details: Some(format!(
             "{} {} device, Vulkan {}, {}; cooperative matrices: {}",
             d.vendor(),
@@ -478,6 +486,7 @@ mod tests {
                 name: format!("cuda:{i}"),
                 dtypes: vec![Dtype::Bf16, Dtype::F16, Dtype::F32],
                 memory_bytes: None,
+                memory_free_bytes: None,
                 details: None,
                 unusable: None,
                 vendor_id: None,
@@ -553,6 +562,7 @@ mod tests {
                 name: format!("gpu{i}"),
                 dtypes: vec![Dtype::F16, Dtype::F32],
                 memory_bytes: None,
+                memory_free_bytes: None,
                 details: None,
                 unusable: unusable.map(str::to_string),
                 vendor_id: Some(*vendor),

@@ -23,6 +23,8 @@ pub struct VulkanInfo {
     /// Memory for tensors: the largest device-local heap (on an integrated GPU, or the largest
     /// other heap if that is larger; see [`tensor_memory_bytes`]).
     pub memory_bytes: u64,
+    /// What the driver says this process may still allocate of that ([`TensorMemory::free`]).
+    pub memory_free_bytes: Option<u64>,
     /// 16-bit storage buffers: bf16 and f16 tensors (the kernels compute in f32, so neither
     /// `shaderFloat16` nor `VK_KHR_shader_bfloat16` is needed).
     pub storage16: bool,
@@ -132,8 +134,7 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
         format!("driver version {:#x}", props.driver_version)
     };
     let support = unsafe { engine_support(instance, pd) };
-    let integrated = props.device_type == vk::PhysicalDeviceType::INTEGRATED_GPU;
-    let memory_bytes = tensor_memory_bytes(&unsafe { instance.get_physical_device_memory_properties(pd) }, integrated);
+    let memory = unsafe { TensorMemory::read(instance, pd) };
     VulkanInfo {
         name: text(props.device_name_as_c_str()),
         vendor_id: props.vendor_id,
@@ -146,7 +147,8 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
         },
         driver,
         api: format!("{}.{}", vk::api_version_major(api), vk::api_version_minor(api)),
-        memory_bytes,
+        memory_bytes: memory.total,
+        memory_free_bytes: unsafe { memory.free(instance, pd) },
         storage16: support.storage16,
         bf16: has("VK_KHR_shader_bfloat16"),
         cooperative_matrix: has("VK_KHR_cooperative_matrix"),
@@ -195,12 +197,72 @@ pub unsafe fn engine_support(instance: &ash::Instance, pd: vk::PhysicalDevice) -
 /// memory in a second heap, which the engine spills to (see [`tensor_memory_types`]); the two
 /// are not summed, since a large carve-out and the second heap share the same RAM.
 pub fn tensor_memory_bytes(memory: &vk::PhysicalDeviceMemoryProperties, integrated: bool) -> u64 {
+    tensor_heaps(memory, integrated).map(|i| memory.memory_heaps[i].size).max().unwrap_or(0)
+}
+
+/// The heaps tensors live in: the largest device-local heap, and on an integrated GPU the
+/// largest other heap too.
+fn tensor_heaps(memory: &vk::PhysicalDeviceMemoryProperties, integrated: bool) -> impl Iterator<Item = usize> {
     let heaps = &memory.memory_heaps[..memory.memory_heap_count as usize];
     let largest = |local: bool| {
-        heaps.iter().filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL) == local).map(|h| h.size).max()
+        (0..heaps.len())
+            .filter(|&i| heaps[i].flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL) == local)
+            .max_by_key(|&i| heaps[i].size)
     };
-    let local = largest(true).unwrap_or(0);
-    if integrated { local.max(largest(false).unwrap_or(0)) } else { local }
+    largest(true).into_iter().chain(largest(false).filter(|_| integrated))
+}
+
+/// The memory the GPU engine's tensors use on a device, read once: what discovery shows and
+/// what the engine budgets come from the same place.
+pub struct TensorMemory {
+    /// The device's memory heaps and types.
+    pub properties: vk::PhysicalDeviceMemoryProperties,
+    /// An integrated GPU: tensors may spill from the device-local heap to the others.
+    pub integrated: bool,
+    /// Bytes for tensors ([`tensor_memory_bytes`]).
+    pub total: u64,
+    /// The driver reports memory budgets (`VK_EXT_memory_budget`).
+    budget: bool,
+}
+
+impl TensorMemory {
+    /// # Safety
+    /// `pd` must be a physical device of the live `instance`.
+    pub unsafe fn read(instance: &ash::Instance, pd: vk::PhysicalDevice) -> TensorMemory {
+        // SAFETY (all calls): the caller's contract.
+        let integrated = unsafe { instance.get_physical_device_properties(pd) }.device_type
+            == vk::PhysicalDeviceType::INTEGRATED_GPU;
+        let properties = unsafe { instance.get_physical_device_memory_properties(pd) };
+        TensorMemory {
+            properties,
+            integrated,
+            total: tensor_memory_bytes(&properties, integrated),
+            budget: unsafe { has_extension(instance, pd, ash::ext::memory_budget::NAME) },
+        }
+    }
+
+    /// Of `total`, what the driver says this process may still allocate now (a heap's budget
+    /// less its usage, which counts this process's own allocations): less than the heap where
+    /// other programs hold memory — a desktop's compositor and browser on the GPU that drives
+    /// the display. None where the driver reports no budgets.
+    ///
+    /// # Safety
+    /// `pd` must be the physical device of the live `instance` this was read from.
+    pub unsafe fn free(&self, instance: &ash::Instance, pd: vk::PhysicalDevice) -> Option<u64> {
+        if !self.budget {
+            return None;
+        }
+        let mut budget = vk::PhysicalDeviceMemoryBudgetPropertiesEXT::default();
+        let mut props = vk::PhysicalDeviceMemoryProperties2::default().push_next(&mut budget);
+        // SAFETY: the caller's contract; the chained structure outlives the call.
+        unsafe { instance.get_physical_device_memory_properties2(pd, &mut props) };
+        Some(free_in_budget(&props.memory_properties, &budget.heap_budget, &budget.heap_usage, self.integrated))
+    }
+}
+
+/// The tensor heaps' budget less usage, the larger where there are two (as for their sizes).
+fn free_in_budget(memory: &vk::PhysicalDeviceMemoryProperties, budget: &[u64], usage: &[u64], integrated: bool) -> u64 {
+    tensor_heaps(memory, integrated).map(|i| budget[i].saturating_sub(usage[i])).max().unwrap_or(0)
 }
 
 /// The memory types (indices) a tensor buffer may live in, among `bits` (its requirements), in
@@ -269,5 +331,22 @@ mod tests {
         let unified = memory(&[(16 * GIB, true)], &[(0, dl), (0, dl | hv | hc), (0, dl | hv | hc | hk)]);
         assert_eq!(tensor_memory_bytes(&unified, true), 16 * GIB);
         assert_eq!(tensor_memory_types(&unified, 0b111, true), [0, 1, 2]);
+    }
+
+    #[test]
+    fn free_memory_is_the_tensor_heaps_budget_less_usage() {
+        const GIB: u64 = 1 << 30;
+        let dl = vk::MemoryPropertyFlags::DEVICE_LOCAL;
+        // A discrete GPU driving a desktop: 8 GiB VRAM (the compositor holds 1.5 GiB, so the
+        // driver budgets 6.5 GiB; this process uses 1 GiB) and 32 GiB of system memory.
+        let gpu = memory(&[(32 * GIB, false), (8 * GIB, true)], &[(1, dl)]);
+        let (budget, usage) = ([30 * GIB, 13 * GIB / 2], [0, GIB]);
+        assert_eq!(free_in_budget(&gpu, &budget, &usage, false), 11 * GIB / 2);
+        // Over budget is nothing free, not an underflow.
+        assert_eq!(free_in_budget(&gpu, &budget, &[0, 7 * GIB], false), 0);
+        // An APU: the larger of what its two heaps have left.
+        let apu = memory(&[(GIB / 2, true), (15 * GIB / 2, false)], &[(0, dl)]);
+        assert_eq!(free_in_budget(&apu, &[GIB / 2, 6 * GIB], &[GIB / 4, GIB], true), 5 * GIB);
+        assert_eq!(free_in_budget(&apu, &[GIB / 2, 6 * GIB], &[GIB / 4, GIB], false), GIB / 4);
     }
 }

@@ -79,11 +79,8 @@ pub struct VulkanGpu {
     queue: vk::Queue,
     pool: vk::CommandPool,
     layout: vk::PipelineLayout,
-    memory: vk::PhysicalDeviceMemoryProperties,
-    /// An integrated GPU: tensors may spill from the device-local heap to the others.
-    integrated: bool,
-    /// Bytes for tensors (`device::vulkan::tensor_memory_bytes`).
-    total: u64,
+    memory: crate::device::vulkan::TensorMemory,
+    physical: vk::PhysicalDevice,
     max_invocations: u32,
     max_groups: [u32; 3],
     /// 16-bit storage buffers (bf16 and f16 tensors; the kernels compute in f32).
@@ -205,9 +202,7 @@ impl VulkanGpu {
             let layout = device
                 .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges), None)
                 .map_err(verr("pipeline layout"))?;
-            let memory = instance.get_physical_device_memory_properties(pd);
-            let integrated = props.device_type == vk::PhysicalDeviceType::INTEGRATED_GPU;
-            let total = crate::device::vulkan::tensor_memory_bytes(&memory, integrated);
+            let memory = crate::device::vulkan::TensorMemory::read(&instance, pd);
             let mut sub = vk::PhysicalDeviceSubgroupProperties::default();
             instance
                 .get_physical_device_properties2(pd, &mut vk::PhysicalDeviceProperties2::default().push_next(&mut sub));
@@ -228,8 +223,7 @@ impl VulkanGpu {
                 pool,
                 layout,
                 memory,
-                integrated,
-                total,
+                physical: pd,
                 max_invocations: props.limits.max_compute_work_group_invocations,
                 max_groups: props.limits.max_compute_work_group_count,
                 storage16: support.storage16,
@@ -268,8 +262,9 @@ impl VulkanGpu {
     }
 
     fn memory_type(&self, bits: u32, want: vk::MemoryPropertyFlags) -> Option<u32> {
-        (0..self.memory.memory_type_count)
-            .find(|&i| bits & (1 << i) != 0 && self.memory.memory_types[i as usize].property_flags.contains(want))
+        (0..self.memory.properties.memory_type_count).find(|&i| {
+            bits & (1 << i) != 0 && self.memory.properties.memory_types[i as usize].property_flags.contains(want)
+        })
     }
 
     /// A new block of `size` bytes (device-local, or host-visible and mapped for staging).
@@ -290,7 +285,11 @@ impl VulkanGpu {
                     .or_else(|| self.memory_type(req.memory_type_bits, host));
                 ty.into_iter().collect()
             } else {
-                crate::device::vulkan::tensor_memory_types(&self.memory, req.memory_type_bits, self.integrated)
+                crate::device::vulkan::tensor_memory_types(
+                    &self.memory.properties,
+                    req.memory_type_bits,
+                    self.memory.integrated,
+                )
             };
             // The first type whose heap has room (an integrated GPU's second heap once the first
             // is full).
@@ -572,6 +571,18 @@ impl VulkanGpu {
         Ok(())
     }
 
+    /// Bytes tensors could still take: what `total` leaves beside the live blocks, and where the
+    /// driver reports a budget, no more than it leaves (other programs' memory counted) plus the
+    /// blocks cached here for reuse, which it counts as used.
+    fn free(&self, st: &State) -> u64 {
+        let own = self.memory.total.saturating_sub(st.live_bytes);
+        // SAFETY: `physical` is the live instance's device the memory was read from.
+        match unsafe { self.memory.free(&self.instance, self.physical) } {
+            Some(left) => own.min(left + st.held.saturating_sub(st.live_bytes)),
+            None => own,
+        }
+    }
+
     fn release_cache(&self, st: &mut State) {
         let _ = self.sync(st);
         for (_, blocks) in st.cache.drain().collect::<Vec<_>>() {
@@ -594,16 +605,16 @@ impl Gpu for VulkanGpu {
         self.check(st)?;
         let oom = |st: &State| GpuError::OutOfMemory {
             requested: bytes as u64,
-            free: self.total.saturating_sub(st.live_bytes),
-            total: self.total,
+            free: self.free(st),
+            total: self.memory.total,
         };
         let block = match st.cache.get_mut(&class).and_then(Vec::pop) {
             Some(b) => b,
             None => {
-                if st.live_bytes + class as u64 > self.total {
+                if st.live_bytes + class as u64 > self.memory.total {
                     return Err(oom(st));
                 }
-                if st.held + class as u64 > self.total {
+                if st.held + class as u64 > self.memory.total {
                     self.release_cache(st);
                 }
                 let b = match self.create_block(class, false) {
@@ -763,7 +774,7 @@ impl Gpu for VulkanGpu {
 
     fn memory(&self) -> Memory {
         let st = self.state.borrow();
-        Memory { peak_used: st.peak, free: self.total.saturating_sub(st.live_bytes), total: self.total }
+        Memory { peak_used: st.peak, free: self.free(&st), total: self.memory.total }
     }
 
     fn reset_peak(&self) {
