@@ -71,6 +71,34 @@ struct Slot {
     len: usize,
 }
 
+/// Named CPU tensors into `values` at their slots; every slot must be there (`missing` makes the
+/// error for one that is not) with its shape.
+fn fill_slots(
+    slots: &[Slot],
+    tensors: &BTreeMap<String, Tensor>,
+    values: &mut [f32],
+    missing: impl Fn(String) -> EngineError,
+) -> Result<(), EngineError> {
+    for s in slots {
+        let t = tensors.get(&s.name).ok_or_else(|| missing(s.name.clone()))?;
+        if t.dims() != s.shape.as_slice() {
+            return Err(ModelError::ShapeMismatch {
+                name: s.name.clone(),
+                expected: s.shape.clone(),
+                found: t.dims().to_vec(),
+            }
+            .into());
+        }
+        let v: Vec<f32> = t
+            .to_dtype(candle_core::DType::F32)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1())
+            .map_err(EngineError::candle(format!("read `{}`", s.name)))?;
+        values[s.off..s.off + s.len].copy_from_slice(&v);
+    }
+    Ok(())
+}
+
 /// Trained parameters with their optimizer state, flat f32.
 struct Trained {
     slots: Vec<Slot>,
@@ -278,23 +306,7 @@ impl GpuEngine {
                 }
                 if let Some(dir) = setup.trained.filter(|d| d.join("adapter_config.json").is_file()) {
                     let saved = peft::read_weights(dir, &candle_core::Device::Cpu)?;
-                    for s in &slots {
-                        let t = saved.get(&s.name).ok_or_else(|| ModelError::MissingTensor { name: s.name.clone() })?;
-                        if t.dims() != s.shape.as_slice() {
-                            return Err(ModelError::ShapeMismatch {
-                                name: s.name.clone(),
-                                expected: s.shape.clone(),
-                                found: t.dims().to_vec(),
-                            }
-                            .into());
-                        }
-                        let v: Vec<f32> = t
-                            .to_dtype(candle_core::DType::F32)
-                            .and_then(|t| t.flatten_all())
-                            .and_then(|t| t.to_vec1())
-                            .map_err(EngineError::candle(format!("read `{}`", s.name)))?;
-                        values[s.off..s.off + s.len].copy_from_slice(&v);
-                    }
+                    fill_slots(&slots, &saved, &mut values, |name| ModelError::MissingTensor { name }.into())?;
                 }
                 Some(
                     Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)
@@ -872,25 +884,9 @@ impl Trained {
     /// Named CPU tensors into a flat buffer; every slot must be present with its shape.
     fn load(&self, buf: &Buf, values: &BTreeMap<String, Tensor>, what: &str) -> Result<(), EngineError> {
         let mut all = vec![0f32; buf.len];
-        for s in &self.slots {
-            let t = values
-                .get(&s.name)
-                .ok_or_else(|| EngineError::Unsupported(format!("the checkpoint has no {what} for `{}`", s.name)))?;
-            if t.dims() != s.shape.as_slice() {
-                return Err(ModelError::ShapeMismatch {
-                    name: s.name.clone(),
-                    expected: s.shape.clone(),
-                    found: t.dims().to_vec(),
-                }
-                .into());
-            }
-            let v: Vec<f32> = t
-                .to_dtype(candle_core::DType::F32)
-                .and_then(|t| t.flatten_all())
-                .and_then(|t| t.to_vec1())
-                .map_err(EngineError::candle(format!("read `{}`", s.name)))?;
-            all[s.off..s.off + s.len].copy_from_slice(&v);
-        }
+        fill_slots(&self.slots, values, &mut all, |name| {
+            EngineError::Unsupported(format!("the checkpoint has no {what} for `{name}`"))
+        })?;
         buf.write(0, &all).map_err(gerr("restore a checkpoint"))
     }
 }
