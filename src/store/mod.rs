@@ -97,8 +97,10 @@ impl Store {
         if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
             return PathBuf::from(d).join("rtune");
         }
-        match std::env::var_os("HOME") {
-            Some(h) => PathBuf::from(h).join(".cache").join("rtune"),
+        // The home folder: $HOME, else the account's (on Windows %USERPROFILE%, where HOME is
+        // rarely set), as the Hugging Face cache finds `~/.cache` too.
+        match std::env::home_dir().filter(|h| !h.as_os_str().is_empty()) {
+            Some(h) => h.join(".cache").join("rtune"),
             None => PathBuf::from(".rtune-cache"),
         }
     }
@@ -196,8 +198,7 @@ impl Store {
         }
         let dir = self.artifact_dir(fp);
         if dir.exists() {
-            make_writable(&dir);
-            fs::remove_dir_all(&dir).map_err(io_err("remove", &dir))?;
+            self.remove_view(&dir)?;
         }
         let marker = self.damage_marker(fp);
         if marker.exists() {
@@ -254,9 +255,10 @@ impl Store {
             if !obj.exists() {
                 let parent = obj.parent().expect("objects have a parent");
                 fs::create_dir_all(parent).map_err(io_err("create", parent))?;
+                // The bytes reach the disk before anything can name them (and before the file
+                // turns read-only: Windows flushes only through a handle that may write).
+                sync_file(&src).map_err(io_err("sync", &src))?;
                 set_readonly(&src).map_err(io_err("protect", &src))?;
-                // The bytes reach the disk before anything can name them.
-                File::open(&src).and_then(|f| f.sync_all()).map_err(io_err("sync", &src))?;
                 fs::rename(&src, &obj).map_err(io_err("store", &obj))?;
                 sync_dir(parent);
             }
@@ -266,6 +268,7 @@ impl Store {
             }
             if fs::hard_link(&obj, &view).is_err() {
                 fs::copy(&obj, &view).map_err(io_err("copy", &obj))?;
+                sync_file(&view).map_err(io_err("sync", &view))?;
                 set_readonly(&view).map_err(io_err("protect", &view))?;
             }
             files.insert(rel_string(&rel), FileEntry { digest, size });
@@ -273,8 +276,7 @@ impl Store {
         let dir = self.artifact_dir(&fp);
         if dir.exists() {
             // A folder without a manifest is left over from a crash; we hold the lock.
-            make_writable(&dir);
-            fs::remove_dir_all(&dir).map_err(io_err("remove", &dir))?;
+            self.remove_view(&dir)?;
         }
         let view = tmp_view.keep();
         // The view's directory entries (links to the objects) reach the disk before it is named.
@@ -312,6 +314,13 @@ impl Store {
             Err(fs::TryLockError::WouldBlock) => return Err(StoreError::Busy { root: self.root.clone() }),
             Err(fs::TryLockError::Error(e)) => return Err(io_err("lock", &self.base.join("locks/store.lock"))(e)),
         }
+        let collected = self.collect();
+        self.protect_objects();
+        collected
+    }
+
+    /// gc's work, under its lock.
+    fn collect(&self) -> Result<(u64, u64)> {
         let manifests = self.manifests();
         let live_fps: BTreeSet<String> = manifests.iter().map(|m| m.fingerprint.clone()).collect();
         let live_objects: BTreeSet<String> =
@@ -363,6 +372,29 @@ impl Store {
         Ok((files, bytes))
     }
 
+    /// Remove an artifact's folder of links to objects.
+    fn remove_view(&self, dir: &Path) -> Result<()> {
+        make_writable(dir);
+        let removed = fs::remove_dir_all(dir);
+        self.protect_objects();
+        removed.map_err(io_err("remove", dir))
+    }
+
+    /// Make every object read-only again after [`make_writable`] ran on artifact files: on
+    /// Windows those are hard links that share their object's attributes (Unix keeps permissions
+    /// per file, so there nothing was lost).
+    fn protect_objects(&self) {
+        if !cfg!(windows) {
+            return;
+        }
+        let objects = self.base.join("objects");
+        for shard in fs::read_dir(&objects).into_iter().flatten().flatten() {
+            for obj in fs::read_dir(shard.path()).into_iter().flatten().flatten() {
+                let _ = set_readonly(&obj.path());
+            }
+        }
+    }
+
     fn is_unlocked(&self, fp: &str) -> bool {
         let path = self.base.join("locks").join(format!("{fp}.lock"));
         match File::options().write(true).open(&path) {
@@ -404,20 +436,31 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// fsync every file and folder under `dir` (and `dir`), before a rename makes the tree visible
 /// under its real name: after a power loss the name then never points at missing bytes.
+/// Read-only files are the store's objects, each synced before it was made read-only; Windows
+/// cannot flush them again (see [`sync_file`]), so there they are skipped.
 pub fn sync_tree(dir: &Path) -> io::Result<()> {
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for e in fs::read_dir(&d)? {
             let e = e?;
-            if e.file_type()?.is_dir() {
+            let meta = e.metadata()?;
+            if meta.is_dir() {
                 stack.push(e.path());
-            } else {
-                File::open(e.path())?.sync_all()?;
+            } else if cfg!(unix) || !meta.permissions().readonly() {
+                sync_file(&e.path())?;
             }
         }
         sync_dir(&d);
     }
     Ok(())
+}
+
+/// fsync a file by name. Windows flushes a file (`FlushFileBuffers`) only through a handle with
+/// write access — one opened for reading fails with "Access denied" — so there it is opened for
+/// writing, and a read-only file cannot be flushed.
+pub fn sync_file(path: &Path) -> io::Result<()> {
+    let file = if cfg!(windows) { fs::OpenOptions::new().write(true).open(path)? } else { File::open(path)? };
+    file.sync_all()
 }
 
 /// fsync a directory, so renames and creations in it survive a power loss (best effort: some
@@ -460,7 +503,10 @@ fn set_readonly(p: &Path) -> io::Result<()> {
     fs::set_permissions(p, perm)
 }
 
-/// Folders need write permission for their entries to be removed.
+/// Make `p` removable: on Unix folders need write permission for their entries to be removed;
+/// Windows refuses to delete read-only files (wherever it cannot use POSIX delete semantics:
+/// FAT and exFAT drives, network shares, Wine), so there files lose their read-only attribute —
+/// which a hard link shares with its object: see [`Store::protect_objects`].
 fn make_writable(p: &Path) {
     if p.is_dir() {
         #[cfg(unix)]
@@ -471,6 +517,14 @@ fn make_writable(p: &Path) {
         for e in fs::read_dir(p).into_iter().flatten().flatten() {
             make_writable(&e.path());
         }
+    } else if cfg!(windows)
+        && let Ok(meta) = fs::metadata(p)
+        && meta.permissions().readonly()
+    {
+        let mut perm = meta.permissions();
+        #[allow(clippy::permissions_set_readonly_false)]
+        perm.set_readonly(false);
+        let _ = fs::set_permissions(p, perm);
     }
 }
 
