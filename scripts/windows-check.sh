@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# rtune on Windows, checked from Linux: the Windows build (x86_64-pc-windows-gnu, cross-compiled
+# with MinGW-w64) run under Wine —
+#   1. the library's unit tests (the store's commits, locks and removals among them);
+#   2. `rtune doctor`;
+#   3. the default recipe end to end on the CPU beside the Linux build: the same artifacts
+#      (fingerprints) and the same eval losses; then a second run finds everything cached, a
+#      damaged artifact is found by `cache verify` and rebuilt by the next run, `cache gc` runs,
+#      and the store's objects are read-only again;
+#   4. training through Vulkan: `vulkan-1.dll` is Wine's winevulkan, which hands the calls to the
+#      host's Vulkan (Mesa's lavapipe) under a virtual X server.
+# Wine is not Windows: it shows the build works against the Win32 API's documented behaviour
+# (it found that FlushFileBuffers refuses read-only handles), not that every Windows version,
+# file system or GPU driver behaves so.
+#
+#   scripts/windows-check.sh
+#
+# Installs what is missing: rustup's x86_64-pc-windows-gnu target, and from Debian MinGW-w64,
+# wine64 and xvfb. Builds in the dev profile (dependencies optimised, as `cargo test` does).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target=x86_64-pc-windows-gnu
+rustup target list --installed | grep -qx "$target" || rustup target add "$target"
+need=()
+command -v x86_64-w64-mingw32-gcc >/dev/null 2>&1 || need+=(gcc-mingw-w64-x86-64 g++-mingw-w64-x86-64)
+command -v wine >/dev/null 2>&1 || need+=(wine64)
+command -v xvfb-run >/dev/null 2>&1 || need+=(xvfb xauth)
+ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || need+=(mesa-vulkan-drivers libvulkan1)
+if [ ${#need[@]} -gt 0 ]; then
+  (apt-get install -y "${need[@]}" || (apt-get update && apt-get install -y "${need[@]}")) >/dev/null
+fi
+
+work=$(mktemp -d)
+trap 'wineserver -k >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+export WINEPREFIX="$work/wine" WINEDEBUG=-all WINEDLLOVERRIDES="mscoree,mshtml=" RTUNE_NO_PROGRESS=1
+wine_path() { winepath -w "$1" 2>/dev/null; }
+
+# Windows commands build without debug info: smaller on a CI runner's disk, faster to link.
+wcargo() { local sub=$1; shift; CARGO_PROFILE_DEV_DEBUG=0 cargo "$sub" --locked --target "$target" "$@"; }
+
+echo "== build for Windows ($target)"
+wcargo build --bin rtune
+wcargo test --lib --no-run
+cargo build --locked --bin rtune
+tdir=${CARGO_TARGET_DIR:-target}
+win=$tdir/$target/debug/rtune.exe
+linux=$tdir/debug/rtune
+
+# Rust's standard library imports ProcessPrng from bcryptprimitives.dll (Windows 10 and later);
+# Wine 8 (Debian 12) has no such DLL. A stand-in that asks RtlGenRandom goes on Wine's PATH.
+mkdir -p "$work/dll"
+cat >"$work/dll/bcryptprimitives.c" <<'C'
+#include <windows.h>
+BOOLEAN WINAPI SystemFunction036(PVOID buffer, ULONG length); /* RtlGenRandom */
+__declspec(dllexport) BOOL WINAPI ProcessPrng(PBYTE data, SIZE_T length) {
+    while (length) {
+        ULONG n = length > 0x10000000 ? 0x10000000 : (ULONG)length;
+        if (!SystemFunction036(data, n)) return FALSE;
+        data += n;
+        length -= n;
+    }
+    return TRUE;
+}
+C
+x86_64-w64-mingw32-gcc -shared -O2 -o "$work/dll/bcryptprimitives.dll" "$work/dll/bcryptprimitives.c" -ladvapi32
+wineboot -i >/dev/null 2>&1 || true
+export WINEPATH
+WINEPATH=$(wine_path "$work/dll")
+
+echo "== 1. unit tests under Wine"
+CARGO_TARGET_X86_64_PC_WINDOWS_GNU_RUNNER=wine wcargo test --lib -- --test-threads 1
+
+echo "== 2. rtune doctor"
+wine "$win" doctor | tee "$work/doctor.txt"
+grep -q "^  cpu " "$work/doctor.txt"
+
+echo "== 3. the default recipe on the CPU, Windows beside Linux"
+recipe=recipes/tiny-offline.toml
+wcache=$(wine_path "$work/wcache")
+run_win() { RTUNE_CACHE_DIR="$wcache" wine "$win" "$@"; }
+run_linux() { RTUNE_CACHE_DIR="$work/lcache" "$linux" "$@"; }
+# Outputs (the recipe's upload folder, its lock file) go to a copy of the recipe's folder.
+cp -r recipes "$work/recipes"
+recipe="$work/recipes/tiny-offline.toml"
+wrecipe=$(wine_path "$recipe")
+run_win run "$wrecipe" --set 'device.prefer=["cpu"]' >"$work/win.out" 2>"$work/win.err" ||
+  { tail -20 "$work/win.err"; exit 1; }
+rm -f "$work/recipes/rtune.lock"
+run_linux run "$recipe" --set 'device.prefer=["cpu"]' >"$work/linux.out" 2>"$work/linux.err" ||
+  { tail -20 "$work/linux.err"; exit 1; }
+# Stage names, outcomes and fingerprints (the last path component), then the eval losses.
+summary() { sed -n '/^recipe .* done/,$p' "$1" | tr -d '\r' | sed -E 's#[^ ]*[/\\]([0-9a-f]{64})$#\1#'; }
+diff <(summary "$work/linux.out") <(summary "$work/win.out") || { echo "the Windows build's results differ"; exit 1; }
+summary "$work/win.out"
+run_win run "$wrecipe" --set 'device.prefer=["cpu"]' >"$work/win2.out" 2>/dev/null
+if grep -E "^  [a-z_]+ +built" "$work/win2.out"; then echo "a second run rebuilt stages"; exit 1; fi
+# Damage one object of the train stage, as a stray edit would.
+train_dir=$(winepath -u "$(grep -E '^  train ' "$work/win.out" | awk '{print $3}' | tr -d '\r')")
+f="$train_dir/adapter_config.json"
+chmod u+w "$f" && echo " " >>"$f"
+if run_win cache verify >"$work/verify.txt" 2>&1; then echo "cache verify missed the damage"; exit 1; fi
+grep damaged "$work/verify.txt"
+run_win run "$wrecipe" --set 'device.prefer=["cpu"]' >"$work/win3.out" 2>"$work/win3.err"
+grep -q "artifact damaged" "$work/win3.err" || { echo "the damaged artifact was not rebuilt"; exit 1; }
+run_win cache verify
+run_win cache gc
+writable=$(find "$work/wcache" -path '*/objects/*' -type f -perm -u+w | wc -l)
+[ "$writable" = 0 ] || { echo "$writable store objects lost their read-only protection"; exit 1; }
+
+echo "== 4. training through Vulkan (winevulkan → lavapipe)"
+# Wine picks its display driver when a session's first program starts: end the session that
+# started without a display, so that the next one starts under the virtual X server.
+wineserver -k >/dev/null 2>&1 || true
+wineserver -w >/dev/null 2>&1 || true
+RTUNE_CACHE_DIR="$wcache" xvfb-run -a wine "$win" run "$wrecipe" --set 'device.prefer=["vulkan"]' \
+  --set stages.train.max_steps=4 >"$work/vk.out" 2>"$work/vk.err" || { tail -20 "$work/vk.err"; exit 1; }
+grep -E "GPU engine \(|eval loss .* → " "$work/vk.err"
+grep -q "GPU engine (llvmpipe" "$work/vk.err" || { echo "training did not run on the Vulkan device"; exit 1; }
+# The same steps by the Linux build on the same driver: the same losses.
+run_linux run "$recipe" --set 'device.prefer=["vulkan"]' --set stages.train.max_steps=4 >/dev/null 2>"$work/vk-linux.err"
+losses() { grep -E "^ +train +([0-9]+/4 loss|eval loss)" "$1" | sed -E 's/ [0-9.]+ tok\/s//; s/ in 4 steps \(.*//' | tr -d '\r'; }
+[ "$(losses "$work/vk-linux.err" | wc -l)" = 5 ] || { echo "the Linux run logged no losses"; exit 1; }
+diff <(losses "$work/vk-linux.err") <(losses "$work/vk.err") || { echo "Vulkan training differs between Windows and Linux"; exit 1; }
+echo "windows-check: ok"
