@@ -126,7 +126,7 @@ targets = ["q_proj", "k_proj", "v_proj", "o_proj"]"#,
             total,
             real as f64 / seconds,
             100.0 * (padded - real) as f64 / padded as f64,
-            rtune::train::peak_rss_bytes().map(rtune::ui::human_bytes).unwrap_or_default(),
+            rtune::device::host::peak_rss_bytes().map(rtune::ui::human_bytes).unwrap_or_default(),
         );
     }
 }

@@ -142,5 +142,5 @@ fn step_flops(cfg: &rtune::model::ModelConfig, b: usize, t: usize, rank: usize) 
 }
 
 fn peak_rss() -> String {
-    rtune::train::peak_rss_bytes().map(rtune::ui::human_bytes).unwrap_or_else(|| "unknown".into())
+    rtune::device::host::peak_rss_bytes().map(rtune::ui::human_bytes).unwrap_or_else(|| "unknown".into())
 }

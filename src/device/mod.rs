@@ -7,6 +7,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod host;
 #[cfg(feature = "vulkan")]
 pub mod vulkan;
 
@@ -110,7 +111,7 @@ impl Inventory {
     pub fn probe(with_vulkan: bool) -> Inventory {
         let cpu_threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         #[allow(unused_mut)]
-        let mut devices = vec![DeviceInfo::cpu(cpu_name(), total_memory())];
+        let mut devices = vec![DeviceInfo::cpu(host::cpu_name().unwrap_or_else(|| "cpu".into()), host::total_memory())];
         #[cfg(feature = "cuda")]
         {
             let build_cap = cuda::BUILD_COMPUTE_CAP;
@@ -451,25 +452,6 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
         vendor_id: Some(d.vendor_id),
         gpu: d.is_gpu(),
     }
-}
-
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "cpu".into())
-}
-
-fn total_memory() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 #[cfg(test)]

@@ -162,13 +162,6 @@ pub fn evaluate(
     Ok(crate::engine::evaluate(engine, store, batch_size, max_batches)?)
 }
 
-/// Peak resident memory of this process, where the OS tells it (Linux).
-pub fn peak_rss_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb: u64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 /// How an epoch's rows are ordered into micro-batches.
 #[derive(Debug, Clone, Copy)]
 struct Batching {
@@ -479,7 +472,7 @@ impl Trainer<'_> {
 
     /// ` peak GPU 12.3 GiB` or ` peak 1.2 GiB` (process RSS), for the progress line.
     fn memory_note(&self) -> String {
-        match (self.engine.peak_memory(), peak_rss_bytes()) {
+        match (self.engine.peak_memory(), crate::device::host::peak_rss_bytes()) {
             (Some(gpu), _) => format!(" peak GPU {}", crate::ui::human_bytes(gpu)),
             (None, Some(rss)) => format!(" peak {}", crate::ui::human_bytes(rss)),
             (None, None) => String::new(),
@@ -645,7 +638,7 @@ impl Trainer<'_> {
             "trainable": match trainable(self.job.settings, self.job.adapter) { Trainable::Lora(_) => "lora", _ => "weights" },
             "ema": self.job.settings.ema.is_some(),
             "engine": self.engine.describe(),
-            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_rss_bytes": crate::device::host::peak_rss_bytes(),
             "peak_gpu_bytes": peak_gpu,
         });
         let settings = json!({ "train": self.job.settings, "adapter": self.job.adapter, "seed": self.job.seed, "dtype": self.job.device.dtype.as_str() });
