@@ -7,7 +7,8 @@
 #   . scripts/gpu-env.sh && .gpu/rtune doctor && scripts/gpu-verify.sh
 #
 # `--lint` (CI) only lints the CUDA code — clippy with `--features cuda`, warnings denied, which
-# compiles every CUDA path and, through candle's build script, the kernels with nvcc — and builds
+# compiles every CUDA path and, through the build scripts, kernels.cu and candle's kernels with
+# nvcc — and builds
 # nothing to run: the release build is ~20 minutes and several GB cold, worth it only where a GPU
 # will run it.
 set -euo pipefail
