@@ -8,9 +8,8 @@
 #
 # `--lint` (CI) only lints the CUDA code — clippy with `--features cuda`, warnings denied, which
 # compiles every CUDA path and, through the build scripts, kernels.cu and candle's kernels with
-# nvcc — and builds
-# nothing to run: the release build is ~20 minutes and several GB cold, worth it only where a GPU
-# will run it.
+# nvcc — and builds nothing to run: the release build is ~20 minutes and several GB cold, worth
+# it only where a GPU will run it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/cuda-toolkit.sh)"
