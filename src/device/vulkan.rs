@@ -134,7 +134,7 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
         format!("driver version {:#x}", props.driver_version)
     };
     let support = unsafe { engine_support(instance, pd) };
-    let memory = unsafe { TensorMemory::read(instance, pd) };
+    let memory = unsafe { TensorMemory::read(instance, pd, &props) };
     VulkanInfo {
         name: text(props.device_name_as_c_str()),
         vendor_id: props.vendor_id,
@@ -226,12 +226,17 @@ pub struct TensorMemory {
 }
 
 impl TensorMemory {
+    /// `props`: the device's properties, which the caller has read already.
+    ///
     /// # Safety
     /// `pd` must be a physical device of the live `instance`.
-    pub unsafe fn read(instance: &ash::Instance, pd: vk::PhysicalDevice) -> TensorMemory {
-        // SAFETY (all calls): the caller's contract.
-        let integrated = unsafe { instance.get_physical_device_properties(pd) }.device_type
-            == vk::PhysicalDeviceType::INTEGRATED_GPU;
+    pub unsafe fn read(
+        instance: &ash::Instance,
+        pd: vk::PhysicalDevice,
+        props: &vk::PhysicalDeviceProperties,
+    ) -> TensorMemory {
+        let integrated = props.device_type == vk::PhysicalDeviceType::INTEGRATED_GPU;
+        // SAFETY (both calls): the caller's contract.
         let properties = unsafe { instance.get_physical_device_memory_properties(pd) };
         TensorMemory {
             properties,

@@ -202,7 +202,7 @@ impl VulkanGpu {
             let layout = device
                 .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges), None)
                 .map_err(verr("pipeline layout"))?;
-            let memory = crate::device::vulkan::TensorMemory::read(&instance, pd);
+            let memory = crate::device::vulkan::TensorMemory::read(&instance, pd, &props);
             let mut sub = vk::PhysicalDeviceSubgroupProperties::default();
             instance
                 .get_physical_device_properties2(pd, &mut vk::PhysicalDeviceProperties2::default().push_next(&mut sub));
