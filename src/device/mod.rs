@@ -445,7 +445,11 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
             d.kind,
             d.api,
             d.driver,
-            if d.cooperative_matrix { "yes" } else { "no" }
+            match (d.cooperative_matrix, d.matrix_shapes.is_empty()) {
+                (false, _) => "no".to_string(),
+                (true, true) => "none the engine can use".to_string(),
+                (true, false) => d.matrix_shapes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", "),
+            }
         )),
         unusable: (!d.missing.is_empty())
             .then(|| format!("the GPU engine needs {} on Vulkan, which this device lacks", d.missing.join(", "))),

@@ -32,6 +32,9 @@ pub struct VulkanInfo {
     pub bf16: bool,
     /// `VK_KHR_cooperative_matrix`: tensor-core / matrix-core GEMMs from shaders.
     pub cooperative_matrix: bool,
+    /// The products the device runs on its matrix units that the engine's GEMM can use
+    /// ([`matrix_shapes`]); empty where there are none.
+    pub matrix_shapes: Vec<MatrixShape>,
     /// Features the GPU engine needs that the device lacks (Vulkan 1.2, buffer device
     /// addresses, 64-bit integers); empty when it can train here.
     pub missing: Vec<&'static str>,
@@ -55,6 +58,113 @@ impl VulkanInfo {
     pub fn is_gpu(&self) -> bool {
         matches!(self.kind, "discrete" | "integrated" | "virtual")
     }
+}
+
+/// A product a device runs on its matrix units (tensor cores, AMD's WMMA, Intel's XMX) through
+/// `VK_KHR_cooperative_matrix`: an `m × k` by `k × n` tile in `ab` (`f16` or `bf16`) accumulated
+/// in f32 by one subgroup — the forms the engine's `gemm_cm` kernel is built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct MatrixShape {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub ab: &'static str,
+}
+
+impl std::fmt::Display for MatrixShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}×{}×{}", self.ab, self.m, self.n, self.k)
+    }
+}
+
+/// `VK_COMPONENT_TYPE_BFLOAT16_KHR` (`VK_KHR_shader_bfloat16`, newer than `ash`'s headers).
+const COMPONENT_BF16: vk::ComponentTypeKHR = vk::ComponentTypeKHR::from_raw(1_000_141_000);
+
+/// `VkPhysicalDeviceShaderBfloat16FeaturesKHR` (`VK_KHR_shader_bfloat16`, newer than `ash`'s
+/// headers): queried with the device's features, and chained into device creation to enable
+/// bf16 cooperative matrices.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Bf16Features {
+    pub s_type: vk::StructureType,
+    pub p_next: *mut std::ffi::c_void,
+    pub shader_bfloat16_type: vk::Bool32,
+    pub shader_bfloat16_dot_product: vk::Bool32,
+    pub shader_bfloat16_cooperative_matrix: vk::Bool32,
+}
+
+impl Default for Bf16Features {
+    fn default() -> Self {
+        Bf16Features {
+            s_type: vk::StructureType::from_raw(1_000_141_000),
+            p_next: std::ptr::null_mut(),
+            shader_bfloat16_type: vk::FALSE,
+            shader_bfloat16_dot_product: vk::FALSE,
+            shader_bfloat16_cooperative_matrix: vk::FALSE,
+        }
+    }
+}
+
+// SAFETY: the layout of VkPhysicalDeviceShaderBfloat16FeaturesKHR (sType, pNext, three
+// VkBool32), which extends both structures in the Vulkan registry.
+unsafe impl vk::ExtendsPhysicalDeviceFeatures2 for Bf16Features {}
+// SAFETY: as above.
+unsafe impl vk::ExtendsDeviceCreateInfo for Bf16Features {}
+
+/// The matrix-unit products of device `pd` that the engine's cooperative-matrix GEMM can run:
+/// subgroup scope, f16 or bf16 inputs, f32 accumulator and result, not saturating. The kernel
+/// needs `shaderFloat16` and `vulkanMemoryModel`, and bf16 `shaderBFloat16Type` and
+/// `shaderBFloat16CooperativeMatrix`, which the engine enables. Empty without
+/// `VK_KHR_cooperative_matrix` or those features.
+///
+/// # Safety
+/// `pd` must be a physical device of the live `instance`, created from `entry`.
+pub unsafe fn matrix_shapes(entry: &ash::Entry, instance: &ash::Instance, pd: vk::PhysicalDevice) -> Vec<MatrixShape> {
+    // SAFETY (all calls): the caller's contract; chained structures outlive the calls.
+    if !unsafe { has_extension(instance, pd, ash::khr::cooperative_matrix::NAME) } {
+        return Vec::new();
+    }
+    let bf16_listed = unsafe { has_extension(instance, pd, c"VK_KHR_shader_bfloat16") };
+    let mut cm = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
+    let mut f16 = vk::PhysicalDeviceShaderFloat16Int8Features::default();
+    let mut model = vk::PhysicalDeviceVulkanMemoryModelFeatures::default();
+    let mut bf16 = Bf16Features::default();
+    let mut features =
+        vk::PhysicalDeviceFeatures2::default().push_next(&mut cm).push_next(&mut f16).push_next(&mut model);
+    if bf16_listed {
+        features = features.push_next(&mut bf16);
+    }
+    unsafe { instance.get_physical_device_features2(pd, &mut features) };
+    if cm.cooperative_matrix != vk::TRUE || f16.shader_float16 != vk::TRUE || model.vulkan_memory_model != vk::TRUE {
+        return Vec::new();
+    }
+    let ext = ash::khr::cooperative_matrix::Instance::new(entry, instance);
+    let props = unsafe { ext.get_physical_device_cooperative_matrix_properties(pd) }.unwrap_or_default();
+    let mut shapes: Vec<MatrixShape> = props
+        .iter()
+        .filter(|p| {
+            p.scope == vk::ScopeKHR::SUBGROUP
+                && p.a_type == p.b_type
+                && p.c_type == vk::ComponentTypeKHR::FLOAT32
+                && p.result_type == vk::ComponentTypeKHR::FLOAT32
+                && p.saturating_accumulation != vk::TRUE
+        })
+        .filter_map(|p| {
+            let ab = if p.a_type == vk::ComponentTypeKHR::FLOAT16 {
+                "f16"
+            } else if p.a_type == COMPONENT_BF16
+                && bf16.shader_bfloat16_type == vk::TRUE
+                && bf16.shader_bfloat16_cooperative_matrix == vk::TRUE
+            {
+                "bf16"
+            } else {
+                return None;
+            };
+            Some(MatrixShape { m: p.m_size, n: p.n_size, k: p.k_size, ab })
+        })
+        .collect();
+    shapes.dedup();
+    shapes
 }
 
 /// Open the system's Vulkan loader and create an instance (no layers) that the caller destroys.
@@ -97,19 +207,19 @@ pub unsafe fn has_extension(instance: &ash::Instance, pd: vk::PhysicalDevice, na
 
 /// The Vulkan devices of this machine, or why there are none (no loader, no driver).
 pub fn devices() -> Result<Vec<VulkanInfo>, String> {
-    let (_entry, instance) = instance()?;
+    let (entry, instance) = instance()?;
     // SAFETY: `instance` is live until `destroy_instance`, and every handle used comes from it.
     let found = unsafe { instance.enumerate_physical_devices() }
         .map_err(|e| format!("cannot list Vulkan devices ({e})"))
-        .map(|pds| pds.into_iter().map(|pd| unsafe { describe(&instance, pd) }).collect());
+        .map(|pds| pds.into_iter().map(|pd| unsafe { describe(&entry, &instance, pd) }).collect());
     // SAFETY: nothing created from the instance outlives this call.
     unsafe { instance.destroy_instance(None) };
     found
 }
 
 /// # Safety
-/// `pd` must be a physical device of the live `instance`.
-unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanInfo {
+/// `pd` must be a physical device of the live `instance`, created from `entry`.
+unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanInfo {
     let text = |c: Result<&CStr, _>| c.map(|c: &CStr| c.to_string_lossy().into_owned()).unwrap_or_default();
     // SAFETY (all calls): `pd` belongs to `instance` (the caller's contract); the out-structures
     // are chained through `push_next` and live across the call that fills them.
@@ -152,6 +262,7 @@ unsafe fn describe(instance: &ash::Instance, pd: vk::PhysicalDevice) -> VulkanIn
         storage16: support.storage16,
         bf16: has("VK_KHR_shader_bfloat16"),
         cooperative_matrix: has("VK_KHR_cooperative_matrix"),
+        matrix_shapes: unsafe { matrix_shapes(entry, instance, pd) },
         missing: support.missing,
     }
 }
