@@ -169,11 +169,29 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
         Ok(g) => {
             // On a CPU implementation (lavapipe) the device runs its per-lane kernels; the
             // kernels written for GPUs are tested there too, on a second instance.
-            if g.cpu_lanes().is_some() {
-                v.push(Rc::new(
-                    rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap().with_gpu_kernels(),
-                ));
+            let gpu_kernels = g
+                .cpu_lanes()
+                .is_some()
+                .then(|| rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap().with_gpu_kernels());
+            // RTUNE_REQUIRE_MATRIX_UNITS=f16,bf16: the products of those types must run on the
+            // device's matrix units (`gemm_cm`), so a driver that lists cooperative matrices
+            // (CI's newer lavapipe, hardware) never tests only the tiled kernel by accident.
+            let with_gpu_kernels = gpu_kernels.as_ref().unwrap_or(&g);
+            for t in
+                std::env::var("RTUNE_REQUIRE_MATRIX_UNITS").unwrap_or_default().split(',').filter(|t| !t.is_empty())
+            {
+                let dt = match t {
+                    "f16" => Dt::F16,
+                    "bf16" => Dt::Bf16,
+                    _ => panic!("RTUNE_REQUIRE_MATRIX_UNITS: unknown type {t}"),
+                };
+                assert!(
+                    with_gpu_kernels.matrix_shape(dt).unwrap().is_some(),
+                    "{}: no matrix units for {t} products, or they failed their check",
+                    with_gpu_kernels.name()
+                );
             }
+            v.extend(gpu_kernels.map(|g| Rc::new(g) as Rc<dyn Gpu>));
             v.push(Rc::new(g));
         }
         // CI sets RTUNE_REQUIRE_VULKAN (it installs lavapipe), so the Vulkan kernels never go
@@ -232,8 +250,10 @@ fn tol(dt: Dt) -> f32 {
 #[test]
 fn products_match_a_reference() {
     for gpu in devices() {
-        for (dt, c_dt) in [(Dt::F32, Dt::F32), (Dt::Bf16, Dt::F32), (Dt::Bf16, Dt::Bf16), (Dt::F16, Dt::F16)] {
-            for (m, n, k) in [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130)] {
+        for (dt, c_dt) in
+            [(Dt::F32, Dt::F32), (Dt::Bf16, Dt::F32), (Dt::Bf16, Dt::Bf16), (Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]
+        {
+            for (m, n, k) in [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130), (130, 129, 70)] {
                 for (a_trans, b_trans, beta) in
                     [(false, false, 0.0), (false, true, 0.5), (true, false, 0.0), (true, true, -1.0)]
                 {
@@ -938,13 +958,16 @@ fn engine_matches_autograd_with_packing_padding_dropout_and_lm_head() {
 }
 
 #[test]
-fn bf16_engine_stays_within_bf16_rounding_of_autograd() {
+fn half_precision_engine_stays_within_its_rounding_of_autograd() {
     let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
     let batch = golden_batch("tiny-llama");
     for gpu in devices() {
         // bf16 keeps 8 bits of mantissa: each rounding is within 2⁻⁹ relative, and a few dozen
-        // roundings in a row stay within about 1% (the f32 reference has none of them).
-        assert_engine_matches(&gpu, &folder, &fixture("tiny-llama").join("adapter"), &batch, None, Dtype::Bf16, 2e-2);
+        // roundings in a row stay within about 1% (the f32 reference has none of them); f16 keeps
+        // 11 bits, 8× closer. (With cooperative matrices, the products run on matrix units.)
+        for (dtype, tol) in [(Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
+            assert_engine_matches(&gpu, &folder, &fixture("tiny-llama").join("adapter"), &batch, None, dtype, tol);
+        }
     }
 }
 

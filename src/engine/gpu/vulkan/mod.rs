@@ -90,8 +90,38 @@ pub struct VulkanGpu {
     /// cost model (`gemm_sg`, and through `Gpu::cpu_lanes` the `attn_*_sg` kernels and
     /// one-subgroup row reductions) run there. `None` on GPUs.
     cpu_subgroup: Option<u32>,
+    /// The matrix-unit shapes (`TM`, `TN`, `TK`) the cooperative-matrix product (`gemm_cm`) runs
+    /// with for bf16 and f16 inputs; `None` where the device has none for that type (see
+    /// [`choose_shape`]), and once a shape fails its first-use check ([`VulkanGpu::gemm`]).
+    matrix: RefCell<[Option<[u32; 3]>; 2]>,
+    /// The subgroup size `gemm_cm`'s workgroups of four subgroups are built for, and whether its
+    /// pipelines must require it (where the device may choose among sizes).
+    subgroup: u32,
+    require_subgroup: bool,
+    /// Which of `matrix`'s shapes have passed their first-use check.
+    matrix_checked: std::cell::Cell<[bool; 2]>,
     name: String,
     state: RefCell<State>,
+}
+
+/// The shape `gemm_cm` runs with among those the device lists for one input type: each side a
+/// divisor of the 32 × 32 quarter a subgroup computes and of the 32-deep tiles, at most 16 × 16
+/// (the staging of one accumulator in shared memory), 16 × 16 × 16 where listed, else the largest.
+pub fn choose_shape(shapes: &[crate::device::vulkan::MatrixShape], ab: &str) -> Option<[u32; 3]> {
+    let fits = |v: u32| [8, 16, 32].contains(&v);
+    shapes
+        .iter()
+        .filter(|s| s.ab == ab && fits(s.m) && fits(s.n) && fits(s.k) && s.m * s.n <= 256)
+        .max_by_key(|s| ((s.m, s.n, s.k) == (16, 16, 16), s.m * s.n * s.k))
+        .map(|s| [s.m, s.n, s.k])
+}
+
+fn matrix_slot(dt: Dt) -> Option<usize> {
+    match dt {
+        Dt::Bf16 => Some(0),
+        Dt::F16 => Some(1),
+        _ => None,
+    }
 }
 
 fn verr(context: &str) -> impl FnOnce(vk::Result) -> GpuError + '_ {
@@ -168,23 +198,78 @@ impl VulkanGpu {
                 .ok_or_else(|| GpuError::Device(format!("{name} has no compute queue")))? as u32;
             let prio = [1.0f32];
             let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(qfi).queue_priorities(&prio)];
+            // The cooperative-matrix product: a shape per input type, and a workgroup of four
+            // subgroups of a known size — fixed by the device, or required of the pipeline where
+            // the device may choose (subgroup size control, Vulkan 1.3).
+            let mut sub = vk::PhysicalDeviceSubgroupProperties::default();
+            let mut size_range = vk::PhysicalDeviceSubgroupSizeControlProperties::default();
+            let v13 = vk::api_version_minor(props.api_version) >= 3;
+            let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sub);
+            if v13 {
+                props2 = props2.push_next(&mut size_range);
+            }
+            instance.get_physical_device_properties2(pd, &mut props2);
+            let mut size_control = vk::PhysicalDeviceSubgroupSizeControlFeatures::default();
+            if v13 {
+                instance.get_physical_device_features2(
+                    pd,
+                    &mut vk::PhysicalDeviceFeatures2::default().push_next(&mut size_control),
+                );
+            }
+            let varies = v13 && size_range.min_subgroup_size != size_range.max_subgroup_size;
+            let require_subgroup = varies && size_control.subgroup_size_control == vk::TRUE;
+            let shapes = if (varies && !require_subgroup)
+                || sub.subgroup_size == 0
+                || 4 * sub.subgroup_size > props.limits.max_compute_work_group_invocations
+            {
+                Vec::new()
+            } else {
+                crate::device::vulkan::matrix_shapes(&entry, &instance, pd)
+            };
+            let matrix = [choose_shape(&shapes, "bf16"), choose_shape(&shapes, "f16")];
+            let cm = matrix.iter().any(Option::is_some);
             let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(support.storage16);
-            let mut v12 = vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true);
+            let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
+                .buffer_device_address(true)
+                .shader_float16(cm)
+                .vulkan_memory_model(cm);
+            let mut v13f = vk::PhysicalDeviceSubgroupSizeControlFeatures::default().subgroup_size_control(true);
+            let mut cm_features = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+            let mut bf16_features = crate::device::vulkan::Bf16Features {
+                shader_bfloat16_type: vk::TRUE,
+                shader_bfloat16_cooperative_matrix: vk::TRUE,
+                ..Default::default()
+            };
             let features = vk::PhysicalDeviceFeatures::default().shader_int64(true);
             // A driver on top of another API (MoltenVK) lists VK_KHR_portability_subset, and the
             // spec requires enabling it; the engine uses nothing the subset leaves out.
             let portability = ash::khr::portability_subset::NAME;
-            let extensions = if crate::device::vulkan::has_extension(&instance, pd, portability) {
+            let mut extensions = if crate::device::vulkan::has_extension(&instance, pd, portability) {
                 vec![portability.as_ptr()]
             } else {
                 Vec::new()
             };
-            let create = vk::DeviceCreateInfo::default()
+            if cm {
+                extensions.push(ash::khr::cooperative_matrix::NAME.as_ptr());
+            }
+            if matrix[0].is_some() {
+                extensions.push(c"VK_KHR_shader_bfloat16".as_ptr());
+            }
+            let mut create = vk::DeviceCreateInfo::default()
                 .queue_create_infos(&queues)
                 .enabled_extension_names(&extensions)
                 .enabled_features(&features)
                 .push_next(&mut v12)
                 .push_next(&mut v11);
+            if cm {
+                create = create.push_next(&mut cm_features);
+                if require_subgroup {
+                    create = create.push_next(&mut v13f);
+                }
+            }
+            if matrix[0].is_some() {
+                create = create.push_next(&mut bf16_features);
+            }
             let device = instance.create_device(pd, &create, None).map_err(verr("cannot open the Vulkan device"))?;
             let queue = device.get_device_queue(qfi, 0);
             let pool = device
@@ -203,9 +288,6 @@ impl VulkanGpu {
                 .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges), None)
                 .map_err(verr("pipeline layout"))?;
             let memory = crate::device::vulkan::TensorMemory::read(&instance, pd, &props);
-            let mut sub = vk::PhysicalDeviceSubgroupProperties::default();
-            instance
-                .get_physical_device_properties2(pd, &mut vk::PhysicalDeviceProperties2::default().push_next(&mut sub));
             let cpu_subgroup = (props.device_type == vk::PhysicalDeviceType::CPU
                 && sub.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
                 && sub.supported_operations.contains(
@@ -228,6 +310,10 @@ impl VulkanGpu {
                 max_groups: props.limits.max_compute_work_group_count,
                 storage16: support.storage16,
                 cpu_subgroup,
+                matrix: RefCell::new(matrix),
+                subgroup: sub.subgroup_size,
+                require_subgroup,
+                matrix_checked: Default::default(),
                 name,
                 state: RefCell::new(State {
                     profile: std::env::var("RTUNE_PROFILE").is_ok_and(|v| v == "kernels").then(BTreeMap::new),
@@ -244,6 +330,109 @@ impl VulkanGpu {
             self.name.push_str(" with GPU kernels");
         }
         self
+    }
+
+    /// The matrix-unit shape products of `dt` inputs run with (`gemm_cm`), once it has passed its
+    /// first-use check (run here if it has not yet); `None` where they run on the tiled kernel
+    /// (always on a CPU implementation of Vulkan unless [`VulkanGpu::with_gpu_kernels`]).
+    pub fn matrix_shape(&self, dt: Dt) -> Result<Option<[u32; 3]>, GpuError> {
+        if self.cpu_subgroup.is_some() || !self.matrix_units(dt)? {
+            return Ok(None);
+        }
+        Ok(matrix_slot(dt).and_then(|i| self.matrix.borrow()[i]))
+    }
+
+    /// Whether products of `dt` inputs run on the device's matrix units (`gemm_cm`). The first
+    /// time, the kernel's result on two small products with partial tiles (one with both
+    /// operands transposed) is compared with an f64 product on the host; a device where they
+    /// differ — a driver's bug — is reported once and keeps the tiled kernel, so a wrong matrix
+    /// unit can slow training down but never make it wrong.
+    fn matrix_units(&self, dt: Dt) -> Result<bool, GpuError> {
+        let Some(i) = matrix_slot(dt) else { return Ok(false) };
+        let Some(shape) = self.matrix.borrow()[i] else { return Ok(false) };
+        let mut checked = self.matrix_checked.get();
+        if checked[i] {
+            return Ok(true);
+        }
+        checked[i] = true;
+        self.matrix_checked.set(checked);
+        let failure = match self.matrix_check(dt) {
+            Ok(None) => return Ok(true),
+            Ok(Some(why)) => why,
+            Err(GpuError::Device(why)) if why.contains("was lost") => return Err(GpuError::Device(why)),
+            Err(e) => e.to_string(),
+        };
+        eprintln!(
+            "rtune: {}: the {} cooperative-matrix product ({}×{}×{}) failed its check ({failure}); \
+             {} products use the tiled kernel",
+            self.name,
+            dt.suffix(),
+            shape[0],
+            shape[1],
+            shape[2],
+            dt.suffix()
+        );
+        self.matrix.borrow_mut()[i] = None;
+        Ok(false)
+    }
+
+    /// `None` when `gemm_cm` agrees with an f64 product, else how it differs.
+    fn matrix_check(&self, dt: Dt) -> Result<Option<String>, GpuError> {
+        let (m, n, k) = (72usize, 80usize, 40usize);
+        // Values exactly representable in bf16 and f16, so the host computes the same product.
+        let value = |seed: usize| ((seed * 2_654_435_761 % 4093) as f32 / 2046.0 - 1.0) * 0.75;
+        let a: Vec<f32> = dt.decode(&dt.encode(&(0..m * k).map(value).collect::<Vec<_>>()));
+        let b: Vec<f32> = dt.decode(&dt.encode(&(0..k * n).map(|i| value(i + 7919)).collect::<Vec<_>>()));
+        let (pa, pb, pc) = (self.alloc(m * k * 2)?, self.alloc(k * n * 2)?, self.alloc(m * n * 4)?);
+        let result = (|| {
+            self.upload(pa, &dt.encode(&a))?;
+            self.upload(pb, &dt.encode(&b))?;
+            for trans in [false, true] {
+                // Stored as given when `trans` is false, else as the transposes of op(A), op(B).
+                let (lda, ldb) = if trans { (m, k) } else { (k, n) };
+                let at = |r: usize, kk: usize| if trans { a[kk * m + r] } else { a[r * k + kk] };
+                let bt = |kk: usize, c: usize| if trans { b[c * k + kk] } else { b[kk * n + c] };
+                let i = |v: usize| Arg::I32(v as i32);
+                let args = [
+                    Arg::Ptr(pa),
+                    Arg::Ptr(pb),
+                    Arg::Ptr(pc),
+                    i(m),
+                    i(n),
+                    i(k),
+                    i(lda),
+                    i(ldb),
+                    i(n),
+                    Arg::I32(trans as i32),
+                    Arg::I32(trans as i32),
+                    Arg::F32(1.0),
+                    Arg::F32(0.0),
+                ];
+                let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+                self.dispatch(&format!("gemm_cm_{}_f32", dt.suffix()), grid, 4 * self.subgroup, &args)?;
+                let mut out = vec![0u8; m * n * 4];
+                self.download(pc, &mut out)?;
+                let out = Dt::F32.decode(&out);
+                for r in 0..m {
+                    for c in 0..n {
+                        let (want, scale) = (0..k).fold((0.0f64, 0.0f64), |(s, t), kk| {
+                            let p = at(r, kk) as f64 * bt(kk, c) as f64;
+                            (s + p, t + p.abs())
+                        });
+                        let got = out[r * n + c] as f64;
+                        if got.is_nan() || (got - want).abs() > 1e-5 * scale + 1e-30 {
+                            let t = if trans { ", operands transposed" } else { "" };
+                            return Ok(Some(format!("C[{r}][{c}] = {got}, expected {want}{t}")));
+                        }
+                    }
+                }
+            }
+            Ok(None)
+        })();
+        for ptr in [pa, pb, pc] {
+            Gpu::free(self, ptr);
+        }
+        result
     }
 
     /// Whether the device can run kernels of `dt` (bf16 and f16 need 16-bit storage buffers).
@@ -510,17 +699,28 @@ impl VulkanGpu {
                 m
             }
         };
-        let data: Vec<u8> = [block, variant].iter().flat_map(|v| v.to_le_bytes()).collect();
-        let entries = [
-            vk::SpecializationMapEntry::default().constant_id(0).offset(0).size(4),
-            vk::SpecializationMapEntry::default().constant_id(1).offset(4).size(4),
-        ];
+        // Constants 2–4: the matrix-unit shape of the cooperative-matrix product's input type
+        // (`gemm_cm_<type>_<c>`); modules without them ignore them.
+        let cm = name.strip_prefix("gemm_cm_");
+        let shape = cm
+            .and_then(|t| matrix_slot(if t.starts_with("bf16") { Dt::Bf16 } else { Dt::F16 }))
+            .and_then(|i| self.matrix.borrow()[i])
+            .unwrap_or([16, 16, 16]);
+        let data: Vec<u8> =
+            [block, variant, shape[0], shape[1], shape[2]].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let entries: Vec<vk::SpecializationMapEntry> =
+            (0..5).map(|i| vk::SpecializationMapEntry::default().constant_id(i).offset(4 * i).size(4)).collect();
         let info = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
-        let stage = vk::PipelineShaderStageCreateInfo::default()
+        let mut required =
+            vk::PipelineShaderStageRequiredSubgroupSizeCreateInfo::default().required_subgroup_size(self.subgroup);
+        let mut stage = vk::PipelineShaderStageCreateInfo::default()
             .stage(vk::ShaderStageFlags::COMPUTE)
             .module(module)
             .name(c"main")
             .specialization_info(&info);
+        if cm.is_some() && self.require_subgroup {
+            stage = stage.push_next(&mut required);
+        }
         // SAFETY: the module and layout are live; the pipeline is destroyed in `drop`.
         let p = unsafe {
             self.device.create_compute_pipelines(
@@ -760,6 +960,9 @@ impl Gpu for VulkanGpu {
         ];
         let Some(sg) = self.cpu_subgroup.map(|s| s as usize) else {
             let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+            if self.matrix_units(g.ab)? {
+                return self.dispatch(&format!("gemm_cm_{}_{c}", g.ab.suffix()), grid, 4 * self.subgroup, &args);
+            }
             return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), grid, 256, &args);
         };
         args.push(Arg::I32(swap as i32));
@@ -856,6 +1059,25 @@ mod tests {
         caps
     }
 
+    /// `gemm_cm` takes 16 × 16 × 16 where a device lists it (NVIDIA, AMD), else the largest shape
+    /// whose sides divide its 32 × 32 × 32 tiles (Intel's 8 × 8 × 16, lavapipe's 8 × 8 × 8), and
+    /// only shapes of the input type asked for.
+    #[test]
+    fn the_product_takes_a_matrix_shape_its_tiles_hold() {
+        use crate::device::vulkan::MatrixShape;
+        let s = |m, n, k, ab| MatrixShape { m, n, k, ab };
+        let nvidia = [s(16, 8, 16, "f16"), s(16, 16, 16, "f16"), s(16, 8, 8, "f16"), s(16, 16, 16, "bf16")];
+        assert_eq!(super::choose_shape(&nvidia, "f16"), Some([16, 16, 16]));
+        assert_eq!(super::choose_shape(&nvidia, "bf16"), Some([16, 16, 16]));
+        assert_eq!(super::choose_shape(&[s(8, 8, 16, "f16"), s(8, 8, 8, "f16")], "f16"), Some([8, 8, 16]));
+        assert_eq!(super::choose_shape(&[s(8, 8, 8, "f16")], "bf16"), None);
+        // Sides that do not divide the tiles, or a 32 × 32 accumulator (4 KiB of staging).
+        assert_eq!(
+            super::choose_shape(&[s(16, 16, 24, "f16"), s(32, 32, 16, "f16"), s(64, 8, 16, "f16")], "f16"),
+            None
+        );
+    }
+
     /// Every module needs only what the engine enables on a device or checks before running it:
     /// a kernel that declared, say, Float64 would fail on Intel's Xe and Arc GPUs and on Apple's.
     #[test]
@@ -871,7 +1093,17 @@ mod tests {
                     4433 => name.contains("_bf16") || name.contains("_f16") || *name == "zero16",
                     // Subgroup operations: the CPU-device kernels, chosen only where
                     // `cpu_subgroup` found ballot, vote and arithmetic.
-                    61..=64 => name.contains("_sg"),
+                    62..=64 => name.contains("_sg"),
+                    // GroupNonUniform (subgroup ids and barriers): the same kernels and the
+                    // cooperative-matrix products.
+                    61 => name.contains("_sg") || name.starts_with("gemm_cm_"),
+                    // Float16, VulkanMemoryModel, CooperativeMatrixKHR: the cooperative-matrix
+                    // products, run only on a shape `matrix_shapes` found with `shaderFloat16`
+                    // and `vulkanMemoryModel`, which `open` then enables.
+                    9 | 5345 | 6022 => name.starts_with("gemm_cm_"),
+                    // BFloat16TypeKHR, BFloat16CooperativeMatrixKHR: their bf16 forms, run only
+                    // where the device has both features (enabled by `open`).
+                    5116 | 5118 => name.starts_with("gemm_cm_bf16"),
                     _ => false,
                 };
                 assert!(ok, "module {name} declares SPIR-V capability {cap}, which the engine does not enable");
