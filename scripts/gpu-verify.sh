@@ -54,7 +54,10 @@ run_recipe full-cpu /tmp/rtune-cache-cpu "${full[@]}" --set 'device.prefer=["cpu
 step "Vulkan: the GPU engine's tests and the default recipe"
 if .gpu/rtune doctor 2>/dev/null | grep -q "^  vulkan:"; then
   .gpu/rtune doctor 2>&1 | grep -A1 "^  vulkan:" | tee "$out/doctor-vulkan.txt"
-  RTUNE_TEST_VULKAN="${RTUNE_TEST_VULKAN:-0}" RTUNE_REQUIRE_VULKAN=1 .gpu/gpu_engine --test-threads 1 2>&1 |
+  # Where the driver lists cooperative matrices (doctor shows their shapes), the tests must run
+  # f16 — and bf16 if listed — products on them (gemm_cm) and pass its first-use check.
+  mu=$(grep -o "cooperative matrices: .*" "$out/doctor-vulkan.txt" | grep -oE "\bb?f16\b" | sort -u | paste -sd, || true)
+  RTUNE_REQUIRE_MATRIX_UNITS="$mu" RTUNE_TEST_VULKAN="${RTUNE_TEST_VULKAN:-0}" RTUNE_REQUIRE_VULKAN=1 .gpu/gpu_engine --test-threads 1 2>&1 |
     tee "$out/gpu_engine-vulkan.txt" | grep -E "^test |test result|panicked" || status=1
   run_recipe tiny-vulkan /tmp/rtune-cache-vulkan --set 'device.prefer=["vulkan"]'
 else
