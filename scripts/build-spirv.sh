@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 src=src/engine/gpu/vulkan/kernels.comp
 dest=src/engine/gpu/vulkan/spirv
 command -v glslangValidator >/dev/null || { echo "build-spirv: glslangValidator not found (apt install glslang-tools)" >&2; exit 1; }
-cargo build --quiet --release --locked --manifest-path tools/glslc/Cargo.toml
+cargo build --quiet --release --locked --manifest-path tools/glslc/Cargo.toml --target-dir tools/glslc/target
 glslc=tools/glslc/target/release/rtune-glslc
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
