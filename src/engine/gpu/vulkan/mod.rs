@@ -116,6 +116,31 @@ pub fn choose_shape(shapes: &[crate::device::vulkan::MatrixShape], ab: &str) -> 
         .map(|s| [s.m, s.n, s.k])
 }
 
+/// The arguments of the product kernels (`K_gemm`, `K_gemm_cm`; `K_gemm_sg` adds one).
+fn gemm_args(g: &Gemm) -> Vec<Arg> {
+    let i = |v: usize| Arg::I32(v as i32);
+    vec![
+        Arg::Ptr(g.a),
+        Arg::Ptr(g.b),
+        Arg::Ptr(g.c),
+        i(g.m),
+        i(g.n),
+        i(g.k),
+        i(g.lda),
+        i(g.ldb),
+        i(g.ldc),
+        Arg::I32(g.a_trans as i32),
+        Arg::I32(g.b_trans as i32),
+        Arg::F32(g.alpha),
+        Arg::F32(g.beta),
+    ]
+}
+
+/// One 64 × 64 tile of C per workgroup (`K_gemm`, `K_gemm_cm`).
+fn gemm_grid(g: &Gemm) -> [u32; 3] {
+    [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1]
+}
+
 fn matrix_slot(dt: Dt) -> Option<usize> {
     match dt {
         Dt::Bf16 => Some(0),
@@ -359,7 +384,8 @@ impl VulkanGpu {
         let failure = match self.matrix_check(dt) {
             Ok(None) => return Ok(true),
             Ok(Some(why)) => why,
-            Err(GpuError::Device(why)) if why.contains("was lost") => return Err(GpuError::Device(why)),
+            // A lost device is not the kernel's fault: every later call reports it.
+            Err(e) if self.state.borrow().lost.is_some() => return Err(e),
             Err(e) => e.to_string(),
         };
         eprintln!(
@@ -392,24 +418,23 @@ impl VulkanGpu {
                 let (lda, ldb) = if trans { (m, k) } else { (k, n) };
                 let at = |r: usize, kk: usize| if trans { a[kk * m + r] } else { a[r * k + kk] };
                 let bt = |kk: usize, c: usize| if trans { b[c * k + kk] } else { b[kk * n + c] };
-                let i = |v: usize| Arg::I32(v as i32);
-                let args = [
-                    Arg::Ptr(pa),
-                    Arg::Ptr(pb),
-                    Arg::Ptr(pc),
-                    i(m),
-                    i(n),
-                    i(k),
-                    i(lda),
-                    i(ldb),
-                    i(n),
-                    Arg::I32(trans as i32),
-                    Arg::I32(trans as i32),
-                    Arg::F32(1.0),
-                    Arg::F32(0.0),
-                ];
-                let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-                self.dispatch(&format!("gemm_cm_{}_f32", dt.suffix()), grid, 4 * self.subgroup, &args)?;
+                self.gemm_cm(&Gemm {
+                    m,
+                    n,
+                    k,
+                    a: pa,
+                    a_trans: trans,
+                    lda,
+                    b: pb,
+                    b_trans: trans,
+                    ldb,
+                    c: pc,
+                    ldc: n,
+                    alpha: 1.0,
+                    beta: 0.0,
+                    ab: dt,
+                    c_dt: Dt::F32,
+                })?;
                 let mut out = vec![0u8; m * n * 4];
                 self.download(pc, &mut out)?;
                 let out = Dt::F32.decode(&out);
@@ -433,6 +458,13 @@ impl VulkanGpu {
             Gpu::free(self, ptr);
         }
         result
+    }
+
+    /// The product on the matrix units (`K_gemm_cm`), whose shape for `g.ab` [`VulkanGpu::open`]
+    /// chose: workgroups of four subgroups.
+    fn gemm_cm(&self, g: &Gemm) -> Result<(), GpuError> {
+        let c = g.c_dt.suffix();
+        self.dispatch(&format!("gemm_cm_{}_{c}", g.ab.suffix()), gemm_grid(g), 4 * self.subgroup, &gemm_args(g))
     }
 
     /// Whether the device can run kernels of `dt` (bf16 and f16 need 16-bit storage buffers).
@@ -929,42 +961,37 @@ impl Gpu for VulkanGpu {
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), GpuError> {
-        let c = if g.c_dt == Dt::F32 { "f32" } else { g.c_dt.suffix() };
+        let c = g.c_dt.suffix();
         if g.c_dt != Dt::F32 && g.c_dt != g.ab {
             return Err(GpuError::Device(format!("no product of {:?} inputs into {:?}", g.ab, g.c_dt)));
         }
-        let i = |v: usize| Arg::I32(v as i32);
+        let Some(sg) = self.cpu_subgroup.map(|s| s as usize) else {
+            if self.matrix_units(g.ab)? {
+                return self.gemm_cm(g);
+            }
+            return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), gemm_grid(g), 256, &gemm_args(g));
+        };
         // On CPU devices gemm_sg computes 32 rows × (subgroup · GC) columns per workgroup: the
         // longer side of C goes across (Cᵀ = op(B)ᵀ·op(A)ᵀ when m < n), GC as small as the
         // columns allow.
-        let swap = self.cpu_subgroup.is_some() && g.m < g.n;
-        let (a, a_trans, lda, b, b_trans, ldb, m, n) = if swap {
-            (g.b, !g.b_trans, g.ldb, g.a, !g.a_trans, g.lda, g.n, g.m)
-        } else {
-            (g.a, g.a_trans, g.lda, g.b, g.b_trans, g.ldb, g.m, g.n)
-        };
-        let mut args = vec![
-            Arg::Ptr(a),
-            Arg::Ptr(b),
-            Arg::Ptr(g.c),
-            i(m),
-            i(n),
-            i(g.k),
-            i(lda),
-            i(ldb),
-            i(g.ldc),
-            Arg::I32(a_trans as i32),
-            Arg::I32(b_trans as i32),
-            Arg::F32(g.alpha),
-            Arg::F32(g.beta),
-        ];
-        let Some(sg) = self.cpu_subgroup.map(|s| s as usize) else {
-            let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-            if self.matrix_units(g.ab)? {
-                return self.dispatch(&format!("gemm_cm_{}_{c}", g.ab.suffix()), grid, 4 * self.subgroup, &args);
+        let swap = g.m < g.n;
+        let g = &if swap {
+            Gemm {
+                a: g.b,
+                a_trans: !g.b_trans,
+                lda: g.ldb,
+                b: g.a,
+                b_trans: !g.a_trans,
+                ldb: g.lda,
+                m: g.n,
+                n: g.m,
+                ..*g
             }
-            return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), grid, 256, &args);
+        } else {
+            *g
         };
+        let (m, n) = (g.m, g.n);
+        let mut args = gemm_args(g);
         args.push(Arg::I32(swap as i32));
         let gc = n.div_ceil(sg).clamp(1, 4);
         let grid = [n.div_ceil(sg * gc) as u32, m.div_ceil(32) as u32, 1];
