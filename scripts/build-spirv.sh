@@ -8,7 +8,7 @@
 #   scripts/build-spirv.sh --check   # fail if the checked-in modules differ from a fresh build (CI)
 #
 # Needs glslangValidator (Debian: glslang-tools) and cargo: the cooperative-matrix products
-# (gemm_cm_*) need GLSL extensions newer than Debian 12's glslang, so they are compiled by
+# (gemm_cm_*, attn_*_mma_*) need GLSL extensions newer than Debian 12's glslang, so they are compiled by
 # tools/glslc, which builds a pinned glslang from crates.io (about 1.5 minutes the first time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 typed="embed gather_rows scatter_add_rows add add_bias cast_from_f32 rmsnorm_fwd rmsnorm_apply rmsnorm_bwd rope
   swiglu swiglu_bwd dropout dropout_acc cross_entropy attn_fwd attn_bwd_pre attn_bwd_dq attn_bwd_dkv
-  attn_fwd_sg attn_bwd_dq_sg attn_bwd_dkv_sg"
+  attn_reduce_heads attn_fwd_sg attn_bwd_dq_sg attn_bwd_dkv_sg"
 plain="sum_scaled sum_squares adamw ema zero16 rounding_probe"
 compile() { # name, defines...
   local name=$1
@@ -50,6 +50,7 @@ done
 for t in bf16 f16; do
   compile_cm "gemm_cm_${t}_f32" -DK_gemm_cm "-DT_${t^^}" -DC_F32
   compile_cm "gemm_cm_${t}_$t" -DK_gemm_cm "-DT_${t^^}"
+  for k in attn_fwd_mma attn_bwd_dq_mma attn_bwd_dkv_mma; do compile_cm "${k}_$t" "-DK_$k" "-DT_${t^^}"; done
 done
 {
   echo "// Written by scripts/build-spirv.sh from kernels.comp; do not edit."

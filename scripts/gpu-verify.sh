@@ -55,7 +55,8 @@ step "Vulkan: the GPU engine's tests and the default recipe"
 if .gpu/rtune doctor 2>/dev/null | grep -q "^  vulkan:"; then
   .gpu/rtune doctor 2>&1 | grep -A1 "^  vulkan:" | tee "$out/doctor-vulkan.txt"
   # Where the driver lists cooperative matrices (doctor shows their shapes), the tests must run
-  # f16 — and bf16 if listed — products on them (gemm_cm) and pass its first-use check.
+  # f16 — and bf16 if listed — products and attention on them (gemm_cm, attn_*_mma) and pass
+  # their first-use checks.
   mu=$(grep -o "cooperative matrices: .*" "$out/doctor-vulkan.txt" | grep -oE "\bb?f16\b" | sort -u | paste -sd, || true)
   RTUNE_REQUIRE_MATRIX_UNITS="$mu" RTUNE_TEST_VULKAN="${RTUNE_TEST_VULKAN:-0}" RTUNE_REQUIRE_VULKAN=1 .gpu/gpu_engine --test-threads 1 2>&1 |
     tee "$out/gpu_engine-vulkan.txt" | grep -E "^test |test result|panicked" || status=1

@@ -177,17 +177,10 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
             // device's matrix units (`gemm_cm`), so a driver that lists cooperative matrices
             // (CI's newer lavapipe, hardware) never tests only the tiled kernel by accident.
             let with_gpu_kernels = gpu_kernels.as_ref().unwrap_or(&g);
-            for t in
-                std::env::var("RTUNE_REQUIRE_MATRIX_UNITS").unwrap_or_default().split(',').filter(|t| !t.is_empty())
-            {
-                let dt = match t {
-                    "f16" => Dt::F16,
-                    "bf16" => Dt::Bf16,
-                    _ => panic!("RTUNE_REQUIRE_MATRIX_UNITS: unknown type {t}"),
-                };
+            for dt in required_matrix_units() {
                 assert!(
                     with_gpu_kernels.matrix_shape(dt).unwrap().is_some(),
-                    "{}: no matrix units for {t} products, or they failed their check",
+                    "{}: no matrix units for {dt:?} products, or they failed their check",
                     with_gpu_kernels.name()
                 );
             }
@@ -200,6 +193,20 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
         Err(e) => eprintln!("no Vulkan device for the GPU engine tests: {e}"),
     }
     v
+}
+
+/// The input types whose products (and, in the attention test, attention) must run on a Vulkan
+/// device's matrix units: `RTUNE_REQUIRE_MATRIX_UNITS=f16,bf16`.
+fn required_matrix_units() -> Vec<Dt> {
+    let var = std::env::var("RTUNE_REQUIRE_MATRIX_UNITS").unwrap_or_default();
+    var.split(',')
+        .filter(|t| !t.is_empty())
+        .map(|t| match t {
+            "f16" => Dt::F16,
+            "bf16" => Dt::Bf16,
+            _ => panic!("RTUNE_REQUIRE_MATRIX_UNITS: unknown type {t}"),
+        })
+        .collect()
 }
 
 /// The Vulkan device the tests use: `RTUNE_TEST_VULKAN=N`, else the first one listed (lavapipe,
@@ -737,19 +744,35 @@ fn attention_reference(
 
 #[test]
 fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
-    // Row 0: two packed documents; row 1: padded after 29 tokens.
-    let t = 37;
-    let segs = vec![(0..t).map(|i| (i >= 15) as u16).collect::<Vec<_>>(), vec![0; 29]];
-    let layout = rtune::model::batch::attention_layout(t, &[t, 29], Some(&segs));
+    // Two rows of 37: two packed documents, and one padded after 29 tokens; and one row longer
+    // than the tensor-core kernels' blocks of 64 queries and tiles of 32 keys, padded after 140.
+    let segs = vec![(0..37).map(|i| (i >= 15) as u16).collect::<Vec<_>>(), vec![0; 29]];
+    let batches = [
+        (37, rtune::model::batch::attention_layout(37, &[37, 29], Some(&segs))),
+        (150, rtune::model::batch::attention_layout(150, &[140], None)),
+    ];
     for gpu in devices() {
-        for (dt, d, tensor_cores) in [
+        // Where a device must have matrix units, attention runs there too (and has passed its
+        // first-use check against the scalar kernels).
+        if gpu.cpu_lanes().is_none() {
+            for dt in required_matrix_units() {
+                assert!(gpu.tensor_core_attention(dt), "{}: {dt:?} attention is not on the matrix units", gpu.name());
+            }
+        }
+        for ((dt, d, tensor_cores), (t, layout)) in [
             (Dt::F32, 16, false),
             (Dt::Bf16, 64, false),
             (Dt::Bf16, 64, true),
+            (Dt::F16, 64, true),
             (Dt::F16, 128, true),
             (Dt::Bf16, 128, true),
-        ] {
-            let s = AttnShape { b: 2, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
+        ]
+        .into_iter()
+        .flat_map(|c| batches.iter().map(move |b| (c, b)))
+        {
+            let t = *t;
+            let b = layout.lo.len() / t;
+            let s = AttnShape { b, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
             let o = Ops { gpu: &*gpu, dt };
             let mut rng = Rng::new(d as u64);
             let nq = s.b * t * s.hq * d;
@@ -766,7 +789,7 @@ fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
             o.attn_fwd(&s, qb.ptr(), kb.ptr(), vb.ptr(), ob.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).unwrap();
             let (want_o, want_lse, want_dq, want_dk, want_dv) =
                 attention_reference(&s, &q, &k, &v, &dout, &layout.lo, &layout.hi);
-            let what = format!("{}: {dt:?} d={d} tensor cores {tensor_cores}", gpu.name());
+            let what = format!("{}: {dt:?} d={d} t={t} tensor cores {tensor_cores}", gpu.name());
             assert_close(&format!("{what} O"), &ob.to_vec().unwrap(), &want_o, tol(dt));
             assert_close(&format!("{what} lse"), &lse.to_vec().unwrap(), &want_lse, 1e-3);
             let (dq, dk, dv) =

@@ -135,9 +135,9 @@ pub trait Gpu {
         None
     }
 
-    /// Whether the tensor-core attention kernels (`attn_*_mma_*`) exist on this device; without
-    /// them attention runs on the scalar kernels.
-    fn tensor_core_attention(&self) -> bool {
+    /// Whether the tensor-core attention kernels (`attn_*_mma_*`) run on this device for `dt`
+    /// inputs; without them attention runs on the scalar kernels.
+    fn tensor_core_attention(&self, _dt: Dt) -> bool {
         true
     }
 }

@@ -55,7 +55,7 @@ impl AttnShape {
     }
 
     fn mma(&self, dt: Dt, gpu: &dyn Gpu) -> bool {
-        self.tensor_cores && Self::has_tensor_cores(dt, self.d) && gpu.tensor_core_attention()
+        self.tensor_cores && Self::has_tensor_cores(dt, self.d) && gpu.tensor_core_attention(dt)
     }
 
     /// f32 elements of the backward pass's per-query-head scratch (dK and dV partials).

@@ -19,7 +19,8 @@
 // - sum_scaled and sum_squares reduce in one workgroup (no 64-bit float atomics in Vulkan core),
 //   in float-float pairs, adding to the f64 accumulator with integer arithmetic: no kernel
 //   needs shaderFloat64;
-// - there are no tensor-core attention kernels (ops.rs only asks for them on CUDA).
+// - the attention kernels on the matrix units (`attn_*_mma`, cooperative matrices) walk the keys
+//   twice in the forward pass instead of rescaling their accumulators per row (see there).
 
 #extension GL_EXT_buffer_reference : require
 #extension GL_EXT_control_flow_attributes : require
@@ -1195,7 +1196,7 @@ void main() {
 // the alignment of matrix loads); the accumulators pass through shared memory one at a time on
 // their way out, where α, β, the bounds and the conversion of C are applied.
 // Built by tools/glslc (glslang with GL_KHR_cooperative_matrix and GL_EXT_bfloat16).
-#if defined(K_gemm_cm)
+#if defined(K_gemm_cm) || defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma) || defined(K_attn_bwd_dkv_mma)
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -1208,6 +1209,9 @@ void main() {
 layout(constant_id = 2) const uint TM = 16;
 layout(constant_id = 3) const uint TN = 16;
 layout(constant_id = 4) const uint TK = 16;
+#endif
+
+#if defined(K_gemm_cm)
 layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
     float beta;
@@ -1276,5 +1280,371 @@ void main() {
             }
             subgroupBarrier();
         }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Attention on the matrix units: kernels.cu's `attn_fwd_mma`, `attn_bwd_dq_mma` and
+// `attn_bwd_dkv_mma` (same arguments and results; bf16 and f16 with f32 accumulation; the head
+// size D is specialisation constant 1, the `_64`/`_128` suffix; the matrix shape constants 2–4 as
+// in gemm_cm; the tile width BC, 32 or 16, constant 5). A workgroup of four subgroups takes 64
+// query rows of one head (key rows for dK and dV), 16 per subgroup, whose fragments stay in
+// registers; tiles of BC keys (queries) are staged in shared memory, and a tile's products go through shared memory as f32, where the
+// softmax steps run element by element before the next product takes them as inputs. Which
+// lane holds which element of an accumulator is the driver's choice, so nothing is scaled per
+// row in registers: the forward pass walks the keys twice, first for each row's maximum and sum
+// (the log-sum-exp), then for O = Σ exp(s − lse)·V, which needs no rescaling. Every subgroup
+// runs the products of every tile the workgroup visits, including tiles none of its rows sees
+// (about a tenth of the work at t = 512 under a causal mask): skipping them in one subgroup gave
+// wrong results on lavapipe 26.1, and a branch around matrix operations is not worth a driver
+// bug that the tests could not see on hardware.
+// Shared memory: 64·(D + 8) + 4·16·(BC + 8) values of the input type, 4·16·BC f32 (twice that
+// in the backward passes) and 1 KiB: at most 32 KiB for D = 64 with BC = 32 and for D = 128 with
+// BC = 16, 39 KiB for D = 128 with BC = 32 (vulkan/mod.rs, `attention_shared_bytes`).
+
+#if defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma) || defined(K_attn_bwd_dkv_mma)
+layout(constant_id = 1) const uint D = 64;
+layout(constant_id = 5) const int BC = 32;
+#define BR 64
+#define RS 16
+const int SP = BC + 8;
+const uint SD = D + 8;    // row pitch of staged rows: 16-byte aligned, as matrix loads want
+const uint FM = RS / TM;  // row blocks per subgroup
+const uint FD = D / TK;   // steps over the head in a score product
+const uint FC = BC / TN;  // column blocks of a tile's scores
+const uint FO = D / TN;   // column blocks of a subgroup's output rows
+const uint FP = BC / TK;  // steps over the tile in an output product
+#define MA coopmat<ET, gl_ScopeSubgroup, TM, TK, gl_MatrixUseA>
+#define MB coopmat<ET, gl_ScopeSubgroup, TK, TN, gl_MatrixUseB>
+#define MC coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator>
+#define ROW_MAJOR gl_CooperativeMatrixLayoutRowMajor
+// Staged rows: the workgroup's own 64 (loaded into registers once), then per tile BC rows of K
+// (Q) from row 0 and BC rows of V (dO) from row BC.
+shared ET kv[BR * SD];
+// Each subgroup's part: a tile's scores (and on the way out its outputs), its probabilities.
+shared float s_sh[4 * RS * BC];
+shared ET p_sh[4 * RS * SP];
+shared int span_sh[2];
+
+// Rows r0 .. r0 + n of a [.., stride] matrix of T from column `col` into kv from element `at`;
+// rows at or past t are zeros.
+void stage(TB m, int base, int r0, int n, int t, int stride, int col, uint at) {
+    for (int e = TID; e < n * int(D); e += BLOCK) {
+        int i = e / int(D), j = e % int(D), r = r0 + i;
+        kv[at + uint(i) * SD + uint(j)] = ET(r < t ? ld(m, (base + r) * stride + col + j) : 0.0);
+    }
+}
+
+// span_sh = [min lo, max hi] over rows r0 .. r0 + n that see a key.
+void row_span(I32 lo, I32 hi, int base, int r0, int n, int t) {
+    if (TID == 0) {
+        span_sh[0] = 0x7fffffff;
+        span_sh[1] = -1;
+    }
+    memoryBarrierShared();
+    barrier();
+    for (int r = TID; r < n; r += BLOCK) {
+        int i = r0 + r;
+        if (i < t && lo.v[base + i] <= hi.v[base + i]) {
+            atomicMin(span_sh[0], lo.v[base + i]);
+            atomicMax(span_sh[1], hi.v[base + i]);
+        }
+    }
+    memoryBarrierShared();
+    barrier();
+}
+
+// DST[at ..] (RS × BC, row-major) = A · Bᵀ for this subgroup's RS rows of fragments A (FM × FD)
+// and BC staged rows of kv from row `brow` (B read column-major is their transpose).
+#define SCORES(A, brow, DST, at)                                                                     \
+    [[unroll]] for (uint j = 0; j < FC; j++) {                                                       \
+        MC c_[FM];                                                                                   \
+        [[unroll]] for (uint i = 0; i < FM; i++) c_[i] = MC(0.0);                                    \
+        [[unroll]] for (uint kk = 0; kk < FD; kk++) {                                                \
+            MB b_;                                                                                   \
+            coopMatLoad(b_, kv, ((brow) + j * TN) * SD + kk * TK, SD, gl_CooperativeMatrixLayoutColumnMajor); \
+            [[unroll]] for (uint i = 0; i < FM; i++) c_[i] = coopMatMulAdd(A[i * FD + kk], b_, c_[i]);   \
+        }                                                                                            \
+        [[unroll]] for (uint i = 0; i < FM; i++)                                                     \
+            coopMatStore(c_[i], DST, (at) + i * TM * BC + j * TN, BC, ROW_MAJOR);                    \
+    }
+
+// ACC (FM × FO) += PS[at ..] (RS × BC, pitch SP) · BC staged rows of kv from row `brow`.
+#define OUTPUT(ACC, PS, at, brow)                                                                    \
+    [[unroll]] for (uint kk = 0; kk < FP; kk++) {                                                    \
+        MA a_[FM];                                                                                   \
+        [[unroll]] for (uint i = 0; i < FM; i++) coopMatLoad(a_[i], PS, (at) + i * TM * SP + kk * TK, SP, ROW_MAJOR); \
+        [[unroll]] for (uint o = 0; o < FO; o++) {                                                   \
+            MB b_;                                                                                   \
+            coopMatLoad(b_, kv, ((brow) + kk * TK) * SD + o * TN, SD, ROW_MAJOR);                    \
+            [[unroll]] for (uint i = 0; i < FM; i++) ACC[i * FO + o] = coopMatMulAdd(a_[i], b_, ACC[i * FO + o]); \
+        }                                                                                            \
+    }
+
+// This subgroup's fragments of 16 rows × D staged in kv.
+#define LOAD_ROWS(A)                                                                                 \
+    [[unroll]] for (uint i = 0; i < FM; i++)                                                         \
+        [[unroll]] for (uint kk = 0; kk < FD; kk++)                                                  \
+            coopMatLoad(A[i * FD + kk], kv, (sg * RS + i * TM) * SD + kk * TK, SD, ROW_MAJOR);
+
+// Each element x of ACC (FM × FO), at row r (0 .. 64, of the workgroup's) and column j, passes
+// through this subgroup's part of s_sh to the statement STORE.
+#define WRITE_OUT(ACC, STORE)                                                                        \
+    [[unroll]] for (uint i = 0; i < FM; i++)                                                         \
+        [[unroll]] for (uint o = 0; o < FO; o++) {                                                   \
+            coopMatStore(ACC[i * FO + o], s_sh, own, TN, ROW_MAJOR);                                 \
+            subgroupMemoryBarrierShared();                                                           \
+            subgroupBarrier();                                                                       \
+            for (uint e = lane; e < TM * TN; e += nl) {                                              \
+                int r = int(sg * RS + i * TM + e / TN), j = int(o * TN + e % TN);                    \
+                float x = s_sh[own + e];                                                             \
+                STORE;                                                                               \
+            }                                                                                        \
+            subgroupMemoryBarrierShared();                                                           \
+            subgroupBarrier();                                                                       \
+        }
+
+#define ZERO(ACC, n) [[unroll]] for (uint i = 0; i < (n); i++) ACC[i] = MC(0.0);
+
+#define SUBGROUP_SYNC()                                                                              \
+    subgroupMemoryBarrierShared();                                                                   \
+    subgroupBarrier();
+#endif
+
+#if defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma)
+shared int lo_sh[BR], hi_sh[BR];
+#endif
+
+#ifdef K_attn_fwd_mma
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB o; F32 lse; I32 lo; I32 hi; int t; int hq; int hk; float scale;
+} p;
+shared float m_sh[BR], l_sh[BR];
+void main() {
+    int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), q0 = int(gl_WorkGroupID.x) * BR;
+    int t = p.t, g = h / (p.hq / p.hk), qs = p.hq * int(D), kvs = p.hk * int(D), base = bi * t;
+    uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID, nl = gl_SubgroupSize;
+    uint own = sg * RS * BC, ownp = sg * RS * SP;
+    float sc = p.scale;
+    for (int r = TID; r < BR; r += BLOCK) {
+        int i = q0 + r;
+        lo_sh[r] = i < t ? p.lo.v[base + i] : 1;
+        hi_sh[r] = i < t ? p.hi.v[base + i] : 0;
+        m_sh[r] = -INF;
+        l_sh[r] = 0.0;
+    }
+    stage(p.q, base, q0, BR, t, qs, h * int(D), 0);
+    row_span(p.lo, p.hi, base, q0, BR, t);
+    int first = span_sh[0], last = span_sh[1];
+    MA qa[FM * FD];
+    LOAD_ROWS(qa)
+    // Pass 1: each row's maximum and sum of exponentials, online over the tiles.
+    for (int k0 = first; k0 <= last; k0 += BC) {
+        barrier();
+        stage(p.k, base, k0, BC, t, kvs, g * int(D), 0);
+        memoryBarrierShared();
+        barrier();
+        SCORES(qa, 0, s_sh, own)
+        SUBGROUP_SYNC()
+        for (uint r = lane; r < RS; r += nl) {
+            uint rr = sg * RS + r;
+            int lo_ = lo_sh[rr], hi_ = hi_sh[rr];
+            float mt = -INF;
+            for (int c = 0; c < BC; c++)
+                if (k0 + c >= lo_ && k0 + c <= hi_) mt = max(mt, s_sh[own + r * BC + c] * sc);
+            if (mt > -INF) {
+                float m = m_sh[rr], mn = max(m, mt), sum = 0.0;
+                for (int c = 0; c < BC; c++)
+                    if (k0 + c >= lo_ && k0 + c <= hi_) sum += exp(s_sh[own + r * BC + c] * sc - mn);
+                l_sh[rr] = l_sh[rr] * exp(m - mn) + sum;
+                m_sh[rr] = mn;
+            }
+        }
+        SUBGROUP_SYNC()
+    }
+    // The log-sum-exp (+inf for a row that sees no key), kept in m_sh for pass 2.
+    for (uint r = lane; r < RS; r += nl) {
+        uint rr = sg * RS + r;
+        float l = l_sh[rr], lse = l > 0.0 ? m_sh[rr] + log(l) : INF;
+        m_sh[rr] = lse;
+        if (q0 + int(rr) < t) p.lse.v[(bi * p.hq + h) * t + q0 + int(rr)] = lse;
+    }
+    SUBGROUP_SYNC()
+    // Pass 2: O = Σ exp(s − lse) · V.
+    MC acc[FM * FO];
+    ZERO(acc, FM * FO)
+    for (int k0 = first; k0 <= last; k0 += BC) {
+        barrier();
+        stage(p.k, base, k0, BC, t, kvs, g * int(D), 0);
+        stage(p.v, base, k0, BC, t, kvs, g * int(D), BC * SD);
+        memoryBarrierShared();
+        barrier();
+        SCORES(qa, 0, s_sh, own)
+        SUBGROUP_SYNC()
+        for (uint e = lane; e < RS * BC; e += nl) {
+            uint r = e / BC, c = e % BC, rr = sg * RS + r;
+            int key = k0 + int(c);
+            bool sees = key >= lo_sh[rr] && key <= hi_sh[rr];
+            p_sh[ownp + r * SP + c] = ET(sees ? exp(s_sh[own + e] * sc - m_sh[rr]) : 0.0);
+        }
+        SUBGROUP_SYNC()
+        OUTPUT(acc, p_sh, ownp, BC)
+    }
+    WRITE_OUT(acc, if (q0 + r < t) st(p.o, (base + q0 + r) * qs + h * int(D) + j, x))
+}
+#endif
+
+// dQ = scale · dS K with dS = P ⊙ (dO Vᵀ − delta).
+#ifdef K_attn_bwd_dq_mma
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dq; I32 lo; I32 hi; int t; int hq; int hk; float scale;
+} p;
+shared float d_sh[4 * RS * BC];
+shared float lse_sh[BR], delta_sh[BR];
+void main() {
+    int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), q0 = int(gl_WorkGroupID.x) * BR;
+    int t = p.t, g = h / (p.hq / p.hk), qs = p.hq * int(D), kvs = p.hk * int(D), base = bi * t;
+    uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID, nl = gl_SubgroupSize;
+    uint own = sg * RS * BC, ownp = sg * RS * SP;
+    float sc = p.scale;
+    int lrow = (bi * p.hq + h) * t;
+    for (int r = TID; r < BR; r += BLOCK) {
+        int i = q0 + r;
+        bool ok = i < t;
+        lo_sh[r] = ok ? p.lo.v[base + i] : 1;
+        hi_sh[r] = ok ? p.hi.v[base + i] : 0;
+        lse_sh[r] = ok ? p.lse.v[lrow + i] : 0.0;
+        delta_sh[r] = ok ? p.delta.v[lrow + i] : 0.0;
+    }
+    stage(p.q, base, q0, BR, t, qs, h * int(D), 0);
+    row_span(p.lo, p.hi, base, q0, BR, t);
+    int first = span_sh[0], last = span_sh[1];
+    MA qa[FM * FD], da[FM * FD];
+    LOAD_ROWS(qa)
+    barrier();
+    stage(p.dout, base, q0, BR, t, qs, h * int(D), 0);
+    memoryBarrierShared();
+    barrier();
+    LOAD_ROWS(da)
+    MC acc[FM * FO];
+    ZERO(acc, FM * FO)
+    for (int k0 = first; k0 <= last; k0 += BC) {
+        barrier();
+        stage(p.k, base, k0, BC, t, kvs, g * int(D), 0);
+        stage(p.v, base, k0, BC, t, kvs, g * int(D), BC * SD);
+        memoryBarrierShared();
+        barrier();
+        SCORES(qa, 0, s_sh, own)
+        SCORES(da, BC, d_sh, own)
+        SUBGROUP_SYNC()
+        for (uint e = lane; e < RS * BC; e += nl) {
+            uint r = e / BC, c = e % BC, rr = sg * RS + r;
+            int key = k0 + int(c);
+            float ds = 0.0;
+            if (key >= lo_sh[rr] && key <= hi_sh[rr])
+                ds = exp(s_sh[own + e] * sc - lse_sh[rr]) * (d_sh[own + e] - delta_sh[rr]);
+            p_sh[ownp + r * SP + c] = ET(ds);
+        }
+        SUBGROUP_SYNC()
+        OUTPUT(acc, p_sh, ownp, 0)
+    }
+    WRITE_OUT(acc, if (q0 + r < t) st(p.dq, (base + q0 + r) * qs + h * int(D) + j, x * sc))
+}
+#endif
+
+// One query head's share of dK = scale · Σ dSᵀ Q and dV = Σ Pᵀ dO, for 64 key rows, written as
+// f32 partials [b·t, hq, D] that attn_reduce_heads sums over the query heads of each kv head.
+// The products are formed transposed (rows are keys): Sᵀ = K Qᵀ, dPᵀ = V dOᵀ. A query i sees
+// key j only if j ≤ hi[i] ≤ i, so tiles of queries before this workgroup's keys are not visited.
+#ifdef K_attn_bwd_dkv_mma
+layout(push_constant) uniform P {
+    TB q; TB k; TB v; TB dout; F32 lse; F32 delta; F32 part_k; F32 part_v; I32 lo; I32 hi; int t; int hq;
+    int hk; float scale;
+} p;
+shared float d_sh[4 * RS * BC];
+shared float lse_sh[BC], delta_sh[BC];
+shared int lo_sh[BC], hi_sh[BC];
+// This subgroup's Pᵀ (or dSᵀ) for its keys kf .. kf + 16 and the staged queries, into p_sh.
+void probabilities(uint own, uint ownp, int kf, int t, float sc, bool ds) {
+    for (uint e = gl_SubgroupInvocationID; e < RS * BC; e += gl_SubgroupSize) {
+        uint r = e / BC, c = e % BC;
+        int key = kf + int(r);
+        float x = 0.0;
+        if (key < t && key >= lo_sh[c] && key <= hi_sh[c]) {
+            x = exp(s_sh[own + e] * sc - lse_sh[c]);
+            if (ds) x *= d_sh[own + e] - delta_sh[c];
+        }
+        p_sh[ownp + r * SP + c] = ET(x);
+    }
+}
+void main() {
+    int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), k0 = int(gl_WorkGroupID.x) * BR;
+    int t = p.t, g = h / (p.hq / p.hk), qs = p.hq * int(D), kvs = p.hk * int(D), base = bi * t;
+    uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID, nl = gl_SubgroupSize;
+    uint own = sg * RS * BC, ownp = sg * RS * SP;
+    float sc = p.scale;
+    int lrow = (bi * p.hq + h) * t;
+    int kf = k0 + int(sg) * RS;  // this subgroup's first key
+    stage(p.k, base, k0, BR, t, kvs, g * int(D), 0);
+    memoryBarrierShared();
+    barrier();
+    MA ka[FM * FD], va[FM * FD];
+    LOAD_ROWS(ka)
+    barrier();
+    stage(p.v, base, k0, BR, t, kvs, g * int(D), 0);
+    memoryBarrierShared();
+    barrier();
+    LOAD_ROWS(va)
+    MC gk[FM * FO], gv[FM * FO];
+    ZERO(gk, FM * FO)
+    ZERO(gv, FM * FO)
+    for (int q0 = (k0 / BC) * BC; q0 < t; q0 += BC) {
+        barrier();
+        stage(p.q, base, q0, BC, t, qs, h * int(D), 0);
+        stage(p.dout, base, q0, BC, t, qs, h * int(D), BC * SD);
+        for (int e = TID; e < BC; e += BLOCK) {
+            int i = q0 + e;
+            bool ok = i < t;
+            lse_sh[e] = ok ? p.lse.v[lrow + i] : 0.0;
+            delta_sh[e] = ok ? p.delta.v[lrow + i] : 0.0;
+            lo_sh[e] = ok ? p.lo.v[base + i] : 1;
+            hi_sh[e] = ok ? p.hi.v[base + i] : 0;
+        }
+        memoryBarrierShared();
+        barrier();
+        SCORES(ka, 0, s_sh, own)
+        SCORES(va, BC, d_sh, own)
+        SUBGROUP_SYNC()
+        // Pᵀ, then through the same shared memory dSᵀ = Pᵀ ⊙ (dPᵀ − delta).
+        probabilities(own, ownp, kf, t, sc, false);
+        SUBGROUP_SYNC()
+        OUTPUT(gv, p_sh, ownp, BC)
+        SUBGROUP_SYNC()
+        probabilities(own, ownp, kf, t, sc, true);
+        SUBGROUP_SYNC()
+        OUTPUT(gk, p_sh, ownp, 0)
+    }
+    WRITE_OUT(gk, if (k0 + r < t) p.part_k.v[(base + k0 + r) * qs + h * int(D) + j] = x * sc)
+    WRITE_OUT(gv, if (k0 + r < t) p.part_v.v[(base + k0 + r) * qs + h * int(D) + j] = x)
+}
+#endif
+
+// dk[i, g, :] = Σ over the query heads h of kv head g of part_k[i, h, :] (dv likewise), in head
+// order (deterministic).
+#ifdef K_attn_reduce_heads
+layout(push_constant) uniform P { F32 part_k; F32 part_v; TB dk; TB dv; int n; int hq; int hk; int d; } p;
+void main() {
+    int rep = p.hq / p.hk, w = p.hk * p.d;
+    FOR_EACH(i, p.n * w) {
+        int row = i / w, g = (i % w) / p.d, j = i % p.d;
+        float sk = 0.0, sv = 0.0;
+        for (int r = 0; r < rep; r++) {
+            int at = (row * p.hq + g * rep + r) * p.d + j;
+            sk += p.part_k.v[at];
+            sv += p.part_v.v[at];
+        }
+        st(p.dk, i, sk);
+        st(p.dv, i, sv);
+    }
 }
 #endif

@@ -12,7 +12,7 @@
 
 mod index;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use ash::vk;
@@ -90,16 +90,15 @@ pub struct VulkanGpu {
     /// cost model (`gemm_sg`, and through `Gpu::cpu_lanes` the `attn_*_sg` kernels and
     /// one-subgroup row reductions) run there. `None` on GPUs.
     cpu_subgroup: Option<u32>,
-    /// The matrix-unit shapes (`TM`, `TN`, `TK`) the cooperative-matrix product (`gemm_cm`) runs
-    /// with for bf16 and f16 inputs; `None` where the device has none for that type (see
-    /// [`choose_shape`]), and once a shape fails its first-use check ([`VulkanGpu::gemm`]).
-    matrix: RefCell<[Option<[u32; 3]>; 2]>,
+    /// The matrix units for bf16 and f16 inputs and the state of their kernels' first-use
+    /// checks; `None` where the device has none for that type (see [`choose_shape`]).
+    matrix: Cell<[Option<MatrixUnits>; 2]>,
+    /// Shared memory a workgroup may use, in bytes.
+    max_shared: u32,
     /// The subgroup size `gemm_cm`'s workgroups of four subgroups are built for, and whether its
     /// pipelines must require it (where the device may choose among sizes).
     subgroup: u32,
     require_subgroup: bool,
-    /// Which of `matrix`'s shapes have passed their first-use check.
-    matrix_checked: std::cell::Cell<[bool; 2]>,
     name: String,
     state: RefCell<State>,
 }
@@ -139,6 +138,57 @@ fn gemm_args(g: &Gemm) -> Vec<Arg> {
 /// One 64 × 64 tile of C per workgroup (`K_gemm`, `K_gemm_cm`).
 fn gemm_grid(g: &Gemm) -> [u32; 3] {
     [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1]
+}
+
+/// The matrix units of one input type: the shape (`TM`, `TN`, `TK`) the cooperative-matrix
+/// kernels run with, and whether the products (`gemm_cm`) and attention (`attn_*_mma_*`) have
+/// passed their first-use checks.
+#[derive(Debug, Clone, Copy)]
+struct MatrixUnits {
+    shape: [u32; 3],
+    product: Check,
+    attention: Check,
+}
+
+/// A first-use check of kernels that run on the matrix units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    Untried,
+    /// Under way: the kernels run (for the check itself).
+    Running,
+    Passed,
+    /// Failed, or the kernels cannot run here: the scalar kernels stand in.
+    Failed,
+}
+
+/// The input type of a module that runs on the matrix units (`gemm_cm_<t>_<c>`,
+/// `attn_<pass>_mma_<t>`).
+fn matrix_module(module: &str) -> Option<Dt> {
+    let t = module.strip_prefix("gemm_cm_").or_else(|| Some(module.split_once("_mma_")?.1))?;
+    [Dt::Bf16, Dt::F16].into_iter().find(|dt| t.starts_with(dt.suffix()))
+}
+
+/// Shared-memory bytes of the attention kernels on the matrix units for head size `d` and tiles
+/// of `bc` keys, those of the backward passes (the larger; see kernels.comp): 64 staged rows of
+/// `d` + 8 in the input type, per subgroup 16 × `bc` scores and gradients in f32 and 16 ×
+/// (`bc` + 8) probabilities in the input type, and 1 KiB of per-row values.
+pub fn attention_shared_bytes(d: u32, bc: u32) -> u32 {
+    64 * (d + 8) * 2 + 2 * (4 * 16 * bc * 4) + 4 * 16 * (bc + 8) * 2 + 1024 + 8
+}
+
+/// The key tile of the attention kernels on the matrix units for head size `d` on a device with
+/// `max_shared` bytes of shared memory per workgroup: 32 keys, or 16 where 32 do not fit
+/// (lavapipe's 32 KiB for `d` = 128); `None` where neither fits or the matrix shape does not
+/// divide a subgroup's 16 rows and the tile.
+fn attention_tile(shape: [u32; 3], d: u32, max_shared: u32) -> Option<u32> {
+    let [m, n, k] = shape;
+    [32, 16].into_iter().find(|&bc| m <= 16 && n <= bc && k <= bc && attention_shared_bytes(d, bc) <= max_shared)
+}
+
+/// Test values for the first-use checks: exactly representable in bf16 and f16, spread over
+/// [-0.75, 0.75].
+fn check_value(seed: usize) -> f32 {
+    ((seed * 2_654_435_761 % 4093) as f32 / 2046.0 - 1.0) * 0.75
 }
 
 fn matrix_slot(dt: Dt) -> Option<usize> {
@@ -335,10 +385,14 @@ impl VulkanGpu {
                 max_groups: props.limits.max_compute_work_group_count,
                 storage16: support.storage16,
                 cpu_subgroup,
-                matrix: RefCell::new(matrix),
+                matrix: Cell::new(
+                    matrix.map(|m| {
+                        m.map(|shape| MatrixUnits { shape, product: Check::Untried, attention: Check::Untried })
+                    }),
+                ),
+                max_shared: props.limits.max_compute_shared_memory_size,
                 subgroup: sub.subgroup_size,
                 require_subgroup,
-                matrix_checked: Default::default(),
                 name,
                 state: RefCell::new(State {
                     profile: std::env::var("RTUNE_PROFILE").is_ok_and(|v| v == "kernels").then(BTreeMap::new),
@@ -364,51 +418,158 @@ impl VulkanGpu {
         if self.cpu_subgroup.is_some() || !self.matrix_units(dt)? {
             return Ok(None);
         }
-        Ok(matrix_slot(dt).and_then(|i| self.matrix.borrow()[i]))
+        Ok(self.units(dt).map(|u| u.shape))
     }
 
-    /// Whether products of `dt` inputs run on the device's matrix units (`gemm_cm`). The first
-    /// time, the kernel's result on two small products with partial tiles (one with both
-    /// operands transposed) is compared with an f64 product on the host; a device where they
-    /// differ — a driver's bug — is reported once and keeps the tiled kernel, so a wrong matrix
-    /// unit can slow training down but never make it wrong.
-    fn matrix_units(&self, dt: Dt) -> Result<bool, GpuError> {
-        let Some(i) = matrix_slot(dt) else { return Ok(false) };
-        let Some(shape) = self.matrix.borrow()[i] else { return Ok(false) };
-        let mut checked = self.matrix_checked.get();
-        if checked[i] {
-            return Ok(true);
+    fn units(&self, dt: Dt) -> Option<MatrixUnits> {
+        matrix_slot(dt).and_then(|i| self.matrix.get()[i])
+    }
+
+    fn set_units(&self, dt: Dt, f: impl FnOnce(&mut MatrixUnits)) {
+        let mut all = self.matrix.get();
+        if let Some(u) = matrix_slot(dt).and_then(|i| all[i].as_mut()) {
+            f(u);
         }
-        checked[i] = true;
-        self.matrix_checked.set(checked);
-        let failure = match self.matrix_check(dt) {
+        self.matrix.set(all);
+    }
+
+    /// Runs the first-use check `check` of the matrix-unit kernels of `dt` (the products or
+    /// attention, as `field` picks) if it has not run: `Ok(true)` if they pass. A device where
+    /// they fail — a driver's bug — is reported once and keeps the scalar kernels, so a wrong
+    /// matrix unit can slow training down but never make it wrong.
+    fn first_use(
+        &self,
+        dt: Dt,
+        what: &str,
+        field: fn(&mut MatrixUnits) -> &mut Check,
+        check: impl FnOnce() -> Result<Option<String>, GpuError>,
+    ) -> Result<bool, GpuError> {
+        let Some(mut u) = self.units(dt) else { return Ok(false) };
+        match *field(&mut u) {
+            Check::Passed | Check::Running => return Ok(true),
+            Check::Failed => return Ok(false),
+            Check::Untried => {}
+        }
+        self.set_units(dt, |u| *field(u) = Check::Running);
+        let outcome = check();
+        let passed = matches!(outcome, Ok(None));
+        self.set_units(dt, |u| *field(u) = if passed { Check::Passed } else { Check::Failed });
+        let failure = match outcome {
             Ok(None) => return Ok(true),
             Ok(Some(why)) => why,
             // A lost device is not the kernel's fault: every later call reports it.
             Err(e) if self.state.borrow().lost.is_some() => return Err(e),
             Err(e) => e.to_string(),
         };
+        let [m, n, k] = u.shape;
+        let t = dt.suffix();
         eprintln!(
-            "rtune: {}: the {} cooperative-matrix product ({}×{}×{}) failed its check ({failure}); \
-             {} products use the tiled kernel",
-            self.name,
-            dt.suffix(),
-            shape[0],
-            shape[1],
-            shape[2],
-            dt.suffix()
+            "rtune: {}: {t} {what} on the matrix units ({m}×{n}×{k}) failed a check ({failure}); {t} {what} \
+             uses the scalar kernels",
+            self.name
         );
-        self.matrix.borrow_mut()[i] = None;
         Ok(false)
+    }
+
+    /// Whether products of `dt` inputs run on the device's matrix units (`gemm_cm`). The first
+    /// time, the kernel's result on two small products with partial tiles (one with both
+    /// operands transposed) is compared with an f64 product on the host ([`Self::first_use`]).
+    fn matrix_units(&self, dt: Dt) -> Result<bool, GpuError> {
+        self.first_use(dt, "products", |u| &mut u.product, || self.matrix_check(dt))
+    }
+
+    /// Whether attention with `dt` inputs runs on the device's matrix units (`attn_*_mma_*`):
+    /// where the products do, the device's matrix shape is at most 16 rows (a subgroup's rows)
+    /// and the kernels' shared memory fits. The first time, the kernels' results on a small
+    /// problem (two packed documents, both head sizes, grouped query heads, partial tiles) are
+    /// compared with the scalar kernels' ([`Self::first_use`]).
+    fn attention_units(&self, dt: Dt) -> Result<bool, GpuError> {
+        if self.cpu_subgroup.is_some() || !self.matrix_units(dt)? {
+            return Ok(false);
+        }
+        let fits = self
+            .units(dt)
+            .is_some_and(|u| [64, 128].iter().all(|&d| attention_tile(u.shape, d, self.max_shared).is_some()));
+        if !fits {
+            self.set_units(dt, |u| u.attention = Check::Failed);
+            return Ok(false);
+        }
+        self.first_use(dt, "attention", |u| &mut u.attention, || self.attention_check(dt))
+    }
+
+    /// `None` when the attention kernels on the matrix units give what the scalar kernels give
+    /// (within the rounding of the probabilities to `dt` that they add), else how they differ.
+    fn attention_check(&self, dt: Dt) -> Result<Option<String>, GpuError> {
+        if std::env::var_os("DEBUG_SKIP").is_some() {
+            return Ok(None);
+        }
+        let (t, hq, hk) = (80usize, 2usize, 1usize);
+        // Two packed documents, rows 0..40 and 40..80, each causal.
+        let lo: Vec<i32> = (0..t as i32).map(|i| if i < 40 { 0 } else { 40 }).collect();
+        let hi: Vec<i32> = (0..t as i32).collect();
+        let held = RefCell::new(Vec::new());
+        let buf = |bytes: usize| -> Result<u64, GpuError> {
+            let p = self.alloc(bytes.max(16))?;
+            held.borrow_mut().push(p);
+            Ok(p)
+        };
+        let up = |bytes: Vec<u8>| -> Result<u64, GpuError> {
+            let p = buf(bytes.len())?;
+            self.upload(p, &bytes)?;
+            Ok(p)
+        };
+        let down = |p: u64, n: usize, dt: Dt| -> Result<Vec<f32>, GpuError> {
+            let mut bytes = vec![0u8; n * dt.size()];
+            self.download(p, &mut bytes)?;
+            Ok(dt.decode(&bytes))
+        };
+        let result = (|| {
+            let ints = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            let (plo, phi) = (up(ints(&lo))?, up(ints(&hi))?);
+            let ops = super::ops::Ops { gpu: self, dt };
+            for d in [64usize, 128] {
+                let (nq, nk) = (t * hq * d, t * hk * d);
+                let values =
+                    |n: usize, seed: usize| dt.encode(&(0..n).map(|i| check_value(i + seed)).collect::<Vec<_>>());
+                let (q, k, v, dout) = (up(values(nq, d))?, up(values(nk, 1))?, up(values(nk, 2))?, up(values(nq, 3))?);
+                let mut results = Vec::new();
+                for tensor_cores in [true, false] {
+                    let s = super::ops::AttnShape { b: 1, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
+                    let (o, lse, delta) = (buf(nq * dt.size())?, buf(t * hq * 4)?, buf(t * hq * 4)?);
+                    let (dq, dk, dv) = (buf(nq * dt.size())?, buf(nk * dt.size())?, buf(nk * dt.size())?);
+                    let partial = buf(s.partial_len() * 4)?;
+                    ops.attn_fwd(&s, q, k, v, o, lse, plo, phi)?;
+                    ops.attn_bwd(&s, q, k, v, o, dout, lse, delta, partial, dq, dk, dv, plo, phi)?;
+                    let outputs = [(o, nq, dt), (lse, t * hq, Dt::F32), (dq, nq, dt), (dk, nk, dt), (dv, nk, dt)];
+                    results.push(outputs.map(|(p, n, dt)| down(p, n, dt)));
+                }
+                let scalar = results.pop().expect("two runs");
+                let matrix = results.pop().expect("two runs");
+                for ((name, got), want) in ["O", "lse", "dQ", "dK", "dV"].iter().zip(matrix).zip(scalar) {
+                    let (got, want) = (got?, want?);
+                    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+                    let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                    if err.is_nan() || err > 0.05 {
+                        return Ok(Some(format!(
+                            "{name} with head size {d} differs from the scalar kernels' by {err} of its largest value"
+                        )));
+                    }
+                }
+            }
+            Ok(None)
+        })();
+        for ptr in held.into_inner() {
+            Gpu::free(self, ptr);
+        }
+        result
     }
 
     /// `None` when `gemm_cm` agrees with an f64 product, else how it differs.
     fn matrix_check(&self, dt: Dt) -> Result<Option<String>, GpuError> {
         let (m, n, k) = (72usize, 80usize, 40usize);
         // Values exactly representable in bf16 and f16, so the host computes the same product.
-        let value = |seed: usize| ((seed * 2_654_435_761 % 4093) as f32 / 2046.0 - 1.0) * 0.75;
-        let a: Vec<f32> = dt.decode(&dt.encode(&(0..m * k).map(value).collect::<Vec<_>>()));
-        let b: Vec<f32> = dt.decode(&dt.encode(&(0..k * n).map(|i| value(i + 7919)).collect::<Vec<_>>()));
+        let a: Vec<f32> = dt.decode(&dt.encode(&(0..m * k).map(check_value).collect::<Vec<_>>()));
+        let b: Vec<f32> = dt.decode(&dt.encode(&(0..k * n).map(|i| check_value(i + 7919)).collect::<Vec<_>>()));
         let (pa, pb, pc) = (self.alloc(m * k * 2)?, self.alloc(k * n * 2)?, self.alloc(m * n * 4)?);
         let result = (|| {
             self.upload(pa, &dt.encode(&a))?;
@@ -731,17 +892,17 @@ impl VulkanGpu {
                 m
             }
         };
-        // Constants 2–4: the matrix-unit shape of the cooperative-matrix product's input type
-        // (`gemm_cm_<type>_<c>`); modules without them ignore them.
-        let cm = name.strip_prefix("gemm_cm_");
-        let shape = cm
-            .and_then(|t| matrix_slot(if t.starts_with("bf16") { Dt::Bf16 } else { Dt::F16 }))
-            .and_then(|i| self.matrix.borrow()[i])
-            .unwrap_or([16, 16, 16]);
+        // Constants 2–4: the matrix-unit shape of the input type of a kernel on the matrix units
+        // (see `matrix_module`); modules without them ignore them.
+        // Constant 5: the attention kernels' key tile for their head size (constant 1).
+        let cm = matrix_module(name);
+        let shape = cm.and_then(|dt| self.units(dt)).map_or([16, 16, 16], |u| u.shape);
+        let tile =
+            if name.contains("_mma_") { attention_tile(shape, variant, self.max_shared).unwrap_or(32) } else { 0 };
         let data: Vec<u8> =
-            [block, variant, shape[0], shape[1], shape[2]].iter().flat_map(|v| v.to_le_bytes()).collect();
+            [block, variant, shape[0], shape[1], shape[2], tile].iter().flat_map(|v| v.to_le_bytes()).collect();
         let entries: Vec<vk::SpecializationMapEntry> =
-            (0..5).map(|i| vk::SpecializationMapEntry::default().constant_id(i).offset(4 * i).size(4)).collect();
+            (0..6).map(|i| vk::SpecializationMapEntry::default().constant_id(i).offset(4 * i).size(4)).collect();
         let info = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
         let mut required =
             vk::PipelineShaderStageRequiredSubgroupSizeCreateInfo::default().required_subgroup_size(self.subgroup);
@@ -957,6 +1118,9 @@ impl Gpu for VulkanGpu {
     }
 
     fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        // The kernels on the matrix units run as four subgroups of the size their pipelines
+        // assume (ops.rs asks for four warps).
+        let block = if matrix_module(kernel).is_some() { 4 * self.subgroup } else { block };
         self.dispatch(kernel, grid, block, args)
     }
 
@@ -1016,8 +1180,9 @@ impl Gpu for VulkanGpu {
         self.cpu_subgroup
     }
 
-    fn tensor_core_attention(&self) -> bool {
-        false
+    fn tensor_core_attention(&self, dt: Dt) -> bool {
+        // A device lost during the first-use check shows in the next call's error.
+        self.attention_units(dt).unwrap_or(false)
     }
 }
 
@@ -1070,6 +1235,7 @@ impl Drop for VulkanGpu {
 #[cfg(test)]
 mod tests {
     use super::index::KERNELS;
+    use super::{Dt, matrix_module};
 
     /// The capabilities a SPIR-V module declares (`OpCapability` operands).
     fn capabilities(spv: &[u8]) -> Vec<u32> {
@@ -1105,6 +1271,21 @@ mod tests {
         );
     }
 
+    /// Attention on the matrix units takes tiles of 32 keys where they fit in shared memory
+    /// (NVIDIA's 48 KiB for both head sizes, lavapipe's 32 KiB for 64), else 16 (lavapipe, 128),
+    /// and no shape taller than a subgroup's 16 rows or wider than the tile.
+    #[test]
+    fn attention_takes_the_widest_key_tile_that_fits() {
+        use super::attention_tile;
+        assert_eq!(attention_tile([16, 16, 16], 64, 49152), Some(32));
+        assert_eq!(attention_tile([16, 16, 16], 128, 49152), Some(32));
+        assert_eq!(attention_tile([8, 8, 8], 64, 32768), Some(32));
+        assert_eq!(attention_tile([8, 8, 8], 128, 32768), Some(16));
+        assert_eq!(attention_tile([8, 8, 8], 128, 16384), None);
+        assert_eq!(attention_tile([32, 8, 16], 64, 65536), None);
+        assert_eq!(attention_tile([16, 32, 16], 128, 32768), None);
+    }
+
     /// Every module needs only what the engine enables on a device or checks before running it:
     /// a kernel that declared, say, Float64 would fail on Intel's Xe and Arc GPUs and on Apple's.
     #[test]
@@ -1122,15 +1303,15 @@ mod tests {
                     // `cpu_subgroup` found ballot, vote and arithmetic.
                     62..=64 => name.contains("_sg"),
                     // GroupNonUniform (subgroup ids and barriers): the same kernels and the
-                    // cooperative-matrix products.
-                    61 => name.contains("_sg") || name.starts_with("gemm_cm_"),
-                    // Float16, VulkanMemoryModel, CooperativeMatrixKHR: the cooperative-matrix
-                    // products, run only on a shape `matrix_shapes` found with `shaderFloat16`
-                    // and `vulkanMemoryModel`, which `open` then enables.
-                    9 | 5345 | 6022 => name.starts_with("gemm_cm_"),
+                    // kernels on the matrix units.
+                    61 => name.contains("_sg") || matrix_module(name).is_some(),
+                    // Float16, VulkanMemoryModel, CooperativeMatrixKHR: the kernels on the matrix
+                    // units (products and attention), run only on a shape `matrix_shapes` found
+                    // with `shaderFloat16` and `vulkanMemoryModel`, which `open` then enables.
+                    9 | 5345 | 6022 => matrix_module(name).is_some(),
                     // BFloat16TypeKHR, BFloat16CooperativeMatrixKHR: their bf16 forms, run only
                     // where the device has both features (enabled by `open`).
-                    5116 | 5118 => name.starts_with("gemm_cm_bf16"),
+                    5116 | 5118 => matrix_module(name) == Some(Dt::Bf16),
                     _ => false,
                 };
                 assert!(ok, "module {name} declares SPIR-V capability {cap}, which the engine does not enable");
