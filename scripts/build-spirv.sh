@@ -7,14 +7,14 @@
 #   scripts/build-spirv.sh           # rebuild the modules
 #   scripts/build-spirv.sh --check   # fail if the checked-in modules differ from a fresh build (CI)
 #
-# Needs glslangValidator (Debian: glslang-tools) and cargo: the cooperative-matrix products
-# (gemm_cm_*, attn_*_mma_*) need GLSL extensions newer than Debian 12's glslang, so they are compiled by
-# tools/glslc, which builds a pinned glslang from crates.io (about 1.5 minutes the first time).
+# Needs cargo only: the modules are compiled by tools/glslc, which builds a pinned glslang from
+# crates.io (about 1.5 minutes the first time), so the bytes are the same wherever this runs and
+# the kernels on the matrix units can use GLSL extensions newer than a distribution's glslang
+# (GL_KHR_cooperative_matrix, GL_EXT_bfloat16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=src/engine/gpu/vulkan/kernels.comp
 dest=src/engine/gpu/vulkan/spirv
-command -v glslangValidator >/dev/null || { echo "build-spirv: glslangValidator not found (apt install glslang-tools)" >&2; exit 1; }
 cargo build --quiet --release --locked --manifest-path tools/glslc/Cargo.toml --target-dir tools/glslc/target
 glslc=tools/glslc/target/release/rtune-glslc
 out=$(mktemp -d)
@@ -26,20 +26,13 @@ plain="sum_scaled sum_squares adamw ema zero16 rounding_probe"
 compile() { # name, defines...
   local name=$1
   shift
-  glslangValidator --quiet --target-env vulkan1.2 -V "$@" -o "$out/$name.spv" "$src" >"$out/$name.log" 2>&1 ||
+  "$glslc" "$@" -o "$out/$name.spv" "$src" >"$out/$name.log" 2>&1 ||
     { echo "build-spirv: $name failed:" >&2; cat "$out/$name.log" >&2; exit 1; }
   rm -f "$out/$name.log"
 }
 for k in $typed; do
   for t in f32 bf16 f16; do compile "${k}_$t" "-DK_$k" "-DT_${t^^}"; done
 done
-compile_cm() { # name, defines...
-  local name=$1
-  shift
-  "$glslc" "$@" -o "$out/$name.spv" "$src" >"$out/$name.log" 2>&1 ||
-    { echo "build-spirv: $name failed:" >&2; cat "$out/$name.log" >&2; exit 1; }
-  rm -f "$out/$name.log"
-}
 for k in $plain; do compile "$k" "-DK_$k" -DT_F32; done
 for t in f32 bf16 f16; do
   compile "gemm_${t}_f32" -DK_gemm "-DT_${t^^}" -DC_F32
@@ -48,9 +41,9 @@ for t in f32 bf16 f16; do
   [ "$t" = f32 ] || compile "gemm_sg_${t}_$t" -DK_gemm_sg "-DT_${t^^}"
 done
 for t in bf16 f16; do
-  compile_cm "gemm_cm_${t}_f32" -DK_gemm_cm "-DT_${t^^}" -DC_F32
-  compile_cm "gemm_cm_${t}_$t" -DK_gemm_cm "-DT_${t^^}"
-  for k in attn_fwd_mma attn_bwd_dq_mma attn_bwd_dkv_mma; do compile_cm "${k}_$t" "-DK_$k" "-DT_${t^^}"; done
+  compile "gemm_cm_${t}_f32" -DK_gemm_cm "-DT_${t^^}" -DC_F32
+  compile "gemm_cm_${t}_$t" -DK_gemm_cm "-DT_${t^^}"
+  for k in attn_fwd_mma attn_bwd_dq_mma attn_bwd_dkv_mma; do compile "${k}_$t" "-DK_$k" "-DT_${t^^}"; done
 done
 {
   echo "// Written by scripts/build-spirv.sh from kernels.comp; do not edit."

@@ -881,7 +881,7 @@ impl VulkanGpu {
             None => {
                 let code = ash::util::read_spv(&mut std::io::Cursor::new(spv))
                     .map_err(|e| GpuError::Device(format!("kernel `{kernel}`: bad SPIR-V ({e})")))?;
-                // SAFETY: valid SPIR-V words (checked by glslangValidator when built).
+                // SAFETY: valid SPIR-V words (checked by glslang when built).
                 let m = unsafe {
                     self.device.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None)
                 }
