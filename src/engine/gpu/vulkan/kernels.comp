@@ -1289,10 +1289,10 @@ void main() {
 // size D is specialisation constant 1, the `_64`/`_128` suffix; the matrix shape constants 2–4 as
 // in gemm_cm; the tile width BC, 32 or 16, constant 5). A workgroup of four subgroups takes 64
 // query rows of one head (key rows for dK and dV), 16 per subgroup, whose fragments stay in
-// registers; tiles of BC keys (queries) are staged in shared memory, and a tile's products go through shared memory as f32, where the
-// softmax steps run element by element before the next product takes them as inputs. Which
-// lane holds which element of an accumulator is the driver's choice, so nothing is scaled per
-// row in registers: the forward pass walks the keys twice, first for each row's maximum and sum
+// registers; tiles of BC keys (queries) are staged in shared memory, and a tile's products go
+// through shared memory as f32, where the softmax steps run element by element before the next
+// product takes them as inputs. Which lane holds which element of an accumulator is the
+// driver's choice, so nothing is scaled per row in registers: the forward pass walks the keys twice, first for each row's maximum and sum
 // (the log-sum-exp), then for O = Σ exp(s − lse)·V, which needs no rescaling. Every subgroup
 // runs the products of every tile the workgroup visits, including tiles none of its rows sees
 // (about a tenth of the work at t = 512 under a causal mask): skipping them in one subgroup gave
