@@ -185,6 +185,41 @@ fn attention_tile(shape: [u32; 3], d: u32, max_shared: u32) -> Option<u32> {
     [32, 16].into_iter().find(|&bc| m <= 16 && n <= bc && k <= bc && attention_shared_bytes(d, bc) <= max_shared)
 }
 
+/// Device memory for a first-use check, freed when dropped.
+struct Scratch<'g> {
+    gpu: &'g VulkanGpu,
+    held: RefCell<Vec<u64>>,
+}
+
+impl Scratch<'_> {
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
+        let p = self.gpu.alloc(bytes.max(16))?;
+        self.held.borrow_mut().push(p);
+        Ok(p)
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Result<u64, GpuError> {
+        let p = self.alloc(bytes.len())?;
+        self.gpu.upload(p, bytes)?;
+        Ok(p)
+    }
+
+    /// `n` values of `dt` at `p`, as f32.
+    fn read(&self, p: u64, n: usize, dt: Dt) -> Result<Vec<f32>, GpuError> {
+        let mut bytes = vec![0u8; n * dt.size()];
+        self.gpu.download(p, &mut bytes)?;
+        Ok(dt.decode(&bytes))
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        for p in self.held.take() {
+            Gpu::free(self.gpu, p);
+        }
+    }
+}
+
 /// Test values for the first-use checks: exactly representable in bf16 and f16, spread over
 /// [-0.75, 0.75].
 fn check_value(seed: usize) -> f32 {
@@ -385,11 +420,16 @@ impl VulkanGpu {
                 max_groups: props.limits.max_compute_work_group_count,
                 storage16: support.storage16,
                 cpu_subgroup,
-                matrix: Cell::new(
-                    matrix.map(|m| {
-                        m.map(|shape| MatrixUnits { shape, product: Check::Untried, attention: Check::Untried })
-                    }),
-                ),
+                matrix: Cell::new(matrix.map(|m| {
+                    m.map(|shape| {
+                        // Attention needs a key tile the shape divides and shared memory holds,
+                        // for both head sizes; without one it stays scalar.
+                        let max_shared = props.limits.max_compute_shared_memory_size;
+                        let fits = [64, 128].iter().all(|&d| attention_tile(shape, d, max_shared).is_some());
+                        let attention = if fits { Check::Untried } else { Check::Failed };
+                        MatrixUnits { shape, product: Check::Untried, attention }
+                    })
+                })),
                 max_shared: props.limits.max_compute_shared_memory_size,
                 subgroup: sub.subgroup_size,
                 require_subgroup,
@@ -480,18 +520,11 @@ impl VulkanGpu {
 
     /// Whether attention with `dt` inputs runs on the device's matrix units (`attn_*_mma_*`):
     /// where the products do, the device's matrix shape is at most 16 rows (a subgroup's rows)
-    /// and the kernels' shared memory fits. The first time, the kernels' results on a small
-    /// problem (two packed documents, both head sizes, grouped query heads, partial tiles) are
-    /// compared with the scalar kernels' ([`Self::first_use`]).
+    /// and the kernels' shared memory fits (both decided when the device opens). The first time,
+    /// the kernels' results on a small problem (two packed documents, both head sizes, grouped
+    /// query heads, partial tiles) are compared with the scalar kernels' ([`Self::first_use`]).
     fn attention_units(&self, dt: Dt) -> Result<bool, GpuError> {
         if self.cpu_subgroup.is_some() || !self.matrix_units(dt)? {
-            return Ok(false);
-        }
-        let fits = self
-            .units(dt)
-            .is_some_and(|u| [64, 128].iter().all(|&d| attention_tile(u.shape, d, self.max_shared).is_some()));
-        if !fits {
-            self.set_units(dt, |u| u.attention = Check::Failed);
             return Ok(false);
         }
         self.first_use(dt, "attention", |u| &mut u.attention, || self.attention_check(dt))
@@ -504,62 +537,41 @@ impl VulkanGpu {
         // Two packed documents, rows 0..40 and 40..80, each causal.
         let lo: Vec<i32> = (0..t as i32).map(|i| if i < 40 { 0 } else { 40 }).collect();
         let hi: Vec<i32> = (0..t as i32).collect();
-        let held = RefCell::new(Vec::new());
-        let buf = |bytes: usize| -> Result<u64, GpuError> {
-            let p = self.alloc(bytes.max(16))?;
-            held.borrow_mut().push(p);
-            Ok(p)
-        };
-        let up = |bytes: Vec<u8>| -> Result<u64, GpuError> {
-            let p = buf(bytes.len())?;
-            self.upload(p, &bytes)?;
-            Ok(p)
-        };
-        let down = |p: u64, n: usize, dt: Dt| -> Result<Vec<f32>, GpuError> {
-            let mut bytes = vec![0u8; n * dt.size()];
-            self.download(p, &mut bytes)?;
-            Ok(dt.decode(&bytes))
-        };
-        let result = (|| {
-            let ints = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-            let (plo, phi) = (up(ints(&lo))?, up(ints(&hi))?);
-            let ops = super::ops::Ops { gpu: self, dt };
-            for d in [64usize, 128] {
-                let (nq, nk) = (t * hq * d, t * hk * d);
-                let values =
-                    |n: usize, seed: usize| dt.encode(&(0..n).map(|i| check_value(i + seed)).collect::<Vec<_>>());
-                let (q, k, v, dout) =
-                    (up(values(nq, d))?, up(values(nk, 7919))?, up(values(nk, 2 * 7919))?, up(values(nq, 3 * 7919))?);
-                let mut results = Vec::new();
-                for tensor_cores in [true, false] {
-                    let s = super::ops::AttnShape { b: 1, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
-                    let (o, lse, delta) = (buf(nq * dt.size())?, buf(t * hq * 4)?, buf(t * hq * 4)?);
-                    let (dq, dk, dv) = (buf(nq * dt.size())?, buf(nk * dt.size())?, buf(nk * dt.size())?);
-                    let partial = buf(s.partial_len() * 4)?;
-                    ops.attn_fwd(&s, q, k, v, o, lse, plo, phi)?;
-                    ops.attn_bwd(&s, q, k, v, o, dout, lse, delta, partial, dq, dk, dv, plo, phi)?;
-                    let outputs = [(o, nq, dt), (lse, t * hq, Dt::F32), (dq, nq, dt), (dk, nk, dt), (dv, nk, dt)];
-                    results.push(outputs.map(|(p, n, dt)| down(p, n, dt)));
-                }
-                let scalar = results.pop().expect("two runs");
-                let matrix = results.pop().expect("two runs");
-                for ((name, got), want) in ["O", "lse", "dQ", "dK", "dV"].iter().zip(matrix).zip(scalar) {
-                    let (got, want) = (got?, want?);
-                    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-                    let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
-                    if err.is_nan() || err > 0.05 {
-                        return Ok(Some(format!(
-                            "{name} with head size {d} differs from the scalar kernels' by {err} of its largest value"
-                        )));
-                    }
+        let scratch = Scratch { gpu: self, held: RefCell::default() };
+        let ints = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (plo, phi) = (scratch.upload(&ints(&lo))?, scratch.upload(&ints(&hi))?);
+        let ops = super::ops::Ops { gpu: self, dt };
+        for d in [64usize, 128] {
+            let (nq, nk) = (t * hq * d, t * hk * d);
+            let values = |n: usize, seed: usize| {
+                scratch.upload(&dt.encode(&(0..n).map(|i| check_value(i + seed)).collect::<Vec<_>>()))
+            };
+            let (q, k, v, dout) = (values(nq, d)?, values(nk, 7919)?, values(nk, 2 * 7919)?, values(nq, 3 * 7919)?);
+            let mut results = Vec::new();
+            for tensor_cores in [true, false] {
+                let s = super::ops::AttnShape { b: 1, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
+                let (o, lse, delta) =
+                    (scratch.alloc(nq * dt.size())?, scratch.alloc(t * hq * 4)?, scratch.alloc(t * hq * 4)?);
+                let (dq, dk, dv) =
+                    (scratch.alloc(nq * dt.size())?, scratch.alloc(nk * dt.size())?, scratch.alloc(nk * dt.size())?);
+                let partial = scratch.alloc(s.partial_len() * 4)?;
+                ops.attn_fwd(&s, q, k, v, o, lse, plo, phi)?;
+                ops.attn_bwd(&s, q, k, v, o, dout, lse, delta, partial, dq, dk, dv, plo, phi)?;
+                let outputs = [(o, nq, dt), (lse, t * hq, Dt::F32), (dq, nq, dt), (dk, nk, dt), (dv, nk, dt)];
+                results.push(outputs.iter().map(|&(p, n, dt)| scratch.read(p, n, dt)).collect::<Result<Vec<_>, _>>()?);
+            }
+            let (scalar, matrix) = (results.pop().expect("two runs"), results.pop().expect("two runs"));
+            for ((name, got), want) in ["O", "lse", "dQ", "dK", "dV"].iter().zip(matrix).zip(scalar) {
+                let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+                let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                if err.is_nan() || err > 0.05 {
+                    return Ok(Some(format!(
+                        "{name} with head size {d} differs from the scalar kernels' by {err} of its largest value"
+                    )));
                 }
             }
-            Ok(None)
-        })();
-        for ptr in held.into_inner() {
-            Gpu::free(self, ptr);
         }
-        result
+        Ok(None)
     }
 
     /// `None` when `gemm_cm` agrees with an f64 product, else how it differs.
@@ -568,55 +580,47 @@ impl VulkanGpu {
         // Values exactly representable in bf16 and f16, so the host computes the same product.
         let a: Vec<f32> = dt.decode(&dt.encode(&(0..m * k).map(check_value).collect::<Vec<_>>()));
         let b: Vec<f32> = dt.decode(&dt.encode(&(0..k * n).map(|i| check_value(i + 7919)).collect::<Vec<_>>()));
-        let (pa, pb, pc) = (self.alloc(m * k * 2)?, self.alloc(k * n * 2)?, self.alloc(m * n * 4)?);
-        let result = (|| {
-            self.upload(pa, &dt.encode(&a))?;
-            self.upload(pb, &dt.encode(&b))?;
-            for trans in [false, true] {
-                // Stored as given when `trans` is false, else as the transposes of op(A), op(B).
-                let (lda, ldb) = if trans { (m, k) } else { (k, n) };
-                let at = |r: usize, kk: usize| if trans { a[kk * m + r] } else { a[r * k + kk] };
-                let bt = |kk: usize, c: usize| if trans { b[c * k + kk] } else { b[kk * n + c] };
-                self.gemm_cm(&Gemm {
-                    m,
-                    n,
-                    k,
-                    a: pa,
-                    a_trans: trans,
-                    lda,
-                    b: pb,
-                    b_trans: trans,
-                    ldb,
-                    c: pc,
-                    ldc: n,
-                    alpha: 1.0,
-                    beta: 0.0,
-                    ab: dt,
-                    c_dt: Dt::F32,
-                })?;
-                let mut out = vec![0u8; m * n * 4];
-                self.download(pc, &mut out)?;
-                let out = Dt::F32.decode(&out);
-                for r in 0..m {
-                    for c in 0..n {
-                        let (want, scale) = (0..k).fold((0.0f64, 0.0f64), |(s, t), kk| {
-                            let p = at(r, kk) as f64 * bt(kk, c) as f64;
-                            (s + p, t + p.abs())
-                        });
-                        let got = out[r * n + c] as f64;
-                        if got.is_nan() || (got - want).abs() > 1e-5 * scale + 1e-30 {
-                            let t = if trans { ", operands transposed" } else { "" };
-                            return Ok(Some(format!("C[{r}][{c}] = {got}, expected {want}{t}")));
-                        }
+        let scratch = Scratch { gpu: self, held: RefCell::default() };
+        let (pa, pb, pc) =
+            (scratch.upload(&dt.encode(&a))?, scratch.upload(&dt.encode(&b))?, scratch.alloc(m * n * 4)?);
+        for trans in [false, true] {
+            // Stored as given when `trans` is false, else as the transposes of op(A), op(B).
+            let (lda, ldb) = if trans { (m, k) } else { (k, n) };
+            let at = |r: usize, kk: usize| if trans { a[kk * m + r] } else { a[r * k + kk] };
+            let bt = |kk: usize, c: usize| if trans { b[c * k + kk] } else { b[kk * n + c] };
+            self.gemm_cm(&Gemm {
+                m,
+                n,
+                k,
+                a: pa,
+                a_trans: trans,
+                lda,
+                b: pb,
+                b_trans: trans,
+                ldb,
+                c: pc,
+                ldc: n,
+                alpha: 1.0,
+                beta: 0.0,
+                ab: dt,
+                c_dt: Dt::F32,
+            })?;
+            let out = scratch.read(pc, m * n, Dt::F32)?;
+            for r in 0..m {
+                for c in 0..n {
+                    let (want, scale) = (0..k).fold((0.0f64, 0.0f64), |(s, t), kk| {
+                        let p = at(r, kk) as f64 * bt(kk, c) as f64;
+                        (s + p, t + p.abs())
+                    });
+                    let got = out[r * n + c] as f64;
+                    if got.is_nan() || (got - want).abs() > 1e-5 * scale + 1e-30 {
+                        let t = if trans { ", operands transposed" } else { "" };
+                        return Ok(Some(format!("C[{r}][{c}] = {got}, expected {want}{t}")));
                     }
                 }
             }
-            Ok(None)
-        })();
-        for ptr in [pa, pb, pc] {
-            Gpu::free(self, ptr);
         }
-        result
+        Ok(None)
     }
 
     /// The product on the matrix units (`K_gemm_cm`), whose shape for `g.ab` [`VulkanGpu::open`]
