@@ -257,58 +257,63 @@ fn tol(dt: Dt) -> f32 {
 #[test]
 fn products_match_a_reference() {
     for gpu in devices() {
-        for (dt, c_dt) in
-            [(Dt::F32, Dt::F32), (Dt::Bf16, Dt::F32), (Dt::Bf16, Dt::Bf16), (Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]
-        {
-            for (m, n, k) in [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130), (130, 129, 70)] {
-                for (a_trans, b_trans, beta) in
-                    [(false, false, 0.0), (false, true, 0.5), (true, false, 0.0), (true, true, -1.0)]
-                {
-                    let mut rng = Rng::new((m * 1000 + n * 10 + k) as u64);
-                    let (lda, ldb, ldc) = (if a_trans { m } else { k } + 3, if b_trans { k } else { n } + 2, n + 1);
-                    let a = rounded(dt, &rand_vec(&mut rng, (if a_trans { k } else { m }) * lda, 1.0));
-                    let b = rounded(dt, &rand_vec(&mut rng, (if b_trans { n } else { k }) * ldb, 1.0));
-                    let c0 = rounded(c_dt, &rand_vec(&mut rng, m * ldc, 1.0));
-                    let (ab, bb, cb) = (
-                        Buf::from_f32(&gpu, &a, dt).unwrap(),
-                        Buf::from_f32(&gpu, &b, dt).unwrap(),
-                        Buf::from_f32(&gpu, &c0, c_dt).unwrap(),
-                    );
-                    gpu.gemm(&Gemm {
-                        m,
-                        n,
-                        k,
-                        a: ab.ptr(),
-                        a_trans,
-                        lda,
-                        b: bb.ptr(),
-                        b_trans,
-                        ldb,
-                        c: cb.ptr(),
-                        ldc,
-                        ab: dt,
-                        c_dt,
-                        alpha: 1.5,
-                        beta,
-                    })
-                    .unwrap();
-                    let mut want = c0.clone();
-                    for r in 0..m {
-                        for c in 0..n {
-                            let dot: f64 = (0..k)
-                                .map(|p| {
-                                    let x = if a_trans { a[p * lda + r] } else { a[r * lda + p] };
-                                    let y = if b_trans { b[c * ldb + p] } else { b[p * ldb + c] };
-                                    x as f64 * y as f64
-                                })
-                                .sum();
-                            want[r * ldc + c] = (1.5 * dot + beta as f64 * c0[r * ldc + c] as f64) as f32;
-                        }
+        check_products(
+            &gpu,
+            &[(Dt::F32, Dt::F32), (Dt::Bf16, Dt::F32), (Dt::Bf16, Dt::Bf16), (Dt::F16, Dt::F32), (Dt::F16, Dt::F16)],
+        );
+    }
+}
+
+/// [`products_match_a_reference`] on `gpu` for products of (input type, output type) `types`.
+fn check_products(gpu: &Rc<dyn Gpu>, types: &[(Dt, Dt)]) {
+    for &(dt, c_dt) in types {
+        for (m, n, k) in [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130), (130, 129, 70)] {
+            for (a_trans, b_trans, beta) in
+                [(false, false, 0.0), (false, true, 0.5), (true, false, 0.0), (true, true, -1.0)]
+            {
+                let mut rng = Rng::new((m * 1000 + n * 10 + k) as u64);
+                let (lda, ldb, ldc) = (if a_trans { m } else { k } + 3, if b_trans { k } else { n } + 2, n + 1);
+                let a = rounded(dt, &rand_vec(&mut rng, (if a_trans { k } else { m }) * lda, 1.0));
+                let b = rounded(dt, &rand_vec(&mut rng, (if b_trans { n } else { k }) * ldb, 1.0));
+                let c0 = rounded(c_dt, &rand_vec(&mut rng, m * ldc, 1.0));
+                let (ab, bb, cb) = (
+                    Buf::from_f32(gpu, &a, dt).unwrap(),
+                    Buf::from_f32(gpu, &b, dt).unwrap(),
+                    Buf::from_f32(gpu, &c0, c_dt).unwrap(),
+                );
+                gpu.gemm(&Gemm {
+                    m,
+                    n,
+                    k,
+                    a: ab.ptr(),
+                    a_trans,
+                    lda,
+                    b: bb.ptr(),
+                    b_trans,
+                    ldb,
+                    c: cb.ptr(),
+                    ldc,
+                    ab: dt,
+                    c_dt,
+                    alpha: 1.5,
+                    beta,
+                })
+                .unwrap();
+                let mut want = c0.clone();
+                for r in 0..m {
+                    for c in 0..n {
+                        let dot: f64 = (0..k)
+                            .map(|p| {
+                                let x = if a_trans { a[p * lda + r] } else { a[r * lda + p] };
+                                let y = if b_trans { b[c * ldb + p] } else { b[p * ldb + c] };
+                                x as f64 * y as f64
+                            })
+                            .sum();
+                        want[r * ldc + c] = (1.5 * dot + beta as f64 * c0[r * ldc + c] as f64) as f32;
                     }
-                    let what =
-                        format!("{}: {dt:?}→{c_dt:?} {m}×{n}×{k} trans {a_trans}/{b_trans} β {beta}", gpu.name());
-                    assert_close(&what, &cb.to_vec().unwrap(), &want, if c_dt == Dt::F32 { 1e-5 } else { 1e-2 });
                 }
+                let what = format!("{}: {dt:?}→{c_dt:?} {m}×{n}×{k} trans {a_trans}/{b_trans} β {beta}", gpu.name());
+                assert_close(&what, &cb.to_vec().unwrap(), &want, if c_dt == Dt::F32 { 1e-5 } else { 1e-2 });
             }
         }
     }
@@ -744,13 +749,6 @@ fn attention_reference(
 
 #[test]
 fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
-    // Two rows of 37: two packed documents, and one padded after 29 tokens; and one row longer
-    // than the tensor-core kernels' blocks of 64 queries and tiles of 32 keys, padded after 140.
-    let segs = vec![(0..37).map(|i| (i >= 15) as u16).collect::<Vec<_>>(), vec![0; 29]];
-    let batches = [
-        (37, rtune::model::batch::attention_layout(37, &[37, 29], Some(&segs))),
-        (150, rtune::model::batch::attention_layout(150, &[140], None)),
-    ];
     for gpu in devices() {
         // Where a device must have matrix units, attention runs there too (and has passed its
         // first-use check against the scalar kernels).
@@ -759,65 +757,117 @@ fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
                 assert!(gpu.tensor_core_attention(dt), "{}: {dt:?} attention is not on the matrix units", gpu.name());
             }
         }
-        for ((dt, d, tensor_cores), (t, layout)) in [
-            (Dt::F32, 16, false),
-            (Dt::Bf16, 64, false),
-            (Dt::Bf16, 64, true),
-            (Dt::F16, 64, true),
-            (Dt::F16, 128, true),
-            (Dt::Bf16, 128, true),
-        ]
-        .into_iter()
-        .flat_map(|c| batches.iter().map(move |b| (c, b)))
-        {
-            let t = *t;
-            let b = layout.lo.len() / t;
-            let s = AttnShape { b, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
-            let o = Ops { gpu: &*gpu, dt };
-            let mut rng = Rng::new(d as u64);
-            let nq = s.b * t * s.hq * d;
-            let nk = s.b * t * s.hk * d;
-            let q = rounded(dt, &rand_vec(&mut rng, nq, 1.5));
-            let k = rounded(dt, &rand_vec(&mut rng, nk, 1.5));
-            let v = rounded(dt, &rand_vec(&mut rng, nk, 1.0));
-            let dout = rounded(dt, &rand_vec(&mut rng, nq, 1.0));
-            let up = |x: &[f32]| Buf::from_f32(&gpu, x, dt).unwrap();
-            let (qb, kb, vb, db) = (up(&q), up(&k), up(&v), up(&dout));
-            let (lo, hi) = (Buf::from_i32(&gpu, &layout.lo).unwrap(), Buf::from_i32(&gpu, &layout.hi).unwrap());
-            let ob = Buf::new(&gpu, nq, dt).unwrap();
-            let lse = Buf::new(&gpu, s.b * s.hq * t, Dt::F32).unwrap();
-            o.attn_fwd(&s, qb.ptr(), kb.ptr(), vb.ptr(), ob.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).unwrap();
-            let (want_o, want_lse, want_dq, want_dk, want_dv) =
-                attention_reference(&s, &q, &k, &v, &dout, &layout.lo, &layout.hi);
-            let what = format!("{}: {dt:?} d={d} t={t} tensor cores {tensor_cores}", gpu.name());
-            assert_close(&format!("{what} O"), &ob.to_vec().unwrap(), &want_o, tol(dt));
-            assert_close(&format!("{what} lse"), &lse.to_vec().unwrap(), &want_lse, 1e-3);
-            let (dq, dk, dv) =
-                (Buf::new(&gpu, nq, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap());
-            let delta = Buf::new(&gpu, s.b * s.hq * t, Dt::F32).unwrap();
-            let partial = Buf::new(&gpu, s.partial_len(), Dt::F32).unwrap();
-            o.attn_bwd(
-                &s,
-                qb.ptr(),
-                kb.ptr(),
-                vb.ptr(),
-                ob.ptr(),
-                db.ptr(),
-                lse.ptr(),
-                delta.ptr(),
-                partial.ptr(),
-                dq.ptr(),
-                dk.ptr(),
-                dv.ptr(),
-                lo.ptr(),
-                hi.ptr(),
-            )
-            .unwrap();
-            assert_close(&format!("{what} dQ"), &dq.to_vec().unwrap(), &want_dq, tol(dt) * 2.0);
-            assert_close(&format!("{what} dK"), &dk.to_vec().unwrap(), &want_dk, tol(dt) * 2.0);
-            assert_close(&format!("{what} dV"), &dv.to_vec().unwrap(), &want_dv, tol(dt) * 2.0);
-        }
+        check_attention(
+            &gpu,
+            &[
+                (Dt::F32, 16, false),
+                (Dt::Bf16, 64, false),
+                (Dt::Bf16, 64, true),
+                (Dt::F16, 64, true),
+                (Dt::F16, 128, true),
+                (Dt::Bf16, 128, true),
+            ],
+        );
     }
+}
+
+/// [`attention_kernels_match_a_reference_on_packed_and_padded_rows`] on `gpu` for (compute
+/// type, head size, tensor-core kernels) `cases`.
+fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
+    // Two rows of 37: two packed documents, and one padded after 29 tokens; and one row longer
+    // than the tensor-core kernels' blocks of 64 queries and tiles of 32 keys, padded after 140.
+    let segs = vec![(0..37).map(|i| (i >= 15) as u16).collect::<Vec<_>>(), vec![0; 29]];
+    let batches = [
+        (37, rtune::model::batch::attention_layout(37, &[37, 29], Some(&segs))),
+        (150, rtune::model::batch::attention_layout(150, &[140], None)),
+    ];
+    for (&(dt, d, tensor_cores), (t, layout)) in cases.iter().flat_map(|c| batches.iter().map(move |b| (c, b))) {
+        let t = *t;
+        let b = layout.lo.len() / t;
+        let s = AttnShape { b, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
+        let o = Ops { gpu: &**gpu, dt };
+        let mut rng = Rng::new(d as u64);
+        let nq = s.b * t * s.hq * d;
+        let nk = s.b * t * s.hk * d;
+        let q = rounded(dt, &rand_vec(&mut rng, nq, 1.5));
+        let k = rounded(dt, &rand_vec(&mut rng, nk, 1.5));
+        let v = rounded(dt, &rand_vec(&mut rng, nk, 1.0));
+        let dout = rounded(dt, &rand_vec(&mut rng, nq, 1.0));
+        let up = |x: &[f32]| Buf::from_f32(gpu, x, dt).unwrap();
+        let (qb, kb, vb, db) = (up(&q), up(&k), up(&v), up(&dout));
+        let (lo, hi) = (Buf::from_i32(gpu, &layout.lo).unwrap(), Buf::from_i32(gpu, &layout.hi).unwrap());
+        let ob = Buf::new(gpu, nq, dt).unwrap();
+        let lse = Buf::new(gpu, s.b * s.hq * t, Dt::F32).unwrap();
+        o.attn_fwd(&s, qb.ptr(), kb.ptr(), vb.ptr(), ob.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).unwrap();
+        let (want_o, want_lse, want_dq, want_dk, want_dv) =
+            attention_reference(&s, &q, &k, &v, &dout, &layout.lo, &layout.hi);
+        let what = format!("{}: {dt:?} d={d} t={t} tensor cores {tensor_cores}", gpu.name());
+        assert_close(&format!("{what} O"), &ob.to_vec().unwrap(), &want_o, tol(dt));
+        assert_close(&format!("{what} lse"), &lse.to_vec().unwrap(), &want_lse, 1e-3);
+        let (dq, dk, dv) =
+            (Buf::new(gpu, nq, dt).unwrap(), Buf::new(gpu, nk, dt).unwrap(), Buf::new(gpu, nk, dt).unwrap());
+        let delta = Buf::new(gpu, s.b * s.hq * t, Dt::F32).unwrap();
+        let partial = Buf::new(gpu, s.partial_len(), Dt::F32).unwrap();
+        o.attn_bwd(
+            &s,
+            qb.ptr(),
+            kb.ptr(),
+            vb.ptr(),
+            ob.ptr(),
+            db.ptr(),
+            lse.ptr(),
+            delta.ptr(),
+            partial.ptr(),
+            dq.ptr(),
+            dk.ptr(),
+            dv.ptr(),
+            lo.ptr(),
+            hi.ptr(),
+        )
+        .unwrap();
+        assert_close(&format!("{what} dQ"), &dq.to_vec().unwrap(), &want_dq, tol(dt) * 2.0);
+        assert_close(&format!("{what} dK"), &dk.to_vec().unwrap(), &want_dk, tol(dt) * 2.0);
+        assert_close(&format!("{what} dV"), &dv.to_vec().unwrap(), &want_dv, tol(dt) * 2.0);
+    }
+}
+
+/// The matrix-unit kernels (`gemm_cm`, `attn_*_mma`) with a matrix shape that GPUs list and
+/// CI's lavapipe does not (it lists 8 × 8 × 8 but lowers any shape): products and attention in
+/// f16 against the references. Runs on a CPU implementation of Vulkan with f16 matrix units
+/// (required where `RTUNE_REQUIRE_MATRIX_UNITS` names f16); a GPU runs its own shapes in the
+/// tests above.
+#[cfg(feature = "vulkan")]
+fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
+    let gpu = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
+        Ok(g) if g.cpu_lanes().is_some() => g.with_gpu_kernels().with_matrix_shape(Dt::F16, shape),
+        Ok(g) => return eprintln!("{} is not a CPU implementation of Vulkan: its own shapes are tested", g.name()),
+        Err(e) => return eprintln!("no Vulkan device: {e}"),
+    };
+    match gpu.matrix_shape(Dt::F16).unwrap() {
+        Some(s) => assert_eq!(s, shape, "{}", gpu.name()),
+        None if required_matrix_units().contains(&Dt::F16) => {
+            panic!("{}: no f16 matrix units, or they failed their check with shape {shape:?}", gpu.name())
+        }
+        None => return eprintln!("{}: no f16 matrix units", gpu.name()),
+    }
+    let gpu: Rc<dyn Gpu> = Rc::new(gpu);
+    assert!(gpu.tensor_core_attention(Dt::F16), "{}: f16 attention with shape {shape:?} failed its check", gpu.name());
+    check_products(&gpu, &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
+    check_attention(&gpu, &[(Dt::F16, 64, true), (Dt::F16, 128, true)]);
+}
+
+/// NVIDIA's and AMD's shape.
+#[cfg(feature = "vulkan")]
+#[test]
+fn matrix_unit_kernels_match_references_with_16x16x16_tiles() {
+    matrix_unit_kernels_with_shape([16, 16, 16]);
+}
+
+/// Intel's shape: deeper than it is tall.
+#[cfg(feature = "vulkan")]
+#[test]
+fn matrix_unit_kernels_match_references_with_8x8x16_tiles() {
+    matrix_unit_kernels_with_shape([8, 8, 16]);
 }
 
 // ---------------------------------------------------------------------------------------------

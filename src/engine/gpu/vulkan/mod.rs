@@ -90,6 +90,8 @@ pub struct VulkanGpu {
     /// cost model (`gemm_sg`, and through `Gpu::cpu_lanes` the `attn_*_sg` kernels and
     /// one-subgroup row reductions) run there. `None` on GPUs.
     cpu_subgroup: Option<u32>,
+    /// A CPU implementation of Vulkan (lavapipe, SwiftShader).
+    software: bool,
     /// The matrix units for bf16 and f16 inputs and the state of their kernels' first-use
     /// checks; `None` where the device has none for that type (see [`choose_shape`]).
     matrix: Cell<[Option<MatrixUnits>; 2]>,
@@ -148,6 +150,16 @@ struct MatrixUnits {
     shape: [u32; 3],
     product: Check,
     attention: Check,
+}
+
+impl MatrixUnits {
+    /// Units of `shape` whose kernels have not run yet. Attention needs a key tile the shape
+    /// divides and `max_shared` bytes of shared memory hold, for both head sizes; without one it
+    /// stays scalar.
+    fn untried(shape: [u32; 3], max_shared: u32) -> MatrixUnits {
+        let fits = [64, 128].iter().all(|&d| attention_tile(shape, d, max_shared).is_some());
+        MatrixUnits { shape, product: Check::Untried, attention: if fits { Check::Untried } else { Check::Failed } }
+    }
 }
 
 /// A first-use check of kernels that run on the matrix units.
@@ -420,16 +432,12 @@ impl VulkanGpu {
                 max_groups: props.limits.max_compute_work_group_count,
                 storage16: support.storage16,
                 cpu_subgroup,
-                matrix: Cell::new(matrix.map(|m| {
-                    m.map(|shape| {
-                        // Attention needs a key tile the shape divides and shared memory holds,
-                        // for both head sizes; without one it stays scalar.
-                        let max_shared = props.limits.max_compute_shared_memory_size;
-                        let fits = [64, 128].iter().all(|&d| attention_tile(shape, d, max_shared).is_some());
-                        let attention = if fits { Check::Untried } else { Check::Failed };
-                        MatrixUnits { shape, product: Check::Untried, attention }
-                    })
-                })),
+                software: props.device_type == vk::PhysicalDeviceType::CPU,
+                matrix: Cell::new(
+                    matrix.map(|m| {
+                        m.map(|shape| MatrixUnits::untried(shape, props.limits.max_compute_shared_memory_size))
+                    }),
+                ),
                 max_shared: props.limits.max_compute_shared_memory_size,
                 subgroup: sub.subgroup_size,
                 require_subgroup,
@@ -447,6 +455,20 @@ impl VulkanGpu {
     pub fn with_gpu_kernels(mut self) -> VulkanGpu {
         if self.cpu_subgroup.take().is_some() {
             self.name.push_str(" with GPU kernels");
+        }
+        self
+    }
+
+    /// For tests: `dt`'s matrix-unit kernels run with `shape` (`TM` × `TN` × `TK`) on a CPU
+    /// implementation of Vulkan that has matrix units for `dt`, whether or not it lists that
+    /// shape, so that CI's lavapipe — which lists 8 × 8 × 8 but lowers any shape — runs the
+    /// kernels with the shapes GPUs list (16 × 16 × 16 on NVIDIA and AMD, 8 × 8 × 16 on Intel).
+    /// Using a shape a device does not list is outside the Vulkan specification, so anywhere else
+    /// (a GPU) the device is returned unchanged.
+    #[doc(hidden)]
+    pub fn with_matrix_shape(self, dt: Dt, shape: [u32; 3]) -> VulkanGpu {
+        if self.software && self.units(dt).is_some() {
+            self.set_units(dt, |u| *u = MatrixUnits::untried(shape, self.max_shared));
         }
         self
     }
