@@ -440,11 +440,13 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
         memory_bytes: Some(d.memory_bytes),
         memory_free_bytes: d.memory_free_bytes,
         details: Some(format!(
-            "{} {} device, Vulkan {}, {}; cooperative matrices: {}",
+            "{} {} device, Vulkan {}, {}; subgroups of {}{}; cooperative matrices: {}",
             d.vendor(),
             d.kind,
             d.api,
             d.driver,
+            d.subgroup,
+            d.subgroup_range.map(|(lo, hi)| format!(" ({lo}–{hi})")).unwrap_or_default(),
             match (d.cooperative_matrix, d.matrix_shapes.is_empty()) {
                 (false, _) => "no".to_string(),
                 (true, true) => "none the engine can use".to_string(),

@@ -35,6 +35,10 @@ pub struct VulkanInfo {
     /// The products the device runs on its matrix units that the engine's GEMM can use
     /// ([`matrix_shapes`]); empty where there are none.
     pub matrix_shapes: Vec<MatrixShape>,
+    /// Invocations per subgroup (a warp, a wavefront; the SIMD width of a CPU implementation),
+    /// and where the device can run others (`VK_EXT_subgroup_size_control`), the range.
+    pub subgroup: u32,
+    pub subgroup_range: Option<(u32, u32)>,
     /// Features the GPU engine needs that the device lacks (Vulkan 1.2, buffer device
     /// addresses, 64-bit integers); empty when it can train here.
     pub missing: Vec<&'static str>,
@@ -237,6 +241,13 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
     if driver_known {
         props2 = props2.push_next(&mut driver);
     }
+    let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
+    let mut sizes = vk::PhysicalDeviceSubgroupSizeControlProperties::default();
+    let size_control = vk::api_version_minor(api) >= 3 || has("VK_EXT_subgroup_size_control");
+    props2 = props2.push_next(&mut subgroup);
+    if size_control {
+        props2 = props2.push_next(&mut sizes);
+    }
     unsafe { instance.get_physical_device_properties2(pd, &mut props2) };
     let driver = if driver_known {
         format!("{} {}", text(driver.driver_name_as_c_str()), text(driver.driver_info_as_c_str())).trim().to_string()
@@ -264,6 +275,9 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
         cooperative_matrix: has("VK_KHR_cooperative_matrix"),
         matrix_shapes: unsafe { matrix_shapes(entry, instance, pd) },
         missing: support.missing,
+        subgroup: subgroup.subgroup_size,
+        subgroup_range: (size_control && sizes.min_subgroup_size < sizes.max_subgroup_size)
+            .then_some((sizes.min_subgroup_size, sizes.max_subgroup_size)),
     }
 }
 

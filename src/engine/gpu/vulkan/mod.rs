@@ -417,7 +417,12 @@ impl VulkanGpu {
                         | vk::SubgroupFeatureFlags::VOTE
                         | vk::SubgroupFeatureFlags::ARITHMETIC,
                 )
-                && [4, 8, 16, 32].contains(&sub.subgroup_size))
+                // llvmpipe's widths: 4 (SSE), 8 (AVX2; its default), 16 (LP_NATIVE_VECTOR_WIDTH=
+                // 512). At 32 lanes (1024 bits, never a default) Mesa 22.3's lavapipe gives
+                // wrong products and attention through gemm_sg and the `_sg` kernels — also with
+                // subgroupShuffle in place of subgroupBroadcast, and Mesa 26.1 crashes at any
+                // width above 256 — so such a device runs the GPU kernels, which pass there.
+                && [4, 8, 16].contains(&sub.subgroup_size))
             .then_some(sub.subgroup_size);
             Ok(VulkanGpu {
                 _entry: entry,
