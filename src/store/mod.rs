@@ -181,7 +181,8 @@ impl Store {
     /// Remove an artifact (manifest first, so it stops counting at once), and any of its objects
     /// whose content no longer matches its digest, so a rebuild writes them afresh.
     pub fn evict(&self, fp: &str) -> Result<()> {
-        if let Some(manifest) = self.manifest(fp) {
+        let manifest = self.manifest(fp);
+        if let Some(manifest) = &manifest {
             for f in manifest.files.values() {
                 let obj = self.object_path(&f.digest);
                 if hash_file(&obj).map(|(d, _)| d != f.digest).unwrap_or(false) {
@@ -198,7 +199,8 @@ impl Store {
         }
         let dir = self.artifact_dir(fp);
         if dir.exists() {
-            self.remove_view(&dir)?;
+            let digests = manifest.map(|m| m.files.into_values().map(|f| f.digest).collect::<Vec<_>>());
+            self.remove_view(&dir, digests.as_deref())?;
         }
         let marker = self.damage_marker(fp);
         if marker.exists() {
@@ -276,7 +278,7 @@ impl Store {
         let dir = self.artifact_dir(&fp);
         if dir.exists() {
             // A folder without a manifest is left over from a crash; we hold the lock.
-            self.remove_view(&dir)?;
+            self.remove_view(&dir, None)?;
         }
         let view = tmp_view.keep();
         // The view's directory entries (links to the objects) reach the disk before it is named.
@@ -372,25 +374,36 @@ impl Store {
         Ok((files, bytes))
     }
 
-    /// Remove an artifact's folder of links to objects.
-    fn remove_view(&self, dir: &Path) -> Result<()> {
+    /// Remove an artifact's folder of links to objects: those of `digests` (its manifest's), or
+    /// where that is unknown any object.
+    fn remove_view(&self, dir: &Path, digests: Option<&[String]>) -> Result<()> {
         make_writable(dir);
         let removed = fs::remove_dir_all(dir);
-        self.protect_objects();
+        match digests {
+            Some(digests) => self.protect(digests.iter().map(|d| self.object_path(d))),
+            None => self.protect_objects(),
+        }
         removed.map_err(io_err("remove", dir))
     }
 
-    /// Make every object read-only again after [`make_writable`] ran on artifact files: on
-    /// Windows those are hard links that share their object's attributes (Unix keeps permissions
-    /// per file, so there nothing was lost).
+    /// Make every object read-only again after [`make_writable`] ran on artifact files that may
+    /// link to any of them ([`Store::protect`]).
     fn protect_objects(&self) {
         if !cfg!(windows) {
             return;
         }
         let objects = self.base.join("objects");
-        for shard in fs::read_dir(&objects).into_iter().flatten().flatten() {
-            for obj in fs::read_dir(shard.path()).into_iter().flatten().flatten() {
-                let _ = set_readonly(&obj.path());
+        let shards = fs::read_dir(&objects).into_iter().flatten().flatten();
+        self.protect(shards.flat_map(|s| fs::read_dir(s.path()).into_iter().flatten().flatten().map(|o| o.path())));
+    }
+
+    /// Make `objects` read-only again after [`make_writable`] ran on artifact files linked to
+    /// them: on Windows those are hard links that share their object's attributes (Unix keeps
+    /// permissions per file, so there nothing was lost).
+    fn protect(&self, objects: impl Iterator<Item = PathBuf>) {
+        if cfg!(windows) {
+            for obj in objects {
+                let _ = set_readonly(&obj);
             }
         }
     }
@@ -587,6 +600,39 @@ mod tests {
             assert_eq!(store.manifests().len(), 0);
             store.gc().unwrap();
         }
+    }
+
+    /// Removing an artifact's folder makes its files writable, which on Windows its objects
+    /// are too (hard links share attributes): they are read-only again afterwards, the objects
+    /// another artifact shares included, whether or not the folder had a manifest.
+    #[test]
+    fn removing_artifacts_leaves_every_object_read_only() {
+        let root = tempfile::tempdir().unwrap();
+        let store = Store::open(root.path()).unwrap();
+        let commit = |fp: &str, files: &[(&str, &[u8])]| {
+            let staged = store.staging().unwrap();
+            for (name, bytes) in files {
+                fs::write(staged.path().join(name), bytes).unwrap();
+            }
+            store.commit(staged.path(), Manifest::new(fp, "train", "train")).unwrap()
+        };
+        commit("a", &[("shared", b"both"), ("own", b"a only")]);
+        let b = commit("b", &[("same", b"both")]);
+        commit("c", &[("c", b"c only")]);
+        let read_only = || {
+            let objects = fs::read_dir(store.base.join("objects")).unwrap().flatten();
+            let objects: Vec<_> = objects.flat_map(|s| fs::read_dir(s.path()).unwrap().flatten()).collect();
+            assert_eq!(objects.len(), 3);
+            objects.iter().all(|o| o.metadata().unwrap().permissions().readonly())
+        };
+        assert!(read_only());
+        store.evict("a").unwrap();
+        assert!(read_only(), "after evicting an artifact");
+        // A folder without a manifest (left by a crash) is replaced by the next commit.
+        fs::remove_file(store.manifest_path("c")).unwrap();
+        commit("c", &[("c", b"c only")]);
+        assert!(read_only(), "after replacing a folder without a manifest");
+        assert!(store.verify(&b).is_empty());
     }
 
     #[test]
