@@ -374,8 +374,8 @@ impl Store {
         Ok((files, bytes))
     }
 
-    /// Remove an artifact's folder of links to objects: those of `digests` (its manifest's), or
-    /// where that is unknown any object.
+    /// Remove an artifact's folder of links to objects, then re-protect the objects it linked to:
+    /// those of `digests` (its manifest's), or every object where those are unknown.
     fn remove_view(&self, dir: &Path, digests: Option<&[String]>) -> Result<()> {
         make_writable(dir);
         let removed = fs::remove_dir_all(dir);
