@@ -209,6 +209,41 @@ pub unsafe fn has_extension(instance: &ash::Instance, pd: vk::PhysicalDevice, na
         .any(|e| e.extension_name_as_c_str() == Ok(name))
 }
 
+/// A device's subgroups (warps, wavefronts; a CPU implementation's SIMD vectors).
+pub struct Subgroups {
+    /// Invocations per subgroup, as compute shaders run them unless a pipeline requires another.
+    pub size: u32,
+    /// Where the device can run several sizes (subgroup size control: Vulkan 1.3, or
+    /// `VK_EXT_subgroup_size_control`), the smallest and largest.
+    pub range: Option<(u32, u32)>,
+    /// The stages and operations subgroups support.
+    pub stages: vk::ShaderStageFlags,
+    pub operations: vk::SubgroupFeatureFlags,
+}
+
+/// # Safety
+/// `pd` must be a physical device of the live `instance`.
+pub unsafe fn subgroups(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Subgroups {
+    // SAFETY (all calls): the caller's contract; the chained structures outlive the call.
+    let api = unsafe { instance.get_physical_device_properties(pd) }.api_version;
+    let size_control = vk::api_version_minor(api) >= 3
+        || unsafe { has_extension(instance, pd, ash::ext::subgroup_size_control::NAME) };
+    let mut sub = vk::PhysicalDeviceSubgroupProperties::default();
+    let mut sizes = vk::PhysicalDeviceSubgroupSizeControlProperties::default();
+    let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sub);
+    if size_control {
+        props2 = props2.push_next(&mut sizes);
+    }
+    unsafe { instance.get_physical_device_properties2(pd, &mut props2) };
+    Subgroups {
+        size: sub.subgroup_size,
+        range: (size_control && sizes.min_subgroup_size < sizes.max_subgroup_size)
+            .then_some((sizes.min_subgroup_size, sizes.max_subgroup_size)),
+        stages: sub.supported_stages,
+        operations: sub.supported_operations,
+    }
+}
+
 /// The Vulkan devices of this machine, or why there are none (no loader, no driver).
 pub fn devices() -> Result<Vec<VulkanInfo>, String> {
     let (entry, instance) = instance()?;
@@ -241,13 +276,6 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
     if driver_known {
         props2 = props2.push_next(&mut driver);
     }
-    let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
-    let mut sizes = vk::PhysicalDeviceSubgroupSizeControlProperties::default();
-    let size_control = vk::api_version_minor(api) >= 3 || has("VK_EXT_subgroup_size_control");
-    props2 = props2.push_next(&mut subgroup);
-    if size_control {
-        props2 = props2.push_next(&mut sizes);
-    }
     unsafe { instance.get_physical_device_properties2(pd, &mut props2) };
     let driver = if driver_known {
         format!("{} {}", text(driver.driver_name_as_c_str()), text(driver.driver_info_as_c_str())).trim().to_string()
@@ -256,6 +284,7 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
     };
     let support = unsafe { engine_support(instance, pd) };
     let memory = unsafe { TensorMemory::read(instance, pd, &props) };
+    let subgroups = unsafe { subgroups(instance, pd) };
     VulkanInfo {
         name: text(props.device_name_as_c_str()),
         vendor_id: props.vendor_id,
@@ -275,9 +304,8 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
         cooperative_matrix: has("VK_KHR_cooperative_matrix"),
         matrix_shapes: unsafe { matrix_shapes(entry, instance, pd) },
         missing: support.missing,
-        subgroup: subgroup.subgroup_size,
-        subgroup_range: (size_control && sizes.min_subgroup_size < sizes.max_subgroup_size)
-            .then_some((sizes.min_subgroup_size, sizes.max_subgroup_size)),
+        subgroup: subgroups.size,
+        subgroup_range: subgroups.range,
     }
 }
 

@@ -323,14 +323,8 @@ impl VulkanGpu {
             // The cooperative-matrix product: a shape per input type, and a workgroup of four
             // subgroups of a known size — fixed by the device, or required of the pipeline where
             // the device may choose (subgroup size control, Vulkan 1.3).
-            let mut sub = vk::PhysicalDeviceSubgroupProperties::default();
-            let mut size_range = vk::PhysicalDeviceSubgroupSizeControlProperties::default();
+            let sub = crate::device::vulkan::subgroups(&instance, pd);
             let v13 = vk::api_version_minor(props.api_version) >= 3;
-            let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sub);
-            if v13 {
-                props2 = props2.push_next(&mut size_range);
-            }
-            instance.get_physical_device_properties2(pd, &mut props2);
             let mut size_control = vk::PhysicalDeviceSubgroupSizeControlFeatures::default();
             if v13 {
                 instance.get_physical_device_features2(
@@ -338,11 +332,11 @@ impl VulkanGpu {
                     &mut vk::PhysicalDeviceFeatures2::default().push_next(&mut size_control),
                 );
             }
-            let varies = v13 && size_range.min_subgroup_size != size_range.max_subgroup_size;
+            let varies = v13 && sub.range.is_some();
             let require_subgroup = varies && size_control.subgroup_size_control == vk::TRUE;
             let shapes = if (varies && !require_subgroup)
-                || sub.subgroup_size == 0
-                || 4 * sub.subgroup_size > props.limits.max_compute_work_group_invocations
+                || sub.size == 0
+                || 4 * sub.size > props.limits.max_compute_work_group_invocations
             {
                 Vec::new()
             } else {
@@ -411,8 +405,8 @@ impl VulkanGpu {
                 .map_err(verr("pipeline layout"))?;
             let memory = crate::device::vulkan::TensorMemory::read(&instance, pd, &props);
             let cpu_subgroup = (props.device_type == vk::PhysicalDeviceType::CPU
-                && sub.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
-                && sub.supported_operations.contains(
+                && sub.stages.contains(vk::ShaderStageFlags::COMPUTE)
+                && sub.operations.contains(
                     vk::SubgroupFeatureFlags::BALLOT
                         | vk::SubgroupFeatureFlags::VOTE
                         | vk::SubgroupFeatureFlags::ARITHMETIC,
@@ -422,8 +416,8 @@ impl VulkanGpu {
                 // wrong products and attention through gemm_sg and the `_sg` kernels — also with
                 // subgroupShuffle in place of subgroupBroadcast, and Mesa 26.1 crashes at any
                 // width above 256 — so such a device runs the GPU kernels, which pass there.
-                && [4, 8, 16].contains(&sub.subgroup_size))
-            .then_some(sub.subgroup_size);
+                && [4, 8, 16].contains(&sub.size))
+            .then_some(sub.size);
             Ok(VulkanGpu {
                 _entry: entry,
                 instance,
@@ -444,7 +438,7 @@ impl VulkanGpu {
                     }),
                 ),
                 max_shared: props.limits.max_compute_shared_memory_size,
-                subgroup: sub.subgroup_size,
+                subgroup: sub.size,
                 require_subgroup,
                 name,
                 state: RefCell::new(State {
