@@ -506,6 +506,70 @@ fn row_kernels_match_references() {
     }
 }
 
+/// The kernels of trained base weights' gradients that are not products: RMSNorm weights and
+/// biases (column sums over more rows than one chunk, the last partial) and the embedding table
+/// (tokens repeated across the batch, some absent), each added to what the gradient holds.
+#[test]
+fn weight_gradient_kernels_match_references() {
+    for gpu in devices() {
+        for dt in [Dt::F32, Dt::Bf16, Dt::F16] {
+            let o = Ops { gpu: &*gpu, dt };
+            let mut rng = Rng::new(5);
+            let (n, w) = (150, 37);
+            let x = rounded(dt, &rand_vec(&mut rng, n * w, 2.0));
+            let dy = rounded(dt, &rand_vec(&mut rng, n * w, 1.0));
+            let inv: Vec<f32> = rand_vec(&mut rng, n, 1.0).iter().map(|v| 0.5 + v.abs()).collect();
+            let (xb, dyb) = (Buf::from_f32(&gpu, &x, dt).unwrap(), Buf::from_f32(&gpu, &dy, dt).unwrap());
+            let ib = Buf::from_f32(&gpu, &inv, Dt::F32).unwrap();
+            let partial = Buf::new(&gpu, Ops::col_partials(n, w), Dt::F32).unwrap();
+            for norm in [true, false] {
+                let out = Buf::from_f32(&gpu, &vec![0.25; w], Dt::F32).unwrap();
+                let x_inv = norm.then_some((xb.ptr(), ib.ptr()));
+                o.col_grad(dyb.ptr(), x_inv, partial.ptr(), out.ptr(), n, w).unwrap();
+                let want: Vec<f32> = (0..w)
+                    .map(|j| {
+                        let s: f64 = (0..n)
+                            .map(|r| {
+                                let f = if norm { rounded(dt, &[x[r * w + j] * inv[r]])[0] } else { 1.0 };
+                                dy[r * w + j] as f64 * f as f64
+                            })
+                            .sum();
+                        (0.25 + s) as f32
+                    })
+                    .collect();
+                let what = if norm { "RMSNorm weight" } else { "bias" };
+                assert_close(&format!("{} {dt:?} {what} gradient", gpu.name()), &out.to_vec().unwrap(), &want, 1e-5);
+            }
+            let (vocab, h) = (20, w);
+            let ids: Vec<u32> = (0..n as u32).map(|i| (i * i + 3 * i) % 17).collect();
+            let (rows, starts, tokens) = {
+                let mut rows: Vec<u32> = (0..n as u32).collect();
+                rows.sort_by_key(|&r| (ids[r as usize], r));
+                let mut tokens: Vec<u32> = ids.clone();
+                tokens.sort();
+                tokens.dedup();
+                let starts: Vec<u32> = tokens
+                    .iter()
+                    .map(|t| rows.iter().position(|&r| ids[r as usize] == *t).unwrap() as u32)
+                    .chain([n as u32])
+                    .collect();
+                (rows, starts, tokens)
+            };
+            let grad = Buf::from_f32(&gpu, &vec![0.5; vocab * h], Dt::F32).unwrap();
+            let bufs = [&rows, &starts, &tokens].map(|v| Buf::from_u32(&gpu, v).unwrap());
+            o.embed_bwd(dyb.ptr(), bufs[0].ptr(), bufs[1].ptr(), bufs[2].ptr(), grad.ptr(), tokens.len(), h).unwrap();
+            let mut want = vec![0.5f64; vocab * h];
+            for r in 0..n {
+                for j in 0..h {
+                    want[ids[r] as usize * h + j] += dy[r * h + j] as f64;
+                }
+            }
+            let want: Vec<f32> = want.iter().map(|&v| v as f32).collect();
+            assert_close(&format!("{} {dt:?} embedding gradient", gpu.name()), &grad.to_vec().unwrap(), &want, 1e-5);
+        }
+    }
+}
+
 #[test]
 fn adamw_and_reductions_match_the_cpu_optimizer() {
     use rtune::engine::gpu::ops::AdamWCoefficients;
@@ -925,7 +989,7 @@ fn golden_batch(name: &str) -> HostBatch {
 }
 
 /// Loss and every gradient of the GPU engine against candle autograd's, for the same batch,
-/// weight, loss scale and dropout key.
+/// weight, loss scale and dropout key, with the LoRA adapter of `adapter`.
 fn assert_engine_matches(
     gpu: &Rc<dyn Gpu>,
     folder: &ModelFolder,
@@ -936,12 +1000,26 @@ fn assert_engine_matches(
     tol: f32,
 ) {
     let spec = peft::read_config(adapter).unwrap();
+    assert_trainable_matches(gpu, folder, Trainable::Lora(spec), Some(adapter), batch, dropout, dt, tol);
+}
+
+/// [`assert_engine_matches`] for what `trainable` names (`trained`: the folder it starts from).
+#[allow(clippy::too_many_arguments)]
+fn assert_trainable_matches(
+    gpu: &Rc<dyn Gpu>,
+    folder: &ModelFolder,
+    trainable: Trainable,
+    trained: Option<&Path>,
+    batch: &HostBatch,
+    dropout: Option<u64>,
+    dt: Dtype,
+    tol: f32,
+) {
     let cpu = Resolution::cpu();
-    let mut reference =
-        CandleEngine::build(&setup(folder, Trainable::Lora(spec.clone()), &cpu, Some(adapter)), false).unwrap();
+    let mut reference = CandleEngine::build(&setup(folder, trainable.clone(), &cpu, trained), false).unwrap();
     let dev = resolution(dt, DeviceClass::Cuda);
-    let mut engine = GpuEngine::new(gpu.clone(), &setup(folder, Trainable::Lora(spec), &dev, Some(adapter))).unwrap();
-    let what = format!("{} {dt:?}", gpu.name());
+    let mut engine = GpuEngine::new(gpu.clone(), &setup(folder, trainable.clone(), &dev, trained)).unwrap();
+    let what = format!("{} {dt:?} {trainable:?}", gpu.name());
     let (weight, scale) = (0.75, 4.0);
     reference.accumulate(batch, weight, scale, dropout).unwrap();
     engine.accumulate(batch, weight, scale, dropout).unwrap();
@@ -1046,6 +1124,50 @@ fn half_precision_engine_stays_within_its_rounding_of_autograd() {
     }
 }
 
+/// Base weights that train (a full fine-tune, and a selective one) get the loss and every
+/// gradient autograd gives them: matrices (the LM head's too), RMSNorm weights, q/k/v biases and
+/// the embedding table, tied to the LM head in Qwen2 (so its gradient sums both uses) and not in
+/// Llama; packed rows repeat tokens, whose embedding rows sum their gradients.
+#[test]
+fn engine_matches_autograd_training_base_weights() {
+    let all = || Trainable::Weights(vec!["*".into()]);
+    let some = || {
+        Trainable::Weights(
+            ["*.input_layernorm.*", "*.1.self_attn.[qv]_proj.*", "model.norm.weight", "lm_head.weight"]
+                .map(String::from)
+                .to_vec(),
+        )
+    };
+    for gpu in devices() {
+        for name in ["tiny-llama", "tiny-qwen2"] {
+            let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+            let batch = golden_batch(name);
+            for trainable in [all(), some()] {
+                assert_trainable_matches(&gpu, &folder, trainable, None, &batch, None, Dtype::F32, 2e-5);
+            }
+        }
+        let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+        assert_trainable_matches(&gpu, &folder, all(), None, &packed_batch(), None, Dtype::F32, 2e-5);
+        let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+        let batch = golden_batch("tiny-llama");
+        for (dtype, tol) in [(Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
+            assert_trainable_matches(&gpu, &folder, all(), None, &batch, None, dtype, tol);
+        }
+    }
+}
+
+/// A pattern that names none of the model's weights is an error, not a run that trains nothing.
+#[test]
+fn training_no_weight_is_an_error() {
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let dev = resolution(Dtype::F32, DeviceClass::Cuda);
+    let gpu = devices().remove(0);
+    let trainable = Trainable::Weights(vec!["layers.0.*".into()]);
+    let err = GpuEngine::new(gpu, &setup(&folder, trainable, &dev, None)).err().expect("an error");
+    let msg = err.to_string();
+    assert!(msg.contains("matches none of the model's weights") && msg.contains("\"layers.0.*\""), "{msg}");
+}
+
 /// Steps of accumulate → gradients → apply with gradient accumulation and clipping; returns the
 /// losses and the final parameters.
 fn train_steps(engine: &mut dyn Engine, batches: &[HostBatch], steps: usize) -> (Vec<f64>, BTreeMap<String, Tensor>) {
@@ -1100,6 +1222,45 @@ fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
         let a = train_steps(&mut engine, &batches, 2).0;
         let b = train_steps(&mut resumed, &batches, 2).0;
         assert_eq!(a, b, "{}: resumed training differs", gpu.name());
+    }
+}
+
+/// A full fine-tune trains like autograd's (AdamW on every weight through the f32 master copies),
+/// with and without activation checkpointing (the same gradients bit for bit), and what it trains
+/// is what a fresh engine evaluates when it starts from the trained weights.
+#[test]
+fn full_fine_tuning_trains_like_autograd() {
+    let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+    let all = Trainable::Weights(vec!["*".into()]);
+    let batches = vec![packed_batch(), golden_batch("tiny-qwen2")];
+    let cpu = Resolution::cpu();
+    let mut reference = CandleEngine::build(&setup(&folder, all.clone(), &cpu, None), false).unwrap();
+    let (want_losses, want) = train_steps(&mut reference, &batches, 4);
+    for gpu in devices() {
+        let dev = resolution(Dtype::F32, DeviceClass::Cuda);
+        let mut s = setup(&folder, all.clone(), &dev, None);
+        let mut engine = GpuEngine::new(gpu.clone(), &s).unwrap();
+        let (losses, got) = train_steps(&mut engine, &batches, 4);
+        for (i, (a, b)) in losses.iter().zip(&want_losses).enumerate() {
+            assert!((a - b).abs() < 1e-4 * b.abs(), "{}: step {i} loss {a} vs autograd {b}", gpu.name());
+        }
+        assert!(losses[3] < losses[0], "the loss falls: {losses:?}");
+        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+        for (name, w) in &want {
+            let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
+            assert_close(&format!("{} trained {name}", gpu.name()), &g, &w, 1e-3);
+        }
+        s.checkpointing = Checkpointing::On;
+        let mut ckpt = GpuEngine::new(gpu.clone(), &s).unwrap();
+        assert_eq!(train_steps(&mut ckpt, &batches, 4).0, losses, "{}: checkpointing changed training", gpu.name());
+        // Evaluating from the trained weights (as the evaluate stage does) gives the trained loss.
+        let dir = tempfile::tempdir().unwrap();
+        rtune::model::folder::save_safetensors(&dir.path().join("weights.safetensors"), &got).unwrap();
+        let mut fresh =
+            GpuEngine::new(gpu.clone(), &setup(&folder, Trainable::Nothing, &dev, Some(dir.path()))).unwrap();
+        let (a, b) = (fresh.loss(&batches[1]).unwrap(), engine.loss(&batches[1]).unwrap());
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "{}: {a} from the saved weights vs {b}", gpu.name());
     }
 }
 

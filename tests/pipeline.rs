@@ -932,34 +932,98 @@ fn vulkan_under_test() -> Option<(String, rtune::device::DeviceInfo)> {
     Some((wanted, d))
 }
 
-/// What no engine can train on a Vulkan device — base weights (candle's autograd has no Vulkan
-/// backend), or another engine than the GPU engine by `RTUNE_ENGINE` — is refused by `plan`,
-/// located in the recipe, not by the stage once earlier stages have run.
+/// The default recipe's exports without the PEFT folder (for base weights that train).
+const NO_PEFT: &str = r#"stages.quantize.formats=["safetensors-merged", "gguf-q8_0"]"#;
+
+/// What cannot train on a Vulkan device — another engine than the GPU engine, asked for by
+/// `RTUNE_ENGINE` (candle has no Vulkan backend) — is refused by `plan`, located in the recipe,
+/// not by the stage once earlier stages have run.
 #[test]
-fn plan_refuses_what_cannot_train_on_vulkan() {
+fn plan_refuses_other_engines_on_vulkan() {
     let Some((wanted, info)) = vulkan_under_test() else { return };
     let device = info.class.device_name(info.ordinal);
     let p = Project::tiny_offline();
     let prefer = format!(r#"device.prefer=["{wanted}"]"#);
-    for (extra, env, located) in [
-        ("adapter.kind=none", None, "adapter.kind"),
-        (r#"stages.train.trainable=["*norm*"]"#, None, "stages.train.trainable"),
-        ("recipe.seed=1", Some("candle"), "device.prefer"),
-    ] {
+    let plan = |extra: &str, engine: Option<&str>| {
         let mut c = rtune_cmd();
-        c.args(["plan", "tiny.toml", "--set", &prefer, "--set", extra])
+        c.args(["plan", "tiny.toml", "--set", &prefer, "--set", extra, "--set", NO_PEFT])
             .current_dir(p.path())
             .env("RTUNE_CACHE_DIR", p.cache());
-        match env {
+        match engine {
             Some(e) => c.env("RTUNE_ENGINE", e),
             None => c.env_remove("RTUNE_ENGINE"),
         };
-        let o = c.output().unwrap();
-        let err = stderr(&o);
-        assert!(!o.status.success(), "{extra}: plan accepted it");
-        assert!(err.contains("rtune::plan::engine_unavailable") && err.contains(&device), "{extra}: {err}");
-        assert!(err.contains(located), "{extra}: the error points at `{located}`: {err}");
+        c.output().unwrap()
+    };
+    let o = plan("recipe.seed=1", Some("candle"));
+    let err = stderr(&o);
+    assert!(!o.status.success(), "plan accepted RTUNE_ENGINE=candle on {device}");
+    assert!(err.contains("rtune::plan::engine_unavailable") && err.contains(&device), "{err}");
+    assert!(err.contains("device.prefer"), "the error points at `device.prefer`: {err}");
+    // Base weights train there (the GPU engine trains them since 2026-11-24).
+    for extra in ["adapter.kind=none", r#"stages.train.trainable=["*norm*"]"#] {
+        let o = plan(extra, None);
+        assert!(o.status.success(), "{extra}: {}", stderr(&o));
     }
+}
+
+/// A train stage that trains base weights (`adapter.kind = "none"`, or `trainable` patterns)
+/// has no adapter to export: `plan` refuses `peft-adapter` asked for, at `formats`, naming what
+/// decided it (a selective fine-tune used to pass `plan` and fail in `quantize` after training);
+/// without `formats`, the default exports leave the PEFT folder out and every stage builds.
+#[test]
+fn base_weights_that_train_export_no_peft_adapter() {
+    let p = Project::tiny_offline();
+    for (extra, says) in [
+        (r#"adapter.kind="none""#, r#"`adapter.kind = "none"`"#),
+        (r#"stages.train.trainable=["*norm*"]"#, "`stages.train.trainable`"),
+    ] {
+        let o = p.run(&["plan", "tiny.toml", "--set", extra]);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{extra}: plan accepted a PEFT export");
+        assert!(err.contains("rtune::plan::no_adapter") && err.contains(says), "{extra}: {err}");
+        assert!(err.contains("tiny.toml:47") && err.contains("no adapter to export"), "{extra}: located: {err}");
+    }
+    let recipe = p.path().join("tiny.toml");
+    let text = std::fs::read_to_string(&recipe).unwrap();
+    let without: String = text.lines().filter(|l| !l.starts_with("formats =")).map(|l| format!("{l}\n")).collect();
+    assert_ne!(text, without, "the recipe lists its formats");
+    std::fs::write(&recipe, without).unwrap();
+    let report = p.run_json(&[
+        "tiny.toml",
+        "--set",
+        r#"stages.train.trainable=["*norm*", "lm_head.weight"]"#,
+        "--set",
+        "stages.train.max_steps=2",
+        "--set",
+        "stages.train.eval_every=0",
+        "--set",
+        "stages.evaluate.max_new_tokens=2",
+    ]);
+    assert!(outcomes(&report).iter().all(|(_, o)| o == "built"), "{:?}", outcomes(&report));
+    let exports = artifact(&report, "quantize");
+    assert!(exports.join("merged/model.safetensors").is_file() && !exports.join("peft-adapter").exists());
+    let trained = artifact(&report, "train");
+    assert!(trained.join("weights.safetensors").is_file() && !trained.join("adapter_config.json").exists());
+}
+
+/// A full fine-tune of the default recipe's model on Vulkan (the GPU engine) against the same on
+/// the CPU (candle's autograd): every stage builds and the eval losses agree within 1e-4
+/// relative after 4 AdamW steps on every weight.
+#[test]
+fn full_fine_tune_on_vulkan_matches_the_cpu() {
+    default_recipe_on_vulkan(&[
+        "--set",
+        "adapter.kind=none",
+        "--set",
+        NO_PEFT,
+        "--set",
+        "stages.train.max_steps=4",
+        "--set",
+        "stages.train.eval_every=0",
+        "--set",
+        "stages.evaluate.max_new_tokens=4",
+    ]);
 }
 
 /// Runs the default recipe with `extra` settings on the CPU and on Vulkan, checks what both

@@ -300,7 +300,7 @@ pub fn choose(
 ) -> Result<EngineKind, EngineError> {
     let adapters_only = matches!(trainable, Trainable::Nothing | Trainable::Lora(_));
     let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32 && adapters_only;
-    let gpu_why = gpu::unsupported(cfg, trainable, device);
+    let gpu_why = gpu::unsupported(cfg, device);
     // candle has no Vulkan backend: on a Vulkan device the GPU engine is the only engine.
     if device.class == DeviceClass::Vulkan {
         return match (vulkan_engine_refused(requested), gpu_why) {

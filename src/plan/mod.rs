@@ -168,7 +168,7 @@ pub fn make(
         support::check(spec, loaded)?;
         let locked = previous.and_then(|r| r.stages.get(&spec.name)).map(|d| &d.inputs["sources"]);
         let key = resolve_key(spec, loaded, &device, &hub, locked)?;
-        support::check_device(spec, &key, loaded)?;
+        support::check_device(&key, loaded)?;
         let mut inputs = Inputs::new();
         for (port, producer) in spec.inputs(&loaded.stages) {
             if let Some(p) = planned.iter().find(|p| p.name == producer.name) {
@@ -344,6 +344,30 @@ pub fn check_stages(loaded: &LoadedRecipe) -> Result<(), crate::recipe::Problems
     if problems.is_empty() { Ok(()) } else { Err(crate::recipe::Problems::new(loaded.name(), problems)) }
 }
 
+/// What the train stage whose weights a stage takes trains.
+pub(crate) struct TrainedFrom {
+    /// The train stage's name.
+    pub train: String,
+    /// A LoRA adapter (else base weights).
+    pub adapter: bool,
+    /// Decided by `stages.<train>.trainable` (else by `adapter.kind`).
+    pub by_patterns: bool,
+}
+
+/// What the train stage feeding `spec`'s trained weights trains (None when none feeds it).
+pub(crate) fn trained_from(spec: &StageSpec, loaded: &LoadedRecipe) -> Option<TrainedFrom> {
+    let inputs = spec.inputs(&loaded.stages);
+    let train = inputs.get(&Port::Weights).filter(|t| t.kind == StageKind::Train)?;
+    let patterns: Option<Vec<String>> =
+        train.settings.get("trainable").and_then(|v| serde_json::from_value(v.clone()).ok());
+    let kind = loaded.recipe.adapter.kind;
+    Some(TrainedFrom {
+        train: train.name.clone(),
+        adapter: crate::train::trains_adapter(patterns.as_deref(), kind),
+        by_patterns: patterns.is_some(),
+    })
+}
+
 /// Which stage kinds and sources this build implements, checked at plan time so nothing
 /// pretends to run.
 mod support {
@@ -351,9 +375,9 @@ mod support {
 
     /// What a stage asks of its device that only one engine could do and that engine cannot
     /// run there: on a Vulkan device only the GPU engine trains (candle's autograd has no Vulkan
-    /// backend), so base weights that train, or another engine asked for by `RTUNE_ENGINE`, would
-    /// fail when the stage starts. (What depends on the model's shape is checked then.)
-    pub fn check_device(spec: &StageSpec, key: &StageKey, loaded: &LoadedRecipe) -> Result<(), Problem> {
+    /// backend), so another engine asked for by `RTUNE_ENGINE` would fail when the stage starts.
+    /// (What depends on the model's shape is checked then.)
+    pub fn check_device(key: &StageKey, loaded: &LoadedRecipe) -> Result<(), Problem> {
         let dev = match key {
             StageKey::Train(k) => &k.device,
             StageKey::Evaluate(k) => &k.device,
@@ -368,29 +392,10 @@ mod support {
                 .at(loaded.origin(&["device", "prefer"]), "resolves to a Vulkan device")
                 .help("unset RTUNE_ENGINE (or set it to `gpu`), or put \"cpu\" or a CUDA device first"));
         }
-        let StageKey::Train(k) = key else { return Ok(()) };
-        let trainable = crate::train::trainable(&k.settings.train, &k.settings.adapter);
-        if let Some(why) = crate::engine::gpu::trainable_unsupported(&trainable) {
-            let at = if k.settings.train.trainable.is_some() {
-                loaded.origin(&["stages", &spec.name, "trainable"])
-            } else {
-                loaded.origin(&["adapter", "kind"])
-            };
-            return Err(Problem::new(
-                "rtune::plan::engine_unavailable",
-                format!(
-                    "stage `{}` cannot train on {on}, a Vulkan device: {why}, which has no Vulkan backend",
-                    spec.name
-                ),
-            )
-            .at(at, "base weights train")
-            .help("train a LoRA adapter on Vulkan, or put \"cpu\" or a CUDA device first in `device.prefer` for this recipe"));
-        }
         Ok(())
     }
 
     pub fn check(spec: &StageSpec, loaded: &LoadedRecipe) -> Result<(), Problem> {
-        let recipe = &loaded.recipe;
         match spec.kind {
             StageKind::Download => {}
             StageKind::Tokenize => {}
@@ -403,16 +408,23 @@ mod support {
                         .at(loaded.origin(&["stages", &spec.name, "max_shard_size"]), "not a size")
                         .help("e.g. \"5GB\", \"500MB\" or \"2GiB\""));
                 }
-                // With the default list (no `formats`), a full fine-tune gets no PEFT export.
+                // With the default list (no `formats`), base weights that train get no PEFT
+                // export (resolve drops it); asked for explicitly, it is an error.
                 let formats = spec.settings.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
                 let peft = formats.iter().any(|f| f.as_str() == Some("peft-adapter"));
-                if peft && recipe.adapter.kind == crate::recipe::AdapterKind::None {
+                if let (true, Some(TrainedFrom { adapter: false, by_patterns, train })) =
+                    (peft, trained_from(spec, loaded))
+                {
+                    let why = match by_patterns {
+                        true => format!("stage `{train}` trains base weights (`stages.{train}.trainable`)"),
+                        false => "`adapter.kind = \"none\"`".to_string(),
+                    };
                     return Err(Problem::new(
                         "rtune::plan::no_adapter",
-                        "`peft-adapter` needs a LoRA adapter, but `adapter.kind = \"none\"`",
+                        format!("`peft-adapter` needs a LoRA adapter, but {why}"),
                     )
                     .at(loaded.origin(&["stages", &spec.name, "formats"]), "no adapter to export")
-                    .help("export `safetensors-merged` or a GGUF format for a full fine-tune"));
+                    .help("export `safetensors-merged` or a GGUF format when base weights train"));
                 }
             }
             StageKind::Upload => {

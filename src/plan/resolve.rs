@@ -7,7 +7,9 @@ use super::key::{self, StageKey};
 use super::sources::{hub_sources, local_source, resolve_hub};
 use crate::device::Resolution;
 use crate::hub::HubEnv;
-use crate::recipe::{EvaluateSettings, LoadedRecipe, Problem, StageKind, StageSpec, UploadSettings};
+use crate::recipe::{
+    EvaluateSettings, ExportFormat, LoadedRecipe, Problem, QuantizeSettings, StageKind, StageSpec, UploadSettings,
+};
 
 /// A stage's key: its settings with defaults applied and `[device.<name>]` overrides merged,
 /// the device where its numbers depend on it, and its sources resolved to digests and commits.
@@ -123,9 +125,16 @@ pub(super) fn resolve_key(
             })
         }
         StageKind::Quantize => {
+            let explicit = table.get("formats").is_some();
+            let mut quantize: QuantizeSettings = typed(table, spec, loaded)?;
+            // The default formats export a PEFT folder only where an adapter trains (`plan`
+            // refuses `peft-adapter` asked for without one).
+            if !explicit && super::trained_from(spec, loaded).is_some_and(|t| !t.adapter) {
+                quantize.formats.retain(|f| *f != ExportFormat::PeftAdapter);
+            }
             StageKey::Quantize(QuantizeKey {
                 settings: QuantizeKeySettings {
-                    quantize: typed(table, spec, loaded)?,
+                    quantize,
                     adapter: recipe.adapter.clone(),
                     name: recipe.recipe.name.clone(),
                     base_name: base_named().unwrap_or_default(),
@@ -160,7 +169,12 @@ pub(super) fn resolve_key(
                 base: base_named().unwrap_or_else(|| "a scratch model".into()),
                 base_repo: m.repo.clone(),
                 dataset_repo: d.repo.clone(),
-                lora: recipe.adapter.kind != crate::recipe::AdapterKind::None,
+                // Whether the exports' train stage trained an adapter (not base weights).
+                lora: spec
+                    .inputs(&loaded.stages)
+                    .get(&crate::recipe::stages::Port::Exports)
+                    .and_then(|q| super::trained_from(q, loaded))
+                    .map_or(recipe.adapter.kind != crate::recipe::AdapterKind::None, |t| t.adapter),
             };
             let dir = upload.to.strip_prefix("dir://").map(|rel| loaded.resolve_path(rel));
             StageKey::Upload(UploadKey { settings: UploadKeySettings { upload, card }, dir })

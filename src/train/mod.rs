@@ -130,14 +130,21 @@ pub fn lora_spec(a: &Adapter) -> LoraSpec {
 
 /// Which weights train, from `[adapter]` and `stages.train.trainable`.
 pub fn trainable(settings: &TrainSettings, adapter: &Adapter) -> Trainable {
-    match (&settings.trainable, adapter.kind) {
-        (Some(patterns), _) if !(patterns.len() == 1 && patterns[0] == "adapter") => {
-            let pats = patterns.iter().map(|p| if p == "all" { "*".to_string() } else { p.clone() }).collect();
-            Trainable::Weights(pats)
-        }
-        (_, AdapterKind::Lora) => Trainable::Lora(lora_spec(adapter)),
-        (_, AdapterKind::None) => Trainable::Weights(vec!["*".into()]),
+    if trains_adapter(settings.trainable.as_deref(), adapter.kind) {
+        return Trainable::Lora(lora_spec(adapter));
     }
+    match &settings.trainable {
+        Some(patterns) if !(patterns.len() == 1 && patterns[0] == "adapter") => {
+            Trainable::Weights(patterns.iter().map(|p| if p == "all" { "*".to_string() } else { p.clone() }).collect())
+        }
+        _ => Trainable::Weights(vec!["*".into()]),
+    }
+}
+
+/// Whether a train stage with `stages.<train>.trainable = patterns` and `adapter.kind = kind`
+/// trains a LoRA adapter (saved as a PEFT folder), else base weights (`weights.safetensors`).
+pub fn trains_adapter(patterns: Option<&[String]>, kind: AdapterKind) -> bool {
+    kind == AdapterKind::Lora && patterns.is_none_or(|p| p.len() == 1 && p[0] == "adapter")
 }
 
 /// The first loss scale of f16 training and the good steps after which it doubles

@@ -45,20 +45,29 @@ struct Adapter {
     dropout: f64,
 }
 
+/// A weight the passes read: frozen at its compute-dtype address, or trained (a full or
+/// selective fine-tune) at its offset in the flat parameters, whose compute-dtype copy the passes
+/// read and whose gradient is at the same offset of the flat gradients.
+#[derive(Debug, Clone, Copy)]
+enum W {
+    Frozen(u64),
+    Trained(usize),
+}
+
 struct Lin {
     /// Index in [`crate::model::Transformer::linears`] (keys the dropout mask).
     id: usize,
-    /// `[out, inp]`, compute dtype.
-    w: u64,
-    bias: Option<u64>,
+    /// `[out, inp]`.
+    w: W,
+    bias: Option<W>,
     inp: usize,
     out: usize,
     lora: Option<Adapter>,
 }
 
 struct Layer {
-    input_norm: u64,
-    post_norm: u64,
+    input_norm: W,
+    post_norm: W,
     lin: [Lin; 7],
 }
 
@@ -125,6 +134,33 @@ struct DevBatch {
     sel: Buf,
     tgt: Buf,
     select: usize,
+    /// Each distinct token's rows, when the embedding table trains (see [`token_rows`]).
+    token_rows: Option<TokenRows>,
+}
+
+/// The rows of a batch grouped by token, for a trained embedding table's gradient: `rows`
+/// lists the batch's row indices token by token (ascending within a token), `starts[u] ..
+/// starts[u + 1]` are token `tokens[u]`'s.
+struct TokenRows {
+    rows: Buf,
+    starts: Buf,
+    tokens: Buf,
+    uniq: usize,
+}
+
+/// `(rows, starts, tokens)` of [`TokenRows`] for `ids`.
+fn token_rows(ids: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut rows: Vec<u32> = (0..ids.len() as u32).collect();
+    rows.sort_by_key(|&r| (ids[r as usize], r));
+    let (mut starts, mut tokens) = (Vec::new(), Vec::new());
+    for (k, &r) in rows.iter().enumerate() {
+        if tokens.last() != Some(&ids[r as usize]) {
+            tokens.push(ids[r as usize]);
+            starts.push(k as u32);
+        }
+    }
+    starts.push(rows.len() as u32);
+    (rows, starts, tokens)
 }
 
 /// How a training pass weighs its batch.
@@ -158,8 +194,8 @@ pub struct GpuEngine {
     cfg: ModelConfig,
     /// Owns every frozen weight; the layers below hold their addresses.
     _weights: Vec<Buf>,
-    embed: u64,
-    norm: u64,
+    embed: W,
+    norm: W,
     layers: Vec<Layer>,
     lm_head: Lin,
     trained: Option<Trained>,
@@ -189,7 +225,7 @@ impl GpuEngine {
     /// adapters `setup.trainable` names.
     pub fn new(gpu: Rc<dyn Gpu>, setup: &Setup<'_>) -> Result<GpuEngine, EngineError> {
         let cfg = setup.folder.config.clone();
-        if let Some(why) = super::model_unsupported(&cfg, &setup.trainable) {
+        if let Some(why) = super::model_unsupported(&cfg) {
             return Err(EngineError::Unsupported(why));
         }
         let dt = compute_dtype(setup.device.dtype);
@@ -200,25 +236,37 @@ impl GpuEngine {
             }
             _ => Default::default(),
         };
+        // Base weights that train (`Trainable::Weights`, fnmatch patterns as in the candle
+        // model) stay on the host in f32 until the passes below name them: each becomes a slot of
+        // the flat parameters then, so weights the model does not use (as candle's) never train.
+        let patterns: &[String] = match &setup.trainable {
+            Trainable::Weights(p) => p,
+            _ => &[],
+        };
         let mut weights: BTreeMap<String, Buf> = BTreeMap::new();
-        let upload = |name: &str, t: Tensor| -> Result<Buf, EngineError> {
+        let mut masters: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+        let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        setup.folder.visit_weights(|name, t| -> Result<(), EngineError> {
+            let t = overrides.get(name).cloned().unwrap_or(t);
+            shapes.insert(name.to_string(), t.dims().to_vec());
             let v: Vec<f32> = t
                 .to_dtype(candle_core::DType::F32)
                 .and_then(|t| t.flatten_all())
                 .and_then(|t| t.to_vec1())
                 .map_err(EngineError::candle(format!("read `{name}`")))?;
-            Buf::from_f32(&gpu, &v, dt).map_err(|e| oom_or(e, &format!("uploading `{name}`"), 0, 0))
-        };
-        let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-        setup.folder.visit_weights(|name, t| -> Result<(), EngineError> {
-            let t = overrides.get(name).cloned().unwrap_or(t);
-            shapes.insert(name.to_string(), t.dims().to_vec());
-            weights.insert(name.to_string(), upload(name, t)?);
+            if patterns.iter().any(|p| crate::glob::fnmatch(p, name)) {
+                masters.insert(name.to_string(), v);
+            } else {
+                let buf = Buf::from_f32(&gpu, &v, dt).map_err(|e| oom_or(e, &format!("uploading `{name}`"), 0, 0))?;
+                weights.insert(name.to_string(), buf);
+            }
             Ok(())
         })?;
         let h = cfg.hidden_size;
         let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
-        let weight = |name: &str, shape: &[usize]| -> Result<u64, ModelError> {
+        let masters = std::cell::RefCell::new(masters);
+        let trained_weights = std::cell::RefCell::new((Vec::<Slot>::new(), Vec::<f32>::new()));
+        let weight = |name: &str, shape: &[usize]| -> Result<W, ModelError> {
             let found = shapes.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
             if found != shape {
                 return Err(ModelError::ShapeMismatch {
@@ -227,7 +275,19 @@ impl GpuEngine {
                     found: found.clone(),
                 });
             }
-            Ok(weights[name].ptr())
+            let (slots, values) = &mut *trained_weights.borrow_mut();
+            if let Some(s) = slots.iter().find(|s| s.name == name) {
+                return Ok(W::Trained(s.off));
+            }
+            match masters.borrow_mut().remove(name) {
+                Some(v) => {
+                    let off = values.len();
+                    values.extend_from_slice(&v);
+                    slots.push(Slot { name: name.to_string(), shape: shape.to_vec(), off, len: v.len() });
+                    Ok(W::Trained(off))
+                }
+                None => Ok(W::Frozen(weights[name].ptr())),
+            }
         };
         let next_id = std::cell::Cell::new(0);
         let lin = |prefix: &str, inp: usize, out: usize, bias: bool| -> Result<Lin, ModelError> {
@@ -314,8 +374,29 @@ impl GpuEngine {
                 )
             }
             Trainable::Nothing => None,
-            Trainable::Weights(_) => unreachable!("checked by model_unsupported"),
+            Trainable::Weights(patterns) => {
+                let (slots, values) = trained_weights.into_inner();
+                if slots.is_empty() {
+                    return Err(EngineError::Unsupported(format!(
+                        "`stages.train.trainable` ({}) matches none of the model's weights, which are named like \
+                         `model.layers.0.self_attn.q_proj.weight` and `model.norm.weight`",
+                        patterns.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", ")
+                    )));
+                }
+                if i32::try_from(values.len()).is_err() {
+                    return Err(EngineError::Unsupported(format!(
+                        "the GPU engine trains at most 2³¹ − 1 parameters at once, and `stages.train.trainable` \
+                         names {}: train fewer weights or a LoRA adapter",
+                        values.len()
+                    )));
+                }
+                Some(
+                    Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)
+                        .map_err(|e| oom_or(e, "allocating the trained weights and their optimizer state", 0, 0))?,
+                )
+            }
         };
+
         let acc = Buf::zeros(&gpu, 4, Dt::U32).map_err(gerr("allocate accumulators"))?;
         let mut engine = GpuEngine {
             describe: format!("GPU engine ({}, {})", gpu.name(), setup.device.dtype.as_str()),
@@ -395,12 +476,41 @@ impl GpuEngine {
 
     /// The compute-dtype address of trained element `off`.
     fn pc(&self, off: usize) -> u64 {
-        let t = self.trained.as_ref().expect("an adapter implies trained parameters");
+        let t = self.trained.as_ref().expect("an adapter or trained weight implies trained parameters");
         t.params_c.as_ref().unwrap_or(&t.params).at(off)
     }
 
     fn grad(&self, off: usize) -> u64 {
         self.trained.as_ref().and_then(|t| t.grads.as_ref()).expect("training").at(off)
+    }
+
+    /// The compute-dtype address of a weight.
+    fn w(&self, w: W) -> u64 {
+        match w {
+            W::Frozen(p) => p,
+            W::Trained(off) => self.pc(off),
+        }
+    }
+
+    /// The f32 gradient of a trained weight, when the engine trains.
+    fn wgrad(&self, w: W) -> Option<u64> {
+        match w {
+            W::Trained(off) => self.trained.as_ref().and_then(|t| t.grads.as_ref()).map(|g| g.at(off)),
+            W::Frozen(_) => None,
+        }
+    }
+
+    /// Whether a linear layer's backward pass reads its input (for its adapter's or its own
+    /// weight's gradient).
+    fn needs_input(&self, l: &Lin) -> bool {
+        l.lora.is_some() || self.wgrad(l.w).is_some()
+    }
+
+    /// `out += ` the f32 gradient of an RMSNorm weight (`x`, `inv`: the norm's input and
+    /// inverse RMS) or, with `x = None`, of a bias, from the output gradient `dy` `[n, w]`.
+    fn col_grad(&self, dy: u64, x: Option<(u64, u64)>, out: u64, n: usize, w: usize) -> Result<(), GpuError> {
+        let partial = self.buf(Ops::col_partials(n, w), Dt::F32)?;
+        self.ops().col_grad(dy, x, partial.ptr(), out, n, w)
     }
 
     fn buf(&self, len: usize, dt: Dt) -> Result<Buf, GpuError> {
@@ -456,6 +566,19 @@ impl GpuEngine {
         let ctx = |e| oom_or(e, "uploading a batch", b.b, b.t);
         self.ensure_rope(need).map_err(ctx)?;
         let g = &self.gpu;
+        let token_rows = match self.wgrad(self.embed) {
+            Some(_) => {
+                let (rows, starts, tokens) = token_rows(&b.ids);
+                let uniq = tokens.len();
+                let (rows, starts, tokens) = (
+                    Buf::from_u32(g, &rows).map_err(ctx)?,
+                    Buf::from_u32(g, &starts).map_err(ctx)?,
+                    Buf::from_u32(g, &tokens).map_err(ctx)?,
+                );
+                Some(TokenRows { rows, starts, tokens, uniq })
+            }
+            None => None,
+        };
         Ok(DevBatch {
             b: b.b,
             t: b.t,
@@ -467,6 +590,7 @@ impl GpuEngine {
             sel: Buf::from_u32(g, &b.select).map_err(ctx)?,
             tgt: Buf::from_u32(g, &b.targets).map_err(ctx)?,
             select: b.select.len(),
+            token_rows,
         })
     }
 
@@ -503,9 +627,9 @@ impl GpuEngine {
         first: usize,
     ) -> Result<Option<Buf>, GpuError> {
         let o = self.ops();
-        o.gemm(y, self.dt, x, false, l.w, true, n, l.out, l.inp, 1.0, if accumulate { 1.0 } else { 0.0 })?;
+        o.gemm(y, self.dt, x, false, self.w(l.w), true, n, l.out, l.inp, 1.0, if accumulate { 1.0 } else { 0.0 })?;
         if let Some(bias) = l.bias {
-            o.add_bias(y, bias, n, l.out)?;
+            o.add_bias(y, self.w(bias), n, l.out)?;
         }
         let Some(a) = l.lora else { return Ok(None) };
         let masked = match Self::mask(l, dropout) {
@@ -523,9 +647,9 @@ impl GpuEngine {
         Ok(Some(u))
     }
 
-    /// Backward of [`Self::lin_fwd`]: adapter gradients into the flat gradients, and
-    /// `dx (+)= dy W (+ the adapter's share)` when `dx` is given. `x` is the layer's input
-    /// (read only for an adapter's A gradient).
+    /// Backward of [`Self::lin_fwd`]: adapter (or trained weight and bias) gradients into the
+    /// flat gradients, and `dx (+)= dy W (+ the adapter's share)` when `dx` is given. `x` is the
+    /// layer's input (read only for an adapter's A gradient or a trained weight's).
     fn lin_bwd(
         &self,
         l: &Lin,
@@ -538,6 +662,13 @@ impl GpuEngine {
         first: usize,
     ) -> Result<(), GpuError> {
         let o = self.ops();
+        if let Some(g) = self.wgrad(l.w) {
+            // dW += dyᵀ x
+            o.gemm(g, Dt::F32, dy, true, x, false, l.out, l.inp, n, 1.0, 1.0)?;
+        }
+        if let Some(g) = l.bias.and_then(|b| self.wgrad(b)) {
+            self.col_grad(dy, None, g, n, l.out)?;
+        }
         let mut du = None;
         if let Some(a) = l.lora {
             let u = u.expect("an adapter's forward pass keeps x Aᵀ");
@@ -558,7 +689,7 @@ impl GpuEngine {
             du = Some(d);
         }
         let Some((dx, accumulate)) = dx else { return Ok(()) };
-        o.gemm(dx, self.dt, dy, false, l.w, false, n, l.inp, l.out, 1.0, if accumulate { 1.0 } else { 0.0 })?;
+        o.gemm(dx, self.dt, dy, false, self.w(l.w), false, n, l.inp, l.out, 1.0, if accumulate { 1.0 } else { 0.0 })?;
         if let (Some(a), Some(du)) = (l.lora, du) {
             match Self::mask(l, dropout) {
                 None => o.gemm(dx, self.dt, du.ptr(), false, self.pc(a.a), false, n, l.inp, a.rank, 1.0, 1.0)?,
@@ -589,7 +720,7 @@ impl GpuEngine {
         let (cos, sin, _) = self.rope.as_ref().expect("rope tables before a forward pass");
         let xn = self.buf(n * h, dt)?;
         let inv1 = self.buf(n, Dt::F32)?;
-        o.rmsnorm_fwd(x.ptr(), l.input_norm, xn.ptr(), inv1.ptr(), n, h, c.rms_norm_eps as f32)?;
+        o.rmsnorm_fwd(x.ptr(), self.w(l.input_norm), xn.ptr(), inv1.ptr(), n, h, c.rms_norm_eps as f32)?;
         let mut u: [Option<Buf>; 7] = Default::default();
         let (q, k, v) = (self.buf(n * qd, dt)?, self.buf(n * kvd, dt)?, self.buf(n * kvd, dt)?);
         u[Q] = self.lin_fwd(&l.lin[Q], xn.ptr(), n, q.ptr(), false, dropout, 0)?;
@@ -607,7 +738,7 @@ impl GpuEngine {
         u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, hid.ptr(), true, dropout, 0)?;
         let hn = self.buf(n * h, dt)?;
         let inv2 = self.buf(n, Dt::F32)?;
-        o.rmsnorm_fwd(hid.ptr(), l.post_norm, hn.ptr(), inv2.ptr(), n, h, c.rms_norm_eps as f32)?;
+        o.rmsnorm_fwd(hid.ptr(), self.w(l.post_norm), hn.ptr(), inv2.ptr(), n, h, c.rms_norm_eps as f32)?;
         let (gate, up) = (self.buf(n * inter, dt)?, self.buf(n * inter, dt)?);
         u[GATE] = self.lin_fwd(&l.lin[GATE], hn.ptr(), n, gate.ptr(), false, dropout, 0)?;
         u[UP] = self.lin_fwd(&l.lin[UP], hn.ptr(), n, up.ptr(), false, dropout, 0)?;
@@ -621,7 +752,8 @@ impl GpuEngine {
     }
 
     /// Backward of one decoder layer: `dx` holds the gradient of its output and becomes that
-    /// of its input (left alone for the first layer, whose input is the frozen embedding).
+    /// of its input with `need_input_grad` (else it is left alone: the first layer's input is
+    /// the embedding, which needs it only when it trains).
     fn layer_bwd(
         &self,
         li: usize,
@@ -637,14 +769,14 @@ impl GpuEngine {
         let qd = c.num_heads * c.head_dim;
         let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
         let (cos, sin, _) = self.rope.as_ref().expect("rope tables");
-        // MLP. A linear layer's input is only needed for its adapter's gradients.
-        let act = match l.lin[DOWN].lora {
-            Some(_) => {
+        // MLP. A linear layer's input is only needed for its adapter's or its weight's gradients.
+        let act = match self.needs_input(&l.lin[DOWN]) {
+            true => {
                 let a = self.buf(n * inter, dt)?;
                 o.swiglu(s.gate.ptr(), s.up.ptr(), a.ptr(), n * inter)?;
                 Some(a)
             }
-            None => None,
+            false => None,
         };
         let dact = self.buf(n * inter, dt)?;
         let act_ptr = act.as_ref().map_or(0, Buf::ptr);
@@ -653,10 +785,10 @@ impl GpuEngine {
         // Gate and up gradients replace the saved activations.
         o.swiglu_bwd(s.gate.ptr(), s.up.ptr(), dact.ptr(), s.gate.ptr(), s.up.ptr(), n * inter)?;
         drop(dact);
-        let hn = match l.lin[GATE].lora.is_some() || l.lin[UP].lora.is_some() {
+        let hn = match self.needs_input(&l.lin[GATE]) || self.needs_input(&l.lin[UP]) {
             true => {
                 let b = self.buf(n * h, dt)?;
-                o.rmsnorm_apply(s.h.ptr(), s.inv2.ptr(), l.post_norm, b.ptr(), n, h)?;
+                o.rmsnorm_apply(s.h.ptr(), s.inv2.ptr(), self.w(l.post_norm), b.ptr(), n, h)?;
                 Some(b)
             }
             false => None,
@@ -666,7 +798,10 @@ impl GpuEngine {
         self.lin_bwd(&l.lin[GATE], s.u[GATE].as_ref(), hn_ptr, n, s.gate.ptr(), Some((dhn.ptr(), false)), dropout, 0)?;
         self.lin_bwd(&l.lin[UP], s.u[UP].as_ref(), hn_ptr, n, s.up.ptr(), Some((dhn.ptr(), true)), dropout, 0)?;
         drop(hn);
-        o.rmsnorm_bwd(s.h.ptr(), s.inv2.ptr(), l.post_norm, dhn.ptr(), dx.ptr(), n, h, true)?;
+        if let Some(g) = self.wgrad(l.post_norm) {
+            self.col_grad(dhn.ptr(), Some((s.h.ptr(), s.inv2.ptr())), g, n, h)?;
+        }
+        o.rmsnorm_bwd(s.h.ptr(), s.inv2.ptr(), self.w(l.post_norm), dhn.ptr(), dx.ptr(), n, h, true)?;
         drop(dhn);
         // Attention; dx is now the gradient of the attention block's output too.
         let dattn = self.buf(n * qd, dt)?;
@@ -694,21 +829,27 @@ impl GpuEngine {
         drop((dattn, delta, partial));
         o.rope(dq.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, true)?;
         o.rope(dk.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, true)?;
-        let xn = match [Q, K, V].iter().any(|&i| l.lin[i].lora.is_some()) {
+        let xn = match [Q, K, V].iter().any(|&i| self.needs_input(&l.lin[i])) {
             true => {
                 let b = self.buf(n * h, dt)?;
-                o.rmsnorm_apply(x.ptr(), s.inv1.ptr(), l.input_norm, b.ptr(), n, h)?;
+                o.rmsnorm_apply(x.ptr(), s.inv1.ptr(), self.w(l.input_norm), b.ptr(), n, h)?;
                 Some(b)
             }
             false => None,
         };
         let xn_ptr = xn.as_ref().map_or(0, Buf::ptr);
-        if need_input_grad {
+        let norm_grad = self.wgrad(l.input_norm);
+        if need_input_grad || norm_grad.is_some() {
             let dxn = self.buf(n * h, dt)?;
             self.lin_bwd(&l.lin[Q], s.u[Q].as_ref(), xn_ptr, n, dq.ptr(), Some((dxn.ptr(), false)), dropout, 0)?;
             self.lin_bwd(&l.lin[K], s.u[K].as_ref(), xn_ptr, n, dk.ptr(), Some((dxn.ptr(), true)), dropout, 0)?;
             self.lin_bwd(&l.lin[V], s.u[V].as_ref(), xn_ptr, n, dv.ptr(), Some((dxn.ptr(), true)), dropout, 0)?;
-            o.rmsnorm_bwd(x.ptr(), s.inv1.ptr(), l.input_norm, dxn.ptr(), dx.ptr(), n, h, true)?;
+            if let Some(g) = norm_grad {
+                self.col_grad(dxn.ptr(), Some((x.ptr(), s.inv1.ptr())), g, n, h)?;
+            }
+            if need_input_grad {
+                o.rmsnorm_bwd(x.ptr(), s.inv1.ptr(), self.w(l.input_norm), dxn.ptr(), dx.ptr(), n, h, true)?;
+            }
         } else {
             for (i, dy) in [(Q, &dq), (K, &dk), (V, &dv)] {
                 self.lin_bwd(&l.lin[i], s.u[i].as_ref(), xn_ptr, n, dy.ptr(), None, dropout, 0)?;
@@ -727,7 +868,7 @@ impl GpuEngine {
         let dropout = train.and_then(|t| t.dropout);
         let training = train.is_some();
         let mut x = self.buf(n * h, dt)?;
-        o.embed(bt.ids.ptr(), self.embed, x.ptr(), n, h)?;
+        o.embed(bt.ids.ptr(), self.w(self.embed), x.ptr(), n, h)?;
         // Per layer: its input, and what its backward pass needs unless it is recomputed then.
         let mut kept: Vec<(Buf, Option<Saved>)> = Vec::with_capacity(self.layers.len());
         for li in 0..self.layers.len() {
@@ -740,7 +881,7 @@ impl GpuEngine {
         }
         let hn = self.buf(n * h, dt)?;
         let inv = self.buf(n, Dt::F32)?;
-        o.rmsnorm_fwd(x.ptr(), self.norm, hn.ptr(), inv.ptr(), n, h, c.rms_norm_eps as f32)?;
+        o.rmsnorm_fwd(x.ptr(), self.w(self.norm), hn.ptr(), inv.ptr(), n, h, c.rms_norm_eps as f32)?;
         // LM head and loss in chunks of selected positions: each chunk's logits gradient goes
         // straight back through the head, so no [positions, vocabulary] matrix exists whole.
         let dhn = if training { Some(Buf::zeros(&self.gpu, n * h, dt)?) } else { None };
@@ -775,15 +916,22 @@ impl GpuEngine {
         let Some(dhn) = dhn else { return Ok(()) };
         drop((hn, loss_rows));
         let dx = self.buf(n * h, dt)?;
-        o.rmsnorm_bwd(x.ptr(), inv.ptr(), self.norm, dhn.ptr(), dx.ptr(), n, h, false)?;
+        if let Some(g) = self.wgrad(self.norm) {
+            self.col_grad(dhn.ptr(), Some((x.ptr(), inv.ptr())), g, n, h)?;
+        }
+        o.rmsnorm_bwd(x.ptr(), inv.ptr(), self.w(self.norm), dhn.ptr(), dx.ptr(), n, h, false)?;
         drop((x, inv, dhn));
+        let embed_grad = self.wgrad(self.embed);
         for li in (0..self.layers.len()).rev() {
             let (input, saved) = kept.pop().expect("one kept input per layer");
             let saved = match saved {
                 Some(s) => s,
                 None => self.layer_fwd(li, &input, bt, dropout, true)?.1.expect("saved on request"),
             };
-            self.layer_bwd(li, &input, saved, &dx, bt, dropout, li > 0)?;
+            self.layer_bwd(li, &input, saved, &dx, bt, dropout, li > 0 || embed_grad.is_some())?;
+        }
+        if let (Some(g), Some(tr)) = (embed_grad, &bt.token_rows) {
+            o.embed_bwd(dx.ptr(), tr.rows.ptr(), tr.starts.ptr(), tr.tokens.ptr(), g, tr.uniq, h)?;
         }
         Ok(())
     }
@@ -808,13 +956,13 @@ impl GpuEngine {
         let o = self.ops();
         let run = || -> Result<Vec<f32>, GpuError> {
             let mut x = self.buf(t * h, dt)?;
-            o.embed(bt.ids.ptr(), self.embed, x.ptr(), t, h)?;
+            o.embed(bt.ids.ptr(), self.w(self.embed), x.ptr(), t, h)?;
             for li in 0..self.layers.len() {
                 x = self.layer_fwd(li, &x, &bt, None, false)?.0;
             }
             let last = self.buf(h, dt)?;
             let inv = self.buf(1, Dt::F32)?;
-            o.rmsnorm_fwd(x.at((t - 1) * h), self.norm, last.ptr(), inv.ptr(), 1, h, c.rms_norm_eps as f32)?;
+            o.rmsnorm_fwd(x.at((t - 1) * h), self.w(self.norm), last.ptr(), inv.ptr(), 1, h, c.rms_norm_eps as f32)?;
             let logits = self.buf(c.vocab_size, dt)?;
             self.lin_fwd(&self.lm_head, last.ptr(), 1, logits.ptr(), false, None, 0)?;
             logits.to_vec()

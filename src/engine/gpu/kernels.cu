@@ -337,6 +337,58 @@ KERNEL_T(cross_entropy, (T * logits, const uint32_t* targets, float* loss, int v
          (logits, targets, loss, vocab, grad_scale))
 
 // ------------------------------------------------------------------------------------------------
+// Gradients of trained base weights (full fine-tuning) that are not matrix products, into the
+// f32 gradients. Each sums in a fixed order, without atomics, so a step is deterministic.
+
+// partial[c, j] = Σ over rows r of chunk c (rows c·chunk ..) of dy[r, j] · T(x[r, j] · inv[r])
+// with `norm` (an RMSNorm weight's gradient, y = w · T(x · inv)), else of dy[r, j] (a bias's).
+// The chunks spread a [n, w] column sum over n / chunk times more threads than w.
+template <typename T>
+__device__ void col_grad(const T* dy, const T* x, const float* inv, float* partial, int n, int w, int chunk, int norm) {
+    const int chunks = (n + chunk - 1) / chunk;
+    FOR_EACH(i, (long long)chunks * w) {
+        const int c = (int)(i / w), j = (int)(i % w);
+        const int end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+        float s = 0.0f;
+        for (int r = c * chunk; r < end; r++) {
+            const float g = to_f(dy[(long long)r * w + j]);
+            s += norm ? g * rnd<T>(to_f(x[(long long)r * w + j]) * inv[r]) : g;
+        }
+        partial[i] = s;
+    }
+}
+KERNEL_T(col_grad, (const T* dy, const T* x, const float* inv, float* partial, int n, int w, int chunk, int norm),
+         (dy, x, inv, partial, n, w, chunk, norm))
+
+// out[j] += Σ_c partial[c, j], the chunks in order.
+extern "C" __global__ void col_sum(const float* partial, float* out, int chunks, int w) {
+    FOR_EACH(j, w) {
+        float s = 0.0f;
+        for (int c = 0; c < chunks; c++) s += partial[(long long)c * w + j];
+        out[j] += s;
+    }
+}
+EMU_REGISTER(col_sum)
+
+// grad[tokens[u], j] += Σ_{k = starts[u] .. starts[u + 1]} dx[rows[k], j]: an embedding table's
+// gradient, the rows of each distinct token (listed in order by the host) summed by one thread
+// per element of its table row, so no two threads add to the same element.
+template <typename T>
+__device__ void embed_bwd(const T* dx, const uint32_t* rows, const uint32_t* starts, const uint32_t* tokens,
+                          float* grad, int uniq, int h) {
+    FOR_EACH(i, (long long)uniq * h) {
+        const int u = (int)(i / h), j = (int)(i % h);
+        float s = 0.0f;
+        for (uint32_t k = starts[u]; k < starts[u + 1]; k++) s += to_f(dx[(long long)rows[k] * h + j]);
+        grad[(long long)tokens[u] * h + j] += s;
+    }
+}
+KERNEL_T(embed_bwd,
+         (const T* dx, const uint32_t* rows, const uint32_t* starts, const uint32_t* tokens, float* grad, int uniq,
+          int h),
+         (dx, rows, starts, tokens, grad, uniq, h))
+
+// ------------------------------------------------------------------------------------------------
 // Optimizer and reductions over f32 buffers.
 
 // out[0] += weight · Σ x (f64), e.g. a micro-batch's per-row losses into the step's loss.

@@ -1,5 +1,6 @@
-//! The GPU engine: LoRA training and evaluation as an explicit forward and backward pass over
-//! device buffers, the GPU counterpart of the fused CPU engine ([`crate::engine::fused`]).
+//! The GPU engine: training (LoRA adapters, or base weights in a full or selective fine-tune)
+//! and evaluation as an explicit forward and backward pass over device buffers, the GPU
+//! counterpart of the fused CPU engine ([`crate::engine::fused`]).
 //!
 //! - `kernels.cu` holds every kernel but the matrix products: RMSNorm, rotary embeddings,
 //!   SiLU gating, dropout from a counter-based generator, cross-entropy, AdamW, and attention
@@ -8,7 +9,8 @@
 //!   recomputes probabilities, so memory never grows with t².
 //! - Frozen and adapter products go to the device's GEMM (cuBLAS) with f32 accumulation; frozen
 //!   weights get no gradient, residual adds and adapter outputs accumulate into the products'
-//!   outputs.
+//!   outputs. Trained base weights keep f32 master copies in the flat parameters and get their
+//!   gradients from products (matrices) and column sums (norms, biases, the embedding table).
 //! - Activation checkpointing per decoder layer ([`super::Checkpointing`]); the LM head and loss
 //!   run in chunks of selected positions; trained parameters, gradients and AdamW moments are
 //!   flat f32 buffers updated by one kernel per step.
@@ -31,31 +33,22 @@ pub use device::{Arg, Buf, Dt, Gemm, Gpu, GpuError, Memory};
 pub use engine::GpuEngine;
 
 use crate::device::{DeviceClass, Resolution};
-use crate::model::{ModelConfig, Trainable};
+use crate::model::ModelConfig;
 
-/// Why the GPU engine cannot run `trainable` of this model on `device`, or `None` when it can.
-pub fn unsupported(cfg: &ModelConfig, trainable: &Trainable, device: &Resolution) -> Option<String> {
+/// Why the GPU engine cannot run this model on `device`, or `None` when it can.
+pub fn unsupported(cfg: &ModelConfig, device: &Resolution) -> Option<String> {
     match device.class {
         DeviceClass::Cuda if !cfg!(feature = "cuda") => return Some("this build has no CUDA support".into()),
         DeviceClass::Vulkan if !cfg!(feature = "vulkan") => return Some("this build has no Vulkan support".into()),
         DeviceClass::Cuda | DeviceClass::Vulkan => {}
         other => return Some(format!("the GPU engine runs on CUDA and Vulkan devices, not {}", other.as_str())),
     }
-    model_unsupported(cfg, trainable)
+    model_unsupported(cfg)
 }
 
-/// Why the GPU engine cannot train `trainable`, whatever the model (`plan` asks before any model
-/// is loaded).
-pub fn trainable_unsupported(trainable: &Trainable) -> Option<String> {
-    matches!(trainable, Trainable::Weights(_))
-        .then(|| "the GPU engine trains LoRA adapters; base weights train on candle's autograd".into())
-}
-
-/// Why the GPU engine cannot run `trainable` of this model on any device.
-pub fn model_unsupported(cfg: &ModelConfig, trainable: &Trainable) -> Option<String> {
-    if let Some(why) = trainable_unsupported(trainable) {
-        return Some(why);
-    }
+/// Why the GPU engine cannot run this model on any device (it trains LoRA adapters and base
+/// weights alike).
+pub fn model_unsupported(cfg: &ModelConfig) -> Option<String> {
     if !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > 256 {
         return Some(format!("the GPU engine's attention takes even head sizes up to 256, not {}", cfg.head_dim));
     }

@@ -20,6 +20,10 @@ const MMA_ROWS: usize = 64;
 /// MoltenVK and lavapipe allow no more); CUDA allows 2³¹ − 1.
 const MAX_GRID_X: usize = 65535;
 
+/// Rows per partial column sum of [`Ops::col_grad`]: a step's 2,048 tokens give its columns
+/// 32 times more threads than a thread per column would.
+const COL_CHUNK: usize = 64;
+
 fn grid(n: usize) -> [u32; 3] {
     [n.div_ceil(BLOCK as usize).clamp(1, 16384) as u32, 1, 1]
 }
@@ -155,6 +159,35 @@ impl Ops<'_> {
 
     pub fn scatter_add_rows(&self, src: u64, idx: u64, dst: u64, rows: usize, width: usize) -> R {
         self.run("scatter_add_rows", rows * width, &[Arg::Ptr(src), Arg::Ptr(idx), Arg::Ptr(dst), i(rows), i(width)])
+    }
+
+    /// `grad[ids[r]] += dx[r]` over the `n` rows of `ids`: a trained embedding table's gradient
+    /// (f32). `rows`, `starts` and `tokens` are [`EmbedRows`] on the device.
+    pub fn embed_bwd(&self, dx: u64, rows: u64, starts: u64, tokens: u64, grad: u64, uniq: usize, h: usize) -> R {
+        let args =
+            [dx, rows, starts, tokens, grad].map(Arg::Ptr).into_iter().chain([i(uniq), i(h)]).collect::<Vec<_>>();
+        self.run("embed_bwd", uniq * h, &args)
+    }
+
+    /// `out[j] += Σ_r dy[r, j] · T(x[r, j] · inv[r])` over `n` rows of width `w` (an RMSNorm
+    /// weight's f32 gradient), or with `x = None` `out[j] += Σ_r dy[r, j]` (a bias's). `partial`
+    /// holds [`Ops::col_partials`]`(n, w)` f32 values of scratch.
+    pub fn col_grad(&self, dy: u64, x: Option<(u64, u64)>, partial: u64, out: u64, n: usize, w: usize) -> R {
+        let chunks = n.div_ceil(COL_CHUNK);
+        let (xp, inv) = x.unwrap_or((0, 0));
+        let args = [dy, xp, inv, partial].map(Arg::Ptr).into_iter().chain([
+            i(n),
+            i(w),
+            i(COL_CHUNK),
+            Arg::I32(x.is_some() as i32),
+        ]);
+        self.run("col_grad", chunks * w, &args.collect::<Vec<_>>())?;
+        self.gpu.launch("col_sum", grid(w), BLOCK, &[Arg::Ptr(partial), Arg::Ptr(out), i(chunks), i(w)])
+    }
+
+    /// Scratch values [`Ops::col_grad`] needs for `n` rows of width `w`.
+    pub fn col_partials(n: usize, w: usize) -> usize {
+        n.div_ceil(COL_CHUNK).max(1) * w
     }
 
     pub fn add_bias(&self, y: u64, bias: u64, rows: usize, width: usize) -> R {

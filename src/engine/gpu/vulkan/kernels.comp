@@ -194,6 +194,44 @@ void main() {
 #endif
 
 // ------------------------------------------------------------------------------------------------
+// Gradients of trained base weights (full fine-tuning) that are not products, into f32
+// gradients, each summed in a fixed order without atomics.
+
+// partial[c, j] = Σ over chunk c's rows of dy[r, j] · T(x[r, j] · inv[r]) (`norm`: an RMSNorm
+// weight) or of dy[r, j] (a bias).
+#ifdef K_col_grad
+layout(push_constant) uniform P { TB dy; TB x; F32 inv; F32 partial; int n; int w; int chunk; int norm; } p;
+void main() {
+    int chunks = (p.n + p.chunk - 1) / p.chunk;
+    FOR_EACH(i, chunks * p.w) {
+        int c = i / p.w, j = i % p.w;
+        int end = min(p.n, (c + 1) * p.chunk);
+        float s = 0.0;
+        for (int r = c * p.chunk; r < end; r++) {
+            float g = ld(p.dy, r * p.w + j);
+            s += p.norm != 0 ? g * rnd(ld(p.x, r * p.w + j) * p.inv.v[r]) : g;
+        }
+        p.partial.v[i] = s;
+    }
+}
+#endif
+
+// grad[tokens[u], j] += Σ_{k = starts[u] .. starts[u + 1]} dx[rows[k], j]: an embedding table's
+// gradient, each distinct token's rows summed by one invocation per element of its table row.
+#ifdef K_embed_bwd
+layout(push_constant) uniform P { TB dx; U32 rows; U32 starts; U32 tokens; F32 grad; int uniq; int h; } p;
+void main() {
+    FOR_EACH(i, p.uniq * p.h) {
+        int u = i / p.h, j = i % p.h;
+        float s = 0.0;
+        for (uint k = p.starts.v[u]; k < p.starts.v[u + 1]; k++) s += ld(p.dx, int(p.rows.v[k]) * p.h + j);
+        int d = int(p.tokens.v[u]) * p.h + j;
+        p.grad.v[d] += s;
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
 // Rotary embeddings in place on [n, heads, d] rows (or their transpose with `inverse`).
 
 #ifdef K_rope
@@ -547,6 +585,18 @@ void main() {
     FOR_EACH(i, p.n) {
         precise float r = p.e.v[i] * p.decay + p.w.v[i] * p.mix_;
         p.e.v[i] = r;
+    }
+}
+#endif
+
+// out[j] += Σ_c partial[c, j], the chunks in order (col_grad's second half).
+#ifdef K_col_sum
+layout(push_constant) uniform P { F32 partial; F32 dst; int chunks; int w; } p;
+void main() {
+    FOR_EACH(j, p.w) {
+        float s = 0.0;
+        for (int c = 0; c < p.chunks; c++) s += p.partial.v[c * p.w + j];
+        p.dst.v[j] += s;
     }
 }
 #endif
