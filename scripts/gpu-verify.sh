@@ -10,10 +10,11 @@
 # 3. the default recipe runs end to end on CUDA (f32), and on the CPU: eval losses and the first
 #    50 training losses are compared;
 # 4. the default recipe's training in bf16 and f16 (loss scaling) on CUDA;
-# 5. a full fine-tune (candle's autograd) of the default recipe's model, 50 steps on CUDA and on
-#    the CPU, compared;
+# 5. a full fine-tune of the default recipe's model, 50 steps on CUDA (the GPU engine, and
+#    candle's autograd with RTUNE_ENGINE=candle) and on the CPU (candle's autograd), compared;
 # 6. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
-#    the GPU through Vulkan, and the default recipe through Vulkan against the CPU (issue 18).
+#    the GPU through Vulkan, and the default recipe (and the full fine-tune) through Vulkan
+#    against the CPU (issue 18).
 # Logs go to $OUT (or /tmp/rtune-gpu-verify).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +50,7 @@ step "full fine-tune, 50 steps, on CUDA and the CPU"
 full=(--only train --set adapter.kind=none --set stages.train.max_steps=50 --set stages.train.learning_rate=1e-4
   --set 'stages.quantize.formats=["safetensors-merged"]')
 run_recipe full-cuda /tmp/rtune-cache-cuda "${full[@]}"
+RTUNE_ENGINE=candle run_recipe full-cuda-candle /tmp/rtune-cache-cuda "${full[@]}"
 run_recipe full-cpu /tmp/rtune-cache-cpu "${full[@]}" --set 'device.prefer=["cpu"]'
 
 step "Vulkan: the GPU engine's tests and the default recipe"
@@ -61,6 +63,7 @@ if .gpu/rtune doctor 2>/dev/null | grep -q "^  vulkan:"; then
   RTUNE_REQUIRE_MATRIX_UNITS="$mu" RTUNE_TEST_VULKAN="${RTUNE_TEST_VULKAN:-0}" RTUNE_REQUIRE_VULKAN=1 .gpu/gpu_engine --test-threads 1 2>&1 |
     tee "$out/gpu_engine-vulkan.txt" | grep -E "^test |test result|panicked" || status=1
   run_recipe tiny-vulkan /tmp/rtune-cache-vulkan --set 'device.prefer=["vulkan"]'
+  run_recipe full-vulkan /tmp/rtune-cache-vulkan "${full[@]}" --set 'device.prefer=["vulkan"]'
 else
   echo "no Vulkan device (carry the loader's .deb under .gl/)"
 fi
@@ -98,15 +101,22 @@ for name in ["tiny-bf16", "tiny-f16"]:
         print(f"{name}: {e}")
         failed = True
 try:
-    fc, mfc = curve("full-cuda")
     fp, mfp = curve("full-cpu")
-    w = max(abs(a - b) / abs(b) for a, b in zip(fc, fp))
-    print(f"full fine-tune, 50 steps: max relative loss difference CUDA vs CPU {w:.2e}; eval loss "
-          f"{mfc['eval_loss_end']:.6f} vs {mfp['eval_loss_end']:.6f} ({mfc.get('engine')} / {mfp.get('engine')})")
-    failed |= w > 1e-3
 except Exception as e:
-    print(f"full fine-tune: {e}")
-    failed = True
+    print(f"full-cpu: {e}")
+    fp, failed = None, True
+for name in ["full-cuda", "full-cuda-candle"] + (["full-vulkan"] if (out / "full-vulkan.stdout").exists() else []):
+    if fp is None:
+        break
+    try:
+        fc, mfc = curve(name)
+        w = max(abs(a - b) / abs(b) for a, b in zip(fc, fp))
+        print(f"full fine-tune, 50 steps, {name}: max relative loss difference vs CPU {w:.2e}; eval loss "
+              f"{mfc['eval_loss_end']:.6f} vs {mfp['eval_loss_end']:.6f} ({mfc.get('engine')} / {mfp.get('engine')})")
+        failed |= w > 1e-3
+    except Exception as e:
+        print(f"{name}: {e}")
+        failed = True
 vk = out / "tiny-vulkan.stdout"
 if vk.exists():
     try:

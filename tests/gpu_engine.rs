@@ -1156,16 +1156,20 @@ fn engine_matches_autograd_training_base_weights() {
     }
 }
 
-/// A pattern that names none of the model's weights is an error, not a run that trains nothing.
+/// A pattern that names none of the model's weights is an error (on the GPU engine and candle's
+/// autograd alike), not a run that trains nothing.
 #[test]
 fn training_no_weight_is_an_error() {
     let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
     let dev = resolution(Dtype::F32, DeviceClass::Cuda);
     let gpu = devices().remove(0);
     let trainable = Trainable::Weights(vec!["layers.0.*".into()]);
-    let err = GpuEngine::new(gpu, &setup(&folder, trainable, &dev, None)).err().expect("an error");
-    let msg = err.to_string();
-    assert!(msg.contains("matches none of the model's weights") && msg.contains("\"layers.0.*\""), "{msg}");
+    let err = GpuEngine::new(gpu, &setup(&folder, trainable.clone(), &dev, None)).err().expect("an error");
+    let cpu = Resolution::cpu();
+    let candle = CandleEngine::build(&setup(&folder, trainable, &cpu, None), false).err().expect("an error");
+    for msg in [err.to_string(), candle.to_string()] {
+        assert!(msg.contains("matches none of the model's weights") && msg.contains("\"layers.0.*\""), "{msg}");
+    }
 }
 
 /// Steps of accumulate → gradients → apply with gradient accumulation and clipping; returns the

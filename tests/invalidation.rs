@@ -85,7 +85,7 @@ const CHANGES: &[(&str, &str)] = &[
     ("stages.train.loss_guard", "{max_bad_steps = 2}"),
     ("stages.train.group_by_length", "true"),
     ("stages.train.gradient_checkpointing", "true"),
-    ("stages.train.trainable", "[\"adapter\", \"lm_head\"]"),
+    ("stages.train.trainable", "[\"*norm*\", \"lm_head.weight\"]"),
     ("stages.evaluate.model", "\"base\""),
     ("stages.evaluate.batch_size", "2"),
     ("stages.evaluate.prompts", "[\"Hi?\"]"),
@@ -185,8 +185,8 @@ fn every_recipe_key_changes_a_fingerprint_or_is_listed_as_not_affecting_outputs(
     for (key, value) in CHANGES {
         let set = format!("{key}={value}");
         let mut args = vec!["--set", &set];
-        // A full fine-tune has no adapter to export.
-        if *key == "adapter.kind" {
+        // Base weights that train have no adapter to export.
+        if *key == "adapter.kind" || *key == "stages.train.trainable" {
             args.extend(["--set", "stages.quantize.formats=[\"safetensors-merged\"]"]);
         }
         let changed = fingerprints(&p, &args).unwrap_or_else(|e| panic!("--set {set}: {e}"));

@@ -62,6 +62,11 @@ impl CandleEngine {
             &mut rng,
             setup.device.candle_dtype(),
         )?;
+        if let Trainable::Weights(patterns) = &setup.trainable
+            && model.params.is_empty()
+        {
+            return Err(super::no_weight_matches(patterns));
+        }
         if let (Trainable::Lora(_), Some(dir)) = (&setup.trainable, setup.trained)
             && dir.join("adapter_config.json").is_file()
         {

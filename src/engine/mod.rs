@@ -220,6 +220,16 @@ impl EngineError {
     }
 }
 
+/// The error for `stages.train.trainable` patterns that name none of the model's weights (an
+/// engine would train nothing).
+pub fn no_weight_matches(patterns: &[String]) -> EngineError {
+    EngineError::Unsupported(format!(
+        "`stages.train.trainable` ({}) matches none of the model's weights, which are named like \
+         `model.layers.0.self_attn.q_proj.weight` and `model.norm.weight`",
+        patterns.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", ")
+    ))
+}
+
 /// Which engine runs a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -520,9 +520,9 @@ pub struct TrainSettings {
     /// What to do when the loss is NaN/inf or spikes.
     #[serde(default)]
     pub loss_guard: LossGuard,
-    /// Which parameters train: `["adapter"]` (the default with LoRA), `["all"]`, or name
-    /// patterns such as `["layers.10.*", "lm_head"]` (selective layer training; fnmatch patterns, as for
-    /// Hub `files`).
+    /// Which parameters train: `["adapter"]` (the default with LoRA), `["all"]`, or patterns of
+    /// weight names such as `["model.layers.10.*", "lm_head.weight", "*norm*"]` (selective
+    /// fine-tuning; fnmatch patterns matched against whole names, as for Hub `files`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub trainable: Option<Vec<String>>,

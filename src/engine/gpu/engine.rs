@@ -377,11 +377,7 @@ impl GpuEngine {
             Trainable::Weights(patterns) => {
                 let (slots, values) = trained_weights.into_inner();
                 if slots.is_empty() {
-                    return Err(EngineError::Unsupported(format!(
-                        "`stages.train.trainable` ({}) matches none of the model's weights, which are named like \
-                         `model.layers.0.self_attn.q_proj.weight` and `model.norm.weight`",
-                        patterns.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", ")
-                    )));
+                    return Err(crate::engine::no_weight_matches(patterns));
                 }
                 if i32::try_from(values.len()).is_err() {
                     return Err(EngineError::Unsupported(format!(
