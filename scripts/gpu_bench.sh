@@ -14,12 +14,20 @@
 # (default cuda) and DTYPE (default bf16) are the recipe's device preference and dtype — issue
 # 18's comparison is `DEVICE=vulkan scripts/gpu_bench.sh smollm2-135m:4x512 smollm2-360m:4x512`
 # (the Vulkan engine on the same GPU against PyTorch on CUDA; gpu-env.sh brings the loader).
+# TRAIN=full benchmarks a full fine-tune instead of LoRA: `adapter.kind = "none"` for rtune, and
+# for PyTorch fp32 weights under autocast bf16 with AdamW over every weight (peft_gpu.py --full).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="${GPU_BENCH_DIR:-/tmp/rtune-gpu-bench}"
 steps="${STEPS:-20}"
 device="${DEVICE:-cuda}"
 dtype="${DTYPE:-bf16}"
+train="${TRAIN:-lora}"
+case "$train" in lora) kind=lora torch_args=() ;; full) kind=none torch_args=(--full) ;; *)
+  echo "TRAIN is lora or full, not $train" >&2
+  exit 2
+  ;;
+esac
 rtune="${RTUNE:-.gpu/rtune}"
 out="${OUT:-$root}"
 mkdir -p "$root" "$out"
@@ -32,10 +40,10 @@ for spec in "${specs[@]}"; do
   shape=${spec%%:*} bs=${spec#*:}
   b=${bs%x*} t=${bs#*x}
   python3 -c "import sys; sys.path.insert(0, 'benches/reference'); import gpu_shapes; gpu_shapes.make('$shape', '$root')"
-  recipe="$root/$shape-${b}x$t-$device.toml"
+  recipe="$root/$shape-${b}x$t-$device-$train.toml"
   cat >"$recipe" <<EOF
 [recipe]
-name = "gpu-bench-$shape-${b}x$t-$device"
+name = "gpu-bench-$shape-${b}x$t-$device-$train"
 seed = 0
 
 [model]
@@ -49,7 +57,7 @@ max_seq_len = $t
 packing = false
 
 [adapter]
-kind = "lora"
+kind = "$kind"
 rank = 16
 alpha = 32
 dropout = 0.05
@@ -67,8 +75,8 @@ schedule = { kind = "constant" }
 eval_batches = 1
 checkpoint_every = 0
 EOF
-  echo "== $shape $b×$t: rtune on $device ($dtype)" >&2
-  log="$out/rtune-$shape-${b}x$t-$device.log"
+  echo "== $shape $b×$t: rtune on $device ($dtype, $train)" >&2
+  log="$out/rtune-$shape-${b}x$t-$device-$train.log"
   if ! RTUNE_CACHE_DIR="$root/cache" "$rtune" run "$recipe" --force train >"$log" 2>&1; then
     echo "rtune failed on $shape $b×$t:" >&2
     tail -20 "$log" >&2
@@ -77,17 +85,18 @@ EOF
   if [ -n "${SKIP_TORCH:-}" ]; then
     continue
   fi
-  echo "== $shape $b×$t: PyTorch + PEFT" >&2
-  ref=$(python3 benches/reference/peft_gpu.py "$root/$shape" "$b" "$t" "$steps" | tail -1)
-  python3 - "$log" "$shape" "$b" "$t" "$ref" >>"$results" <<'PY'
+  echo "== $shape $b×$t: PyTorch ($train)" >&2
+  ref=$(python3 benches/reference/peft_gpu.py "$root/$shape" "$b" "$t" "$steps" "${torch_args[@]}" | tail -1)
+  python3 - "$log" "$shape" "$b" "$t" "$ref" "$train" >>"$results" <<'PY'
 import json, re, sys
 log, shape, b, t, ref = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+train = sys.argv[6]
 text = open(log).read()
 m = re.search(r"eval loss \S+ → \S+ in (\d+) steps \(([\d.]+)s, (\d+) tok/s(?:, peak GPU ([\d.]+) (\w+))?", text)
 units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 engine = re.search(r"trained parameters, (.*)", text)
 print(json.dumps({
-    "shape": shape, "batch": b, "seq": t,
+    "shape": shape, "batch": b, "seq": t, "train": train,
     "rtune_tokens_per_s": float(m.group(3)) if m else None,
     "rtune_peak_bytes": float(m.group(4)) * units[m.group(5)] if m and m.group(4) else None,
     "rtune_engine": engine.group(1).strip() if engine else None,
@@ -101,7 +110,8 @@ import json, sys
 sys.path.insert(0, "benches/reference")
 from gpu_shapes import SHAPES
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print("\n| shape | batch × seq | rtune tok/s | PyTorch+PEFT tok/s | speed ratio | rtune peak GPU | PyTorch peak GPU (allocated / reserved) | memory ratio |")
+ref = "PyTorch+PEFT" if rows[0].get("train", "lora") == "lora" else "PyTorch (full fine-tune)"
+print(f"\n| shape | batch × seq | rtune tok/s | {ref} tok/s | speed ratio | rtune peak GPU | PyTorch peak GPU (allocated / reserved) | memory ratio |")
 print("|---|---|---|---|---|---|---|---|")
 for r in rows:
     t = r["torch"]
@@ -111,15 +121,16 @@ for r in rows:
           f"{t['peak_allocated_bytes'] / 2**30:.2f} / {t['peak_reserved_bytes'] / 2**30:.2f} GiB | "
           f"{peak / t['peak_allocated_bytes']:.2f}x |")
 # Model FLOP utilisation: 4 FLOPs per weight per token (forward, and backward to the inputs —
-# LoRA computes no gradient for frozen weights) plus attention (forward 2·t·d·H per token and
-# layer with causal masking, backward twice that), against the H100 SXM's 989 TFLOP/s dense bf16.
+# LoRA computes no gradient for frozen weights; 6 in a full fine-tune, which also computes the
+# weights' gradients) plus attention (forward 2·t·d·H per token and layer with causal masking,
+# backward twice that), against the H100 SXM's 989 TFLOP/s dense bf16.
 for r in rows:
     arch, c = SHAPES[r["shape"]]
     h, L, inter, V = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     d = h // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * d
     weights = L * (2 * h * h + 2 * h * kv + 3 * h * inter) + V * h
-    per_token = 4 * weights + L * 6 * r["seq"] * d * c["num_attention_heads"]
+    per_token = (6 if r.get("train") == "full" else 4) * weights + L * 6 * r["seq"] * d * c["num_attention_heads"]
     for who, tps in [("rtune", r["rtune_tokens_per_s"] or 0.0), ("PyTorch", r["torch"]["tokens_per_s"])]:
         flops = per_token * tps
         print(f"{r['shape']} {r['batch']}×{r['seq']} {who}: {flops / 1e12:.0f} TFLOP/s model FLOPs, MFU {flops / 989e12:.1%}")

@@ -33,6 +33,8 @@ struct EmuGpu {
     peak: Cell<u64>,
     /// Bytes the emulated device has (unlimited when None).
     limit: Cell<Option<u64>>,
+    /// The largest allocation it allows (unlimited when None).
+    max_alloc: Cell<Option<u64>>,
 }
 
 fn load(dt: Dt, p: u64, i: usize) -> f32 {
@@ -64,7 +66,14 @@ impl Gpu for EmuGpu {
         "CPU emulator".into()
     }
 
+    fn max_alloc(&self) -> u64 {
+        self.max_alloc.get().unwrap_or(u64::MAX)
+    }
+
     fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
+        if bytes as u64 > self.max_alloc() {
+            return Err(GpuError::Device(format!("{bytes} bytes is more than one allocation may hold")));
+        }
         if let Some(limit) = self.limit.get()
             && self.live.get() + bytes as u64 > limit
         {
@@ -1169,6 +1178,30 @@ fn training_no_weight_is_an_error() {
     let candle = CandleEngine::build(&setup(&folder, trainable, &cpu, None), false).err().expect("an error");
     for msg in [err.to_string(), candle.to_string()] {
         assert!(msg.contains("matches none of the model's weights") && msg.contains("\"layers.0.*\""), "{msg}");
+    }
+}
+
+/// Trained weights are one buffer each (values, gradients, moments): where a device caps single
+/// allocations below what they need (some Vulkan drivers at 4 GiB), the engine says so and what
+/// to do before allocating anything, and the Vulkan device refuses such an allocation clearly
+/// rather than as an out-of-memory error with memory to spare.
+#[test]
+fn trained_weights_beyond_the_largest_allocation_are_a_clear_error() {
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let dev = resolution(Dtype::F32, DeviceClass::Cuda);
+    let emu = Rc::new(EmuGpu::default());
+    let gpu: Rc<dyn Gpu> = emu.clone();
+    let all = || setup(&folder, Trainable::Weights(vec!["*".into()]), &dev, None);
+    let n = GpuEngine::new(gpu.clone(), &all()).unwrap().trained_count() as u64;
+    emu.max_alloc.set(Some(n * 4 - 1));
+    let msg = GpuEngine::new(gpu.clone(), &all()).err().expect("an error").to_string();
+    assert!(msg.contains(&format!("({n} values")) && msg.contains("train fewer weights or a LoRA adapter"), "{msg}");
+    emu.max_alloc.set(Some(n * 4));
+    GpuEngine::new(gpu, &all()).unwrap();
+    for gpu in devices().into_iter().filter(|g| g.name().contains("(vulkan:")) {
+        assert!(gpu.max_alloc() < u64::MAX, "{}: every Vulkan driver reports maxMemoryAllocationSize", gpu.name());
+        let e = gpu.alloc(gpu.max_alloc() as usize + 1).expect_err("refused").to_string();
+        assert!(e.contains("maxMemoryAllocationSize") && e.contains(&gpu.name()), "{e}");
     }
 }
 

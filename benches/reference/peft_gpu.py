@@ -4,9 +4,11 @@ never in CI. The model folder from gpu_shapes.py loaded in bf16, PEFT LoRA r16 a
 0.05 on q/k/v/o_proj (adapters in fp32, PEFT's default), torch.autocast(bf16), SDPA attention,
 fused AdamW (lr 1e-4), random token ids of the benchmarked shape, labels = ids. Gradient
 checkpointing only with --checkpointing. Times `steps` steps after 3 warm-ups with CUDA
-synchronisation; prints one JSON line.
+synchronisation; prints one JSON line. With --full, a full fine-tune instead: no PEFT, the
+weights in fp32 (the master copies) under autocast(bf16), AdamW over every weight — the usual
+mixed-precision recipe (transformers' Trainer with bf16=True).
 
-    python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing]
+    python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing] [--full]
 """
 import json
 import sys
@@ -20,14 +22,17 @@ from transformers import AutoModelForCausalLM
 
 model_dir, batch, seq, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 checkpointing = "--checkpointing" in sys.argv
+full = "--full" in sys.argv
 torch.manual_seed(0)
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+weights_dtype = torch.float32 if full else torch.bfloat16
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype, attn_implementation="sdpa").cuda()
 if checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
 model.config.use_cache = False
-model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
-                                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+if not full:
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 model.train()
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0, fused=True)
 vocab = model.config.vocab_size
@@ -56,7 +61,8 @@ torch.cuda.synchronize()
 seconds = time.perf_counter() - start
 print(json.dumps({
     "impl": f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
-            "SDPA attention, autocast bf16, fused AdamW" + (", gradient checkpointing" if checkpointing else ""),
+            "SDPA attention, autocast bf16, fused AdamW" + (", gradient checkpointing" if checkpointing else "")
+            + ("; full fine-tune, fp32 weights" if full else ""),
     "device": torch.cuda.get_device_name(),
     "batch": batch, "seq": seq, "steps": steps,
     "seconds": seconds,

@@ -140,6 +140,12 @@ pub trait Gpu {
     fn tensor_core_attention(&self, _dt: Dt) -> bool {
         true
     }
+
+    /// Bytes of the largest single allocation the device allows (Vulkan drivers may cap it
+    /// below their memory, e.g. at 4 GiB).
+    fn max_alloc(&self) -> u64 {
+        u64::MAX
+    }
 }
 
 /// A device buffer of `len` elements of `dt`, freed when dropped.

@@ -386,6 +386,18 @@ impl GpuEngine {
                         values.len()
                     )));
                 }
+                // The trained values, their gradients and moments are one buffer each.
+                let bytes = values.len() as u64 * 4;
+                if bytes > gpu.max_alloc() {
+                    return Err(EngineError::Unsupported(format!(
+                        "the weights `stages.train.trainable` names ({} values, {} in f32) do not fit in one \
+                         buffer of {}, which allows at most {}: train fewer weights or a LoRA adapter",
+                        values.len(),
+                        crate::ui::human_bytes(bytes),
+                        gpu.name(),
+                        crate::ui::human_bytes(gpu.max_alloc())
+                    )));
+                }
                 Some(
                     Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)
                         .map_err(|e| oom_or(e, "allocating the trained weights and their optimizer state", 0, 0))?,

@@ -97,6 +97,9 @@ pub struct VulkanGpu {
     matrix: Cell<[Option<MatrixUnits>; 2]>,
     /// Shared memory a workgroup may use, in bytes.
     max_shared: u32,
+    /// The largest single allocation (`maxMemoryAllocationSize`, and `maxBufferSize` on Vulkan
+    /// 1.3): 4 GiB on some drivers, so a large flat buffer can fail with memory to spare.
+    max_alloc: u64,
     /// The subgroup size `gemm_cm`'s workgroups of four subgroups are built for, and whether its
     /// pipelines must require it (where the device may choose among sizes).
     subgroup: u32,
@@ -325,6 +328,17 @@ impl VulkanGpu {
             // the device may choose (subgroup size control, Vulkan 1.3).
             let sub = crate::device::vulkan::subgroups(&instance, pd);
             let v13 = vk::api_version_minor(props.api_version) >= 3;
+            let max_alloc = {
+                let mut m3 = vk::PhysicalDeviceMaintenance3Properties::default();
+                let mut m4 = vk::PhysicalDeviceMaintenance4Properties::default();
+                let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut m3);
+                if v13 {
+                    props2 = props2.push_next(&mut m4);
+                }
+                instance.get_physical_device_properties2(pd, &mut props2);
+                let buffer = if v13 { m4.max_buffer_size } else { u64::MAX };
+                m3.max_memory_allocation_size.min(buffer)
+            };
             let mut size_control = vk::PhysicalDeviceSubgroupSizeControlFeatures::default();
             if v13 {
                 instance.get_physical_device_features2(
@@ -438,6 +452,7 @@ impl VulkanGpu {
                     }),
                 ),
                 max_shared: props.limits.max_compute_shared_memory_size,
+                max_alloc,
                 subgroup: sub.size,
                 require_subgroup,
                 name,
@@ -1015,8 +1030,20 @@ impl Gpu for VulkanGpu {
         self.name.clone()
     }
 
+    fn max_alloc(&self) -> u64 {
+        self.max_alloc
+    }
+
     fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
         let class = size_class(bytes);
+        if class as u64 > self.max_alloc {
+            return Err(GpuError::Device(format!(
+                "a buffer of {} is larger than {} allows in one allocation ({}: maxMemoryAllocationSize)",
+                crate::ui::human_bytes(bytes as u64),
+                self.name,
+                crate::ui::human_bytes(self.max_alloc)
+            )));
+        }
         let st = &mut *self.state.borrow_mut();
         self.check(st)?;
         let oom = |st: &State| GpuError::OutOfMemory {
