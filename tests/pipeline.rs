@@ -880,15 +880,18 @@ fn cache_gc_refuses_while_a_run_uses_the_cache() {
 /// recipe (`default_recipe_on_vulkan_end_to_end_matches_the_cpu`, about 4 minutes on lavapipe).
 #[test]
 fn default_recipe_on_vulkan_matches_the_cpu() {
-    default_recipe_on_vulkan(&[
-        "--set",
-        "stages.train.max_steps=4",
-        "--set",
-        "stages.train.eval_every=0",
-        "--set",
-        "stages.evaluate.max_new_tokens=4",
-    ]);
+    default_recipe_on_vulkan(SHORT_RUN);
 }
+
+/// The default recipe shortened to 4 training steps and 4 generated tokens.
+const SHORT_RUN: &[&str] = &[
+    "--set",
+    "stages.train.max_steps=4",
+    "--set",
+    "stages.train.eval_every=0",
+    "--set",
+    "stages.evaluate.max_new_tokens=4",
+];
 
 /// Issue 18's acceptance on lavapipe: `rtune run recipes/tiny-offline.toml --set
 /// 'device.prefer=["vulkan"]'` end to end, all 537 steps, against the CPU. Run by .ci/run
@@ -1012,18 +1015,7 @@ fn base_weights_that_train_export_no_peft_adapter() {
 /// relative after 4 AdamW steps on every weight.
 #[test]
 fn full_fine_tune_on_vulkan_matches_the_cpu() {
-    default_recipe_on_vulkan(&[
-        "--set",
-        "adapter.kind=none",
-        "--set",
-        NO_PEFT,
-        "--set",
-        "stages.train.max_steps=4",
-        "--set",
-        "stages.train.eval_every=0",
-        "--set",
-        "stages.evaluate.max_new_tokens=4",
-    ]);
+    default_recipe_on_vulkan(&[&["--set", "adapter.kind=none", "--set", NO_PEFT], SHORT_RUN].concat());
 }
 
 /// Runs the default recipe with `extra` settings on the CPU and on Vulkan, checks what both
