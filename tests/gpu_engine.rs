@@ -1200,6 +1200,12 @@ fn trained_weights_beyond_the_largest_allocation_are_a_clear_error() {
     GpuEngine::new(gpu, &all()).unwrap();
     for gpu in devices().into_iter().filter(|g| g.name().contains("(vulkan:")) {
         assert!(gpu.max_alloc() < u64::MAX, "{}: every Vulkan driver reports maxMemoryAllocationSize", gpu.name());
+        if gpu.max_alloc() + (4 << 20) > gpu.memory().total {
+            // The limit is the device's memory (lavapipe: 2 GiB both): beyond it is out of
+            // memory (`memory_round_trips_and_out_of_memory_is_an_error`). This branch runs where
+            // a driver's limit is below its memory (4 GiB on larger AMD GPUs).
+            continue;
+        }
         let e = gpu.alloc(gpu.max_alloc() as usize + 1).expect_err("refused").to_string();
         assert!(e.contains("maxMemoryAllocationSize") && e.contains(&gpu.name()), "{e}");
     }

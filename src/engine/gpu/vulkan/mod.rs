@@ -1036,7 +1036,9 @@ impl Gpu for VulkanGpu {
 
     fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
         let class = size_class(bytes);
-        if class as u64 > self.max_alloc {
+        // More than the device has is out of memory (below); less, but more than one allocation
+        // may hold, is the driver's limit.
+        if class as u64 > self.max_alloc && class as u64 <= self.memory.total {
             return Err(GpuError::Device(format!(
                 "a buffer of {} is larger than {} allows in one allocation ({}: maxMemoryAllocationSize)",
                 crate::ui::human_bytes(bytes as u64),
