@@ -547,7 +547,11 @@ fn weight_gradient_kernels_match_references() {
                     })
                     .collect();
                 let what = if norm { "RMSNorm weight" } else { "bias" };
-                assert_close(&format!("{} {dt:?} {what} gradient", gpu.name()), &out.to_vec().unwrap(), &want, 1e-5);
+                // Vulkan leaves the rounding of f32 → f16 conversions to the driver, so T(x · inv)
+                // may be an ulp (2⁻¹¹) from round-to-nearest-even (Mesa 26's lavapipe: 1.4e-4
+                // relative here); bf16 rounding is the kernels' own code, exact everywhere.
+                let tol = if norm && dt == Dt::F16 { 1e-3 } else { 1e-5 };
+                assert_close(&format!("{} {dt:?} {what} gradient", gpu.name()), &out.to_vec().unwrap(), &want, tol);
             }
             let (vocab, h) = (20, w);
             let ids: Vec<u32> = (0..n as u32).map(|i| (i * i + 3 * i) % 17).collect();
