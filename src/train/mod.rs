@@ -134,7 +134,7 @@ pub fn trainable(settings: &TrainSettings, adapter: &Adapter) -> Trainable {
         return Trainable::Lora(lora_spec(adapter));
     }
     match &settings.trainable {
-        Some(patterns) if !(patterns.len() == 1 && patterns[0] == "adapter") => {
+        Some(patterns) if !only_adapter(patterns) => {
             Trainable::Weights(patterns.iter().map(|p| if p == "all" { "*".to_string() } else { p.clone() }).collect())
         }
         _ => Trainable::Weights(vec!["*".into()]),
@@ -144,7 +144,12 @@ pub fn trainable(settings: &TrainSettings, adapter: &Adapter) -> Trainable {
 /// Whether a train stage with `stages.<train>.trainable = patterns` and `adapter.kind = kind`
 /// trains a LoRA adapter (saved as a PEFT folder), else base weights (`weights.safetensors`).
 pub fn trains_adapter(patterns: Option<&[String]>, kind: AdapterKind) -> bool {
-    kind == AdapterKind::Lora && patterns.is_none_or(|p| p.len() == 1 && p[0] == "adapter")
+    kind == AdapterKind::Lora && patterns.is_none_or(only_adapter)
+}
+
+/// `trainable = ["adapter"]`: the adapter (the default), not a weight pattern.
+fn only_adapter(patterns: &[String]) -> bool {
+    patterns.len() == 1 && patterns[0] == "adapter"
 }
 
 /// The first loss scale of f16 training and the good steps after which it doubles

@@ -514,6 +514,27 @@ impl GpuEngine {
         l.lora.is_some() || self.wgrad(l.w).is_some()
     }
 
+    /// Backward of an RMSNorm `y = w · T(x · inv)` from `dy` `[n, h]`: the weight's gradient when
+    /// it trains, and `dx (+)= ∂y/∂x · dy` when `dx` is given (with whether to accumulate).
+    fn norm_bwd(
+        &self,
+        w: W,
+        x: u64,
+        inv: u64,
+        dy: u64,
+        dx: Option<(u64, bool)>,
+        n: usize,
+        h: usize,
+    ) -> Result<(), GpuError> {
+        if let Some(g) = self.wgrad(w) {
+            self.col_grad(dy, Some((x, inv)), g, n, h)?;
+        }
+        match dx {
+            Some((dx, accumulate)) => self.ops().rmsnorm_bwd(x, inv, self.w(w), dy, dx, n, h, accumulate),
+            None => Ok(()),
+        }
+    }
+
     /// `out += ` the f32 gradient of an RMSNorm weight (`x`, `inv`: the norm's input and
     /// inverse RMS) or, with `x = None`, of a bias, from the output gradient `dy` `[n, w]`.
     fn col_grad(&self, dy: u64, x: Option<(u64, u64)>, out: u64, n: usize, w: usize) -> Result<(), GpuError> {
@@ -806,10 +827,7 @@ impl GpuEngine {
         self.lin_bwd(&l.lin[GATE], s.u[GATE].as_ref(), hn_ptr, n, s.gate.ptr(), Some((dhn.ptr(), false)), dropout, 0)?;
         self.lin_bwd(&l.lin[UP], s.u[UP].as_ref(), hn_ptr, n, s.up.ptr(), Some((dhn.ptr(), true)), dropout, 0)?;
         drop(hn);
-        if let Some(g) = self.wgrad(l.post_norm) {
-            self.col_grad(dhn.ptr(), Some((s.h.ptr(), s.inv2.ptr())), g, n, h)?;
-        }
-        o.rmsnorm_bwd(s.h.ptr(), s.inv2.ptr(), self.w(l.post_norm), dhn.ptr(), dx.ptr(), n, h, true)?;
+        self.norm_bwd(l.post_norm, s.h.ptr(), s.inv2.ptr(), dhn.ptr(), Some((dx.ptr(), true)), n, h)?;
         drop(dhn);
         // Attention; dx is now the gradient of the attention block's output too.
         let dattn = self.buf(n * qd, dt)?;
@@ -846,18 +864,13 @@ impl GpuEngine {
             false => None,
         };
         let xn_ptr = xn.as_ref().map_or(0, Buf::ptr);
-        let norm_grad = self.wgrad(l.input_norm);
-        if need_input_grad || norm_grad.is_some() {
+        if need_input_grad || self.wgrad(l.input_norm).is_some() {
             let dxn = self.buf(n * h, dt)?;
             self.lin_bwd(&l.lin[Q], s.u[Q].as_ref(), xn_ptr, n, dq.ptr(), Some((dxn.ptr(), false)), dropout, 0)?;
             self.lin_bwd(&l.lin[K], s.u[K].as_ref(), xn_ptr, n, dk.ptr(), Some((dxn.ptr(), true)), dropout, 0)?;
             self.lin_bwd(&l.lin[V], s.u[V].as_ref(), xn_ptr, n, dv.ptr(), Some((dxn.ptr(), true)), dropout, 0)?;
-            if let Some(g) = norm_grad {
-                self.col_grad(dxn.ptr(), Some((x.ptr(), s.inv1.ptr())), g, n, h)?;
-            }
-            if need_input_grad {
-                o.rmsnorm_bwd(x.ptr(), s.inv1.ptr(), self.w(l.input_norm), dxn.ptr(), dx.ptr(), n, h, true)?;
-            }
+            let dx = need_input_grad.then_some((dx.ptr(), true));
+            self.norm_bwd(l.input_norm, x.ptr(), s.inv1.ptr(), dxn.ptr(), dx, n, h)?;
         } else {
             for (i, dy) in [(Q, &dq), (K, &dk), (V, &dv)] {
                 self.lin_bwd(&l.lin[i], s.u[i].as_ref(), xn_ptr, n, dy.ptr(), None, dropout, 0)?;
@@ -924,10 +937,7 @@ impl GpuEngine {
         let Some(dhn) = dhn else { return Ok(()) };
         drop((hn, loss_rows));
         let dx = self.buf(n * h, dt)?;
-        if let Some(g) = self.wgrad(self.norm) {
-            self.col_grad(dhn.ptr(), Some((x.ptr(), inv.ptr())), g, n, h)?;
-        }
-        o.rmsnorm_bwd(x.ptr(), inv.ptr(), self.w(self.norm), dhn.ptr(), dx.ptr(), n, h, false)?;
+        self.norm_bwd(self.norm, x.ptr(), inv.ptr(), dhn.ptr(), Some((dx.ptr(), false)), n, h)?;
         drop((x, inv, dhn));
         let embed_grad = self.wgrad(self.embed);
         for li in (0..self.layers.len()).rev() {

@@ -161,8 +161,8 @@ impl Ops<'_> {
         self.run("scatter_add_rows", rows * width, &[Arg::Ptr(src), Arg::Ptr(idx), Arg::Ptr(dst), i(rows), i(width)])
     }
 
-    /// `grad[ids[r]] += dx[r]` over the `n` rows of `ids`: a trained embedding table's gradient
-    /// (f32). `rows`, `starts` and `tokens` are [`EmbedRows`] on the device.
+    /// `grad[tokens[u]] += Σ dx[rows[k]]` for `k` in `starts[u] .. starts[u + 1]`: a trained
+    /// embedding table's f32 gradient, the batch's rows grouped by token (`uniq` tokens).
     pub fn embed_bwd(&self, dx: u64, rows: u64, starts: u64, tokens: u64, grad: u64, uniq: usize, h: usize) -> R {
         let args =
             [dx, rows, starts, tokens, grad].map(Arg::Ptr).into_iter().chain([i(uniq), i(h)]).collect::<Vec<_>>();
