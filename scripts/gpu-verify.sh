@@ -78,6 +78,7 @@ def artifact(name, stage):
         m = re.match(rf"\s*{stage}\s+\S+\s+(\S+)", line)
         if m:
             return Path(m.group(1).replace("~", str(Path.home())))
+    raise RuntimeError(f"no {stage} artifact: the run failed (see {name}.stderr)")
 def curve(name):
     p = artifact(name, "train")
     recs = [json.loads(l) for l in (p / "metrics.jsonl").read_text().splitlines()]

@@ -16,6 +16,8 @@
 # (the Vulkan engine on the same GPU against PyTorch on CUDA; gpu-env.sh brings the loader).
 # TRAIN=full benchmarks a full fine-tune instead of LoRA: `adapter.kind = "none"` for rtune, and
 # for PyTorch fp32 weights under autocast bf16 with AdamW over every weight (peft_gpu.py --full).
+# To dry-run this script without a GPU (PyTorch, transformers and PEFT on the CPU, rtune through
+# lavapipe): TORCH_DEVICE=cpu DEVICE=vulkan RTUNE=target/release/rtune scripts/gpu_bench.sh smoke:2x128
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="${GPU_BENCH_DIR:-/tmp/rtune-gpu-bench}"
@@ -23,6 +25,7 @@ steps="${STEPS:-20}"
 device="${DEVICE:-cuda}"
 dtype="${DTYPE:-bf16}"
 train="${TRAIN:-lora}"
+torch_device="${TORCH_DEVICE:-cuda}"
 case "$train" in lora) kind=lora torch_args=() ;; full) kind=none torch_args=(--full) ;; *)
   echo "TRAIN is lora or full, not $train" >&2
   exit 2
@@ -39,7 +42,7 @@ results="$out/gpu_bench.jsonl"
 for spec in "${specs[@]}"; do
   shape=${spec%%:*} bs=${spec#*:}
   b=${bs%x*} t=${bs#*x}
-  python3 -c "import sys; sys.path.insert(0, 'benches/reference'); import gpu_shapes; gpu_shapes.make('$shape', '$root')"
+  python3 -c "import sys; sys.path.insert(0, 'benches/reference'); import gpu_shapes; gpu_shapes.make('$shape', '$root', '$torch_device')"
   recipe="$root/$shape-${b}x$t-$device-$train.toml"
   cat >"$recipe" <<EOF
 [recipe]
@@ -86,7 +89,7 @@ EOF
     continue
   fi
   echo "== $shape $b×$t: PyTorch ($train)" >&2
-  ref=$(python3 benches/reference/peft_gpu.py "$root/$shape" "$b" "$t" "$steps" "${torch_args[@]}" | tail -1)
+  ref=$(python3 benches/reference/peft_gpu.py "$root/$shape" "$b" "$t" "$steps" "${torch_args[@]}" --device "$torch_device" | tail -1)
   python3 - "$log" "$shape" "$b" "$t" "$ref" "$train" >>"$results" <<'PY'
 import json, re, sys
 log, shape, b, t, ref = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
@@ -115,11 +118,12 @@ print(f"\n| shape | batch × seq | rtune tok/s | {ref} tok/s | speed ratio | rtu
 print("|---|---|---|---|---|---|---|---|")
 for r in rows:
     t = r["torch"]
-    tps, peak = r["rtune_tokens_per_s"] or 0.0, r["rtune_peak_bytes"] or 0.0
+    tps, peak = r["rtune_tokens_per_s"] or 0.0, r["rtune_peak_bytes"]
+    gib = lambda b: "—" if b is None else f"{b / 2**30:.2f} GiB"
+    ratio = "—" if peak is None or t["peak_allocated_bytes"] is None else f"{peak / t['peak_allocated_bytes']:.2f}x"
     print(f"| {r['shape']} | {r['batch']} × {r['seq']} | {tps:,.0f} | {t['tokens_per_s']:,.0f} | "
-          f"{tps / t['tokens_per_s']:.2f}x | {peak / 2**30:.2f} GiB | "
-          f"{t['peak_allocated_bytes'] / 2**30:.2f} / {t['peak_reserved_bytes'] / 2**30:.2f} GiB | "
-          f"{peak / t['peak_allocated_bytes']:.2f}x |")
+          f"{tps / t['tokens_per_s']:.2f}x | {gib(peak)} | "
+          f"{gib(t['peak_allocated_bytes'])} / {gib(t['peak_reserved_bytes'])} | {ratio} |")
 # Model FLOP utilisation: 4 FLOPs per weight per token (forward, and backward to the inputs —
 # LoRA computes no gradient for frozen weights; 6 in a full fine-tune, which also computes the
 # weights' gradients) plus attention (forward 2·t·d·H per token and layer with causal masking,

@@ -26,6 +26,11 @@ SHAPES = {
     "qwen2.5-3b": ("qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                                  intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True,
                                  rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)),
+    # Not a real model: a small shape to dry-run the benchmark's scripts without a GPU
+    # (TORCH_DEVICE=cpu DEVICE=vulkan scripts/gpu_bench.sh smoke:2x128, on lavapipe).
+    "smoke": ("qwen2", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=256, vocab_size=4096, tie_word_embeddings=False,
+                            rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=1024)),
 }
 
 WORDS = 4000
@@ -36,19 +41,21 @@ def config(shape):
     return (LlamaConfig if arch == "llama" else Qwen2Config)(bos_token_id=1, eos_token_id=2, **kw)
 
 
-def make(shape, root):
-    """Model folder, tokenizer and dataset for `shape` under `root` (kept if already there)."""
+def make(shape, root, device="cuda"):
+    """Model folder, tokenizer and dataset for `shape` under `root` (kept if already there); the
+    random weights are drawn on `device`."""
     root = Path(root)
     model_dir, data = root / shape, root / "data.jsonl"
     if not (model_dir / "config.json").exists():
         torch.manual_seed(0)
         cfg = config(shape)
         cls = LlamaForCausalLM if SHAPES[shape][0] == "llama" else Qwen2ForCausalLM
-        with torch.device("cuda"):
+        with torch.device(device):
             model = cls(cfg).to(torch.bfloat16)
         model.save_pretrained(model_dir)
         del model
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         write_tokenizer(model_dir)
     if not data.exists():
         g = torch.Generator().manual_seed(0)

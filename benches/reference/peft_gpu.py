@@ -8,7 +8,10 @@ synchronisation; prints one JSON line. With --full, a full fine-tune instead: no
 weights in fp32 (the master copies) under autocast(bf16), AdamW over every weight — the usual
 mixed-precision recipe (transformers' Trainer with bf16=True).
 
-    python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing] [--full]
+    python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing] [--full] [--device cpu]
+
+`--device cpu` only dry-runs the script (and gpu_bench.sh) on a machine without a GPU: no peak
+memory is reported there.
 """
 import json
 import sys
@@ -23,9 +26,11 @@ from transformers import AutoModelForCausalLM
 model_dir, batch, seq, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 checkpointing = "--checkpointing" in sys.argv
 full = "--full" in sys.argv
+dev = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+cuda = dev == "cuda"
 torch.manual_seed(0)
 weights_dtype = torch.float32 if full else torch.bfloat16
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype, attn_implementation="sdpa").cuda()
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype, attn_implementation="sdpa").to(dev)
 if checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
@@ -34,14 +39,19 @@ if not full:
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 model.train()
-opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0, fused=True)
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0, fused=cuda)
 vocab = model.config.vocab_size
-g = torch.Generator(device="cuda").manual_seed(0)
-batches = [torch.randint(3, min(vocab, 4000), (batch, seq), device="cuda", generator=g) for _ in range(4)]
+g = torch.Generator(device=dev).manual_seed(0)
+batches = [torch.randint(3, min(vocab, 4000), (batch, seq), device=dev, generator=g) for _ in range(4)]
+
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
 
 
 def step(ids):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(dev, dtype=torch.bfloat16):
         out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     opt.step()
@@ -51,23 +61,24 @@ def step(ids):
 
 for i in range(3):
     step(batches[i % 4])
-torch.cuda.synchronize()
-torch.cuda.reset_peak_memory_stats()
+sync()
+if cuda:
+    torch.cuda.reset_peak_memory_stats()
 start = time.perf_counter()
 for i in range(steps):
     loss = step(batches[i % 4])
 loss.item()
-torch.cuda.synchronize()
+sync()
 seconds = time.perf_counter() - start
 print(json.dumps({
     "impl": f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
-            "SDPA attention, autocast bf16, fused AdamW" + (", gradient checkpointing" if checkpointing else "")
+            "SDPA attention, autocast bf16, " + ("fused AdamW" if cuda else "AdamW") + (", gradient checkpointing" if checkpointing else "")
             + ("; full fine-tune, fp32 weights" if full else ""),
-    "device": torch.cuda.get_device_name(),
+    "device": torch.cuda.get_device_name() if cuda else dev,
     "batch": batch, "seq": seq, "steps": steps,
     "seconds": seconds,
     "tokens_per_s": batch * seq * steps / seconds,
-    "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-    "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+    "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+    "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
     "loss": loss.item(),
 }))
