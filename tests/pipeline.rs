@@ -970,6 +970,41 @@ fn plan_refuses_other_engines_on_vulkan() {
     }
 }
 
+/// `trainable` is `["adapter"]` (with an adapter) or weight patterns: `"adapter"` among
+/// patterns used to be a pattern naming nothing (training the other weights and no adapter),
+/// and `["adapter"]` with `adapter.kind = "none"` a silent full fine-tune. Both are refused at
+/// `trainable`; the lone `["adapter"]` with LoRA, and patterns alone, plan.
+#[test]
+fn trainable_is_the_adapter_or_weight_patterns() {
+    let p = Project::tiny_offline();
+    let plan = |sets: &[&str]| {
+        let mut args = vec!["plan", "tiny.toml"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        p.run(&args)
+    };
+    for (sets, says) in [
+        (&[r#"stages.train.trainable=["adapter", "lm_head.weight"]"#][..], "mixes `\"adapter\"` with weight patterns"),
+        (&[r#"stages.train.trainable=["adapter"]"#, "adapter.kind=none"][..], "but `adapter.kind = \"none\"`"),
+    ] {
+        let o = plan(sets);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{sets:?}: plan accepted it");
+        assert!(err.contains("rtune::plan::trainable") && err.contains(says), "{sets:?}: {err}");
+        assert!(err.contains("stages.train.trainable = ["), "{sets:?}: located at the setting: {err}");
+    }
+    // The device's `[device.<name>]` overrides are what runs, so `plan` checks them merged.
+    let o = plan(&[r#"device.cpu.train.trainable=["adapter", "*norm*"]"#]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("rtune::plan::trainable"), "an override's mix planned: {err}");
+    assert!(err.contains("device.cpu.train.trainable = ["), "located at the override: {err}");
+    let o = plan(&[r#"stages.train.trainable=["adapter"]"#]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = plan(&[r#"stages.train.trainable=["*norm*"]"#, r#"stages.quantize.formats=["safetensors-merged"]"#]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 /// A train stage that trains base weights (`adapter.kind = "none"`, or `trainable` patterns)
 /// has no adapter to export: `plan` refuses `peft-adapter` asked for, at `formats`, naming what
 /// decided it (a selective fine-tune used to pass `plan` and fail in `quantize` after training);
@@ -986,6 +1021,24 @@ fn base_weights_that_train_export_no_peft_adapter() {
         assert!(!o.status.success(), "{extra}: plan accepted a PEFT export");
         assert!(err.contains("rtune::plan::no_adapter") && err.contains(says), "{extra}: {err}");
         assert!(err.contains("tiny.toml:47") && err.contains("no adapter to export"), "{extra}: located: {err}");
+    }
+    // Formats, or what trains, set only in the chosen device's overrides are checked too.
+    let overrides: [&[&str]; 2] = [
+        &[
+            r#"stages.quantize.formats=["gguf-q8_0"]"#,
+            r#"device.cpu.quantize.formats=["peft-adapter"]"#,
+            "adapter.kind=none",
+        ],
+        &[r#"device.cpu.train.trainable=["*norm*"]"#],
+    ];
+    for sets in overrides {
+        let mut args = vec!["plan", "tiny.toml", "--set", "device.prefer=[\"cpu\"]"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let o = p.run(&args);
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains("rtune::plan::no_adapter"), "{sets:?}: {err}");
     }
     let recipe = p.path().join("tiny.toml");
     let text = std::fs::read_to_string(&recipe).unwrap();

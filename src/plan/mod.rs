@@ -165,7 +165,7 @@ pub fn make(
 
     let mut planned: Vec<PlannedStage> = Vec::new();
     for spec in &loaded.stages.list {
-        support::check(spec, loaded)?;
+        support::check(spec, loaded, Some(&device))?;
         let locked = previous.and_then(|r| r.stages.get(&spec.name)).map(|d| &d.inputs["sources"]);
         let key = resolve_key(spec, loaded, &device, &hub, locked)?;
         support::check_device(&key, loaded)?;
@@ -340,7 +340,7 @@ fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, p
 /// only `plan` and `run` resolve.
 pub fn check_stages(loaded: &LoadedRecipe) -> Result<(), crate::recipe::Problems> {
     let problems: Vec<Problem> =
-        loaded.stages.list.iter().filter_map(|spec| support::check(spec, loaded).err()).collect();
+        loaded.stages.list.iter().filter_map(|spec| support::check(spec, loaded, None).err()).collect();
     if problems.is_empty() { Ok(()) } else { Err(crate::recipe::Problems::new(loaded.name(), problems)) }
 }
 
@@ -354,12 +354,18 @@ pub(crate) struct TrainedFrom {
     pub by_patterns: bool,
 }
 
-/// What the train stage feeding `spec`'s trained weights trains (None when none feeds it).
-pub(crate) fn trained_from(spec: &StageSpec, loaded: &LoadedRecipe) -> Option<TrainedFrom> {
+/// What the train stage feeding `spec`'s trained weights trains on `device` (None: as the
+/// stage writes it, without device overrides); None when no train stage feeds it.
+pub(crate) fn trained_from(
+    spec: &StageSpec,
+    loaded: &LoadedRecipe,
+    device: Option<&Resolution>,
+) -> Option<TrainedFrom> {
     let inputs = spec.inputs(&loaded.stages);
     let train = inputs.get(&Port::Weights).filter(|t| t.kind == StageKind::Train)?;
-    let patterns: Option<Vec<String>> =
-        train.settings.get("trainable").and_then(|v| serde_json::from_value(v.clone()).ok());
+    let patterns: Option<Vec<String>> = resolve::stage_settings(train, loaded, device)
+        .get("trainable")
+        .and_then(|v| serde_json::from_value(v.clone()).ok());
     let kind = loaded.recipe.adapter.kind;
     Some(TrainedFrom {
         train: train.name.clone(),
@@ -395,11 +401,45 @@ mod support {
         Ok(())
     }
 
-    pub fn check(spec: &StageSpec, loaded: &LoadedRecipe) -> Result<(), Problem> {
+    /// `stages.<train>.trainable` says one thing: `["adapter"]` (with an adapter to train), or
+    /// weight patterns. `"adapter"` among patterns would otherwise be read as a pattern naming
+    /// no weight (training the others and no adapter), and `["adapter"]` without an adapter as a
+    /// full fine-tune. (An empty list is the recipe's own error.)
+    fn check_trainable(spec: &StageSpec, loaded: &LoadedRecipe, device: Option<&Resolution>) -> Result<(), Problem> {
+        let table = resolve::stage_settings(spec, loaded, device);
+        let Some(patterns) = table.get("trainable").and_then(|v| v.as_array()) else {
+            return Ok(());
+        };
+        let at = resolve::setting_origin(spec, loaded, device, "trainable");
+        let adapter = patterns.iter().any(|p| p.as_str() == Some("adapter"));
+        if adapter && patterns.len() > 1 {
+            return Err(Problem::new(
+                "rtune::plan::trainable",
+                "`trainable` mixes `\"adapter\"` with weight patterns: rtune trains a LoRA adapter or base weights, \
+                 not both at once",
+            )
+            .at(at, "\"adapter\" and patterns")
+            .help("`[\"adapter\"]` alone trains the LoRA adapter; weight patterns alone train those weights in full"));
+        }
+        if adapter && loaded.recipe.adapter.kind == crate::recipe::AdapterKind::None {
+            return Err(Problem::new(
+                "rtune::plan::trainable",
+                "`trainable = [\"adapter\"]` trains the adapter, but `adapter.kind = \"none\"`",
+            )
+            .at(at, "no adapter to train")
+            .help("set `adapter.kind = \"lora\"`, or `trainable = [\"all\"]` for a full fine-tune"));
+        }
+        Ok(())
+    }
+
+    /// `device`: the device the recipe resolved to, whose `[device.<name>]` overrides apply
+    /// (None: the stages' own settings, as `validate` checks them).
+    pub fn check(spec: &StageSpec, loaded: &LoadedRecipe, device: Option<&Resolution>) -> Result<(), Problem> {
         match spec.kind {
             StageKind::Download => {}
             StageKind::Tokenize => {}
-            StageKind::Train | StageKind::Evaluate => {}
+            StageKind::Train => check_trainable(spec, loaded, device)?,
+            StageKind::Evaluate => {}
             StageKind::Quantize => {
                 if let Some(size) = spec.settings.get("max_shard_size").and_then(|v| v.as_str())
                     && let Err(e) = crate::recipe::parse_size(size)
@@ -410,10 +450,11 @@ mod support {
                 }
                 // With the default list (no `formats`), base weights that train get no PEFT
                 // export (resolve drops it); asked for explicitly, it is an error.
-                let formats = spec.settings.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
+                let table = resolve::stage_settings(spec, loaded, device);
+                let formats = table.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
                 let peft = formats.iter().any(|f| f.as_str() == Some("peft-adapter"));
                 if let (true, Some(TrainedFrom { adapter: false, by_patterns, train })) =
-                    (peft, trained_from(spec, loaded))
+                    (peft, trained_from(spec, loaded, device))
                 {
                     let why = match by_patterns {
                         true => format!("stage `{train}` trains base weights (`stages.{train}.trainable`)"),
@@ -423,7 +464,7 @@ mod support {
                         "rtune::plan::no_adapter",
                         format!("`peft-adapter` needs a LoRA adapter, but {why}"),
                     )
-                    .at(loaded.origin(&["stages", &spec.name, "formats"]), "no adapter to export")
+                    .at(resolve::setting_origin(spec, loaded, device, "formats"), "no adapter to export")
                     .help("export `safetensors-merged` or a GGUF format when base weights train"));
                 }
             }

@@ -22,12 +22,7 @@ pub(super) fn resolve_key(
 ) -> Result<StageKey, Problem> {
     use key::*;
     let recipe = &loaded.recipe;
-    let mut table = Value::Object(spec.settings.clone());
-    for dev in device.override_names() {
-        if let Some(over) = recipe.device.overrides.get(&dev).and_then(|o| o.get(&spec.name)) {
-            merge(&mut table, over);
-        }
-    }
+    let table = stage_settings(spec, loaded, Some(device));
     fn typed<T: serde::de::DeserializeOwned>(
         table: Value,
         spec: &StageSpec,
@@ -129,7 +124,7 @@ pub(super) fn resolve_key(
             let mut quantize: QuantizeSettings = typed(table, spec, loaded)?;
             // The default formats export a PEFT folder only where an adapter trains (`plan`
             // refuses `peft-adapter` asked for without one).
-            if !explicit && super::trained_from(spec, loaded).is_some_and(|t| !t.adapter) {
+            if !explicit && super::trained_from(spec, loaded, Some(device)).is_some_and(|t| !t.adapter) {
                 quantize.formats.retain(|f| *f != ExportFormat::PeftAdapter);
             }
             StageKey::Quantize(QuantizeKey {
@@ -173,13 +168,41 @@ pub(super) fn resolve_key(
                 lora: spec
                     .inputs(&loaded.stages)
                     .get(&crate::recipe::stages::Port::Exports)
-                    .and_then(|q| super::trained_from(q, loaded))
+                    .and_then(|q| super::trained_from(q, loaded, Some(device)))
                     .map_or(recipe.adapter.kind != crate::recipe::AdapterKind::None, |t| t.adapter),
             };
             let dir = upload.to.strip_prefix("dir://").map(|rel| loaded.resolve_path(rel));
             StageKey::Upload(UploadKey { settings: UploadKeySettings { upload, card }, dir })
         }
     })
+}
+
+/// A stage's settings on `device` (None: as the stage writes them): the `[device.<name>.<stage>]`
+/// overrides for that device merged over the stage's own, the broadest name first.
+pub(super) fn stage_settings(spec: &StageSpec, loaded: &LoadedRecipe, device: Option<&Resolution>) -> Value {
+    let mut table = Value::Object(spec.settings.clone());
+    for dev in device.map(Resolution::override_names).unwrap_or_default() {
+        if let Some(over) = loaded.recipe.device.overrides.get(&dev).and_then(|o| o.get(&spec.name)) {
+            merge(&mut table, over);
+        }
+    }
+    table
+}
+
+/// Where a stage's setting `key` on `device` is written: the narrowest override that sets it,
+/// else the stage itself.
+pub(super) fn setting_origin<'a>(
+    spec: &StageSpec,
+    loaded: &'a LoadedRecipe,
+    device: Option<&Resolution>,
+    key: &str,
+) -> Option<&'a crate::recipe::Origin> {
+    let names = device.map(Resolution::override_names).unwrap_or_default();
+    names
+        .iter()
+        .rev()
+        .find_map(|dev| loaded.origin(&["device", dev, &spec.name, key]))
+        .or_else(|| loaded.origin(&["stages", &spec.name, key]))
 }
 
 fn merge(base: &mut Value, over: &Value) {
