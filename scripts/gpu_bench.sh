@@ -43,10 +43,10 @@ for spec in "${specs[@]}"; do
   shape=${spec%%:*} bs=${spec#*:}
   b=${bs%x*} t=${bs#*x}
   python3 -c "import sys; sys.path.insert(0, 'benches/reference'); import gpu_shapes; gpu_shapes.make('$shape', '$root', '$torch_device')"
-  recipe="$root/$shape-${b}x$t-$device-$train.toml"
+  recipe="$root/$shape-${b}x$t-$device-$dtype-$train.toml"
   cat >"$recipe" <<EOF
 [recipe]
-name = "gpu-bench-$shape-${b}x$t-$device-$train"
+name = "gpu-bench-$shape-${b}x$t-$device-$dtype-$train"
 seed = 0
 
 [model]
@@ -79,12 +79,12 @@ eval_batches = 1
 checkpoint_every = 0
 EOF
   echo "== $shape $b×$t: rtune on $device ($dtype, $train)" >&2
-  log="$out/rtune-$shape-${b}x$t-$device-$train.log"
+  log="$out/rtune-$shape-${b}x$t-$device-$dtype-$train.log"
   if ! RTUNE_CACHE_DIR="$root/cache" "$rtune" run "$recipe" --force train >"$log" 2>&1; then
     echo "rtune failed on $shape $b×$t:" >&2
     tail -20 "$log" >&2
   fi
-  grep -E " train " "$log" | tail -2 >&2
+  grep -E "tok/s" "$log" | tail -2 >&2 || true
   if [ -n "${SKIP_TORCH:-}" ]; then
     continue
   fi

@@ -1384,83 +1384,183 @@ fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
     engine.accumulate(&batch, 1.0, 1.0, None).unwrap();
 }
 
-/// Kernel and product timings at the benchmark's shapes (SmolLM2-135M and Qwen2.5-3B attention,
-/// a 3B MLP product), on a CUDA GPU only: `gpu_engine --ignored --nocapture gpu_timings`. Not a
+/// Product and attention timings on every device this build and machine have (CUDA through
+/// cuBLAS, Vulkan through the engine's own kernels), for each compute type, at the train-step
+/// shapes of the benchmark: SmolLM2-135M and -360M at 4 × 512 tokens (the GEMM spike's shapes,
+/// forward `x·Wᵀ` and backward `dy·W`), and attention at 135M's and 3B's head shapes.
+/// `gpu_engine --ignored --nocapture gpu_timings`; a table of TFLOP/s per device comes last,
+/// with each Vulkan rate as a fraction of CUDA's (issue 18's go/no-go: ¼ of cuBLAS bf16). Not a
 /// benchmark of rtune (scripts/gpu_bench.sh is), a breakdown of where a step's time goes.
+/// `RTUNE_TIMING_TOKENS=32` shrinks the shapes (and attention to 1 × 64) to dry-run it on lavapipe.
 #[test]
 #[ignore]
 fn gpu_timings() {
-    let Some(gpu) = devices().into_iter().find(|g| g.name() != "CPU emulator") else {
-        eprintln!("no CUDA device");
+    let gpus: Vec<Rc<dyn Gpu>> = devices().into_iter().filter(|g| g.name() != "CPU emulator").collect();
+    if gpus.is_empty() {
+        eprintln!("no GPU device");
         return;
-    };
-    let time = |f: &dyn Fn()| {
-        f();
-        gpu.synchronize().unwrap();
-        let start = std::time::Instant::now();
-        for _ in 0..10 {
-            f();
-        }
-        gpu.synchronize().unwrap();
-        start.elapsed().as_secs_f64() / 10.0
-    };
-    let dt = Dt::Bf16;
-    let o = Ops { gpu: &*gpu, dt };
-    for (name, hq, hk, d) in [("135m", 9, 3, 64), ("3b", 16, 2, 128)] {
-        let (b, t) = (4, 1024);
-        let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores: true };
-        let layout = rtune::model::batch::attention_layout(t, &vec![t; b], None);
-        let mut rng = Rng::new(1);
-        let (nq, nk) = (b * t * hq * d, b * t * hk * d);
-        let up = |n: usize| Buf::from_f32(&gpu, &rand_vec(&mut Rng::new(n as u64), n, 1.0), dt).unwrap();
-        let _ = &mut rng;
-        let (q, k, v, dout) = (up(nq), up(nk), up(nk + 1), up(nq + 1));
-        let (lo, hi) = (Buf::from_i32(&gpu, &layout.lo).unwrap(), Buf::from_i32(&gpu, &layout.hi).unwrap());
-        let out = Buf::new(&gpu, nq, dt).unwrap();
-        let lse = Buf::new(&gpu, b * hq * t, Dt::F32).unwrap();
-        let (dq, dk, dv) =
-            (Buf::new(&gpu, nq, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap(), Buf::new(&gpu, nk, dt).unwrap());
-        let delta = Buf::new(&gpu, b * hq * t, Dt::F32).unwrap();
-        let partial = Buf::new(&gpu, s.partial_len(), Dt::F32).unwrap();
-        let fwd =
-            time(&|| o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), out.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).unwrap());
-        let bwd = time(&|| {
-            o.attn_bwd(
-                &s,
-                q.ptr(),
-                k.ptr(),
-                v.ptr(),
-                out.ptr(),
-                dout.ptr(),
-                lse.ptr(),
-                delta.ptr(),
-                partial.ptr(),
-                dq.ptr(),
-                dk.ptr(),
-                dv.ptr(),
-                lo.ptr(),
-                hi.ptr(),
-            )
-            .unwrap()
-        });
-        // Causal: half the t² products; forward 2 of them, backward 4 (not counting recomputation).
-        let flop = (b * hq * t * t / 2 * d * 2) as f64;
-        println!(
-            "attention {name} 4×1024: forward {:.2} ms ({:.0} TFLOP/s), backward {:.2} ms ({:.0} TFLOP/s)",
-            fwd * 1e3,
-            2.0 * flop / fwd / 1e12,
-            bwd * 1e3,
-            4.0 * flop / bwd / 1e12
-        );
     }
-    for (m, n, k) in
-        [(4096, 11008, 2048), (4096, 2048, 11008), (4096, 2048, 2048), (441, 151936, 2048), (4096, 576, 576)]
-    {
-        let a = Buf::from_f32(&gpu, &vec![0.01; m * k], dt).unwrap();
-        let w = Buf::from_f32(&gpu, &vec![0.02; n * k], dt).unwrap();
-        let c = Buf::new(&gpu, m * n, dt).unwrap();
-        let s = time(&|| o.gemm(c.ptr(), dt, a.ptr(), false, w.ptr(), true, m, n, k, 1.0, 0.0).unwrap());
-        println!("product {m}×{n}×{k} (x·Wᵀ): {:.3} ms, {:.0} TFLOP/s", s * 1e3, 2.0 * (m * n * k) as f64 / s / 1e12);
+    // Median over 5 runs of `reps` calls each, after a warm-up call (first-use checks, pipeline
+    // compilation); each run ends with a device sync.
+    let time = |gpu: &Rc<dyn Gpu>, reps: usize, f: &dyn Fn() -> Result<(), String>| -> Result<f64, String> {
+        f()?;
+        gpu.synchronize().map_err(|e| e.to_string())?;
+        let mut runs = Vec::new();
+        for _ in 0..5 {
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                f()?;
+            }
+            gpu.synchronize().map_err(|e| e.to_string())?;
+            runs.push(start.elapsed().as_secs_f64() / reps as f64);
+        }
+        runs.sort_by(f64::total_cmp);
+        Ok(runs[2])
+    };
+    // (what, dtype, device) → TFLOP/s, or why it did not run.
+    let mut rates: Vec<(String, Dt, String, Result<f64, String>)> = Vec::new();
+    for gpu in &gpus {
+        let tokens: usize = std::env::var("RTUNE_TIMING_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
+        let small = tokens < 512;
+        let reps = if small { 1 } else { 10 };
+        let up = |n: usize, seed: u64, dt: Dt| Buf::from_f32(gpu, &rand_vec(&mut Rng::new(seed), n, 1.0), dt);
+        for dt in [Dt::Bf16, Dt::F16, Dt::F32] {
+            let o = Ops { gpu: &**gpu, dt };
+            for (model, h, inter) in [("135M", 576, 1536), ("360M", 960, 2560)] {
+                // (name, m, n, k, b_trans): forward x·Wᵀ, backward dy·W (the input's gradient).
+                let shapes = [
+                    ("q/o x·Wᵀ", tokens, h, h, true),
+                    ("gate/up x·Wᵀ", tokens, inter, h, true),
+                    ("down x·Wᵀ", tokens, h, inter, true),
+                    ("gate/up dy·W", tokens, h, inter, false),
+                    ("LM head chunk x·Wᵀ", tokens, 8192, h, true),
+                ];
+                for (name, m, n, k, b_trans) in shapes {
+                    let what = format!("{model} {name} {m}×{n}×{k}");
+                    let r = (|| -> Result<f64, String> {
+                        let e = |e: rtune::engine::gpu::GpuError| e.to_string();
+                        let (a, w, c) = (
+                            up(m * k, 1, dt).map_err(e)?,
+                            up(n * k, 2, dt).map_err(e)?,
+                            Buf::new(gpu, m * n, dt).map_err(e)?,
+                        );
+                        let s = time(gpu, reps, &|| {
+                            o.gemm(c.ptr(), dt, a.ptr(), false, w.ptr(), b_trans, m, n, k, 1.0, 0.0).map_err(e)
+                        })?;
+                        Ok(2.0 * (m * n * k) as f64 / s / 1e12)
+                    })();
+                    println!("{}: {dt:?} product {what}: {}", gpu.name(), show(&r));
+                    rates.push((what, dt, gpu.name(), r));
+                }
+            }
+            if dt == Dt::F32 {
+                continue;
+            }
+            for (name, hq, hk, d) in [("135M", 9, 3, 64), ("3B", 16, 2, 128)] {
+                let (b, t) = if small { (1, 64) } else { (4, 1024) };
+                let what = format!("{name} attention {b}×{t} fwd+bwd");
+                let r = (|| -> Result<f64, String> {
+                    let e = |e: rtune::engine::gpu::GpuError| e.to_string();
+                    let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores: true };
+                    let layout = rtune::model::batch::attention_layout(t, &vec![t; b], None);
+                    let (nq, nk) = (b * t * hq * d, b * t * hk * d);
+                    let (q, k, v, dout) = (
+                        up(nq, 3, dt).map_err(e)?,
+                        up(nk, 4, dt).map_err(e)?,
+                        up(nk, 5, dt).map_err(e)?,
+                        up(nq, 6, dt).map_err(e)?,
+                    );
+                    let (lo, hi) =
+                        (Buf::from_i32(gpu, &layout.lo).map_err(e)?, Buf::from_i32(gpu, &layout.hi).map_err(e)?);
+                    let out = Buf::new(gpu, nq, dt).map_err(e)?;
+                    let lse = Buf::new(gpu, b * hq * t, Dt::F32).map_err(e)?;
+                    let (dq, dk, dv) = (
+                        Buf::new(gpu, nq, dt).map_err(e)?,
+                        Buf::new(gpu, nk, dt).map_err(e)?,
+                        Buf::new(gpu, nk, dt).map_err(e)?,
+                    );
+                    let delta = Buf::new(gpu, b * hq * t, Dt::F32).map_err(e)?;
+                    let partial = Buf::new(gpu, s.partial_len(), Dt::F32).map_err(e)?;
+                    let fwd = || {
+                        o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), out.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).map_err(e)
+                    };
+                    let secs = time(gpu, reps, &|| {
+                        fwd()?;
+                        o.attn_bwd(
+                            &s,
+                            q.ptr(),
+                            k.ptr(),
+                            v.ptr(),
+                            out.ptr(),
+                            dout.ptr(),
+                            lse.ptr(),
+                            delta.ptr(),
+                            partial.ptr(),
+                            dq.ptr(),
+                            dk.ptr(),
+                            dv.ptr(),
+                            lo.ptr(),
+                            hi.ptr(),
+                        )
+                        .map_err(e)
+                    })?;
+                    // Causal: half the t² products; forward 2 of them, backward 4 (not counting
+                    // the recomputed probabilities).
+                    Ok(6.0 * (b * hq * t * t / 2 * d * 2) as f64 / secs / 1e12)
+                })();
+                println!(
+                    "{}: {dt:?} {what}{}: {}",
+                    gpu.name(),
+                    if s_tc(&**gpu, dt, d) { " (matrix units)" } else { "" },
+                    show(&r)
+                );
+                rates.push((what, dt, gpu.name(), r));
+            }
+        }
+    }
+    fn rate(t: f64) -> String {
+        if t >= 10.0 {
+            format!("{t:.0}")
+        } else if t >= 1.0 {
+            format!("{t:.1}")
+        } else {
+            format!("{t:.3}")
+        }
+    }
+    fn show(r: &Result<f64, String>) -> String {
+        match r {
+            Ok(t) => format!("{} TFLOP/s", rate(*t)),
+            Err(e) => format!("did not run: {e}"),
+        }
+    }
+    fn s_tc(gpu: &dyn Gpu, dt: Dt, d: usize) -> bool {
+        AttnShape::has_tensor_cores(dt, d) && gpu.tensor_core_attention(dt)
+    }
+    // The table: one column per device, each rate also as a fraction of the first device's
+    // (CUDA's, where this build has it) for the same work and type.
+    let names: Vec<String> = gpus.iter().map(|g| g.name()).collect();
+    println!("\n| work | type | {} |", names.join(" | "));
+    println!("|---|---|{}", "---|".repeat(names.len()));
+    let mut rows: Vec<(String, Dt)> = Vec::new();
+    for (what, dt, _, _) in &rates {
+        if !rows.contains(&(what.clone(), *dt)) {
+            rows.push((what.clone(), *dt));
+        }
+    }
+    for (what, dt) in rows {
+        let get = |name: &str| rates.iter().find(|r| r.0 == what && r.1 == dt && r.2 == name).map(|r| r.3.clone());
+        let first = get(&names[0]).and_then(Result::ok);
+        let cells: Vec<String> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| match get(n) {
+                Some(Ok(t)) if i > 0 && first.is_some() => format!("{} ({:.2}×)", rate(t), t / first.unwrap()),
+                Some(Ok(t)) => rate(t),
+                Some(Err(_)) => "—".into(),
+                None => "".into(),
+            })
+            .collect();
+        println!("| {what} | {dt:?} | {} |", cells.join(" | "));
     }
 }
 

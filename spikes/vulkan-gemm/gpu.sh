@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 18's spike on the GPU machine: every candidate's GEMM rate through Vulkan on the NVIDIA
 # driver, beside cuBLAS through PyTorch, in one command. Run from the repository root with the
-# spike binaries carried gzipped under .gpu/ (spikes/vulkan-gemm/build.sh makes them) and the
-# Vulkan loader's .deb under .gl/ (docs/devices.md says how):
+# spike binaries carried gzipped under .gpu-spike/ (spikes/vulkan-gemm/build.sh makes them) and
+# the Vulkan loader's .deb under .gl/ (scripts/gpu-prep.sh makes both; docs/devices.md, "The
+# owed GPU checks"). A candidate not carried (burn, usually: 23 minutes to build) is skipped.
 #
 #   spikes/vulkan-gemm/gpu.sh
 set -uo pipefail
@@ -13,14 +14,21 @@ if [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-for z in .gpu/vulkan-gemm-*.gz; do gunzip -c "$z" >"${z%.gz}" && chmod +x "${z%.gz}"; done
+for z in .gpu-spike/vulkan-gemm-*.gz; do gunzip -c "$z" >"${z%.gz}" && chmod +x "${z%.gz}"; done
+candidate() { # label binary args...
+  local label=$1 bin=$2
+  shift 2
+  echo "== $label"
+  # Each candidate has its own time limit, so one that hangs leaves the others their time.
+  if [ -x "$bin" ]; then timeout "${CANDIDATE_TIMEOUT:-60}" "$bin" "$@"; else echo "(not carried: $bin)"; fi
+}
 iters=${ITERS:-30}
-echo "== cuBLAS (PyTorch) bf16";  python3 spikes/vulkan-gemm/cublas.py --dtype bf16 --iters "$iters"
-echo "== cuBLAS (PyTorch) f32";   python3 spikes/vulkan-gemm/cublas.py --dtype f32 --iters "$iters"
-echo "== wgpu + WGSL f32";        .gpu/vulkan-gemm-wgsl --dtype f32 --iters "$iters"
+echo "== cuBLAS (PyTorch) bf16";  timeout 90 python3 spikes/vulkan-gemm/cublas.py --dtype bf16 --iters "$iters"
+echo "== cuBLAS (PyTorch) f32";   timeout 90 python3 spikes/vulkan-gemm/cublas.py --dtype f32 --iters "$iters"
 for dt in f16 f32; do
-  echo "== ash + SPIR-V (device addresses) $dt"; .gpu/vulkan-gemm-ash --dtype "$dt" --iters "$iters"
+  candidate "ash + SPIR-V (device addresses) $dt" .gpu-spike/vulkan-gemm-ash --dtype "$dt" --iters "$iters"
 done
+candidate "wgpu + WGSL f32" .gpu-spike/vulkan-gemm-wgsl --dtype f32 --iters "$iters"
 for dt in f16 f32; do
-  echo "== burn/CubeCL $dt";      .gpu/vulkan-gemm-burn --dtype "$dt" --iters "$iters"
+  candidate "burn/CubeCL $dt" .gpu-spike/vulkan-gemm-burn --dtype "$dt" --iters "$iters"
 done

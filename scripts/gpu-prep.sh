@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build here, without a GPU, everything the owed GPU checks carry to the GPU machine
+# (scripts/gpu-session.sh runs them there; docs/devices.md, "The owed GPU checks"):
+#
+#   .gl/          the Vulkan loader (Debian's libvulkan1): the GPU machine has the NVIDIA driver's
+#                 Vulkan ICD but no loader
+#   .gpu/         rtune and the GPU engine's tests built with CUDA (scripts/build-cuda.sh:
+#                 ~20 minutes cold on 2 cores)
+#   .gpu-spike/   the GEMM spike's candidates (spikes/vulkan-gemm/build.sh): ash and wgsl, and
+#                 burn with SPIKE_BURN=1 (a 23-minute build, ~58 MB before compression)
+#
+# All three are git-ignored, so a `run` call takes only what it names in `carry` (64 MiB a call,
+# working tree included). Existing outputs are kept; REBUILD=1 rebuilds rtune. Prints what each
+# session part carries and fails if one is over the limit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! ls .gl/libvulkan1_*.deb >/dev/null 2>&1; then
+  mkdir -p .gl /tmp/amd64/partial
+  o=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64)
+  apt-get "${o[@]}" update -qq
+  (cd .gl && apt-get "${o[@]}" download libvulkan1)
+fi
+if [ -n "${REBUILD:-}" ] || [ ! -f .gpu/rtune.gz ] || [ ! -f .gpu/gpu_engine.gz ]; then
+  scripts/build-cuda.sh
+fi
+cands=(ash wgsl)
+[ -z "${SPIKE_BURN:-}" ] || cands+=(burn)
+for c in "${cands[@]}"; do
+  [ -f ".gpu-spike/vulkan-gemm-$c.gz" ] || spikes/vulkan-gemm/build.sh "$c"
+done
+
+# What each part of scripts/gpu-session.sh carries, with the tracked files that travel anyway.
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+limit=$((64 * 1024 * 1024))
+status=0
+for part in "vulkan:.gpu .gpu-spike .gl" "verify:.gpu .gl" "bench:.gpu .gl"; do
+  name=${part%%:*} dirs=${part#*:}
+  # shellcheck disable=SC2086
+  bytes=$(($(du -cb $dirs | tail -1 | cut -f1) + tree))
+  echo "part $name carries $dirs: $((bytes / 1024 / 1024)) MiB with the working tree (limit 64 MiB)"
+  [ "$bytes" -lt "$limit" ] || status=1
+done
+exit $status
