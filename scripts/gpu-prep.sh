@@ -10,8 +10,9 @@
 #                 burn with SPIKE_BURN=1 (a 23-minute build, ~58 MB before compression)
 #
 # All three are git-ignored, so a `run` call takes only what it names in `carry` (64 MiB a call,
-# working tree included). Existing outputs are kept; REBUILD=1 rebuilds rtune. Prints what each
-# session part carries and fails if one is over the limit.
+# working tree included). The spike's binaries are kept once built; rtune is rebuilt as the tree
+# changes (.gpu/commit says from what). Prints what each session part carries and fails if one
+# is over the limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,9 +22,9 @@ if ! ls .gl/libvulkan1_*.deb >/dev/null 2>&1; then
   apt-get "${o[@]}" update -qq
   (cd .gl && apt-get "${o[@]}" download libvulkan1)
 fi
-if [ -n "${REBUILD:-}" ] || [ ! -f .gpu/rtune.gz ] || [ ! -f .gpu/gpu_engine.gz ]; then
-  scripts/build-cuda.sh
-fi
+# Always: cargo rebuilds only what changed, so the binaries are never older than the tree.
+scripts/build-cuda.sh
+git describe --always --dirty >.gpu/commit
 cands=(ash wgsl)
 [ -z "${SPIKE_BURN:-}" ] || cands+=(burn)
 for c in "${cands[@]}"; do
@@ -34,7 +35,7 @@ done
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 limit=$((64 * 1024 * 1024))
 status=0
-for part in "vulkan:.gpu .gpu-spike .gl" "verify:.gpu .gl" "bench:.gpu .gl"; do
+for part in "vulkan:.gpu .gpu-spike .gl" "verify:.gpu .gl" "bench:.gpu .gl" "more:.gpu .gl"; do
   name=${part%%:*} dirs=${part#*:}
   # shellcheck disable=SC2086
   bytes=$(($(du -cb $dirs | tail -1 | cut -f1) + tree))
