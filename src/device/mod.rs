@@ -440,7 +440,7 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
         memory_bytes: Some(d.memory_bytes),
         memory_free_bytes: d.memory_free_bytes,
         details: Some(format!(
-            "{} {} device, Vulkan {}, {}; subgroups of {}{}; cooperative matrices: {}",
+            "{} {} device, Vulkan {}, {}; subgroups of {}{}; cooperative matrices: {}{}",
             d.vendor(),
             d.kind,
             d.api,
@@ -451,6 +451,13 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
                 (false, _) => "no".to_string(),
                 (true, true) => "none the engine can use".to_string(),
                 (true, false) => d.matrix_shapes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", "),
+            },
+            // Only where it binds: below the memory, one buffer (a full fine-tune's trained
+            // weights, their moments) can be no larger.
+            if d.max_allocation_bytes < d.memory_bytes {
+                format!("; one allocation at most {}", crate::ui::human_bytes(d.max_allocation_bytes))
+            } else {
+                String::new()
             }
         )),
         unusable: (!d.missing.is_empty())
@@ -486,6 +493,36 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<String> {
         v.iter().map(|x| x.to_string()).collect()
+    }
+
+    /// `doctor`'s line for a Vulkan device: its matrix shapes, subgroups, and the largest
+    /// allocation only where it is below the memory (where it decides what fits in one buffer).
+    #[cfg(feature = "vulkan")]
+    #[test]
+    fn a_vulkan_device_line_names_its_allocation_limit_where_it_binds() {
+        let gib = 1u64 << 30;
+        let info = |max_allocation_bytes| vulkan::VulkanInfo {
+            name: "AMD Radeon RX 7900 XTX (RADV NAVI31)".into(),
+            vendor_id: VENDOR_AMD,
+            kind: "discrete",
+            driver: "radv Mesa 25.0.0".into(),
+            api: "1.3".into(),
+            memory_bytes: 24 * gib,
+            memory_free_bytes: None,
+            storage16: true,
+            bf16: false,
+            cooperative_matrix: true,
+            matrix_shapes: vec![],
+            subgroup: 64,
+            subgroup_range: Some((32, 64)),
+            max_allocation_bytes,
+            missing: vec![],
+        };
+        let capped = vulkan_device(0, info(4 * gib)).details.unwrap();
+        assert!(capped.ends_with("; one allocation at most 4.0 GiB"), "{capped}");
+        assert!(capped.contains("subgroups of 64 (32–64); cooperative matrices: none the engine can use"), "{capped}");
+        let whole = vulkan_device(0, info(24 * gib)).details.unwrap();
+        assert!(!whole.contains("allocation"), "{whole}");
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub struct VulkanInfo {
     /// and where the device can run others (`VK_EXT_subgroup_size_control`), the range.
     pub subgroup: u32,
     pub subgroup_range: Option<(u32, u32)>,
+    /// The largest single allocation ([`max_allocation`]).
+    pub max_allocation_bytes: u64,
     /// Features the GPU engine needs that the device lacks (Vulkan 1.2, buffer device
     /// addresses, 64-bit integers); empty when it can train here.
     pub missing: Vec<&'static str>,
@@ -244,6 +246,26 @@ pub unsafe fn subgroups(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Sub
     }
 }
 
+/// The largest single allocation the device allows: `maxMemoryAllocationSize`, and
+/// `maxBufferSize` on Vulkan 1.3 (some drivers cap both at 4 GiB, below their memory).
+///
+/// # Safety
+/// `pd` must be a physical device of the live `instance`.
+pub unsafe fn max_allocation(instance: &ash::Instance, pd: vk::PhysicalDevice) -> u64 {
+    // SAFETY (both calls): the caller's contract; the chained structures outlive the call.
+    let api = unsafe { instance.get_physical_device_properties(pd) }.api_version;
+    let v13 = vk::api_version_minor(api) >= 3;
+    let mut m3 = vk::PhysicalDeviceMaintenance3Properties::default();
+    let mut m4 = vk::PhysicalDeviceMaintenance4Properties::default();
+    let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut m3);
+    if v13 {
+        props2 = props2.push_next(&mut m4);
+    }
+    unsafe { instance.get_physical_device_properties2(pd, &mut props2) };
+    let buffer = if v13 { m4.max_buffer_size } else { u64::MAX };
+    m3.max_memory_allocation_size.min(buffer)
+}
+
 /// The Vulkan devices of this machine, or why there are none (no loader, no driver).
 pub fn devices() -> Result<Vec<VulkanInfo>, String> {
     let (entry, instance) = instance()?;
@@ -306,6 +328,7 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
         missing: support.missing,
         subgroup: subgroups.size,
         subgroup_range: subgroups.range,
+        max_allocation_bytes: unsafe { max_allocation(instance, pd) },
     }
 }
 

@@ -328,17 +328,7 @@ impl VulkanGpu {
             // the device may choose (subgroup size control, Vulkan 1.3).
             let sub = crate::device::vulkan::subgroups(&instance, pd);
             let v13 = vk::api_version_minor(props.api_version) >= 3;
-            let max_alloc = {
-                let mut m3 = vk::PhysicalDeviceMaintenance3Properties::default();
-                let mut m4 = vk::PhysicalDeviceMaintenance4Properties::default();
-                let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut m3);
-                if v13 {
-                    props2 = props2.push_next(&mut m4);
-                }
-                instance.get_physical_device_properties2(pd, &mut props2);
-                let buffer = if v13 { m4.max_buffer_size } else { u64::MAX };
-                m3.max_memory_allocation_size.min(buffer)
-            };
+            let max_alloc = crate::device::vulkan::max_allocation(&instance, pd);
             let mut size_control = vk::PhysicalDeviceSubgroupSizeControlFeatures::default();
             if v13 {
                 instance.get_physical_device_features2(
