@@ -850,6 +850,76 @@ fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
 
 /// [`attention_kernels_match_a_reference_on_packed_and_padded_rows`] on `gpu` for (compute
 /// type, head size, tensor-core kernels) `cases`.
+/// The buffers of one attention call, forward and backward: inputs, output and gradients in
+/// the compute type, per-row statistics in f32, the rows' key ranges.
+struct AttnBufs {
+    q: Buf,
+    k: Buf,
+    v: Buf,
+    dout: Buf,
+    out: Buf,
+    lse: Buf,
+    delta: Buf,
+    partial: Buf,
+    dq: Buf,
+    dk: Buf,
+    dv: Buf,
+    lo: Buf,
+    hi: Buf,
+}
+
+impl AttnBufs {
+    fn new(
+        gpu: &Rc<dyn Gpu>,
+        s: &AttnShape,
+        dt: Dt,
+        (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
+        layout: &rtune::model::batch::AttentionLayout,
+    ) -> Result<AttnBufs, rtune::engine::gpu::GpuError> {
+        let (nq, nk, rows) = (s.b * s.t * s.hq * s.d, s.b * s.t * s.hk * s.d, s.b * s.hq * s.t);
+        Ok(AttnBufs {
+            q: Buf::from_f32(gpu, q, dt)?,
+            k: Buf::from_f32(gpu, k, dt)?,
+            v: Buf::from_f32(gpu, v, dt)?,
+            dout: Buf::from_f32(gpu, dout, dt)?,
+            out: Buf::new(gpu, nq, dt)?,
+            lse: Buf::new(gpu, rows, Dt::F32)?,
+            delta: Buf::new(gpu, rows, Dt::F32)?,
+            partial: Buf::new(gpu, s.partial_len(), Dt::F32)?,
+            dq: Buf::new(gpu, nq, dt)?,
+            dk: Buf::new(gpu, nk, dt)?,
+            dv: Buf::new(gpu, nk, dt)?,
+            lo: Buf::from_i32(gpu, &layout.lo)?,
+            hi: Buf::from_i32(gpu, &layout.hi)?,
+        })
+    }
+
+    fn fwd(&self, o: &Ops, s: &AttnShape) -> Result<(), rtune::engine::gpu::GpuError> {
+        let b = self;
+        o.attn_fwd(s, b.q.ptr(), b.k.ptr(), b.v.ptr(), b.out.ptr(), b.lse.ptr(), b.lo.ptr(), b.hi.ptr())
+    }
+
+    fn bwd(&self, o: &Ops, s: &AttnShape) -> Result<(), rtune::engine::gpu::GpuError> {
+        let b = self;
+        o.attn_bwd(
+            s,
+            b.q.ptr(),
+            b.k.ptr(),
+            b.v.ptr(),
+            b.out.ptr(),
+            b.dout.ptr(),
+            b.lse.ptr(),
+            b.delta.ptr(),
+            b.partial.ptr(),
+            b.dq.ptr(),
+            b.dk.ptr(),
+            b.dv.ptr(),
+            b.lo.ptr(),
+            b.hi.ptr(),
+        )
+    }
+}
+
 fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
     // Two rows of 37: two packed documents, and one padded after 29 tokens; and one row longer
     // than the tensor-core kernels' blocks of 64 queries and tiles of 32 keys, padded after 140.
@@ -870,38 +940,15 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
         let k = rounded(dt, &rand_vec(&mut rng, nk, 1.5));
         let v = rounded(dt, &rand_vec(&mut rng, nk, 1.0));
         let dout = rounded(dt, &rand_vec(&mut rng, nq, 1.0));
-        let up = |x: &[f32]| Buf::from_f32(gpu, x, dt).unwrap();
-        let (qb, kb, vb, db) = (up(&q), up(&k), up(&v), up(&dout));
-        let (lo, hi) = (Buf::from_i32(gpu, &layout.lo).unwrap(), Buf::from_i32(gpu, &layout.hi).unwrap());
-        let ob = Buf::new(gpu, nq, dt).unwrap();
-        let lse = Buf::new(gpu, s.b * s.hq * t, Dt::F32).unwrap();
-        o.attn_fwd(&s, qb.ptr(), kb.ptr(), vb.ptr(), ob.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).unwrap();
+        let bufs = AttnBufs::new(gpu, &s, dt, (&q, &k, &v, &dout), layout).unwrap();
+        bufs.fwd(&o, &s).unwrap();
         let (want_o, want_lse, want_dq, want_dk, want_dv) =
             attention_reference(&s, &q, &k, &v, &dout, &layout.lo, &layout.hi);
         let what = format!("{}: {dt:?} d={d} t={t} tensor cores {tensor_cores}", gpu.name());
-        assert_close(&format!("{what} O"), &ob.to_vec().unwrap(), &want_o, tol(dt));
-        assert_close(&format!("{what} lse"), &lse.to_vec().unwrap(), &want_lse, 1e-3);
-        let (dq, dk, dv) =
-            (Buf::new(gpu, nq, dt).unwrap(), Buf::new(gpu, nk, dt).unwrap(), Buf::new(gpu, nk, dt).unwrap());
-        let delta = Buf::new(gpu, s.b * s.hq * t, Dt::F32).unwrap();
-        let partial = Buf::new(gpu, s.partial_len(), Dt::F32).unwrap();
-        o.attn_bwd(
-            &s,
-            qb.ptr(),
-            kb.ptr(),
-            vb.ptr(),
-            ob.ptr(),
-            db.ptr(),
-            lse.ptr(),
-            delta.ptr(),
-            partial.ptr(),
-            dq.ptr(),
-            dk.ptr(),
-            dv.ptr(),
-            lo.ptr(),
-            hi.ptr(),
-        )
-        .unwrap();
+        assert_close(&format!("{what} O"), &bufs.out.to_vec().unwrap(), &want_o, tol(dt));
+        assert_close(&format!("{what} lse"), &bufs.lse.to_vec().unwrap(), &want_lse, 1e-3);
+        bufs.bwd(&o, &s).unwrap();
+        let (dq, dk, dv) = (&bufs.dq, &bufs.dk, &bufs.dv);
         assert_close(&format!("{what} dQ"), &dq.to_vec().unwrap(), &want_dq, tol(dt) * 2.0);
         assert_close(&format!("{what} dK"), &dk.to_vec().unwrap(), &want_dk, tol(dt) * 2.0);
         assert_close(&format!("{what} dV"), &dv.to_vec().unwrap(), &want_dv, tol(dt) * 2.0);
@@ -1464,45 +1511,12 @@ fn gpu_timings() {
                     let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores: true };
                     let layout = rtune::model::batch::attention_layout(t, &vec![t; b], None);
                     let (nq, nk) = (b * t * hq * d, b * t * hk * d);
-                    let (q, k, v, dout) = (
-                        up(nq, 3, dt).map_err(e)?,
-                        up(nk, 4, dt).map_err(e)?,
-                        up(nk, 5, dt).map_err(e)?,
-                        up(nq, 6, dt).map_err(e)?,
-                    );
-                    let (lo, hi) =
-                        (Buf::from_i32(gpu, &layout.lo).map_err(e)?, Buf::from_i32(gpu, &layout.hi).map_err(e)?);
-                    let out = Buf::new(gpu, nq, dt).map_err(e)?;
-                    let lse = Buf::new(gpu, b * hq * t, Dt::F32).map_err(e)?;
-                    let (dq, dk, dv) = (
-                        Buf::new(gpu, nq, dt).map_err(e)?,
-                        Buf::new(gpu, nk, dt).map_err(e)?,
-                        Buf::new(gpu, nk, dt).map_err(e)?,
-                    );
-                    let delta = Buf::new(gpu, b * hq * t, Dt::F32).map_err(e)?;
-                    let partial = Buf::new(gpu, s.partial_len(), Dt::F32).map_err(e)?;
-                    let fwd = || {
-                        o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), out.ptr(), lse.ptr(), lo.ptr(), hi.ptr()).map_err(e)
-                    };
+                    let r = |n: usize, seed: u64| rand_vec(&mut Rng::new(seed), n, 1.0);
+                    let (q, k, v, dout) = (r(nq, 3), r(nk, 4), r(nk, 5), r(nq, 6));
+                    let bufs = AttnBufs::new(gpu, &s, dt, (&q, &k, &v, &dout), &layout).map_err(e)?;
                     let secs = time(gpu, reps, &|| {
-                        fwd()?;
-                        o.attn_bwd(
-                            &s,
-                            q.ptr(),
-                            k.ptr(),
-                            v.ptr(),
-                            out.ptr(),
-                            dout.ptr(),
-                            lse.ptr(),
-                            delta.ptr(),
-                            partial.ptr(),
-                            dq.ptr(),
-                            dk.ptr(),
-                            dv.ptr(),
-                            lo.ptr(),
-                            hi.ptr(),
-                        )
-                        .map_err(e)
+                        bufs.fwd(&o, &s).map_err(e)?;
+                        bufs.bwd(&o, &s).map_err(e)
                     })?;
                     // Causal: half the t² products; forward 2 of them, backward 4 (not counting
                     // the recomputed probabilities).
