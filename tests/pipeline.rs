@@ -973,7 +973,8 @@ fn plan_refuses_other_engines_on_vulkan() {
 /// `trainable` is `["adapter"]` (with an adapter) or weight patterns: `"adapter"` among
 /// patterns used to be a pattern naming nothing (training the other weights and no adapter),
 /// and `["adapter"]` with `adapter.kind = "none"` a silent full fine-tune. Both are refused at
-/// `trainable`; the lone `["adapter"]` with LoRA, and patterns alone, plan.
+/// `trainable` (also where a `[device.<name>]` table sets it); the lone `["adapter"]` with LoRA,
+/// and patterns alone, plan.
 #[test]
 fn trainable_is_the_adapter_or_weight_patterns() {
     let p = Project::tiny_offline();
@@ -999,6 +1000,10 @@ fn trainable_is_the_adapter_or_weight_patterns() {
     let err = stderr(&o);
     assert!(!o.status.success() && err.contains("rtune::plan::trainable"), "an override's mix planned: {err}");
     assert!(err.contains("device.cpu.train.trainable = ["), "located at the override: {err}");
+    // `validate` knows no device: it checks every `[device.<name>]` table the recipe has.
+    let o = p.run(&["validate", "tiny.toml", "--set", r#"device.rocm.train.trainable=["adapter", "*norm*"]"#]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("rtune::plan::trainable"), "validate passed an override's mix: {err}");
     let o = plan(&[r#"stages.train.trainable=["adapter"]"#]);
     assert!(o.status.success(), "{}", stderr(&o));
     let o = plan(&[r#"stages.train.trainable=["*norm*"]"#, r#"stages.quantize.formats=["safetensors-merged"]"#]);

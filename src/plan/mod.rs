@@ -165,7 +165,7 @@ pub fn make(
 
     let mut planned: Vec<PlannedStage> = Vec::new();
     for spec in &loaded.stages.list {
-        support::check(spec, loaded, Some(&device))?;
+        support::check(spec, loaded, &device.override_names())?;
         let locked = previous.and_then(|r| r.stages.get(&spec.name)).map(|d| &d.inputs["sources"]);
         let key = resolve_key(spec, loaded, &device, &hub, locked)?;
         support::check_device(&key, loaded)?;
@@ -340,8 +340,19 @@ fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, p
 /// only `plan` and `run` resolve.
 pub fn check_stages(loaded: &LoadedRecipe) -> Result<(), crate::recipe::Problems> {
     let problems: Vec<Problem> =
-        loaded.stages.list.iter().filter_map(|spec| support::check(spec, loaded, None).err()).collect();
+        loaded.stages.list.iter().filter_map(|spec| check_everywhere(spec, loaded).err()).collect();
     if problems.is_empty() { Ok(()) } else { Err(crate::recipe::Problems::new(loaded.name(), problems)) }
+}
+
+/// A stage as written, then with each `[device.<name>]` table's overrides: `validate` does not
+/// know the device, so it checks every one the recipe has (one at a time; `plan` checks the
+/// chosen device's, merged). The first problem found.
+fn check_everywhere(spec: &StageSpec, loaded: &LoadedRecipe) -> Result<(), Problem> {
+    support::check(spec, loaded, &[])?;
+    for name in loaded.recipe.device.overrides.keys() {
+        support::check(spec, loaded, std::slice::from_ref(name))?;
+    }
+    Ok(())
 }
 
 /// What the train stage whose weights a stage takes trains.
@@ -354,16 +365,12 @@ pub(crate) struct TrainedFrom {
     pub by_patterns: bool,
 }
 
-/// What the train stage feeding `spec`'s trained weights trains on `device` (None: as the
-/// stage writes it, without device overrides); None when no train stage feeds it.
-pub(crate) fn trained_from(
-    spec: &StageSpec,
-    loaded: &LoadedRecipe,
-    device: Option<&Resolution>,
-) -> Option<TrainedFrom> {
+/// What the train stage feeding `spec`'s trained weights trains with the `overrides` of
+/// [`resolve::stage_settings`]; None when no train stage feeds it.
+pub(crate) fn trained_from(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Option<TrainedFrom> {
     let inputs = spec.inputs(&loaded.stages);
     let train = inputs.get(&Port::Weights).filter(|t| t.kind == StageKind::Train)?;
-    let patterns: Option<Vec<String>> = resolve::stage_settings(train, loaded, device)
+    let patterns: Option<Vec<String>> = resolve::stage_settings(train, loaded, overrides)
         .get("trainable")
         .and_then(|v| serde_json::from_value(v.clone()).ok());
     let kind = loaded.recipe.adapter.kind;
@@ -405,12 +412,12 @@ mod support {
     /// weight patterns. `"adapter"` among patterns would otherwise be read as a pattern naming
     /// no weight (training the others and no adapter), and `["adapter"]` without an adapter as a
     /// full fine-tune. (An empty list is the recipe's own error.)
-    fn check_trainable(spec: &StageSpec, loaded: &LoadedRecipe, device: Option<&Resolution>) -> Result<(), Problem> {
-        let table = resolve::stage_settings(spec, loaded, device);
+    fn check_trainable(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Result<(), Problem> {
+        let table = resolve::stage_settings(spec, loaded, overrides);
         let Some(patterns) = table.get("trainable").and_then(|v| v.as_array()) else {
             return Ok(());
         };
-        let at = resolve::setting_origin(spec, loaded, device, "trainable");
+        let at = resolve::setting_origin(spec, loaded, overrides, "trainable");
         let adapter = patterns.iter().any(|p| p.as_str() == Some("adapter"));
         if adapter && patterns.len() > 1 {
             return Err(Problem::new(
@@ -432,13 +439,13 @@ mod support {
         Ok(())
     }
 
-    /// `device`: the device the recipe resolved to, whose `[device.<name>]` overrides apply
-    /// (None: the stages' own settings, as `validate` checks them).
-    pub fn check(spec: &StageSpec, loaded: &LoadedRecipe, device: Option<&Resolution>) -> Result<(), Problem> {
+    /// `overrides`: the `[device.<name>]` tables whose settings apply, broadest first (the
+    /// chosen device's `override_names`; none: the stages' own settings).
+    pub fn check(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Result<(), Problem> {
         match spec.kind {
             StageKind::Download => {}
             StageKind::Tokenize => {}
-            StageKind::Train => check_trainable(spec, loaded, device)?,
+            StageKind::Train => check_trainable(spec, loaded, overrides)?,
             StageKind::Evaluate => {}
             StageKind::Quantize => {
                 if let Some(size) = spec.settings.get("max_shard_size").and_then(|v| v.as_str())
@@ -450,11 +457,11 @@ mod support {
                 }
                 // With the default list (no `formats`), base weights that train get no PEFT
                 // export (resolve drops it); asked for explicitly, it is an error.
-                let table = resolve::stage_settings(spec, loaded, device);
+                let table = resolve::stage_settings(spec, loaded, overrides);
                 let formats = table.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
                 let peft = formats.iter().any(|f| f.as_str() == Some("peft-adapter"));
                 if let (true, Some(TrainedFrom { adapter: false, by_patterns, train })) =
-                    (peft, trained_from(spec, loaded, device))
+                    (peft, trained_from(spec, loaded, overrides))
                 {
                     let why = match by_patterns {
                         true => format!("stage `{train}` trains base weights (`stages.{train}.trainable`)"),
@@ -464,7 +471,7 @@ mod support {
                         "rtune::plan::no_adapter",
                         format!("`peft-adapter` needs a LoRA adapter, but {why}"),
                     )
-                    .at(resolve::setting_origin(spec, loaded, device, "formats"), "no adapter to export")
+                    .at(resolve::setting_origin(spec, loaded, overrides, "formats"), "no adapter to export")
                     .help("export `safetensors-merged` or a GGUF format when base weights train"));
                 }
             }

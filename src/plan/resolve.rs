@@ -22,7 +22,8 @@ pub(super) fn resolve_key(
 ) -> Result<StageKey, Problem> {
     use key::*;
     let recipe = &loaded.recipe;
-    let table = stage_settings(spec, loaded, Some(device));
+    let overrides = device.override_names();
+    let table = stage_settings(spec, loaded, &overrides);
     fn typed<T: serde::de::DeserializeOwned>(
         table: Value,
         spec: &StageSpec,
@@ -124,7 +125,7 @@ pub(super) fn resolve_key(
             let mut quantize: QuantizeSettings = typed(table, spec, loaded)?;
             // The default formats export a PEFT folder only where an adapter trains (`plan`
             // refuses `peft-adapter` asked for without one).
-            if !explicit && super::trained_from(spec, loaded, Some(device)).is_some_and(|t| !t.adapter) {
+            if !explicit && super::trained_from(spec, loaded, &overrides).is_some_and(|t| !t.adapter) {
                 quantize.formats.retain(|f| *f != ExportFormat::PeftAdapter);
             }
             StageKey::Quantize(QuantizeKey {
@@ -168,7 +169,7 @@ pub(super) fn resolve_key(
                 lora: spec
                     .inputs(&loaded.stages)
                     .get(&crate::recipe::stages::Port::Exports)
-                    .and_then(|q| super::trained_from(q, loaded, Some(device)))
+                    .and_then(|q| super::trained_from(q, loaded, &overrides))
                     .map_or(recipe.adapter.kind != crate::recipe::AdapterKind::None, |t| t.adapter),
             };
             let dir = upload.to.strip_prefix("dir://").map(|rel| loaded.resolve_path(rel));
@@ -177,28 +178,27 @@ pub(super) fn resolve_key(
     })
 }
 
-/// A stage's settings on `device` (None: as the stage writes them): the `[device.<name>.<stage>]`
-/// overrides for that device merged over the stage's own, the broadest name first.
-pub(super) fn stage_settings(spec: &StageSpec, loaded: &LoadedRecipe, device: Option<&Resolution>) -> Value {
+/// A stage's settings with the `[device.<name>.<stage>]` tables of `overrides` merged over its
+/// own, in order (a device's `override_names`: the broadest name first; none: as written).
+pub(super) fn stage_settings(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Value {
     let mut table = Value::Object(spec.settings.clone());
-    for dev in device.map(Resolution::override_names).unwrap_or_default() {
-        if let Some(over) = loaded.recipe.device.overrides.get(&dev).and_then(|o| o.get(&spec.name)) {
+    for dev in overrides {
+        if let Some(over) = loaded.recipe.device.overrides.get(dev).and_then(|o| o.get(&spec.name)) {
             merge(&mut table, over);
         }
     }
     table
 }
 
-/// Where a stage's setting `key` on `device` is written: the narrowest override that sets it,
-/// else the stage itself.
+/// Where a stage's setting `key` is written: the last of `overrides` that sets it, else the
+/// stage itself.
 pub(super) fn setting_origin<'a>(
     spec: &StageSpec,
     loaded: &'a LoadedRecipe,
-    device: Option<&Resolution>,
+    overrides: &[String],
     key: &str,
 ) -> Option<&'a crate::recipe::Origin> {
-    let names = device.map(Resolution::override_names).unwrap_or_default();
-    names
+    overrides
         .iter()
         .rev()
         .find_map(|dev| loaded.origin(&["device", dev, &spec.name, key]))
