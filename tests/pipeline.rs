@@ -1010,6 +1010,29 @@ fn trainable_is_the_adapter_or_weight_patterns() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// Settings a `[device.<name>]` table overrides are checked as the stage's own are: `validate`
+/// checks every table, `plan` the chosen device's (an override used to pass both and fail when
+/// its stage ran).
+#[test]
+fn stage_checks_see_device_overrides() {
+    let p = Project::tiny_offline();
+    for (set, code) in [
+        (r#"device.cuda.upload.to="dir://../elsewhere""#, "rtune::plan::bad_destination"),
+        (r#"device.cuda.quantize.max_shard_size="lots""#, "rtune::plan::bad_size"),
+    ] {
+        let o = p.run(&["validate", "tiny.toml", "--set", set]);
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains(code), "{set}: {err}");
+        assert!(err.contains(&set.replace('=', " = ")), "{set}: located at the override: {err}");
+        // `plan` on the CPU does not apply `[device.cuda]`; on CUDA it would.
+        let o = p.run(&["plan", "tiny.toml", "--set", set, "--set", r#"device.prefer=["cpu"]"#]);
+        assert!(o.status.success(), "{set}: plan on the CPU applied [device.cuda]: {}", stderr(&o));
+        let cpu = set.replace("device.cuda.", "device.cpu.");
+        let o = p.run(&["plan", "tiny.toml", "--set", &cpu, "--set", r#"device.prefer=["cpu"]"#]);
+        assert!(!o.status.success() && stderr(&o).contains(code), "{cpu}: {}", stderr(&o));
+    }
+}
+
 /// A train stage that trains base weights (`adapter.kind = "none"`, or `trainable` patterns)
 /// has no adapter to export: `plan` refuses `peft-adapter` asked for, at `formats`, naming what
 /// decided it (a selective fine-tune used to pass `plan` and fail in `quantize` after training);

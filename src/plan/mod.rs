@@ -412,12 +412,14 @@ mod support {
     /// weight patterns. `"adapter"` among patterns would otherwise be read as a pattern naming
     /// no weight (training the others and no adapter), and `["adapter"]` without an adapter as a
     /// full fine-tune. (An empty list is the recipe's own error.)
-    fn check_trainable(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Result<(), Problem> {
-        let table = resolve::stage_settings(spec, loaded, overrides);
+    fn check_trainable(
+        table: &Value,
+        at: Option<&crate::recipe::Origin>,
+        loaded: &LoadedRecipe,
+    ) -> Result<(), Problem> {
         let Some(patterns) = table.get("trainable").and_then(|v| v.as_array()) else {
             return Ok(());
         };
-        let at = resolve::setting_origin(spec, loaded, overrides, "trainable");
         let adapter = patterns.iter().any(|p| p.as_str() == Some("adapter"));
         if adapter && patterns.len() > 1 {
             return Err(Problem::new(
@@ -442,22 +444,23 @@ mod support {
     /// `overrides`: the `[device.<name>]` tables whose settings apply, broadest first (the
     /// chosen device's `override_names`; none: the stages' own settings).
     pub fn check(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Result<(), Problem> {
+        let table = resolve::stage_settings(spec, loaded, overrides);
+        let at = |key: &str| resolve::setting_origin(spec, loaded, overrides, key);
         match spec.kind {
             StageKind::Download => {}
             StageKind::Tokenize => {}
-            StageKind::Train => check_trainable(spec, loaded, overrides)?,
+            StageKind::Train => check_trainable(&table, at("trainable"), loaded)?,
             StageKind::Evaluate => {}
             StageKind::Quantize => {
-                if let Some(size) = spec.settings.get("max_shard_size").and_then(|v| v.as_str())
+                if let Some(size) = table.get("max_shard_size").and_then(|v| v.as_str())
                     && let Err(e) = crate::recipe::parse_size(size)
                 {
                     return Err(Problem::new("rtune::plan::bad_size", e)
-                        .at(loaded.origin(&["stages", &spec.name, "max_shard_size"]), "not a size")
+                        .at(at("max_shard_size"), "not a size")
                         .help("e.g. \"5GB\", \"500MB\" or \"2GiB\""));
                 }
                 // With the default list (no `formats`), base weights that train get no PEFT
                 // export (resolve drops it); asked for explicitly, it is an error.
-                let table = resolve::stage_settings(spec, loaded, overrides);
                 let formats = table.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
                 let peft = formats.iter().any(|f| f.as_str() == Some("peft-adapter"));
                 if let (true, Some(TrainedFrom { adapter: false, by_patterns, train })) =
@@ -471,13 +474,13 @@ mod support {
                         "rtune::plan::no_adapter",
                         format!("`peft-adapter` needs a LoRA adapter, but {why}"),
                     )
-                    .at(resolve::setting_origin(spec, loaded, overrides, "formats"), "no adapter to export")
+                    .at(at("formats"), "no adapter to export")
                     .help("export `safetensors-merged` or a GGUF format when base weights train"));
                 }
             }
             StageKind::Upload => {
-                let to = spec.settings.get("to").and_then(|t| t.as_str()).unwrap_or_default();
-                let at = loaded.origin(&["stages", &spec.name, "to"]);
+                let to = table.get("to").and_then(|t| t.as_str()).unwrap_or_default();
+                let at = at("to");
                 if let Some(rest) = to.strip_prefix("hf://") {
                     return crate::hub::parse_hf_url(rest)
                         .map(|_| ())
