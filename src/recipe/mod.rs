@@ -298,13 +298,15 @@ fn check_tree(tree: &Node, problems: &mut Vec<Problem>) -> Option<Stages> {
     checker.check_table(tree, &root_schema, "", &["stages", "device"]);
     if let Some(device) = tree.get(&["device"]) {
         if device.as_table().is_some() {
-            let device_schema = schema["$defs"]["DevicePolicy"].clone();
-            let allow: Vec<&str> = device
-                .as_table()
+            // Besides its own keys, `[device]` holds only `[device.<name>]` tables: any other
+            // key is a mistake (a misspelt device's overrides would otherwise never apply), so
+            // the table is checked closed, with the device names as the other keys it knows.
+            let mut device_schema = schema["$defs"]["DevicePolicy"].clone();
+            device_schema["additionalProperties"] = serde_json::Value::Bool(false);
+            let allow: Vec<&str> = DEVICE_NAMES
                 .into_iter()
-                .flat_map(|t| t.keys())
+                .chain(device.as_table().into_iter().flat_map(|t| t.keys()).map(String::as_str))
                 .filter(|k| is_device_name(k))
-                .map(String::as_str)
                 .collect();
             checker.check_table(device, &device_schema, "device", &allow);
         } else {
