@@ -30,8 +30,9 @@ pub fn markdown() -> String {
         }
         if section == "device" {
             out.push_str(
-                "\n`[device.<name>]` tables (`cpu`, `cuda`, `cuda:N`, `vulkan`, `vulkan:N`, `metal`, `rocm`) override stage settings when \
-                 that device is chosen, e.g. `[device.cpu]` then `train.batch_size = 1`.\n",
+                "\n`[device.<name>]` tables (`cpu`, `cuda`, `cuda:N`, `vulkan`, `vulkan:N`, `metal`, `rocm`, `directml`) override stage \
+                 settings when that device is chosen, e.g. `[device.cpu]` then `train.batch_size = 1`, and may hold the device's own \
+                 `dtype` list. Any other key in `[device]` is an error.\n",
             );
         }
     }

@@ -289,9 +289,9 @@ impl LoraTarget {
 }
 
 /// Device policy. Besides the keys below, `[device.<name>]` tables (`cpu`, `cuda`, `cuda:N`,
-/// `vulkan`, `vulkan:N`, `metal`, `rocm`) hold stage overrides applied only when that device is chosen, e.g.
+/// `vulkan`, `vulkan:N`, `metal`, `rocm`, `directml`) hold stage overrides applied only when that device is chosen, e.g.
 /// `[device.cpu] train.batch_size = 1`, and the device's own dtype preference, e.g.
-/// `[device.rocm] dtype = ["f32"]`.
+/// `[device.rocm] dtype = ["f32"]`. Any other key is an error.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct DevicePolicy {
     /// Devices in order of preference; the first one available wins.
