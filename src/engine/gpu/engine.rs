@@ -111,15 +111,81 @@ fn fill_slots(
 /// Trained parameters with their optimizer state, flat f32.
 struct Trained {
     slots: Vec<Slot>,
-    params: Buf,
+    params: Flat,
     /// Compute-dtype copy of `params` for the products (none in f32).
-    params_c: Option<Buf>,
-    grads: Option<Buf>,
-    m: Option<Buf>,
-    v: Option<Buf>,
-    ema: Option<(f64, Buf)>,
+    params_c: Option<Flat>,
+    grads: Option<Flat>,
+    m: Option<Flat>,
+    v: Option<Flat>,
+    ema: Option<(f64, Flat)>,
     opt: Option<AdamWConfig>,
     opt_step: u64,
+}
+
+/// One flat array of trained values over one or more device buffers: where the device caps a
+/// single allocation (`Gpu::max_alloc`, 4 GiB on some Vulkan drivers) below what the trained
+/// weights take, the array is cut at slot boundaries into parts that each fit, so no weight
+/// straddles two. Every flat array of one `Trained` is cut the same way (`bounds`).
+struct Flat {
+    parts: Vec<Buf>,
+    /// Where each part starts, then the total length.
+    bounds: Vec<usize>,
+}
+
+impl Flat {
+    fn new(gpu: &Rc<dyn Gpu>, bounds: &[usize], dt: Dt, init: Option<&[f32]>) -> Result<Flat, GpuError> {
+        let parts = bounds
+            .windows(2)
+            .map(|w| match init {
+                Some(v) => Buf::from_f32(gpu, &v[w[0]..w[1]], dt),
+                None => Buf::zeros(gpu, w[1] - w[0], dt),
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Flat { parts, bounds: bounds.to_vec() })
+    }
+
+    fn len(&self) -> usize {
+        *self.bounds.last().expect("bounds end with the length")
+    }
+
+    /// The address of element `off`.
+    fn at(&self, off: usize) -> u64 {
+        let p = self.bounds.partition_point(|&b| b <= off) - 1;
+        self.parts[p].at(off - self.bounds[p])
+    }
+
+    fn to_vec(&self) -> Result<Vec<f32>, GpuError> {
+        let mut all = Vec::with_capacity(self.len());
+        for p in &self.parts {
+            all.extend(p.to_vec()?);
+        }
+        Ok(all)
+    }
+
+    fn write(&self, all: &[f32]) -> Result<(), GpuError> {
+        self.parts.iter().zip(self.bounds.windows(2)).try_for_each(|(p, w)| p.write(0, &all[w[0]..w[1]]))
+    }
+
+    fn zero(&self, gpu: &dyn Gpu) -> Result<(), GpuError> {
+        self.parts.iter().try_for_each(|p| gpu.zero(p.ptr(), p.len * p.dt.size()))
+    }
+}
+
+/// Where to cut `slots` (laid out in order, `len` values in all) so that each part's f32 values
+/// fit in one allocation of `max_bytes`; None names a slot too large for one.
+fn cut(slots: &[Slot], len: usize, max_bytes: u64) -> Result<Vec<usize>, &Slot> {
+    let cap = (max_bytes / 4).min(usize::MAX as u64) as usize;
+    let mut bounds = vec![0];
+    for s in slots {
+        if s.len > cap {
+            return Err(s);
+        }
+        if s.off + s.len - bounds.last().unwrap() > cap {
+            bounds.push(s.off);
+        }
+    }
+    bounds.push(len);
+    Ok(bounds)
 }
 
 /// A batch on the device.
@@ -368,10 +434,7 @@ impl GpuEngine {
                     let saved = peft::read_weights(dir, &candle_core::Device::Cpu)?;
                     fill_slots(&slots, &saved, &mut values, |name| ModelError::MissingTensor { name }.into())?;
                 }
-                Some(
-                    Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)
-                        .map_err(gerr("allocate parameters"))?,
-                )
+                Some(Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)?)
             }
             Trainable::Nothing => None,
             Trainable::Weights(patterns) => {
@@ -386,22 +449,9 @@ impl GpuEngine {
                         values.len()
                     )));
                 }
-                // The trained values, their gradients and moments are one buffer each.
-                let bytes = values.len() as u64 * 4;
-                if bytes > gpu.max_alloc() {
-                    return Err(EngineError::Unsupported(format!(
-                        "the weights `stages.train.trainable` names ({} values, {} in f32) do not fit in one \
-                         buffer of {}, which allows at most {}: train fewer weights or a LoRA adapter",
-                        values.len(),
-                        crate::ui::human_bytes(bytes),
-                        gpu.name(),
-                        crate::ui::human_bytes(gpu.max_alloc())
-                    )));
-                }
-                Some(
-                    Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)
-                        .map_err(|e| oom_or(e, "allocating the trained weights and their optimizer state", 0, 0))?,
-                )
+                // The trained values, their gradients and moments: one flat array each, cut
+                // into parts where one allocation cannot hold them (`Flat`).
+                Some(Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)?)
             }
         };
 
@@ -477,7 +527,7 @@ impl GpuEngine {
         let trained = self.trained.as_ref().map_or(0, |t| {
             let n = t.len();
             let copies = 1 + t.grads.is_some() as usize * 3 + t.ema.is_some() as usize;
-            n * 4 * copies + t.params_c.as_ref().map_or(0, |c| c.len * c.dt.size())
+            n * 4 * copies + t.params_c.as_ref().map_or(0, |c| c.len() * self.dt.size())
         });
         (weights + trained) as u64
     }
@@ -1007,36 +1057,51 @@ impl Trained {
         values: &[f32],
         opt: Option<AdamWConfig>,
         ema: Option<f64>,
-    ) -> Result<Trained, GpuError> {
-        let n = values.len();
-        let params = Buf::from_f32(gpu, values, Dt::F32)?;
-        let params_c = if dt == Dt::F32 { None } else { Some(Buf::new(gpu, n, dt)?) };
-        let training = opt.is_some();
-        let zeros = || if training { Buf::zeros(gpu, n, Dt::F32).map(Some) } else { Ok(None) };
-        let ema = match ema.filter(|_| training) {
-            Some(d) => Some((d, Buf::from_f32(gpu, values, Dt::F32)?)),
-            None => None,
+    ) -> Result<Trained, EngineError> {
+        let bounds = cut(&slots, values.len(), gpu.max_alloc()).map_err(|s| {
+            EngineError::Unsupported(format!(
+                "`{}` ({} in f32) does not fit in one buffer of {}, which allows at most {}: train fewer weights \
+                 or a LoRA adapter",
+                s.name,
+                crate::ui::human_bytes(s.len as u64 * 4),
+                gpu.name(),
+                crate::ui::human_bytes(gpu.max_alloc())
+            ))
+        })?;
+        let alloc = || -> Result<Trained, GpuError> {
+            let params = Flat::new(gpu, &bounds, Dt::F32, Some(values))?;
+            let params_c = if dt == Dt::F32 { None } else { Some(Flat::new(gpu, &bounds, dt, None)?) };
+            let training = opt.is_some();
+            let zeros = || if training { Flat::new(gpu, &bounds, Dt::F32, None).map(Some) } else { Ok(None) };
+            let ema = match ema.filter(|_| training) {
+                Some(d) => Some((d, Flat::new(gpu, &bounds, Dt::F32, Some(values))?)),
+                None => None,
+            };
+            let t =
+                Trained { slots, params, params_c, grads: zeros()?, m: zeros()?, v: zeros()?, ema, opt, opt_step: 0 };
+            t.refresh(gpu, dt)?;
+            Ok(t)
         };
-        let t = Trained { slots, params, params_c, grads: zeros()?, m: zeros()?, v: zeros()?, ema, opt, opt_step: 0 };
-        t.refresh(gpu, dt)?;
-        Ok(t)
+        alloc().map_err(|e| oom_or(e, "allocating the trained parameters and their optimizer state", 0, 0))
     }
 
     /// Recompute the compute-dtype copy after the f32 parameters changed.
     fn refresh(&self, gpu: &Rc<dyn Gpu>, dt: Dt) -> Result<(), GpuError> {
         if let Some(c) = &self.params_c {
-            Ops { gpu: &**gpu, dt }.cast_from_f32(self.params.ptr(), c.ptr(), self.params.len)?;
+            for (p, c) in self.params.parts.iter().zip(&c.parts) {
+                Ops { gpu: &**gpu, dt }.cast_from_f32(p.ptr(), c.ptr(), p.len)?;
+            }
         }
         Ok(())
     }
 
     fn len(&self) -> usize {
-        self.params.len
+        self.params.len()
     }
 
-    /// A flat buffer as named CPU tensors.
-    fn named(&self, buf: &Buf) -> Result<BTreeMap<String, Tensor>, EngineError> {
-        let all = buf.to_vec().map_err(gerr("read parameters"))?;
+    /// A flat array as named CPU tensors.
+    fn named(&self, flat: &Flat) -> Result<BTreeMap<String, Tensor>, EngineError> {
+        let all = flat.to_vec().map_err(gerr("read parameters"))?;
         self.slots
             .iter()
             .map(|s| {
@@ -1047,13 +1112,13 @@ impl Trained {
             .collect()
     }
 
-    /// Named CPU tensors into a flat buffer; every slot must be present with its shape.
-    fn load(&self, buf: &Buf, values: &BTreeMap<String, Tensor>, what: &str) -> Result<(), EngineError> {
-        let mut all = vec![0f32; buf.len];
+    /// Named CPU tensors into a flat array; every slot must be present with its shape.
+    fn load(&self, flat: &Flat, values: &BTreeMap<String, Tensor>, what: &str) -> Result<(), EngineError> {
+        let mut all = vec![0f32; flat.len()];
         fill_slots(&self.slots, values, &mut all, |name| {
             EngineError::Unsupported(format!("the checkpoint has no {what} for `{name}`"))
         })?;
-        buf.write(0, &all).map_err(gerr("restore a checkpoint"))
+        flat.write(&all).map_err(gerr("restore a checkpoint"))
     }
 }
 
@@ -1082,8 +1147,9 @@ impl Engine for GpuEngine {
 
     fn gradients(&mut self) -> Result<(f64, f64), EngineError> {
         let t = self.trained.as_ref().ok_or_else(|| EngineError::Unsupported("nothing trains".into()))?;
-        let grads = t.grads.as_ref().expect("training");
-        self.ops().sum_squares(grads.ptr(), grads.len, self.acc.at(2)).map_err(gerr("gradient norm"))?;
+        for g in &t.grads.as_ref().expect("training").parts {
+            self.ops().sum_squares(g.ptr(), g.len, self.acc.at(2)).map_err(gerr("gradient norm"))?;
+        }
         let (loss, norm_sq) = self.take_acc().map_err(|e| oom_or(e, "training", 0, 0))?;
         Ok((loss, norm_sq.sqrt()))
     }
@@ -1109,19 +1175,21 @@ impl Engine for GpuEngine {
         let (g, m, v) =
             (t.grads.as_ref().expect("training"), t.m.as_ref().expect("training"), t.v.as_ref().expect("training"));
         let run = || -> Result<(), GpuError> {
-            o.adamw(t.params.ptr(), g.ptr(), m.ptr(), v.ptr(), t.params.len, &coef)?;
-            if let Some((decay, e)) = &t.ema {
-                o.ema(e.ptr(), t.params.ptr(), *decay, t.params.len)?;
+            for (i, p) in t.params.parts.iter().enumerate() {
+                o.adamw(p.ptr(), g.parts[i].ptr(), m.parts[i].ptr(), v.parts[i].ptr(), p.len, &coef)?;
+                if let Some((decay, e)) = &t.ema {
+                    o.ema(e.parts[i].ptr(), p.ptr(), *decay, p.len)?;
+                }
             }
             t.refresh(&gpu, dt)?;
-            gpu.zero(g.ptr(), g.len * 4)
+            g.zero(&*gpu)
         };
         run().map_err(gerr("optimizer step"))
     }
 
     fn discard(&mut self) -> Result<(), EngineError> {
         if let Some(g) = self.trained.as_ref().and_then(|t| t.grads.as_ref()) {
-            self.gpu.zero(g.ptr(), g.len * 4).map_err(gerr("discard gradients"))?;
+            g.zero(&*self.gpu).map_err(gerr("discard gradients"))?;
         }
         self.take_acc().map_err(gerr("discard gradients"))?;
         Ok(())
