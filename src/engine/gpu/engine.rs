@@ -150,7 +150,8 @@ impl Flat {
 
     /// The address of element `off`.
     fn at(&self, off: usize) -> u64 {
-        let p = self.bounds.partition_point(|&b| b <= off) - 1;
+        // (The end of the array is the end of its last part.)
+        let p = (self.bounds.partition_point(|&b| b <= off) - 1).min(self.parts.len() - 1);
         self.parts[p].at(off - self.bounds[p])
     }
 

@@ -1020,8 +1020,12 @@ impl Gpu for VulkanGpu {
         self.name.clone()
     }
 
+    /// The driver's limit rounded down to whole size classes (`size_class`: buffers of a MiB or
+    /// more are 2 MiB multiples), so that a buffer the engine sizes to fit it never rounds up
+    /// past it (some drivers report limits such as 4 GiB − 1).
     fn max_alloc(&self) -> u64 {
-        self.max_alloc
+        let class = 2 << 20;
+        if self.max_alloc >= class { self.max_alloc / class * class } else { self.max_alloc }
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
