@@ -1266,6 +1266,22 @@ fn trained_weights_beyond_the_largest_allocation_are_split_over_buffers() {
             assert_close(&format!("{what} {name} over several buffers"), &g, &w, 1e-5);
         }
     }
+    // The same through Vulkan (its own kernels: AdamW, the gradient norm's accumulator) on a
+    // device whose limit is lowered to the largest weight, against the emulator's one buffer.
+    #[cfg(feature = "vulkan")]
+    if let Ok(vk) = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
+        let vk: Rc<dyn Gpu> = Rc::new(vk.with_max_alloc(len * 4));
+        let mut split = GpuEngine::new(vk.clone(), &all()).unwrap();
+        let (losses, got) = train_steps(&mut split, &batches, 3);
+        for (a, b) in losses.iter().zip(&want_losses) {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{}: loss {a} over several buffers vs {b}", vk.name());
+        }
+        for (name, w) in &want {
+            let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
+            assert_close(&format!("{} {name} over several buffers", vk.name()), &g, &w, 1e-4);
+        }
+    }
     emu.max_alloc.set(Some(len * 4 - 1));
     let msg = GpuEngine::new(gpu.clone(), &all()).err().expect("an error").to_string();
     assert!(msg.contains(&format!("`{largest}`")) && msg.contains("train fewer weights or a LoRA adapter"), "{msg}");

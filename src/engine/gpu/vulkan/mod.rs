@@ -463,6 +463,16 @@ impl VulkanGpu {
         self
     }
 
+    /// For tests: a smaller single-allocation limit than the driver's, as drivers that cap
+    /// allocations at 4 GiB impose, so that CI's lavapipe (whose limit is its memory) trains
+    /// over several buffers (the engine's `Flat`). Lowering the limit is always within the
+    /// driver's.
+    #[doc(hidden)]
+    pub fn with_max_alloc(mut self, bytes: u64) -> VulkanGpu {
+        self.max_alloc = self.max_alloc.min(bytes);
+        self
+    }
+
     /// For tests: `dt`'s matrix-unit kernels run with `shape` (`TM` × `TN` × `TK`) on a CPU
     /// implementation of Vulkan that has matrix units for `dt`, whether or not it lists that
     /// shape, so that CI's lavapipe — which lists 8 × 8 × 8 but lowers any shape — runs the
