@@ -98,42 +98,37 @@ for name in ["tiny-cuda", "tiny-cpu"]:
     p = artifact(name, "evaluate")
     m = json.loads((p / "metrics.json").read_text())
     print(f"{name}: evaluate stage eval loss {m['eval_loss']:.7f}")
+def fails(name, check):
+    """Run one comparison (True: it failed); a run without its artifacts fails it, named."""
+    try:
+        return check()
+    except Exception as e:
+        print(f"{name}: {e}")
+        return True
+def low_precision(name):
+    _, m = curve(name)
+    print(f"{name} on CUDA: eval loss {m['eval_loss_end']:.5f} (f32: {mc['eval_loss_end']:.5f}), {m.get('engine')}")
+    return False
+def full_fine_tune(name):
+    (fc, mfc), (fp, mfp) = curve(name), curve("full-cpu")
+    w = max(abs(a - b) / abs(b) for a, b in zip(fc, fp))
+    print(f"full fine-tune, 50 steps, {name}: max relative loss difference vs CPU {w:.2e}; eval loss "
+          f"{mfc['eval_loss_end']:.6f} vs {mfp['eval_loss_end']:.6f} ({mfc.get('engine')} / {mfp.get('engine')})")
+    return w > 1e-3
+def vulkan():
+    _, mv = curve("tiny-vulkan")
+    d = abs(mv["eval_loss_end"] - mp["eval_loss_end"]) / mp["eval_loss_end"]
+    print(f"Vulkan: eval loss after training {mv['eval_loss_end']:.7f} vs CPU {mp['eval_loss_end']:.7f} "
+          f"({d:.2e} relative), {mv.get('tokens_per_s')} tok/s, {mv.get('engine')}")
+    return d > 1e-4
 failed = worst > 1e-4
 for name in ["tiny-bf16", "tiny-f16"]:
-    try:
-        _, m = curve(name)
-        print(f"{name} on CUDA: eval loss {m['eval_loss_end']:.5f} (f32: {mc['eval_loss_end']:.5f}), {m.get('engine')}")
-    except Exception as e:
-        print(f"{name}: {e}")
-        failed = True
-try:
-    fp, mfp = curve("full-cpu")
-except Exception as e:
-    print(f"full-cpu: {e}")
-    fp, failed = None, True
-for name in ["full-cuda", "full-cuda-candle"] + (["full-vulkan"] if (out / "full-vulkan.stdout").exists() else []):
-    if fp is None:
-        break
-    try:
-        fc, mfc = curve(name)
-        w = max(abs(a - b) / abs(b) for a, b in zip(fc, fp))
-        print(f"full fine-tune, 50 steps, {name}: max relative loss difference vs CPU {w:.2e}; eval loss "
-              f"{mfc['eval_loss_end']:.6f} vs {mfp['eval_loss_end']:.6f} ({mfc.get('engine')} / {mfp.get('engine')})")
-        failed |= w > 1e-3
-    except Exception as e:
-        print(f"{name}: {e}")
-        failed = True
-vk = out / "tiny-vulkan.stdout"
-if vk.exists():
-    try:
-        _, mv = curve("tiny-vulkan")
-        d = abs(mv["eval_loss_end"] - mp["eval_loss_end"]) / mp["eval_loss_end"]
-        print(f"Vulkan: eval loss after training {mv['eval_loss_end']:.7f} vs CPU {mp['eval_loss_end']:.7f} "
-              f"({d:.2e} relative), {mv.get('tokens_per_s')} tok/s, {mv.get('engine')}")
-        failed |= d > 1e-4
-    except Exception as e:
-        print(f"tiny-vulkan: {e}")
-        failed = True
+    failed |= fails(name, lambda: low_precision(name))
+on_vulkan = (out / "tiny-vulkan.stdout").exists()
+for name in ["full-cuda", "full-cuda-candle"] + (["full-vulkan"] if on_vulkan else []):
+    failed |= fails(name, lambda: full_fine_tune(name))
+if on_vulkan:
+    failed |= fails("tiny-vulkan", vulkan)
 if failed:
     print("FAIL")
     sys.exit(1)

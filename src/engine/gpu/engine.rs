@@ -173,7 +173,7 @@ impl Flat {
 }
 
 /// Where to cut `slots` (laid out in order, `len` values in all) so that each part's f32 values
-/// fit in one allocation of `max_bytes`; None names a slot too large for one.
+/// fit in one allocation of `max_bytes`; `Err` names a slot too large for one.
 fn cut(slots: &[Slot], len: usize, max_bytes: u64) -> Result<Vec<usize>, &Slot> {
     let cap = (max_bytes / 4).min(usize::MAX as u64) as usize;
     let mut bounds = vec![0];
