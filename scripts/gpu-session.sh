@@ -32,6 +32,7 @@ ldconfig
 # shellcheck source=/dev/null
 . scripts/gpu-env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
+read -ra shapes <<<"${SHAPES:-smollm2-135m:4x512 smollm2-360m:4x512}"
 status=0
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 summarize() { # benchmark logs: their tables and each rtune run's last training line
@@ -63,7 +64,6 @@ verify)
   sed -n '/^== CUDA vs CPU/,$p' "$out/verify.txt" | tee -a "$out/summary.txt"
   ;;
 bench)
-  read -ra shapes <<<"${SHAPES:-smollm2-135m:4x512 smollm2-360m:4x512}"
   log "Vulkan bf16 against PyTorch + PEFT"
   OUT="$out/vulkan-bf16" DEVICE=vulkan timeout 250 scripts/gpu_bench.sh "${shapes[@]}" >"$out/vulkan-bf16.txt" 2>&1 || status=1
   log "Vulkan f16 (cooperative matrices where listed)"
@@ -74,7 +74,6 @@ bench)
   summarize vulkan-bf16 vulkan-f16 cuda-bf16
   ;;
 more)
-  read -ra shapes <<<"${SHAPES:-smollm2-135m:4x512 smollm2-360m:4x512}"
   log "Vulkan f16 with the scalar attention kernels"
   OUT="$out/vulkan-f16-scalar" RTUNE_GPU_ATTENTION=scalar DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 timeout 120 \
     scripts/gpu_bench.sh "${shapes[1]:-${shapes[0]}}" >"$out/vulkan-f16-scalar.txt" 2>&1 || status=1
