@@ -250,6 +250,15 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert!(e <= tol, "{what}: relative error {e} > {tol}");
 }
 
+/// [`assert_close`] for each tensor of `want` against `got`'s of the same name.
+fn assert_named_close(what: &str, got: &BTreeMap<String, Tensor>, want: &BTreeMap<String, Tensor>, tol: f32) {
+    for (name, w) in want {
+        let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_close(&format!("{what} {name}"), &g, &w, tol);
+    }
+}
+
 fn tol(dt: Dt) -> f32 {
     match dt {
         Dt::F32 => 2e-5,
@@ -1259,13 +1268,8 @@ fn trained_weights_beyond_the_largest_allocation_are_split_over_buffers() {
         assert!((a - b).abs() <= 1e-6 * b.abs(), "loss {a} over several buffers vs {b} over one");
     }
     let state = split.state().unwrap();
-    for (what, got, want) in [("weight", &got, &want), ("first moment", &state.m, &want_state.m)] {
-        for (name, w) in want {
-            let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
-            let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
-            assert_close(&format!("{what} {name} over several buffers"), &g, &w, 1e-5);
-        }
-    }
+    assert_named_close("over several buffers, weight", &got, &want, 1e-5);
+    assert_named_close("over several buffers, first moment", &state.m, &want_state.m, 1e-5);
     // The same through Vulkan (its own kernels: AdamW, the gradient norm's accumulator) on a
     // device whose limit is lowered to the largest weight, against the emulator's one buffer.
     #[cfg(feature = "vulkan")]
@@ -1276,11 +1280,7 @@ fn trained_weights_beyond_the_largest_allocation_are_split_over_buffers() {
         for (a, b) in losses.iter().zip(&want_losses) {
             assert!((a - b).abs() <= 1e-5 * b.abs(), "{}: loss {a} over several buffers vs {b}", vk.name());
         }
-        for (name, w) in &want {
-            let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
-            let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
-            assert_close(&format!("{} {name} over several buffers", vk.name()), &g, &w, 1e-4);
-        }
+        assert_named_close(&format!("{} over several buffers,", vk.name()), &got, &want, 1e-4);
     }
     emu.max_alloc.set(Some(len * 4 - 1));
     let msg = GpuEngine::new(gpu.clone(), &all()).err().expect("an error").to_string();
@@ -1341,11 +1341,7 @@ fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
             assert!((a - b).abs() < 1e-4 * b.abs(), "{}: step {i} loss {a} vs fused engine {b}", gpu.name());
         }
         assert!(losses[5] < losses[0], "the loss falls: {losses:?}");
-        for (name, w) in &want {
-            let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
-            let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
-            assert_close(&format!("{} trained {name}", gpu.name()), &g, &w, 1e-3);
-        }
+        assert_named_close(&format!("{} trained", gpu.name()), &got, &want, 1e-3);
         // A fresh engine restored from the state continues exactly where this one is.
         let state = engine.state().unwrap();
         let mut resumed = mk();
@@ -1377,11 +1373,7 @@ fn full_fine_tuning_trains_like_autograd() {
         }
         assert!(losses[3] < losses[0], "the loss falls: {losses:?}");
         assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
-        for (name, w) in &want {
-            let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
-            let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
-            assert_close(&format!("{} trained {name}", gpu.name()), &g, &w, 1e-3);
-        }
+        assert_named_close(&format!("{} trained", gpu.name()), &got, &want, 1e-3);
         s.checkpointing = Checkpointing::On;
         let mut ckpt = GpuEngine::new(gpu.clone(), &s).unwrap();
         assert_eq!(train_steps(&mut ckpt, &batches, 4).0, losses, "{}: checkpointing changed training", gpu.name());
