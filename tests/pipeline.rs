@@ -978,25 +978,18 @@ fn plan_refuses_other_engines_on_vulkan() {
 #[test]
 fn trainable_is_the_adapter_or_weight_patterns() {
     let p = Project::tiny_offline();
-    let plan = |sets: &[&str]| {
-        let mut args = vec!["plan", "tiny.toml"];
-        for s in sets {
-            args.extend(["--set", s]);
-        }
-        p.run(&args)
-    };
     for (sets, says) in [
         (&[r#"stages.train.trainable=["adapter", "lm_head.weight"]"#][..], "mixes `\"adapter\"` with weight patterns"),
         (&[r#"stages.train.trainable=["adapter"]"#, "adapter.kind=none"][..], "but `adapter.kind = \"none\"`"),
     ] {
-        let o = plan(sets);
+        let o = p.plan(sets);
         let err = stderr(&o);
         assert!(!o.status.success(), "{sets:?}: plan accepted it");
         assert!(err.contains("rtune::plan::trainable") && err.contains(says), "{sets:?}: {err}");
         assert!(err.contains("stages.train.trainable = ["), "{sets:?}: located at the setting: {err}");
     }
     // The device's `[device.<name>]` overrides are what runs, so `plan` checks them merged.
-    let o = plan(&[r#"device.cpu.train.trainable=["adapter", "*norm*"]"#]);
+    let o = p.plan(&[r#"device.cpu.train.trainable=["adapter", "*norm*"]"#]);
     let err = stderr(&o);
     assert!(!o.status.success() && err.contains("rtune::plan::trainable"), "an override's mix planned: {err}");
     assert!(err.contains("device.cpu.train.trainable = ["), "located at the override: {err}");
@@ -1004,9 +997,9 @@ fn trainable_is_the_adapter_or_weight_patterns() {
     let o = p.run(&["validate", "tiny.toml", "--set", r#"device.rocm.train.trainable=["adapter", "*norm*"]"#]);
     let err = stderr(&o);
     assert!(!o.status.success() && err.contains("rtune::plan::trainable"), "validate passed an override's mix: {err}");
-    let o = plan(&[r#"stages.train.trainable=["adapter"]"#]);
+    let o = p.plan(&[r#"stages.train.trainable=["adapter"]"#]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = plan(&[r#"stages.train.trainable=["*norm*"]"#, r#"stages.quantize.formats=["safetensors-merged"]"#]);
+    let o = p.plan(&[r#"stages.train.trainable=["*norm*"]"#, r#"stages.quantize.formats=["safetensors-merged"]"#]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
@@ -1025,10 +1018,10 @@ fn stage_checks_see_device_overrides() {
         assert!(!o.status.success() && err.contains(code), "{set}: {err}");
         assert!(err.contains(&set.replace('=', " = ")), "{set}: located at the override: {err}");
         // `plan` on the CPU does not apply `[device.cuda]`; on CUDA it would.
-        let o = p.run(&["plan", "tiny.toml", "--set", set, "--set", r#"device.prefer=["cpu"]"#]);
+        let o = p.plan(&[set, r#"device.prefer=["cpu"]"#]);
         assert!(o.status.success(), "{set}: plan on the CPU applied [device.cuda]: {}", stderr(&o));
         let cpu = set.replace("device.cuda.", "device.cpu.");
-        let o = p.run(&["plan", "tiny.toml", "--set", &cpu, "--set", r#"device.prefer=["cpu"]"#]);
+        let o = p.plan(&[&cpu, r#"device.prefer=["cpu"]"#]);
         assert!(!o.status.success() && stderr(&o).contains(code), "{cpu}: {}", stderr(&o));
     }
 }
@@ -1044,7 +1037,7 @@ fn base_weights_that_train_export_no_peft_adapter() {
         (r#"adapter.kind="none""#, r#"`adapter.kind = "none"`"#),
         (r#"stages.train.trainable=["*norm*"]"#, "`stages.train.trainable`"),
     ] {
-        let o = p.run(&["plan", "tiny.toml", "--set", extra]);
+        let o = p.plan(&[extra]);
         let err = stderr(&o);
         assert!(!o.status.success(), "{extra}: plan accepted a PEFT export");
         assert!(err.contains("rtune::plan::no_adapter") && err.contains(says), "{extra}: {err}");
@@ -1060,11 +1053,7 @@ fn base_weights_that_train_export_no_peft_adapter() {
         &[r#"device.cpu.train.trainable=["*norm*"]"#],
     ];
     for sets in overrides {
-        let mut args = vec!["plan", "tiny.toml", "--set", "device.prefer=[\"cpu\"]"];
-        for s in sets {
-            args.extend(["--set", s]);
-        }
-        let o = p.run(&args);
+        let o = p.plan(&[&["device.prefer=[\"cpu\"]"], sets].concat());
         let err = stderr(&o);
         assert!(!o.status.success() && err.contains("rtune::plan::no_adapter"), "{sets:?}: {err}");
     }

@@ -83,6 +83,15 @@ impl Project {
         rtune(self.path(), &self.cache(), args)
     }
 
+    /// `rtune plan tiny.toml` with each of `sets` as a `--set`.
+    pub fn plan(&self, sets: &[&str]) -> Output {
+        let mut args = vec!["plan", "tiny.toml"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        self.run(&args)
+    }
+
     /// `rtune run … --json`, returning stage name → outcome, asserting success.
     pub fn run_json(&self, args: &[&str]) -> serde_json::Value {
         let mut all = vec!["run"];
