@@ -43,7 +43,7 @@ fn main() {
         dropout: 0.0,
         targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
     };
-    let model = Transformer::new(&cfg, &weights, &Trainable::Lora(lora), &mut Rng::new(2)).unwrap();
+    let model = Transformer::new(&cfg, &weights, &Trainable::lora(lora), &mut Rng::new(2)).unwrap();
     let mut rng = Rng::new(5);
     let values: BTreeMap<String, Tensor> = model
         .params

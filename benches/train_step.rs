@@ -65,7 +65,7 @@ fn main() {
             dropout: 0.0,
             targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
         };
-        let model = Transformer::with_dtype(&cfg, &weights, &Trainable::Lora(lora), &mut Rng::new(2), dtype).unwrap();
+        let model = Transformer::with_dtype(&cfg, &weights, &Trainable::lora(lora), &mut Rng::new(2), dtype).unwrap();
         if engine == Engine::Fused
             && let Some(why) = fused::unsupported(&model)
         {

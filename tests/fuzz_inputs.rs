@@ -128,7 +128,7 @@ fn damaged_gguf_files_are_errors() {
     let model = rtune::model::Transformer::new(
         &folder.config,
         &weights,
-        &rtune::model::Trainable::Nothing,
+        &rtune::model::Trainable::nothing(),
         &mut rtune::rng::Rng::new(0),
     )
     .unwrap();

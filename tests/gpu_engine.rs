@@ -1069,7 +1069,7 @@ fn assert_engine_matches(
     tol: f32,
 ) {
     let spec = peft::read_config(adapter).unwrap();
-    assert_trainable_matches(gpu, folder, Trainable::Lora(spec), Some(adapter), batch, dropout, dt, tol);
+    assert_trainable_matches(gpu, folder, Trainable::lora(spec), Some(adapter), batch, dropout, dt, tol);
 }
 
 /// [`assert_engine_matches`] for what `trainable` names (`trained`: the folder it starts from).
@@ -1130,7 +1130,7 @@ fn all_targets_adapter(folder: &ModelFolder, p: f64) -> tempfile::TempDir {
         .to_vec();
     let spec = LoraSpec { rank: 4, alpha: 8.0, dropout: p, targets };
     let cpu = Resolution::cpu();
-    let engine = CandleEngine::build(&setup(folder, Trainable::Lora(spec.clone()), &cpu, None), false).unwrap();
+    let engine = CandleEngine::build(&setup(folder, Trainable::lora(spec.clone()), &cpu, None), false).unwrap();
     let mut rng = Rng::new(9);
     let values: BTreeMap<String, Tensor> = engine
         .model()
@@ -1142,7 +1142,7 @@ fn all_targets_adapter(folder: &ModelFolder, p: f64) -> tempfile::TempDir {
         })
         .collect();
     let dir = tempfile::tempdir().unwrap();
-    peft::write(dir.path(), &spec, &values, "").unwrap();
+    peft::write(dir.path(), &spec, &values, "", folder).unwrap();
     dir
 }
 
@@ -1199,9 +1199,9 @@ fn half_precision_engine_stays_within_its_rounding_of_autograd() {
 /// Llama; packed rows repeat tokens, whose embedding rows sum their gradients.
 #[test]
 fn engine_matches_autograd_training_base_weights() {
-    let all = || Trainable::Weights(vec!["*".into()]);
+    let all = || Trainable::weights(vec!["*".into()]);
     let some = || {
-        Trainable::Weights(
+        Trainable::weights(
             ["*.input_layernorm.*", "*.1.self_attn.[qv]_proj.*", "model.norm.weight", "lm_head.weight"]
                 .map(String::from)
                 .to_vec(),
@@ -1225,6 +1225,121 @@ fn engine_matches_autograd_training_base_weights() {
     }
 }
 
+/// A LoRA adapter and base weights together (PEFT's `modules_to_save`): the adapter of the
+/// golden fixtures (every projection) and the weights no adapter sits on — norms, the LM head
+/// (Llama), the embedding (tied to the LM head in Qwen2, so its gradient sums both uses) — get
+/// autograd's loss and gradients, in f32 and bf16.
+#[test]
+fn engine_matches_autograd_training_an_adapter_and_base_weights() {
+    for gpu in devices() {
+        for name in ["tiny-llama", "tiny-qwen2"] {
+            let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+            let adapter = fixture(name).join("adapter");
+            let weights = ["*norm*", "lm_head.weight", "model.embed_tokens.weight"].map(String::from).to_vec();
+            let trainable = Trainable { lora: Some(peft::read_config(&adapter).unwrap()), weights };
+            let batch = golden_batch(name);
+            for (dtype, tol) in [(Dtype::F32, 2e-5), (Dtype::Bf16, 2e-2)] {
+                assert_trainable_matches(&gpu, &folder, trainable.clone(), Some(&adapter), &batch, None, dtype, tol);
+            }
+        }
+    }
+}
+
+/// A weight cannot train in full and carry an adapter at once (PEFT has no such module): both
+/// engines say which weight and which target, for a linear's own weight and for the embedding
+/// a tied LM head shares.
+#[test]
+fn an_adapter_on_a_weight_that_trains_in_full_is_an_error() {
+    let gpu = devices().remove(0);
+    let (cpu, dev) = (Resolution::cpu(), resolution(Dtype::F32, DeviceClass::Cuda));
+    let spec = |targets: &[&str]| LoraSpec {
+        rank: 2,
+        alpha: 4.0,
+        dropout: 0.0,
+        targets: targets.iter().map(|t| t.to_string()).collect(),
+    };
+    let cases = [
+        (
+            "tiny-llama",
+            spec(&["q_proj", "v_proj"]),
+            "*.1.self_attn.v_proj.weight",
+            "`model.layers.1.self_attn.v_proj.weight`",
+            "`v_proj`",
+        ),
+        (
+            "tiny-qwen2",
+            spec(&["q_proj"]),
+            "*.0.self_attn.q_proj.bias",
+            "`model.layers.0.self_attn.q_proj.bias`",
+            "`q_proj`",
+        ),
+        ("tiny-qwen2", spec(&["lm_head"]), "model.embed_tokens.weight", "`model.embed_tokens.weight`", "`lm_head`"),
+    ];
+    for (name, lora, pattern, weight, target) in cases {
+        let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+        let trainable = Trainable { lora: Some(lora), weights: vec![pattern.to_string()] };
+        let err = GpuEngine::new(gpu.clone(), &setup(&folder, trainable.clone(), &dev, None)).err().expect("an error");
+        let candle = CandleEngine::build(&setup(&folder, trainable, &cpu, None), false).err().expect("an error");
+        for msg in [err.to_string(), candle.to_string()] {
+            assert!(
+                msg.contains(weight) && msg.contains(target) && msg.contains("trains in full"),
+                "{name} {pattern}: {msg}"
+            );
+        }
+    }
+}
+
+/// What a run that trained an adapter and base weights saves — a PEFT folder whose
+/// `modules_to_save` hold the base weights, whole (a bias that did not train too) and, for a tied
+/// embedding, with the LM head beside it — is what evaluation, exports and later stages load: the
+/// same loss on both engines as the engine that trained it.
+#[test]
+fn an_adapter_saved_with_base_weights_loads_as_it_trained() {
+    let gpu = devices().remove(0);
+    let batches = [golden_batch("tiny-qwen2"), packed_batch()];
+    let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+    let adapter = fixture("tiny-qwen2").join("adapter");
+    let spec = peft::read_config(&adapter).unwrap();
+    let weights =
+        ["model.norm.weight", "model.embed_tokens.weight", "*.1.self_attn.k_proj.weight"].map(String::from).to_vec();
+    let mut spec_no_k = spec.clone();
+    spec_no_k.targets.retain(|t| t != "k_proj");
+    let trainable = Trainable { lora: Some(spec_no_k.clone()), weights };
+    let cpu = Resolution::cpu();
+    let mut engine = CandleEngine::build(&setup(&folder, trainable, &cpu, None), false).unwrap();
+    train_steps(&mut engine, &batches, 3);
+    let dir = tempfile::tempdir().unwrap();
+    peft::write(dir.path(), &spec_no_k, &engine.trained().unwrap(), "base", &folder).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["modules_to_save"],
+        serde_json::json!(["lm_head", "model.embed_tokens", "model.layers.1.self_attn.k_proj", "model.norm"])
+    );
+    assert_eq!(config["ensure_weight_tying"], true);
+    let saved = candle_core::safetensors::load(dir.path().join("adapter_model.safetensors"), &Device::Cpu).unwrap();
+    let key = |n: &str| format!("base_model.model.{n}");
+    let same = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(same(&saved[&key("lm_head.weight")], &saved[&key("model.embed_tokens.weight")]), 0.0);
+    let trained_embed = &engine.trained().unwrap()["model.embed_tokens.weight"];
+    assert_eq!(same(&saved[&key("model.embed_tokens.weight")], trained_embed), 0.0);
+    // The k_proj module whole: its weight trained, its bias as the base has it.
+    assert!(saved.contains_key(&key("model.layers.1.self_attn.k_proj.weight")));
+    assert!(saved.contains_key(&key("model.layers.1.self_attn.k_proj.bias")));
+    let want = engine.loss(&batches[1]).unwrap();
+    let evaluation = Trainable::lora(peft::read_config(dir.path()).unwrap());
+    let mut candle = CandleEngine::build(&setup(&folder, evaluation.clone(), &cpu, Some(dir.path())), false).unwrap();
+    let dev = resolution(Dtype::F32, DeviceClass::Cuda);
+    let mut on_gpu = GpuEngine::new(gpu, &setup(&folder, evaluation, &dev, Some(dir.path()))).unwrap();
+    let base = CandleEngine::build(&setup(&folder, Trainable::nothing(), &cpu, None), false).unwrap().loss(&batches[1]);
+    assert!((base.unwrap() - want).abs() > 1e-3, "training changed the loss");
+    for (what, got) in
+        [("candle", candle.loss(&batches[1]).unwrap()), ("GPU engine", on_gpu.loss(&batches[1]).unwrap())]
+    {
+        assert!((got - want).abs() <= 1e-5 * want, "{what}: {got} after loading vs {want} as trained");
+    }
+}
+
 /// A pattern that names none of the model's weights is an error (on the GPU engine and candle's
 /// autograd alike), not a run that trains nothing.
 #[test]
@@ -1232,7 +1347,7 @@ fn training_no_weight_is_an_error() {
     let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
     let dev = resolution(Dtype::F32, DeviceClass::Cuda);
     let gpu = devices().remove(0);
-    let trainable = Trainable::Weights(vec!["layers.0.*".into()]);
+    let trainable = Trainable::weights(vec!["layers.0.*".into()]);
     let err = GpuEngine::new(gpu, &setup(&folder, trainable.clone(), &dev, None)).err().expect("an error");
     let cpu = Resolution::cpu();
     let candle = CandleEngine::build(&setup(&folder, trainable, &cpu, None), false).err().expect("an error");
@@ -1253,7 +1368,7 @@ fn trained_weights_beyond_the_largest_allocation_are_split_over_buffers() {
     let dev = resolution(Dtype::F32, DeviceClass::Cuda);
     let emu = Rc::new(EmuGpu::default());
     let gpu: Rc<dyn Gpu> = emu.clone();
-    let all = || setup(&folder, Trainable::Weights(vec!["*".into()]), &dev, None);
+    let all = || setup(&folder, Trainable::weights(vec!["*".into()]), &dev, None);
     let batches = vec![golden_batch("tiny-llama")];
     let mut one = GpuEngine::new(gpu.clone(), &all()).unwrap();
     let n = one.trained_count() as u64;
@@ -1327,12 +1442,12 @@ fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
     let batches = vec![packed_batch(), golden.clone()];
     let cpu = Resolution::cpu();
     let mut fused =
-        CandleEngine::build(&setup(&folder, Trainable::Lora(spec.clone()), &cpu, Some(adapter.path())), true).unwrap();
+        CandleEngine::build(&setup(&folder, Trainable::lora(spec.clone()), &cpu, Some(adapter.path())), true).unwrap();
     let (want_losses, want) = train_steps(&mut fused, &batches, 6);
     for gpu in devices() {
         let dev = resolution(Dtype::F32, DeviceClass::Cuda);
         let mk = || {
-            GpuEngine::new(gpu.clone(), &setup(&folder, Trainable::Lora(spec.clone()), &dev, Some(adapter.path())))
+            GpuEngine::new(gpu.clone(), &setup(&folder, Trainable::lora(spec.clone()), &dev, Some(adapter.path())))
                 .unwrap()
         };
         let mut engine = mk();
@@ -1358,7 +1473,7 @@ fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
 #[test]
 fn full_fine_tuning_trains_like_autograd() {
     let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
-    let all = Trainable::Weights(vec!["*".into()]);
+    let all = Trainable::weights(vec!["*".into()]);
     let batches = vec![packed_batch(), golden_batch("tiny-qwen2")];
     let cpu = Resolution::cpu();
     let mut reference = CandleEngine::build(&setup(&folder, all.clone(), &cpu, None), false).unwrap();
@@ -1381,7 +1496,7 @@ fn full_fine_tuning_trains_like_autograd() {
         let dir = tempfile::tempdir().unwrap();
         rtune::model::folder::save_safetensors(&dir.path().join("weights.safetensors"), &got).unwrap();
         let mut fresh =
-            GpuEngine::new(gpu.clone(), &setup(&folder, Trainable::Nothing, &dev, Some(dir.path()))).unwrap();
+            GpuEngine::new(gpu.clone(), &setup(&folder, Trainable::nothing(), &dev, Some(dir.path()))).unwrap();
         let (a, b) = (fresh.loss(&batches[1]).unwrap(), engine.loss(&batches[1]).unwrap());
         assert!((a - b).abs() <= 1e-6 * b.abs(), "{}: {a} from the saved weights vs {b}", gpu.name());
     }
@@ -1394,13 +1509,13 @@ fn generation_logits_match_candle_and_checkpointing_changes_nothing() {
     let spec = peft::read_config(&adapter).unwrap();
     let cpu = Resolution::cpu();
     let mut reference =
-        CandleEngine::build(&setup(&folder, Trainable::Lora(spec.clone()), &cpu, Some(&adapter)), false).unwrap();
+        CandleEngine::build(&setup(&folder, Trainable::lora(spec.clone()), &cpu, Some(&adapter)), false).unwrap();
     let ids = [1u32, 17, 33, 90, 4, 5];
     let want = reference.next_logits(&ids).unwrap();
     let batch = golden_batch("tiny-llama");
     for gpu in devices() {
         let dev = resolution(Dtype::F32, DeviceClass::Cuda);
-        let mut s = setup(&folder, Trainable::Lora(spec.clone()), &dev, Some(&adapter));
+        let mut s = setup(&folder, Trainable::lora(spec.clone()), &dev, Some(&adapter));
         let mut engine = GpuEngine::new(gpu.clone(), &s).unwrap();
         assert_close(&format!("{} next-token logits", gpu.name()), &engine.next_logits(&ids).unwrap(), &want, 1e-5);
         engine.accumulate(&batch, 1.0, 1.0, Some(3)).unwrap();
@@ -1433,7 +1548,7 @@ fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
     let dev = resolution(Dtype::F32, DeviceClass::Cuda);
     let emu = Rc::new(EmuGpu::default());
     let gpu: Rc<dyn Gpu> = emu.clone();
-    let mut s = setup(&folder, Trainable::Lora(lora), &dev, None);
+    let mut s = setup(&folder, Trainable::lora(lora), &dev, None);
     let mut engine = GpuEngine::new(gpu.clone(), &s).unwrap();
     let (b, t) = (4, 32);
     let with = engine.memory_estimate(b, t, true).unwrap().0;

@@ -70,19 +70,19 @@ fn check(model: &Transformer, g: &Golden, key: &str) {
 #[test]
 fn llama_matches_transformers() {
     let g = golden("tiny-llama");
-    check(&load("tiny-llama", &Trainable::Nothing), &g, "base");
+    check(&load("tiny-llama", &Trainable::nothing()), &g, "base");
 }
 
 #[test]
 fn qwen2_matches_transformers() {
     let g = golden("tiny-qwen2");
-    check(&load("tiny-qwen2", &Trainable::Nothing), &g, "base");
+    check(&load("tiny-qwen2", &Trainable::nothing()), &g, "base");
 }
 
 fn with_adapter(name: &str) -> Transformer {
     let dir = fixture(name).join("adapter");
     let spec = peft::read_config(&dir).unwrap();
-    let model = load(name, &Trainable::Lora(spec));
+    let model = load(name, &Trainable::lora(spec));
     model.load_params(&peft::read_weights(&dir, &Device::Cpu).unwrap()).unwrap();
     model
 }
@@ -149,7 +149,7 @@ fn every_trained_parameter_gets_a_gradient() {
     let batch = Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap();
     let select = Tensor::new(g.select.as_slice(), &Device::Cpu).unwrap();
     let targets = Tensor::new(g.targets.as_slice(), &Device::Cpu).unwrap();
-    for model in [with_adapter("tiny-qwen2"), load("tiny-qwen2", &Trainable::Weights(vec!["*".into()]))] {
+    for model in [with_adapter("tiny-qwen2"), load("tiny-qwen2", &Trainable::weights(vec!["*".into()]))] {
         assert!(!model.params.is_empty());
         let grads = model.loss(&batch, &select, &targets, None).unwrap().backward().unwrap();
         for p in &model.params {
@@ -200,7 +200,7 @@ fn merged_weights_equal_base_plus_scaled_delta() {
         .unwrap();
     assert!(diff < 1e-6, "{diff}");
     assert_eq!(merged.keys().collect::<Vec<_>>(), base.keys().collect::<Vec<_>>(), "same tensor names as the base");
-    let plain = Transformer::new(&folder.config, &merged, &Trainable::Nothing, &mut Rng::new(0)).unwrap();
+    let plain = Transformer::new(&folder.config, &merged, &Trainable::nothing(), &mut Rng::new(0)).unwrap();
     check(&plain, &golden("tiny-llama"), "lora");
 }
 
@@ -213,7 +213,7 @@ fn full_forward(model: &Transformer, ids: &[u32]) -> Vec<Vec<f32>> {
 /// Generation with the KV cache gives the logits a full forward pass gives.
 #[test]
 fn kv_cache_steps_match_full_forward() {
-    let model = load("tiny-qwen2", &Trainable::Nothing);
+    let model = load("tiny-qwen2", &Trainable::nothing());
     let ids = [1u32, 17, 45, 99, 3, 64];
     let full = full_forward(&model, &ids);
     let mut cache = rtune::model::KvCache::default();
@@ -277,7 +277,7 @@ fn bad_model_folders_are_clear_errors() {
     let folder = ModelFolder::open(dir.path()).unwrap();
     let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
     let err =
-        Transformer::new(&folder.config, &weights, &Trainable::Nothing, &mut Rng::new(0)).err().unwrap().to_string();
+        Transformer::new(&folder.config, &weights, &Trainable::nothing(), &mut Rng::new(0)).err().unwrap().to_string();
     assert_eq!(
         err,
         "tensor `model.layers.0.mlp.gate_proj.weight` has shape [64, 32], but config.json implies [65, 32]"
@@ -315,7 +315,7 @@ fn bf16_compute_keeps_f32_master_weights() {
     let dir = fixture("tiny-llama").join("adapter");
     let spec = peft::read_config(&dir).unwrap();
     let model =
-        Transformer::with_dtype(&folder.config, &weights, &Trainable::Lora(spec), &mut Rng::new(0), DType::BF16)
+        Transformer::with_dtype(&folder.config, &weights, &Trainable::lora(spec), &mut Rng::new(0), DType::BF16)
             .unwrap();
     model.load_params(&peft::read_weights(&dir, &Device::Cpu).unwrap()).unwrap();
     let batch = Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap();
@@ -361,7 +361,7 @@ fn qwen2_folder_for_gguf() -> tempfile::TempDir {
 fn gguf_export_runs_in_candles_llama_cpp_reader() {
     use candle_transformers::models::quantized_qwen2;
     let dir = qwen2_folder_for_gguf();
-    let model = load("tiny-qwen2", &Trainable::Nothing);
+    let model = load("tiny-qwen2", &Trainable::nothing());
     let path = dir.path().join("m.gguf");
     let folder = ModelFolder::open(dir.path()).unwrap();
     let report = rtune::model::gguf::write(
@@ -430,7 +430,7 @@ fn every_gguf_type_round_trips() {
     use candle_transformers::models::quantized_qwen2;
     use rtune::recipe::ExportFormat as F;
     let dir = qwen2_folder_for_gguf();
-    let model = load("tiny-qwen2", &Trainable::Nothing);
+    let model = load("tiny-qwen2", &Trainable::nothing());
     let merged = model.merged_tensors();
     let folder = ModelFolder::open(dir.path()).unwrap();
     let ids = [1u32, 17, 45, 99, 3, 64];
@@ -554,7 +554,7 @@ fn packed_batch_matches(dropout: f64) {
         .map(String::from)
         .to_vec();
     let spec = rtune::model::LoraSpec { rank: 4, alpha: 8.0, dropout, targets };
-    let model = Transformer::new(&folder.config, &weights, &Trainable::Lora(spec), &mut Rng::new(3)).unwrap();
+    let model = Transformer::new(&folder.config, &weights, &Trainable::lora(spec), &mut Rng::new(3)).unwrap();
     // Random B matrices, so that every A gets a gradient.
     let mut rng = Rng::new(9);
     let values: BTreeMap<String, Tensor> = model

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{Engine, EngineError, EngineState, HostBatch, Setup};
 use crate::engine::optim::AdamW;
-use crate::model::{Batch, KvCache, ModelFolder, Trainable, Transformer, peft};
+use crate::model::{Batch, KvCache, ModelFolder, Transformer, peft};
 use crate::rng::Rng;
 
 pub struct CandleEngine {
@@ -32,20 +32,16 @@ fn cerr(context: &str) -> impl FnOnce(candle_core::Error) -> EngineError + '_ {
     EngineError::candle(context)
 }
 
-/// The base weights of `folder` on `device` in f32 (trained master weights start exact), with a
-/// train stage's full weights (`weights.safetensors` in `trained`) in place of the base's.
+/// The base weights of `folder` on `device` in f32 (trained master weights start exact), with
+/// those a train stage's output (`trained`) replaces in place of the base's.
 fn weights(
     folder: &ModelFolder,
     trained: Option<&std::path::Path>,
     device: &Device,
 ) -> Result<BTreeMap<String, Tensor>, EngineError> {
     let mut w = folder.load_weights(device, DType::F32)?;
-    if let Some(dir) = trained.filter(|d| d.join("weights.safetensors").is_file()) {
-        let t = candle_core::safetensors::load(dir.join("weights.safetensors"), device)
-            .map_err(cerr("cannot read the trained weights"))?;
-        for (k, v) in t {
-            w.insert(k, v.to_dtype(DType::F32).map_err(cerr("convert trained weights"))?);
-        }
+    if let Some(dir) = trained {
+        w.extend(crate::model::trained_weights(dir, device)?);
     }
     Ok(w)
 }
@@ -62,15 +58,15 @@ impl CandleEngine {
             &mut rng,
             setup.device.candle_dtype(),
         )?;
-        if let Trainable::Weights(patterns) = &setup.trainable
-            && model.params.is_empty()
-        {
-            return Err(super::no_weight_matches(patterns));
+        let trainable = &setup.trainable;
+        if !trainable.weights.is_empty() && !model.params.iter().any(|p| trainable.trains_weight(&p.name)) {
+            return Err(super::no_weight_matches(&trainable.weights));
         }
-        if let (Trainable::Lora(_), Some(dir)) = (&setup.trainable, setup.trained)
+        if let (Some(_), Some(dir)) = (&trainable.lora, setup.trained)
             && dir.join("adapter_config.json").is_file()
         {
-            model.load_params(&peft::read_weights(dir, &device)?)?;
+            // (Base weights that train start from `weights`: the folder's where it saved them.)
+            model.load_adapters(&peft::read_weights(dir, &device)?)?;
         }
         Ok(CandleEngine::new(model, fused, setup.optimizer, setup.ema_decay))
     }

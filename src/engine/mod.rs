@@ -6,10 +6,11 @@
 //! - [`candle::CandleEngine`]: candle's ops and autograd — any candle device, dtype and
 //!   trainable set (the reference the others are checked against); on the CPU in f32 with LoRA
 //!   it runs [`crate::engine::fused`], rtune's fused CPU engine, instead;
-//! - [`gpu::GpuEngine`]: an explicit forward and backward pass of LoRA training over device
-//!   buffers — fused kernels (`gpu/kernels.cu`), tensor-core attention that never stores
-//!   probabilities, activation checkpointing, the LM head and loss in chunks, AdamW on device —
-//!   on NVIDIA GPUs through CUDA (`--features cuda`).
+//! - [`gpu::GpuEngine`]: an explicit forward and backward pass of training (LoRA adapters, base
+//!   weights, or both) over device buffers — fused kernels, matrix-unit attention that never
+//!   stores probabilities, activation checkpointing, the LM head and loss in chunks, AdamW on
+//!   device — on NVIDIA GPUs through CUDA (`--features cuda`) and on any GPU with a Vulkan
+//!   driver (the default `vulkan` feature).
 //!
 //! [`build`] picks one for a device and trainable set; the training loop
 //! ([`crate::train`]), evaluation and exports only talk to the [`Engine`] trait. The loop's
@@ -308,7 +309,7 @@ pub fn choose(
     device: &Resolution,
     requested: Option<&str>,
 ) -> Result<EngineKind, EngineError> {
-    let adapters_only = matches!(trainable, Trainable::Nothing | Trainable::Lora(_));
+    let adapters_only = trainable.weights.is_empty();
     let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32 && adapters_only;
     let gpu_why = gpu::unsupported(cfg, device);
     // candle has no Vulkan backend: on a Vulkan device the GPU engine is the only engine.

@@ -65,6 +65,12 @@ pub fn param_name(prefix: &str, which: &str) -> String {
     format!("base_model.model.{prefix}.{which}.weight")
 }
 
+/// Whether a trained parameter's name is an adapter matrix's ([`param_name`]), not a base
+/// weight's.
+pub fn is_adapter_param(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
 #[derive(Debug, Clone)]
 pub struct Lora {
     pub a: Tensor,

@@ -1,6 +1,11 @@
 //! The model engine: Hugging Face model folders in and out, the transformer with LoRA, scratch
 //! models and tokenizers made in code.
 
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
 pub mod batch;
 pub mod config;
 pub mod folder;
@@ -42,6 +47,18 @@ pub enum ModelError {
     #[error("{what} is not supported")]
     #[diagnostic(code(rtune::model::unsupported))]
     Unsupported { what: String },
+    #[error(
+        "`{weight}` trains in full (`stages.train.trainable`) and also carries a LoRA adapter on `{linear}` \
+         (`adapter.targets` has `{module}`)"
+    )]
+    #[diagnostic(
+        code(rtune::model::adapter_on_trained_weight),
+        help(
+            "a weight trains either through an adapter or in full: leave `{module}` out of `adapter.targets`, or \
+              `{weight}` out of the patterns (PEFT has no module that is both)"
+        )
+    )]
+    AdapterOnTrainedWeight { weight: String, linear: String, module: String },
     #[error("the checkpoint has no tensor `{name}`")]
     #[diagnostic(
         code(rtune::model::missing_tensor),
@@ -92,4 +109,23 @@ impl ModelError {
         let context = context.into();
         move |source| ModelError::Tokenizer { context, source }
     }
+}
+
+/// The base weights a train stage's output `dir` replaces, f32 on `device` by Hugging Face
+/// name: all of `weights.safetensors` (base weights trained in full), or a PEFT adapter's
+/// `modules_to_save` (base weights trained beside the adapter); none for a plain adapter.
+pub fn trained_weights(dir: &Path, device: &Device) -> Result<BTreeMap<String, Tensor>, ModelError> {
+    let full = dir.join("weights.safetensors");
+    if full.is_file() {
+        let t = candle_core::safetensors::load(&full, device)
+            .map_err(ModelError::candle(format!("cannot read `{}`", full.display())))?;
+        return t
+            .into_iter()
+            .map(|(k, v)| Ok((k, v.to_dtype(DType::F32).map_err(ModelError::candle("convert trained weights"))?)))
+            .collect();
+    }
+    if dir.join("adapter_config.json").is_file() {
+        return Ok(peft::base_weights(peft::read_weights(dir, device)?));
+    }
+    Ok(BTreeMap::new())
 }

@@ -1,5 +1,10 @@
 //! PEFT LoRA adapter folders: `adapter_config.json` + `adapter_model.safetensors`, with the
 //! tensor names and config fields `PeftModel.from_pretrained` expects.
+//!
+//! Base weights that trained in full beside the adapter are PEFT's `modules_to_save`: whole
+//! modules (`lm_head`, `model.norm`, …) saved as `base_model.model.<module>.<param>`. In memory,
+//! rtune names adapter matrices as PEFT does and such base weights by their Hugging Face names,
+//! as the engines do ([`read_weights`] and [`write`] translate).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -7,6 +12,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
+use super::lora::is_adapter_param;
 use super::{LoraSpec, ModelError};
 
 /// Read `adapter_config.json`.
@@ -32,26 +38,78 @@ pub fn read_config(dir: &Path) -> Result<LoraSpec, ModelError> {
     Ok(LoraSpec { rank, alpha, dropout: v["lora_dropout"].as_f64().unwrap_or(0.0), targets })
 }
 
-/// Load the adapter tensors (names as PEFT saves them).
+/// PEFT's prefix of every saved tensor name.
+const PREFIX: &str = "base_model.model.";
+
+/// Load the adapter's tensors in f32: adapter matrices under PEFT's names, the weights of
+/// `modules_to_save` under their Hugging Face names (`lm_head.weight`).
 pub fn read_weights(dir: &Path, device: &Device) -> Result<BTreeMap<String, Tensor>, ModelError> {
     let path = dir.join("adapter_model.safetensors");
     let tensors = candle_core::safetensors::load(&path, device)
         .map_err(ModelError::candle(format!("cannot read `{}`", path.display())))?;
     let mut out = BTreeMap::new();
     for (k, t) in tensors {
-        out.insert(k, t.to_dtype(DType::F32).map_err(ModelError::candle("convert adapter"))?);
+        let t = t.to_dtype(DType::F32).map_err(ModelError::candle("convert adapter"))?;
+        let name = match k.strip_prefix(PREFIX) {
+            Some(base) if !is_adapter_param(&k) => base.to_string(),
+            _ => k,
+        };
+        out.insert(name, t);
     }
     Ok(out)
 }
 
-/// Write a PEFT adapter folder for `spec` with `weights` named as PEFT names them.
+/// The base weights an adapter folder replaces (its `modules_to_save`), by Hugging Face name.
+pub fn base_weights(weights: BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
+    weights.into_iter().filter(|(k, _)| !is_adapter_param(k)).collect()
+}
+
+/// Write a PEFT adapter folder for `spec`. `weights` holds the adapter matrices under PEFT's
+/// names and any base weights that trained in full under their Hugging Face names; each of
+/// those makes its module a `modules_to_save` entry, saved whole: `base` (the model trained)
+/// gives the module's parameters that did not train (a bias). Where the model ties `lm_head` to
+/// the embedding and the embedding trained, the head is saved too and the config asks PEFT to
+/// keep the two tied (`ensure_weight_tying`, PEFT ≥ 0.18), as rtune trained them.
 pub fn write(
     dir: &Path,
     spec: &LoraSpec,
     weights: &BTreeMap<String, Tensor>,
     base_model: &str,
+    base: &super::ModelFolder,
 ) -> Result<(), ModelError> {
-    let config = json!({
+    let module = |name: &str| name.rsplit_once('.').map_or(name, |(m, _)| m).to_string();
+    let mut saved: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut modules: Vec<String> = Vec::new();
+    for (name, t) in weights {
+        if is_adapter_param(name) {
+            saved.insert(name.clone(), t.clone());
+        } else {
+            modules.push(module(name));
+            saved.insert(format!("{PREFIX}{name}"), t.clone());
+        }
+    }
+    modules.sort();
+    modules.dedup();
+    let tie = base.config.tie_word_embeddings && modules.iter().any(|m| m == "model.embed_tokens");
+    if tie {
+        if !weights.contains_key("lm_head.weight") {
+            saved.insert(format!("{PREFIX}lm_head.weight"), weights["model.embed_tokens.weight"].clone());
+        }
+        if !modules.iter().any(|m| m == "lm_head") {
+            modules.insert(0, "lm_head".to_string());
+        }
+    }
+    if !modules.is_empty() {
+        // The saved modules' parameters that did not train, as the base has them.
+        base.visit_weights(|name, t| -> Result<(), ModelError> {
+            let key = format!("{PREFIX}{name}");
+            if modules.contains(&module(name)) && !saved.contains_key(&key) {
+                saved.insert(key, t);
+            }
+            Ok(())
+        })?;
+    }
+    let mut config = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -64,7 +122,7 @@ pub fn write(
         "fan_in_fan_out": false,
         "inference_mode": true,
         "init_lora_weights": true,
-        "modules_to_save": null,
+        "modules_to_save": if modules.is_empty() { serde_json::Value::Null } else { json!(modules) },
         "use_dora": false,
         "use_rslora": false,
         "layers_to_transform": null,
@@ -73,9 +131,12 @@ pub fn write(
         "alpha_pattern": {},
         "revision": null,
     });
+    if tie {
+        config["ensure_weight_tying"] = json!(true);
+    }
     let path = dir.join("adapter_config.json");
     let mut text = serde_json::to_string_pretty(&config).expect("json");
     text.push('\n');
     std::fs::write(&path, text).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?;
-    super::folder::save_safetensors(&dir.join("adapter_model.safetensors"), weights)
+    super::folder::save_safetensors(&dir.join("adapter_model.safetensors"), &saved)
 }

@@ -17,16 +17,66 @@ use super::lora::{Linear, LoraSpec, Param};
 use super::ops::{apply_rope, cross_entropy, repeat_kv, rms_norm, rope_tables, softmax_last};
 use crate::rng::Rng;
 
-/// Which weights train.
-#[derive(Debug, Clone)]
-pub enum Trainable {
+/// Which weights train: a LoRA adapter, base weights whose Hugging Face names match patterns,
+/// both (the base weights are then what PEFT calls `modules_to_save`), or nothing.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Trainable {
+    /// LoRA adapters on the linears the spec targets.
+    pub lora: Option<LoraSpec>,
+    /// fnmatch patterns of base weights that train in full (`*` is a wildcard; `["*"]` is a
+    /// full fine-tune).
+    pub weights: Vec<String>,
+}
+
+impl Trainable {
     /// Nothing trains (evaluation, generation).
-    Nothing,
-    /// LoRA adapters train; the base is frozen.
-    Lora(LoraSpec),
-    /// Base weights whose HF names match any of these patterns train (`*` is a wildcard;
-    /// `["*"]` is a full fine-tune).
-    Weights(Vec<String>),
+    pub fn nothing() -> Trainable {
+        Trainable::default()
+    }
+
+    /// A LoRA adapter trains; the base is frozen.
+    pub fn lora(spec: LoraSpec) -> Trainable {
+        Trainable { lora: Some(spec), weights: Vec::new() }
+    }
+
+    /// Base weights whose names match `patterns` train.
+    pub fn weights(patterns: Vec<String>) -> Trainable {
+        Trainable { lora: None, weights: patterns }
+    }
+
+    /// Nothing trains.
+    pub fn is_nothing(&self) -> bool {
+        self.lora.is_none() && self.weights.is_empty()
+    }
+
+    /// Whether the base weight `name` trains in full.
+    pub fn trains_weight(&self, name: &str) -> bool {
+        self.weights.iter().any(|p| crate::glob::fnmatch(p, name))
+    }
+
+    /// The adapter the linear `prefix` (`model.layers.0.self_attn.q_proj`, `lm_head`) gets,
+    /// whose parameters are named `params` (the weight — for a tied LM head, the embedding — and
+    /// the bias). A linear whose own parameters train in full cannot also carry an adapter (PEFT
+    /// has no such module): that is an error naming both settings.
+    pub fn adapter_for(
+        &self,
+        prefix: &str,
+        params: &[&str],
+    ) -> std::result::Result<Option<&LoraSpec>, super::ModelError> {
+        let Some(spec) = &self.lora else { return Ok(None) };
+        let module = prefix.rsplit('.').next().unwrap_or(prefix);
+        if !spec.targets.iter().any(|t| t == module) {
+            return Ok(None);
+        }
+        match params.iter().find(|p| self.trains_weight(p)) {
+            Some(p) => Err(super::ModelError::AdapterOnTrainedWeight {
+                weight: p.to_string(),
+                linear: prefix.to_string(),
+                module: module.to_string(),
+            }),
+            None => Ok(Some(spec)),
+        }
+    }
 }
 
 struct Attention {
@@ -136,7 +186,7 @@ impl Transformer {
             if !cfg.tie_word_embeddings {
                 return Err(super::ModelError::MissingTensor { name: "lm_head.weight".into() });
             }
-            b.linear_with("lm_head", embed.clone(), None, h, cfg.vocab_size)?
+            b.linear_with("lm_head", &["model.embed_tokens.weight"], embed.clone(), None, h, cfg.vocab_size)?
         } else {
             b.linear("lm_head", h, cfg.vocab_size, false)?
         };
@@ -324,9 +374,7 @@ impl Builder<'_> {
                 found: t.dims().to_vec(),
             });
         }
-        if let Trainable::Weights(patterns) = self.trainable
-            && patterns.iter().any(|p| crate::glob::fnmatch(p, name))
-        {
+        if self.trainable.trains_weight(name) {
             let master = t.to_dtype(DType::F32).map_err(super::ModelError::candle(format!("convert `{name}`")))?;
             let var =
                 Var::from_tensor(&master).map_err(super::ModelError::candle(format!("make `{name}` trainable")))?;
@@ -344,14 +392,19 @@ impl Builder<'_> {
         out: usize,
         bias: bool,
     ) -> std::result::Result<Linear, super::ModelError> {
-        let w = self.weight(&format!("{prefix}.weight"), &[out, inp])?;
-        let b = if bias { Some(self.weight(&format!("{prefix}.bias"), &[out])?) } else { None };
-        self.linear_with(prefix, w, b, inp, out)
+        let (w_name, b_name) = (format!("{prefix}.weight"), format!("{prefix}.bias"));
+        let w = self.weight(&w_name, &[out, inp])?;
+        let b = if bias { Some(self.weight(&b_name, &[out])?) } else { None };
+        let names: &[&str] = if bias { &[&w_name, &b_name] } else { &[&w_name] };
+        self.linear_with(prefix, names, w, b, inp, out)
     }
 
+    /// `params`: the names of the linear's weight and bias (the tied LM head's weight is the
+    /// embedding).
     fn linear_with(
         &mut self,
         prefix: &str,
+        params: &[&str],
         w: Tensor,
         b: Option<Tensor>,
         inp: usize,
@@ -359,15 +412,12 @@ impl Builder<'_> {
     ) -> std::result::Result<Linear, super::ModelError> {
         let mut lin = Linear::new(w, b, self.next_id);
         self.next_id += 1;
-        if let Trainable::Lora(spec) = self.trainable {
-            let module = prefix.rsplit('.').next().unwrap_or(prefix);
-            if spec.targets.iter().any(|t| t == module) {
-                let (lora, params) = spec
-                    .create(prefix, inp, out, DType::F32, lin.weight().device(), self.rng)
-                    .map_err(super::ModelError::candle(format!("create LoRA adapter for `{prefix}`")))?;
-                lin.lora = Some(lora);
-                self.params.extend(params);
-            }
+        if let Some(spec) = self.trainable.adapter_for(prefix, params)? {
+            let (lora, params) = spec
+                .create(prefix, inp, out, DType::F32, lin.weight().device(), self.rng)
+                .map_err(super::ModelError::candle(format!("create LoRA adapter for `{prefix}`")))?;
+            lin.lora = Some(lora);
+            self.params.extend(params);
         }
         Ok(lin)
     }
@@ -386,7 +436,21 @@ impl Transformer {
     /// Overwrite trained parameters with saved values (a PEFT adapter, a checkpoint). Every
     /// parameter must be present with its shape.
     pub fn load_params(&self, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<(), super::ModelError> {
-        for p in &self.params {
+        self.load_where(tensors, |_| true)
+    }
+
+    /// Overwrite the LoRA adapter matrices with saved values (a PEFT folder); base weights that
+    /// train keep the values the model was built from.
+    pub fn load_adapters(&self, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<(), super::ModelError> {
+        self.load_where(tensors, super::lora::is_adapter_param)
+    }
+
+    fn load_where(
+        &self,
+        tensors: &BTreeMap<String, Tensor>,
+        which: impl Fn(&str) -> bool,
+    ) -> std::result::Result<(), super::ModelError> {
+        for p in self.params.iter().filter(|p| which(&p.name)) {
             let t = tensors.get(&p.name).ok_or_else(|| super::ModelError::MissingTensor { name: p.name.clone() })?;
             if t.dims() != p.var.dims() {
                 return Err(super::ModelError::ShapeMismatch {

@@ -408,10 +408,11 @@ mod support {
         Ok(())
     }
 
-    /// `stages.<train>.trainable` says one thing: `["adapter"]` (with an adapter to train), or
-    /// weight patterns. `"adapter"` among patterns would otherwise be read as a pattern naming
-    /// no weight (training the others and no adapter), and `["adapter"]` without an adapter as a
-    /// full fine-tune. (An empty list is the recipe's own error.)
+    /// `stages.<train>.trainable`: `"adapter"` needs an adapter (else `["adapter"]` would read as
+    /// a full fine-tune), and weight patterns beside it must leave the adapter's linears alone
+    /// (a weight trains through an adapter or in full; the engines check every weight when the
+    /// model is loaded, this catches `"all"` and patterns such as `"*proj*"` before anything
+    /// runs). (An empty list is the recipe's own error.)
     fn check_trainable(
         table: &Value,
         at: Option<&crate::recipe::Origin>,
@@ -420,23 +421,45 @@ mod support {
         let Some(patterns) = table.get("trainable").and_then(|v| v.as_array()) else {
             return Ok(());
         };
-        let adapter = patterns.iter().any(|p| p.as_str() == Some("adapter"));
-        if adapter && patterns.len() > 1 {
-            return Err(Problem::new(
-                "rtune::plan::trainable",
-                "`trainable` mixes `\"adapter\"` with weight patterns: rtune trains a LoRA adapter or base weights, \
-                 not both at once",
-            )
-            .at(at, "\"adapter\" and patterns")
-            .help("`[\"adapter\"]` alone trains the LoRA adapter; weight patterns alone train those weights in full"));
+        let patterns: Vec<&str> = patterns.iter().filter_map(|p| p.as_str()).collect();
+        if !patterns.contains(&crate::train::ADAPTER) {
+            return Ok(());
         }
-        if adapter && loaded.recipe.adapter.kind == crate::recipe::AdapterKind::None {
+        let adapter = &loaded.recipe.adapter;
+        if adapter.kind == crate::recipe::AdapterKind::None {
             return Err(Problem::new(
                 "rtune::plan::trainable",
-                "`trainable = [\"adapter\"]` trains the adapter, but `adapter.kind = \"none\"`",
+                "`trainable` names `\"adapter\"`, but `adapter.kind = \"none\"`",
             )
             .at(at, "no adapter to train")
             .help("set `adapter.kind = \"lora\"`, or `trainable = [\"all\"]` for a full fine-tune"));
+        }
+        for target in &adapter.targets {
+            use crate::recipe::LoraTarget as T;
+            let m = target.as_str();
+            let weight = match target {
+                T::LmHead => "lm_head.weight".to_string(),
+                T::GateProj | T::UpProj | T::DownProj => format!("model.layers.0.mlp.{m}.weight"),
+                T::QProj | T::KProj | T::VProj | T::OProj => format!("model.layers.0.self_attn.{m}.weight"),
+            };
+            let pattern =
+                patterns.iter().map(|p| if *p == "all" { "*" } else { p }).find(|p| crate::glob::fnmatch(p, &weight));
+            if let Some(pattern) = pattern {
+                return Err(Problem::new(
+                    "rtune::plan::trainable",
+                    format!(
+                        "`trainable` trains `{pattern}` in full beside the adapter, and that names the weights the \
+                         adapter's `{}` linears carry (`{weight}`, …)",
+                        target.as_str()
+                    ),
+                )
+                .at(at, "adapter and the weights it adapts")
+                .help(
+                    "a weight trains either through the adapter or in full: name only weights outside \
+                       `adapter.targets` (such as `\"*norm*\"`), or drop `\"adapter\"` \
+                       for a full fine-tune",
+                ));
+            }
         }
         Ok(())
     }

@@ -523,8 +523,9 @@ pub struct TrainSettings {
     /// Which parameters train: `["adapter"]` (the default with LoRA), `["all"]`, or patterns of
     /// weight names such as `["model.layers.10.*", "lm_head.weight", "*norm*"]` (selective
     /// fine-tuning; fnmatch patterns matched against whole names, as for Hub `files`).
-    /// `"adapter"` stands alone and needs `adapter.kind = "lora"`: an adapter and base weights
-    /// do not train together.
+    /// `"adapter"` needs `adapter.kind = "lora"`; beside patterns (`["adapter", "*norm*",
+    /// "model.embed_tokens.weight"]`) the adapter and those base weights train together, saved as
+    /// PEFT's `modules_to_save` — the patterns must leave the weights the adapter sits on alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub trainable: Option<Vec<String>>,

@@ -114,8 +114,8 @@ pub(super) fn eval_engine(
     eval: &TokenStore,
 ) -> Result<Box<dyn Engine>, StageError> {
     let trainable = match trained {
-        Some(dir) if dir.join("adapter_config.json").is_file() => Trainable::Lora(peft::read_config(dir)?),
-        _ => Trainable::Nothing,
+        Some(dir) if dir.join("adapter_config.json").is_file() => Trainable::lora(peft::read_config(dir)?),
+        _ => Trainable::nothing(),
     };
     let longest = (0..eval.len()).map(|i| eval.row_len(i)).max().unwrap_or(1);
     let resolution = device.resolution();

@@ -55,7 +55,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 mkdir(&dir)?;
                 let spec = peft::read_config(&weights_dir)?;
                 let weights = peft::read_weights(&weights_dir, &Device::Cpu)?;
-                peft::write(&dir, &spec, &weights, base_name)?;
+                peft::write(&dir, &spec, &weights, base_name, &folder)?;
                 write_tokenizer_files(&dir, &model_dir, chat.as_ref(), false)?;
                 report.insert("peft-adapter".into(), json!({ "dir": "peft-adapter", "tensors": weights.len() }));
             }
@@ -149,8 +149,8 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
 /// f32), computing with the fused CPU engine where it can.
 fn tuned_engine(folder: &ModelFolder, weights_dir: &Path, device: &Resolution) -> Result<CandleEngine, StageError> {
     let trainable = match weights_dir.join("adapter_config.json").is_file() {
-        true => Trainable::Lora(peft::read_config(weights_dir)?),
-        false => Trainable::Nothing,
+        true => Trainable::lora(peft::read_config(weights_dir)?),
+        false => Trainable::nothing(),
     };
     let setup = Setup {
         folder,
@@ -286,7 +286,7 @@ fn check_merged(adapter_model: &Transformer, dir: &Path) -> Result<f64, StageErr
     let folder = ModelFolder::open(dir)?;
     let device = adapter_model.device();
     let weights = folder.load_weights(device, DType::F32)?;
-    let merged = Transformer::new(&folder.config, &weights, &Trainable::Nothing, &mut Rng::new(0))?;
+    let merged = Transformer::new(&folder.config, &weights, &Trainable::nothing(), &mut Rng::new(0))?;
     let vocab = folder.config.vocab_size as u64;
     let mut rng = Rng::new(7);
     let rows: Vec<Vec<u32>> = (0..2).map(|_| (0..16).map(|_| (rng.next_u64() % vocab) as u32).collect()).collect();

@@ -128,28 +128,32 @@ pub fn lora_spec(a: &Adapter) -> LoraSpec {
     LoraSpec { rank: a.rank, alpha: a.alpha, dropout: a.dropout, targets }
 }
 
-/// Which weights train, from `[adapter]` and `stages.train.trainable`.
+/// Which weights train, from `[adapter]` and `stages.train.trainable`: `"adapter"` (the default
+/// with LoRA) trains the adapter, and weight patterns beside it (`"all"` is `"*"`) train those
+/// base weights in full, alone or with the adapter. (`plan` refuses `"adapter"` without one.)
 pub fn trainable(settings: &TrainSettings, adapter: &Adapter) -> Trainable {
-    if trains_adapter(settings.trainable.as_deref(), adapter.kind) {
-        return Trainable::Lora(lora_spec(adapter));
+    let patterns = settings.trainable.as_deref();
+    let lora = trains_adapter(patterns, adapter.kind).then(|| lora_spec(adapter));
+    let mut weights: Vec<String> = patterns
+        .unwrap_or_default()
+        .iter()
+        .filter(|p| *p != ADAPTER)
+        .map(|p| if p == "all" { "*".to_string() } else { p.clone() })
+        .collect();
+    if lora.is_none() && weights.is_empty() {
+        weights.push("*".into());
     }
-    match &settings.trainable {
-        Some(patterns) if !only_adapter(patterns) => {
-            Trainable::Weights(patterns.iter().map(|p| if p == "all" { "*".to_string() } else { p.clone() }).collect())
-        }
-        _ => Trainable::Weights(vec!["*".into()]),
-    }
+    Trainable { lora, weights }
 }
+
+/// `"adapter"` in `stages.<train>.trainable`: the LoRA adapter, not a weight pattern.
+pub const ADAPTER: &str = "adapter";
 
 /// Whether a train stage with `stages.<train>.trainable = patterns` and `adapter.kind = kind`
-/// trains a LoRA adapter (saved as a PEFT folder), else base weights (`weights.safetensors`).
+/// trains a LoRA adapter (saved as a PEFT folder, with any base weights that train beside it),
+/// else base weights only (`weights.safetensors`).
 pub fn trains_adapter(patterns: Option<&[String]>, kind: AdapterKind) -> bool {
-    kind == AdapterKind::Lora && patterns.is_none_or(only_adapter)
-}
-
-/// `trainable = ["adapter"]`: the adapter (the default), not a weight pattern.
-fn only_adapter(patterns: &[String]) -> bool {
-    patterns.len() == 1 && patterns[0] == "adapter"
+    kind == AdapterKind::Lora && patterns.is_none_or(|p| p.iter().any(|p| p == ADAPTER))
 }
 
 /// The first loss scale of f16 training and the good steps after which it doubles
@@ -619,9 +623,13 @@ impl Trainer<'_> {
         self.metrics.flush().map_err(ioerr("cannot write metrics".into()))?;
         let out = self.job.out;
         let values = self.engine.trained()?;
-        match trainable(self.job.settings, self.job.adapter) {
-            Trainable::Lora(spec) => crate::model::peft::write(out, &spec, &values, "")?,
-            _ => crate::model::folder::save_safetensors(&out.join("weights.safetensors"), &values)?,
+        let trainable = trainable(self.job.settings, self.job.adapter);
+        match &trainable.lora {
+            Some(spec) => {
+                let base = crate::model::ModelFolder::open(self.job.model_dir)?;
+                crate::model::peft::write(out, spec, &values, "", &base)?
+            }
+            None => crate::model::folder::save_safetensors(&out.join("weights.safetensors"), &values)?,
         }
         std::fs::copy(metrics_path, out.join("metrics.jsonl")).map_err(ioerr("cannot copy metrics".into()))?;
         let text = std::fs::read_to_string(metrics_path).map_err(ioerr("cannot read metrics".into()))?;
@@ -647,7 +655,11 @@ impl Trainer<'_> {
             "tokens_seen": self.state.tokens_seen,
             "seconds": seconds,
             "tokens_per_s": rate,
-            "trainable": match trainable(self.job.settings, self.job.adapter) { Trainable::Lora(_) => "lora", _ => "weights" },
+            "trainable": match (trainable.lora.is_some(), trainable.weights.is_empty()) {
+                (true, true) => "lora",
+                (true, false) => "lora+weights",
+                _ => "weights",
+            },
             "ema": self.job.settings.ema.is_some(),
             "engine": self.engine.describe(),
             "peak_rss_bytes": crate::device::host::peak_rss_bytes(),

@@ -16,7 +16,7 @@ use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, 
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
-use crate::model::{ModelConfig, ModelError, Trainable, peft};
+use crate::model::{ModelConfig, ModelError, peft};
 use crate::recipe::Dtype;
 use crate::rng::Rng;
 
@@ -45,8 +45,8 @@ struct Adapter {
     dropout: f64,
 }
 
-/// A weight the passes read: frozen at its compute-dtype address, or trained (a full or
-/// selective fine-tune) at its offset in the flat parameters, whose compute-dtype copy the passes
+/// A weight the passes read: frozen at its compute-dtype address, or trained (in full, alone or
+/// beside an adapter) at its offset in the flat parameters, whose compute-dtype copy the passes
 /// read and whose gradient is at the same offset of the flat gradients.
 #[derive(Debug, Clone, Copy)]
 enum W {
@@ -297,19 +297,13 @@ impl GpuEngine {
         }
         let dt = compute_dtype(setup.device.dtype);
         let overrides = match setup.trained {
-            Some(dir) if dir.join("weights.safetensors").is_file() => {
-                candle_core::safetensors::load(dir.join("weights.safetensors"), &candle_core::Device::Cpu)
-                    .map_err(EngineError::candle("cannot read the trained weights"))?
-            }
-            _ => Default::default(),
+            Some(dir) => crate::model::trained_weights(dir, &candle_core::Device::Cpu)?,
+            None => Default::default(),
         };
-        // Base weights that train (`Trainable::Weights`, fnmatch patterns as in the candle
-        // model) stay on the host in f32 until the passes below name them: each becomes a slot of
-        // the flat parameters then, so weights the model does not use (as candle's) never train.
-        let patterns: &[String] = match &setup.trainable {
-            Trainable::Weights(p) => p,
-            _ => &[],
-        };
+        // Base weights that train (fnmatch patterns as in the candle model) stay on the host in
+        // f32 until the passes below name them: each becomes a slot of the flat parameters then,
+        // so weights the model does not use (as candle's) never train.
+        let trainable = &setup.trainable;
         let mut weights: BTreeMap<String, Buf> = BTreeMap::new();
         let mut masters: BTreeMap<String, Vec<f32>> = BTreeMap::new();
         let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -321,7 +315,7 @@ impl GpuEngine {
                 .and_then(|t| t.flatten_all())
                 .and_then(|t| t.to_vec1())
                 .map_err(EngineError::candle(format!("read `{name}`")))?;
-            if patterns.iter().any(|p| crate::glob::fnmatch(p, name)) {
+            if trainable.trains_weight(name) {
                 masters.insert(name.to_string(), v);
             } else {
                 let buf = Buf::from_f32(&gpu, &v, dt).map_err(|e| oom_or(e, &format!("uploading `{name}`"), 0, 0))?;
@@ -392,7 +386,8 @@ impl GpuEngine {
         }
         let embed = weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let norm = weight("model.norm.weight", &[h])?;
-        let mut lm_head = if cfg.tie_word_embeddings || !shapes.contains_key("lm_head.weight") {
+        let tied_head = cfg.tie_word_embeddings || !shapes.contains_key("lm_head.weight");
+        let mut lm_head = if tied_head {
             if !cfg.tie_word_embeddings {
                 return Err(ModelError::MissingTensor { name: "lm_head.weight".into() }.into());
             }
@@ -400,60 +395,59 @@ impl GpuEngine {
         } else {
             lin("lm_head", h, cfg.vocab_size, false)?
         };
-        let trained = match &setup.trainable {
-            Trainable::Lora(spec) => {
-                let mut rng = Rng::derive(setup.seed, "lora-init");
-                let mut slots = Vec::new();
-                let mut values: Vec<f32> = Vec::new();
-                let linears = layers.iter_mut().enumerate().flat_map(|(i, l)| {
-                    l.lin.iter_mut().zip(MODULES).map(move |(lin, m)| (format!("model.layers.{i}.{m}"), lin))
+        // The trained values: base weights first (as the passes above named them), then the
+        // adapters, one flat array cut into parts where one allocation cannot hold it (`Flat`).
+        let (mut slots, mut values) = trained_weights.into_inner();
+        if !trainable.weights.is_empty() && slots.is_empty() {
+            return Err(crate::engine::no_weight_matches(&trainable.weights));
+        }
+        if trainable.lora.is_some() {
+            let mut rng = Rng::derive(setup.seed, "lora-init");
+            let first = slots.len();
+            let linears = layers.iter_mut().enumerate().flat_map(|(i, l)| {
+                l.lin.iter_mut().zip(MODULES).map(move |(lin, m)| (format!("model.layers.{i}.{m}"), lin))
+            });
+            for (prefix, l) in linears.chain(std::iter::once(("lm_head".to_string(), &mut lm_head))) {
+                let weight = match prefix.as_str() {
+                    "lm_head" if tied_head => "model.embed_tokens.weight".to_string(),
+                    _ => format!("{prefix}.weight"),
+                };
+                let bias = format!("{prefix}.bias");
+                let params: &[&str] = if l.bias.is_some() { &[&weight, &bias] } else { &[&weight] };
+                let Some(spec) = trainable.adapter_for(&prefix, params)? else { continue };
+                let a = values.len();
+                values.extend(spec.init_a(l.inp, &mut rng));
+                let b = values.len();
+                values.extend(std::iter::repeat_n(0.0, l.out * spec.rank));
+                slots.push(Slot {
+                    name: param_name(&prefix, "lora_A"),
+                    shape: vec![spec.rank, l.inp],
+                    off: a,
+                    len: b - a,
                 });
-                for (prefix, l) in linears.chain(std::iter::once(("lm_head".to_string(), &mut lm_head))) {
-                    let module = prefix.rsplit('.').next().unwrap_or(&prefix);
-                    if !spec.targets.iter().any(|t| t == module) {
-                        continue;
-                    }
-                    let a = values.len();
-                    values.extend(spec.init_a(l.inp, &mut rng));
-                    let b = values.len();
-                    values.extend(std::iter::repeat_n(0.0, l.out * spec.rank));
-                    slots.push(Slot {
-                        name: param_name(&prefix, "lora_A"),
-                        shape: vec![spec.rank, l.inp],
-                        off: a,
-                        len: b - a,
-                    });
-                    slots.push(Slot {
-                        name: param_name(&prefix, "lora_B"),
-                        shape: vec![l.out, spec.rank],
-                        off: b,
-                        len: l.out * spec.rank,
-                    });
-                    l.lora = Some(Adapter { a, b, rank: spec.rank, scale: spec.scale() as f32, dropout: spec.dropout });
-                }
-                if let Some(dir) = setup.trained.filter(|d| d.join("adapter_config.json").is_file()) {
-                    let saved = peft::read_weights(dir, &candle_core::Device::Cpu)?;
-                    fill_slots(&slots, &saved, &mut values, |name| ModelError::MissingTensor { name }.into())?;
-                }
-                Some(Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)?)
+                slots.push(Slot {
+                    name: param_name(&prefix, "lora_B"),
+                    shape: vec![l.out, spec.rank],
+                    off: b,
+                    len: l.out * spec.rank,
+                });
+                l.lora = Some(Adapter { a, b, rank: spec.rank, scale: spec.scale() as f32, dropout: spec.dropout });
             }
-            Trainable::Nothing => None,
-            Trainable::Weights(patterns) => {
-                let (slots, values) = trained_weights.into_inner();
-                if slots.is_empty() {
-                    return Err(crate::engine::no_weight_matches(patterns));
-                }
-                if i32::try_from(values.len()).is_err() {
-                    return Err(EngineError::Unsupported(format!(
-                        "the GPU engine trains at most 2³¹ − 1 parameters at once, and `stages.train.trainable` \
-                         names {}: train fewer weights or a LoRA adapter",
-                        values.len()
-                    )));
-                }
-                // The trained values, their gradients and moments: one flat array each, cut
-                // into parts where one allocation cannot hold them (`Flat`).
-                Some(Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)?)
+            if let Some(dir) = setup.trained.filter(|d| d.join("adapter_config.json").is_file()) {
+                let saved = peft::read_weights(dir, &candle_core::Device::Cpu)?;
+                fill_slots(&slots[first..], &saved, &mut values, |name| ModelError::MissingTensor { name }.into())?;
             }
+        }
+        if i32::try_from(values.len()).is_err() {
+            return Err(EngineError::Unsupported(format!(
+                "the GPU engine trains at most 2³¹ − 1 parameters at once, and `stages.train.trainable` names {}: \
+                 train fewer weights or a LoRA adapter",
+                values.len()
+            )));
+        }
+        let trained = match trainable.is_nothing() {
+            true => None,
+            false => Some(Trained::new(&gpu, dt, slots, &values, setup.optimizer, setup.ema_decay)?),
         };
 
         let acc = Buf::zeros(&gpu, 4, Dt::U32).map_err(gerr("allocate accumulators"))?;

@@ -1,5 +1,5 @@
-//! The GPU engine: training (LoRA adapters, or base weights in a full or selective fine-tune)
-//! and evaluation as an explicit forward and backward pass over device buffers, the GPU
+//! The GPU engine: training (LoRA adapters, base weights in a full or selective fine-tune, or
+//! both) and evaluation as an explicit forward and backward pass over device buffers, the GPU
 //! counterpart of the fused CPU engine ([`crate::engine::fused`]).
 //!
 //! - `kernels.cu` holds every kernel but the matrix products: RMSNorm, rotary embeddings,
