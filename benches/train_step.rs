@@ -62,6 +62,7 @@ fn main() {
         let lora = LoraSpec {
             rank: 8,
             alpha: 16.0,
+            rslora: false,
             dropout: 0.0,
             targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
         };

@@ -1123,12 +1123,12 @@ fn engine_matches_autograd_on_the_golden_models() {
 }
 
 /// A PEFT folder with every projection and the LM head adapted, random B (so every A gets a
-/// gradient), and dropout `p`.
-fn all_targets_adapter(folder: &ModelFolder, p: f64) -> tempfile::TempDir {
+/// gradient), dropout `p`, and rsLoRA's scale where `rslora`.
+fn all_targets_adapter(folder: &ModelFolder, p: f64, rslora: bool) -> tempfile::TempDir {
     let targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
         .map(String::from)
         .to_vec();
-    let spec = LoraSpec { rank: 4, alpha: 8.0, dropout: p, targets };
+    let spec = LoraSpec { rank: 4, alpha: 8.0, rslora, dropout: p, targets };
     let cpu = Resolution::cpu();
     let engine = CandleEngine::build(&setup(folder, Trainable::lora(spec.clone()), &cpu, None), false).unwrap();
     let mut rng = Rng::new(9);
@@ -1172,8 +1172,8 @@ fn engine_matches_autograd_with_packing_padding_dropout_and_lm_head() {
     let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
     let batch = packed_batch();
     for gpu in devices() {
-        for p in [0.0, 0.1] {
-            let adapter = all_targets_adapter(&folder, p);
+        for (p, rslora) in [(0.0, false), (0.1, false), (0.0, true)] {
+            let adapter = all_targets_adapter(&folder, p, rslora);
             assert_engine_matches(&gpu, &folder, adapter.path(), &batch, (p > 0.0).then_some(42), Dtype::F32, 2e-5);
         }
     }
@@ -1255,6 +1255,7 @@ fn an_adapter_on_a_weight_that_trains_in_full_is_an_error() {
     let spec = |targets: &[&str]| LoraSpec {
         rank: 2,
         alpha: 4.0,
+        rslora: false,
         dropout: 0.0,
         targets: targets.iter().map(|t| t.to_string()).collect(),
     };
@@ -1436,7 +1437,7 @@ fn train_steps(engine: &mut dyn Engine, batches: &[HostBatch], steps: usize) -> 
 #[test]
 fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
     let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
-    let adapter = all_targets_adapter(&folder, 0.1);
+    let adapter = all_targets_adapter(&folder, 0.1, false);
     let spec = peft::read_config(adapter.path()).unwrap();
     let golden = golden_batch("tiny-qwen2");
     let batches = vec![packed_batch(), golden.clone()];
@@ -1544,7 +1545,8 @@ fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
     let texts: Vec<String> = (0..200).map(|i| format!("sample {i}: some words to train a tokenizer on")).collect();
     rtune::model::scratch::create(dir.path(), &spec, texts.iter(), 0).unwrap();
     let folder = ModelFolder::open(dir.path()).unwrap();
-    let lora = LoraSpec { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "v_proj".into()] };
+    let lora =
+        LoraSpec { rank: 4, alpha: 8.0, rslora: false, dropout: 0.0, targets: vec!["q_proj".into(), "v_proj".into()] };
     let dev = resolution(Dtype::F32, DeviceClass::Cuda);
     let emu = Rc::new(EmuGpu::default());
     let gpu: Rc<dyn Gpu> = emu.clone();

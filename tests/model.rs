@@ -98,6 +98,32 @@ fn qwen2_lora_matches_peft() {
 }
 
 /// Central finite differences (in f64 on the loss) against autograd for a few LoRA entries.
+/// An rsLoRA adapter (PEFT's `use_rslora`: scale alpha / √r) reads as one: the golden adapter
+/// re-saved with `use_rslora` and the alpha that gives PEFT's scale alpha / r the same value
+/// (alpha / r = alpha' / √r) computes PEFT's logits, and a model written back says `use_rslora`.
+#[test]
+fn rslora_adapters_scale_by_alpha_over_the_root_of_the_rank() {
+    let g = golden("tiny-llama");
+    let src = fixture("tiny-llama").join("adapter");
+    let dir = tempfile::tempdir().unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap()).unwrap();
+    let (r, alpha) = (config["r"].as_f64().unwrap(), config["lora_alpha"].as_f64().unwrap());
+    config["use_rslora"] = serde_json::json!(true);
+    config["lora_alpha"] = serde_json::json!(alpha / r * r.sqrt());
+    std::fs::write(dir.path().join("adapter_config.json"), config.to_string()).unwrap();
+    std::fs::copy(src.join("adapter_model.safetensors"), dir.path().join("adapter_model.safetensors")).unwrap();
+    let spec = peft::read_config(dir.path()).unwrap();
+    assert!(spec.rslora && (spec.scale() - alpha / r).abs() < 1e-12, "{spec:?}");
+    let model = load("tiny-llama", &Trainable::lora(spec.clone()));
+    model.load_params(&peft::read_weights(dir.path(), &Device::Cpu).unwrap()).unwrap();
+    check(&model, &g, "lora");
+    let out = tempfile::tempdir().unwrap();
+    let folder = rtune::model::ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    peft::write(out.path(), &spec, &model.param_values(), "", &folder).unwrap();
+    assert_eq!(peft::read_config(out.path()).unwrap(), spec);
+}
+
 #[test]
 fn lora_gradients_match_finite_differences() {
     let g = golden("tiny-llama");
@@ -553,7 +579,7 @@ fn packed_batch_matches(dropout: f64) {
     let targets: Vec<String> = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
         .map(String::from)
         .to_vec();
-    let spec = rtune::model::LoraSpec { rank: 4, alpha: 8.0, dropout, targets };
+    let spec = rtune::model::LoraSpec { rank: 4, alpha: 8.0, rslora: false, dropout, targets };
     let model = Transformer::new(&folder.config, &weights, &Trainable::lora(spec), &mut Rng::new(3)).unwrap();
     // Random B matrices, so that every A gets a gradient.
     let mut rng = Rng::new(9);

@@ -17,14 +17,21 @@ pub struct Param {
 pub struct LoraSpec {
     pub rank: usize,
     pub alpha: f64,
+    /// Rank-stabilized: scale by alpha / √rank instead of alpha / rank.
+    pub rslora: bool,
     pub dropout: f64,
     /// Module names: `q_proj`, …, `lm_head`.
     pub targets: Vec<String>,
 }
 
 impl LoraSpec {
+    /// The factor on the adapter's output: alpha / rank, or alpha / √rank (rsLoRA), as PEFT's
+    /// `LoraLayer.update_layer` computes it.
     pub fn scale(&self) -> f64 {
-        self.alpha / self.rank as f64
+        match self.rslora {
+            true => self.alpha / (self.rank as f64).sqrt(),
+            false => self.alpha / self.rank as f64,
+        }
     }
 
     /// The initial A `[rank, inp]` as PEFT draws it: kaiming_uniform_(a=√5), bound 1/√in (B

@@ -25,8 +25,8 @@ pub fn read_config(dir: &Path) -> Result<LoraSpec, ModelError> {
     if v["peft_type"].as_str() != Some("LORA") {
         return Err(bad("`peft_type` is not \"LORA\""));
     }
-    if v["use_dora"].as_bool() == Some(true) || v["use_rslora"].as_bool() == Some(true) {
-        return Err(ModelError::Unsupported { what: "DoRA / rsLoRA adapters".into() });
+    if v["use_dora"].as_bool() == Some(true) {
+        return Err(ModelError::Unsupported { what: "DoRA adapters".into() });
     }
     let rank = v["r"].as_u64().ok_or_else(|| bad("no integer `r`"))? as usize;
     let alpha = v["lora_alpha"].as_f64().ok_or_else(|| bad("no number `lora_alpha`"))?;
@@ -35,7 +35,8 @@ pub fn read_config(dir: &Path) -> Result<LoraSpec, ModelError> {
         _ => return Err(bad("`target_modules` is not a list")),
     };
     targets.sort();
-    Ok(LoraSpec { rank, alpha, dropout: v["lora_dropout"].as_f64().unwrap_or(0.0), targets })
+    let rslora = v["use_rslora"].as_bool().unwrap_or(false);
+    Ok(LoraSpec { rank, alpha, rslora, dropout: v["lora_dropout"].as_f64().unwrap_or(0.0), targets })
 }
 
 /// PEFT's prefix of every saved tensor name.
@@ -124,7 +125,7 @@ pub fn write(
         "init_lora_weights": true,
         "modules_to_save": if modules.is_empty() { serde_json::Value::Null } else { json!(modules) },
         "use_dora": false,
-        "use_rslora": false,
+        "use_rslora": spec.rslora,
         "layers_to_transform": null,
         "layers_pattern": null,
         "rank_pattern": {},

@@ -214,10 +214,14 @@ pub struct Adapter {
     #[serde(default = "default_rank")]
     #[schemars(range(min = 1, max = 4096))]
     pub rank: usize,
-    /// LoRA alpha; the adapter output is scaled by alpha / rank.
+    /// LoRA alpha; the adapter output is scaled by alpha / rank (alpha / √rank with `rslora`).
     #[serde(default = "default_alpha")]
     #[schemars(extend("exclusiveMinimum" = 0.0))]
     pub alpha: f64,
+    /// Rank-stabilized LoRA (Kalajdzievski 2023; PEFT's `use_rslora`): scale the adapter output
+    /// by alpha / √rank, so that higher ranks keep learning instead of being scaled down.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rslora: bool,
     /// Dropout on the adapter input during training.
     #[serde(default)]
     #[schemars(range(min = 0.0), extend("exclusiveMaximum" = 1.0))]
@@ -234,6 +238,7 @@ impl Default for Adapter {
             kind: AdapterKind::default(),
             rank: default_rank(),
             alpha: default_alpha(),
+            rslora: false,
             dropout: 0.0,
             targets: default_targets(),
         }

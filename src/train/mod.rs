@@ -125,7 +125,7 @@ pub struct LoopState {
 pub fn lora_spec(a: &Adapter) -> LoraSpec {
     let mut targets: Vec<String> = a.targets.iter().map(|t| t.as_str().to_string()).collect();
     targets.sort();
-    LoraSpec { rank: a.rank, alpha: a.alpha, dropout: a.dropout, targets }
+    LoraSpec { rank: a.rank, alpha: a.alpha, rslora: a.rslora, dropout: a.dropout, targets }
 }
 
 /// Which weights train, from `[adapter]` and `stages.train.trainable`: `"adapter"` (the default
