@@ -858,6 +858,49 @@ to = "dir://out"
     }
 }
 
+/// The model card says how the run was made, overrides included: its command line carries the
+/// recipe-setting variables and every `--set` (quoted for a shell), and the recipe section lists
+/// them after the file; a shell given that command line gets the same words back.
+#[test]
+fn the_model_card_names_the_overrides_the_run_used() {
+    let p = Project::tiny_offline();
+    let sets = [
+        r#"stages.train.trainable=["adapter", "*norm*"]"#,
+        "stages.train.max_steps=2",
+        "stages.evaluate.max_new_tokens=2",
+    ];
+    let mut args = vec!["run", "tiny.toml"];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let o = rtune_cmd()
+        .args(&args)
+        .current_dir(p.path())
+        .env("RTUNE_CACHE_DIR", p.cache())
+        .env("RTUNE_NO_PROGRESS", "1")
+        .env("RTUNE_STAGES__TRAIN__EVAL_EVERY", "0")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let card = std::fs::read_to_string(p.path().join("out/tiny-offline/README.md")).unwrap();
+    let line = card.lines().find(|l| l.starts_with("Fine-tuned from")).unwrap();
+    let command = line.split('`').nth(1).unwrap();
+    assert_eq!(
+        command,
+        r#"RTUNE_STAGES__TRAIN__EVAL_EVERY=0 rtune run tiny.toml --set 'stages.train.trainable=["adapter", "*norm*"]' --set stages.train.max_steps=2 --set stages.evaluate.max_new_tokens=2"#
+    );
+    let words = std::process::Command::new("sh").arg("-c").arg(format!("printf '%s\\n' {command}")).output();
+    if let Ok(words) = words {
+        let want: Vec<&str> = ["RTUNE_STAGES__TRAIN__EVAL_EVERY=0", "rtune", "run", "tiny.toml"]
+            .into_iter()
+            .chain(args[2..].iter().copied())
+            .collect();
+        assert_eq!(String::from_utf8_lossy(&words.stdout).lines().collect::<Vec<_>>(), want);
+    }
+    let listed = card.split("Run with these settings over the file").nth(1).expect("the overrides listed");
+    assert!(listed.contains("- `RTUNE_STAGES__TRAIN__EVAL_EVERY=0`\n- `stages.train.trainable="), "{listed}");
+}
+
 /// Issue 21: `cache gc` never runs beside a build (it used to delete a long run's staging and
 /// could remove objects between their move into the store and the manifest naming them).
 #[test]

@@ -267,25 +267,17 @@ fn from_cache(cache: &HubCache, repo: &RepoRef, wanted: &Wanted) -> Result<Downl
 
 /// The command that fetches `files` of `repo` (all files when empty).
 pub fn download_command(repo: &RepoRef, files: &[String]) -> String {
-    let mut cmd = format!("rtune download {}", shell_quote(&repo.id));
+    let mut cmd = format!("rtune download {}", crate::ui::shell_quote(&repo.id));
     if repo.kind == super::RepoKind::Dataset {
         cmd.push_str(" --repo-type dataset");
     }
     if repo.revision != "main" {
-        cmd.push_str(&format!(" --revision {}", shell_quote(&repo.revision)));
+        cmd.push_str(&format!(" --revision {}", crate::ui::shell_quote(&repo.revision)));
     }
     for f in files {
-        cmd.push_str(&format!(" --include {}", shell_quote(f)));
+        cmd.push_str(&format!(" --include {}", crate::ui::shell_quote(f)));
     }
     cmd
-}
-
-/// `s` as one word for POSIX shells: as is when it holds only characters no shell treats
-/// specially, else in single quotes (a quote inside becomes `'\''`). Suggested commands are
-/// pasted into terminals, and names come from listings, lock files and recipes.
-pub fn shell_quote(s: &str) -> String {
-    let plain = !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-./:@=+,%".contains(&b));
-    if plain { s.to_string() } else { format!("'{}'", s.replace('\'', r"'\''")) }
 }
 
 fn fetch_file(
@@ -518,25 +510,4 @@ fn digest_file<D: sha2::Digest>(mut h: D, path: &std::path::Path) -> std::io::Re
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-#[cfg(test)]
-mod quote_tests {
-    use super::shell_quote;
-
-    #[test]
-    fn suggested_commands_quote_for_posix_shells() {
-        assert_eq!(shell_quote("org/model-1.5B"), "org/model-1.5B");
-        assert_eq!(shell_quote("*.safetensors"), "'*.safetensors'");
-        assert_eq!(shell_quote("a'; touch pwned; echo '"), r"'a'\''; touch pwned; echo '\'''");
-        assert_eq!(shell_quote("$(touch pwned)"), "'$(touch pwned)'");
-        assert_eq!(shell_quote(""), "''");
-        // What a shell makes of the quoted word is the original string.
-        for s in ["a'b", "$(x)", "`x`", "a b\tc", "'"] {
-            let out = std::process::Command::new("sh").arg("-c").arg(format!("printf %s {}", shell_quote(s))).output();
-            if let Ok(out) = out {
-                assert_eq!(String::from_utf8_lossy(&out.stdout), s);
-            }
-        }
-    }
 }

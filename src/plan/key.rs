@@ -308,6 +308,10 @@ pub struct Card {
     pub recipe_text: RecipeText,
     /// The recipe as `rtune run` is told to run it: its file name, or the built-in's name.
     pub recipe_file: String,
+    /// What was layered over the file ([`crate::recipe::LoadedRecipe::overrides`]): `RTUNE_…`
+    /// variables and `--set` arguments, so the card's command reproduces the run.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<String>,
     /// The base model as named: Hub id, local path, or a scratch model.
     pub base: String,
     /// The Hub id of the base model, for the card's `base_model`.
@@ -450,6 +454,7 @@ mod tests {
                             description: None,
                             recipe_text: RecipeText("[recipe]\n".into()),
                             recipe_file: "r.toml".into(),
+                            overrides: Vec::new(),
                             base: "a scratch model".into(),
                             base_repo: None,
                             dataset_repo: Some("owner/data".into()),

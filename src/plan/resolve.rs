@@ -162,6 +162,7 @@ pub(super) fn resolve_key(
                 description: recipe.recipe.description.clone(),
                 recipe_text: RecipeText(loaded.text.clone()),
                 recipe_file,
+                overrides: loaded.overrides.clone(),
                 base: base_named().unwrap_or_else(|| "a scratch model".into()),
                 base_repo: m.repo.clone(),
                 dataset_repo: d.repo.clone(),

@@ -106,6 +106,9 @@ pub struct LoadedRecipe {
     pub source: RecipeSource,
     /// The recipe file's text as read (never part of a fingerprint: only what it means is).
     pub text: String,
+    /// The layers applied over the file, in order, as a user would write them: recipe-setting
+    /// `RTUNE_…=value` variables, then `--set key=value` arguments (the model card shows them).
+    pub overrides: Vec<String>,
 }
 
 /// Where a loaded recipe's values are written in its file, for errors raised while stages run.
@@ -224,7 +227,11 @@ pub fn load_text(source: RecipeSource, text: String, overrides: &Overrides) -> R
         None
     };
     match (recipe, stages) {
-        (Some(recipe), Some(stages)) if problems.is_empty() => Ok(LoadedRecipe { recipe, stages, tree, source, text }),
+        (Some(recipe), Some(stages)) if problems.is_empty() => {
+            let env = overrides.env.iter().filter(|(k, _)| env_key_path(k).is_some()).map(|(k, v)| format!("{k}={v}"));
+            let overrides = env.chain(overrides.sets.iter().cloned()).collect();
+            Ok(LoadedRecipe { recipe, stages, tree, source, text, overrides })
+        }
         _ => Err(LoadError::Invalid(Problems::new(name, problems))),
     }
 }

@@ -128,7 +128,7 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
     if let Some(d) = &c.description {
         let _ = writeln!(s, "{d}\n");
     }
-    let _ = writeln!(s, "Fine-tuned from {} with rtune (`rtune run {}`).\n", c.base, c.recipe_file);
+    let _ = writeln!(s, "Fine-tuned from {} with rtune (`{}`).\n", c.base, command(c));
     s.push_str("## Files\n\n| file | size |\n|---|---|\n");
     for (p, local, _) in files {
         let size = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
@@ -187,5 +187,29 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
     s.push_str("\n## Recipe\n\n```toml\n");
     s.push_str(c.recipe_text.0.trim_end());
     s.push_str("\n```\n");
+    if !c.overrides.is_empty() {
+        s.push_str("\nRun with these settings over the file, in this order (environment variables, then `--set`):\n\n");
+        for o in &c.overrides {
+            let _ = writeln!(s, "- `{o}`");
+        }
+    }
     s
+}
+
+/// The command that ran the recipe, overrides included, as one line for a POSIX shell.
+fn command(c: &crate::plan::key::Card) -> String {
+    let quote = crate::ui::shell_quote;
+    let mut words = Vec::new();
+    for o in &c.overrides {
+        if o.starts_with("RTUNE_")
+            && let Some((k, v)) = o.split_once('=')
+        {
+            words.push(format!("{k}={}", quote(v)));
+        }
+    }
+    words.extend(["rtune".to_string(), "run".to_string(), quote(&c.recipe_file)]);
+    for o in c.overrides.iter().filter(|o| !o.starts_with("RTUNE_")) {
+        words.extend(["--set".to_string(), quote(o)]);
+    }
+    words.join(" ")
 }

@@ -201,3 +201,32 @@ pub fn render_plain(d: &dyn miette::Diagnostic) -> String {
     let _ = handler.render_report(&mut s, d);
     s
 }
+
+/// `s` as one word for POSIX shells: as is when it holds only characters no shell treats
+/// specially, else in single quotes (a quote inside becomes `'\''`). Suggested commands are
+/// pasted into terminals, and names come from listings, lock files and recipes.
+pub fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-./:@=+,%".contains(&b));
+    if plain { s.to_string() } else { format!("'{}'", s.replace('\'', r"'\''")) }
+}
+
+#[cfg(test)]
+mod quote_tests {
+    use super::shell_quote;
+
+    #[test]
+    fn suggested_commands_quote_for_posix_shells() {
+        assert_eq!(shell_quote("org/model-1.5B"), "org/model-1.5B");
+        assert_eq!(shell_quote("*.safetensors"), "'*.safetensors'");
+        assert_eq!(shell_quote("a'; touch pwned; echo '"), r"'a'\''; touch pwned; echo '\'''");
+        assert_eq!(shell_quote("$(touch pwned)"), "'$(touch pwned)'");
+        assert_eq!(shell_quote(""), "''");
+        // What a shell makes of the quoted word is the original string.
+        for s in ["a'b", "$(x)", "`x`", "a b\tc", "'"] {
+            let out = std::process::Command::new("sh").arg("-c").arg(format!("printf %s {}", shell_quote(s))).output();
+            if let Ok(out) = out {
+                assert_eq!(String::from_utf8_lossy(&out.stdout), s);
+            }
+        }
+    }
+}
