@@ -66,6 +66,7 @@ const CHANGES: &[(&str, &str)] = &[
     ("adapter.kind", "\"none\""),
     ("adapter.rank", "4"),
     ("adapter.alpha", "8"),
+    ("adapter.rslora", "true"),
     ("adapter.dropout", "0.1"),
     ("adapter.targets", "[\"q_proj\"]"),
     ("stages.train.epochs", "2"),
