@@ -27,7 +27,7 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// inputs changes, so artifacts built by an older rtune are not reused.
 /// History: all 1 — first version; upload 2 — model card and loss curve added; train,
 /// evaluate, quantize 2 — fused cross-entropy; 3 — the fused CPU engine; train 4 —
-/// counter-based LoRA dropout masks.
+/// counter-based LoRA dropout masks; train 5 — base weights train on the fused CPU engine.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -39,7 +39,9 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // 4 (train): LoRA dropout masks come from a counter-based generator keyed by seed,
         // micro-batch, layer and element (the same on every engine and device), not from one
         // sequential stream; runs with dropout train on other masks than version 3's.
-        Train => 4,
+        // 5 (train): f32 runs on the CPU that train base weights (alone or beside an adapter)
+        // use the fused engine too, not candle's autograd: other summation orders.
+        Train => 5,
         Evaluate => 3,
         // 4: exported folders and GGUF carry the chat template the data was rendered with
         // (and its turn-end token as a stop token), the full tokenizer files, and PEFT names a

@@ -573,6 +573,66 @@ fn fused_engine_matches_autograd_with_packing_padding_dropout_and_lm_head() {
     }
 }
 
+/// Row 0: two packed documents; row 1: padded; row 2: one full document (tokens < 128), with
+/// the selected positions and their targets.
+fn packed_batch() -> (Batch, Vec<u32>, Vec<u32>) {
+    let rows: Vec<Vec<u32>> = vec![
+        (0..20).map(|i| (i * 7 + 3) % 128).collect(),
+        (0..12).map(|i| (i * 5 + 1) % 128).chain([0; 8]).collect(),
+        (0..20).map(|i| (i * 11 + 2) % 128).collect(),
+    ];
+    let lens = [20, 12, 20];
+    let segs: Vec<Vec<u16>> = vec![(0..20).map(|i| (i >= 9) as u16).collect(), vec![0; 20], vec![0; 20]];
+    let batch = Batch::new(&rows, &lens, Some(&segs), &Device::Cpu).unwrap();
+    let (mut select, mut tgt) = (Vec::new(), Vec::new());
+    for (r, row) in rows.iter().enumerate() {
+        for j in 1..lens[r] {
+            if segs[r][j] == segs[r][j - 1] && j % 3 != 0 {
+                select.push((r * 20 + j - 1) as u32);
+                tgt.push(row[j]);
+            }
+        }
+    }
+    (batch, select, tgt)
+}
+
+/// Base weights that train — in full, selectively, and beside an adapter — get autograd's loss
+/// and every gradient from the fused engine: matrices, q/k/v biases, RMSNorm weights, the LM
+/// head, the embedding (tied to the head in Qwen2, so its gradient sums both uses; packed rows
+/// repeat tokens, whose rows sum), in row shards and in one pass.
+#[test]
+fn fused_engine_matches_autograd_training_base_weights() {
+    let (batch, select, tgt) = packed_batch();
+    let patterns = |p: &[&str]| p.iter().map(|p| p.to_string()).collect::<Vec<_>>();
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+        let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+        let adapter = fixture(name).join("adapter");
+        let cases = [
+            Trainable::weights(patterns(&["*"])),
+            Trainable::weights(patterns(&[
+                "*.input_layernorm.*",
+                "*.1.self_attn.[qv]_proj.*",
+                "model.norm.weight",
+                "lm_head.weight",
+            ])),
+            Trainable {
+                lora: Some(peft::read_config(&adapter).unwrap()),
+                weights: patterns(&["*norm*", "model.embed_tokens.weight", "lm_head.weight"]),
+            },
+        ];
+        for trainable in cases {
+            let model = Transformer::new(&folder.config, &weights, &trainable, &mut Rng::new(3)).unwrap();
+            if trainable.lora.is_some() {
+                model.load_adapters(&peft::read_weights(&adapter, &Device::Cpu).unwrap()).unwrap();
+            }
+            assert_fused_matches(&model, &batch, &select, &tgt, None);
+            let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+            one.install(|| assert_fused_matches(&model, &batch, &select, &tgt, None));
+        }
+    }
+}
+
 fn packed_batch_matches(dropout: f64) {
     let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
     let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
@@ -592,24 +652,7 @@ fn packed_batch_matches(dropout: f64) {
         })
         .collect();
     model.load_params(&values).unwrap();
-    // Row 0: two packed documents; row 1: padded; row 2: one full document.
-    let rows: Vec<Vec<u32>> = vec![
-        (0..20).map(|i| (i * 7 + 3) % 128).collect(),
-        (0..12).map(|i| (i * 5 + 1) % 128).chain([0; 8]).collect(),
-        (0..20).map(|i| (i * 11 + 2) % 128).collect(),
-    ];
-    let lens = [20, 12, 20];
-    let segs: Vec<Vec<u16>> = vec![(0..20).map(|i| (i >= 9) as u16).collect(), vec![0; 20], vec![0; 20]];
-    let batch = Batch::new(&rows, &lens, Some(&segs), &Device::Cpu).unwrap();
-    let (mut select, mut tgt) = (Vec::new(), Vec::new());
-    for (r, row) in rows.iter().enumerate() {
-        for j in 1..lens[r] {
-            if segs[r][j] == segs[r][j - 1] && j % 3 != 0 {
-                select.push((r * 20 + j - 1) as u32);
-                tgt.push(row[j]);
-            }
-        }
-    }
+    let (batch, select, tgt) = packed_batch();
     assert_fused_matches(&model, &batch, &select, &tgt, (dropout > 0.0).then_some(42));
     if dropout > 0.0 {
         // One pass over the whole batch draws the same masks as the shards.

@@ -4,8 +4,8 @@
 //! their optimizer state while a stage runs:
 //!
 //! - [`candle::CandleEngine`]: candle's ops and autograd — any candle device, dtype and
-//!   trainable set (the reference the others are checked against); on the CPU in f32 with LoRA
-//!   it runs [`crate::engine::fused`], rtune's fused CPU engine, instead;
+//!   trainable set (the reference the others are checked against); on the CPU in f32 it runs
+//!   [`crate::engine::fused`], rtune's fused CPU engine, instead;
 //! - [`gpu::GpuEngine`]: an explicit forward and backward pass of training (LoRA adapters, base
 //!   weights, or both) over device buffers — fused kernels, matrix-unit attention that never
 //!   stores probabilities, activation checkpointing, the LM head and loss in chunks, AdamW on
@@ -299,18 +299,12 @@ pub fn vulkan_engine_refused(requested: Option<&str>) -> Option<String> {
         .map(|e| format!("RTUNE_ENGINE={e}: on Vulkan devices rtune trains with its GPU engine only (`gpu`)"))
 }
 
-/// The engine for `trainable` on `device`: the GPU engine on CUDA and Vulkan and the fused engine
-/// on the CPU in f32 where they support the model, else candle's autograd (which has no Vulkan
+/// The engine for a model on `device`, whatever trains: the GPU engine on CUDA and Vulkan and the
+/// fused engine on the CPU in f32 where they support the model, else candle's autograd (which has no Vulkan
 /// backend: there the GPU engine's limits are an error). `requested` (`RTUNE_ENGINE=candle|fused|gpu`)
 /// asks for one (to compare engines); asking for one that cannot run the model is an error.
-pub fn choose(
-    cfg: &ModelConfig,
-    trainable: &Trainable,
-    device: &Resolution,
-    requested: Option<&str>,
-) -> Result<EngineKind, EngineError> {
-    let adapters_only = trainable.weights.is_empty();
-    let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32 && adapters_only;
+pub fn choose(cfg: &ModelConfig, device: &Resolution, requested: Option<&str>) -> Result<EngineKind, EngineError> {
+    let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32;
     let gpu_why = gpu::unsupported(cfg, device);
     // candle has no Vulkan backend: on a Vulkan device the GPU engine is the only engine.
     if device.class == DeviceClass::Vulkan {
@@ -329,7 +323,7 @@ pub fn choose(
         Some("fused") if fused_ok => return Ok(EngineKind::Fused),
         Some("fused") => {
             return Err(EngineError::Unsupported(
-                "RTUNE_ENGINE=fused: the fused CPU engine trains LoRA adapters in f32 on the CPU".into(),
+                "RTUNE_ENGINE=fused: the fused CPU engine computes in f32 on the CPU".into(),
             ));
         }
         Some("gpu") => {
@@ -355,7 +349,7 @@ pub fn choose(
 
 /// Build the engine [`choose`] picks.
 pub fn build(setup: &Setup<'_>) -> Result<Box<dyn Engine>, EngineError> {
-    match choose(&setup.folder.config, &setup.trainable, setup.device, setup.engine)? {
+    match choose(&setup.folder.config, setup.device, setup.engine)? {
         EngineKind::Gpu => gpu::build(setup),
         kind => Ok(Box::new(candle::CandleEngine::build(setup, kind == EngineKind::Fused)?)),
     }

@@ -2,6 +2,14 @@
 
 use super::*;
 
+impl LinW<'_> {
+    /// Whether the backward pass needs the layer's input (for its weight's or adapter's
+    /// gradients).
+    pub(super) fn needs_input(&self) -> bool {
+        self.lora.is_some() || self.train_w.is_some()
+    }
+}
+
 /// `first_row`: the index of `x`'s first row in the layer's whole input (dropout masks are
 /// indexed by element of the whole input, so row shards and chunks draw what one pass would).
 pub(super) fn linear_forward(
@@ -32,8 +40,8 @@ pub(super) fn linear_forward(
     LinSave { u, mask }
 }
 
-/// Backward of a linear layer: LoRA gradients into `grads`, and `dx = dy W (+ LoRA)` into `dx`
-/// (overwritten) when asked.
+/// Backward of a linear layer: the gradients of what trains (adapter, weight `dyᵀ x`, bias
+/// column sums) into `grads`, and `dx = dy W (+ LoRA)` into `dx` (overwritten) when asked.
 pub(super) fn linear_backward(
     l: &LinW<'_>,
     s: &LinSave,
@@ -69,6 +77,16 @@ pub(super) fn linear_backward_into(
     grads: &mut Grads,
 ) {
     let dym = Mat::rm(dy, n, l.out);
+    if let Some(name) = &l.train_w {
+        let gw = grad_of(grads, name, l.out * l.inp);
+        matmul(gw, dym.t(), Mat::rm(x, n, l.inp), 1.0, true);
+    }
+    if let Some(name) = &l.train_b {
+        let gb = grad_of(grads, name, l.out);
+        for row in dy.chunks(l.out) {
+            add_here(gb, row);
+        }
+    }
     let mut du = Vec::new();
     if let Some(lo) = &l.lora {
         // dB = s · dyᵀ u, du = s · dy B, dA = duᵀ (x ⊙ mask).
@@ -107,5 +125,13 @@ pub(super) fn lora_input<'x>(x: &'x [f32], mask: Option<&[f32]>) -> std::borrow:
 
 /// The gradient accumulator of adapter matrix `which` of `prefix`, created zeroed.
 pub(super) fn grad_slot<'g>(grads: &'g mut Grads, prefix: &str, which: &str, len: usize) -> &'g mut [f32] {
-    grads.entry(crate::model::lora::param_name(prefix, which)).or_insert_with(|| vec![0f32; len])
+    grad_of(grads, &crate::model::lora::param_name(prefix, which), len)
+}
+
+/// The gradient accumulator of parameter `name`, created zeroed.
+pub(super) fn grad_of<'g>(grads: &'g mut Grads, name: &str, len: usize) -> &'g mut [f32] {
+    if !grads.contains_key(name) {
+        grads.insert(name.to_string(), vec![0f32; len]);
+    }
+    grads.get_mut(name).expect("just inserted")
 }

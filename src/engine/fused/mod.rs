@@ -1,5 +1,5 @@
-//! The fused CPU engine: LoRA training and evaluation of [`Transformer`] models over plain f32
-//! buffers, with a hand-written backward pass.
+//! The fused CPU engine: training (LoRA adapters, base weights, or both) and evaluation of
+//! [`Transformer`] models over plain f32 buffers, with a hand-written backward pass.
 //!
 //! candle's autograd runs a LoRA step as a few thousand small ops, each allocating its output
 //! and dispatching to the thread pool, and keeps every intermediate alive until the backward
@@ -8,13 +8,16 @@
 //! - RMSNorm, rotary embeddings, softmax, SiLU-gating and cross-entropy are single passes, each
 //!   with its derivative written out;
 //! - attention runs per (sequence, head) on contiguous head-major blocks, one task per block;
-//! - no gradient is computed for a frozen weight, nor for the input of the first layer;
+//! - no gradient is computed for a frozen weight, nor for the input of the first layer unless
+//!   the embedding trains;
 //! - it keeps only what the backward pass cannot cheaply recompute (normalised activations and
 //!   the gated MLP product are recomputed), and computes the LM head and loss in chunks of
 //!   selected positions, so a 49k-vocabulary logits matrix never exists whole.
 //!
-//! It is used when the model computes in f32 on the CPU and only LoRA adapters train (see
-//! [`unsupported`]); anything else runs through candle. Both give the same loss and gradients
+//! It is used when the model computes in f32 on the CPU (see [`unsupported`]); anything else
+//! runs through candle. Base weights that train get `dW = dyᵀ·x` from the products (a tied LM
+//! head's adds to the embedding's), RMSNorm weights and biases column sums, and the embedding
+//! each token's row of the first layer's input gradient, in a fixed order. Both give the same loss and gradients
 //! to float rounding (`cargo test --test model fused_`), and draw the same LoRA dropout masks
 //! (keyed per element, [`crate::model::lora::dropout_keep`]).
 
@@ -45,9 +48,6 @@ pub fn unsupported(model: &Transformer) -> Option<String> {
     if model.compute_dtype() != candle_core::DType::F32 {
         return Some(format!("the model computes in {:?}, not f32", model.compute_dtype()));
     }
-    if let Some(p) = model.params.iter().find(|p| !p.name.contains(".lora_A.") && !p.name.contains(".lora_B.")) {
-        return Some(format!("base weight `{}` trains (only LoRA adapters are fused)", p.name));
-    }
     None
 }
 
@@ -57,7 +57,7 @@ pub fn loss(model: &Transformer, batch: &Batch, select: &[u32], targets: &[u32])
 }
 
 /// Mean cross-entropy at the selected positions and the gradient of `weight × loss` for every
-/// LoRA parameter, by name. `dropout` is the micro-batch's dropout key.
+/// trained parameter, by name. `dropout` is the micro-batch's dropout key.
 pub fn loss_and_grads(
     model: &Transformer,
     batch: &Batch,
@@ -93,8 +93,12 @@ struct LoraW<'a> {
 }
 
 struct LinW<'a> {
-    /// The HF prefix (`model.layers.3.self_attn.q_proj`); gradients are named after it.
+    /// The HF prefix (`model.layers.3.self_attn.q_proj`); adapter gradients are named after it.
     name: String,
+    /// The weight's name where it trains in full (a tied LM head's is the embedding's).
+    train_w: Option<String>,
+    /// The bias's name where it trains.
+    train_b: Option<String>,
     /// The layer's index in [`Transformer::linears`] (it keys its dropout mask).
     id: usize,
     w: W<'a>,
@@ -107,6 +111,9 @@ struct LinW<'a> {
 struct LayerW<'a> {
     input_norm: W<'a>,
     post_norm: W<'a>,
+    /// The norm weights' names where they train.
+    train_input_norm: Option<String>,
+    train_post_norm: Option<String>,
     /// q, k, v, o, gate, up, down.
     lin: [LinW<'a>; 7],
 }
@@ -115,6 +122,9 @@ struct Weights<'a> {
     embed: W<'a>,
     layers: Vec<LayerW<'a>>,
     norm: W<'a>,
+    /// Whether the embedding and the final norm train.
+    train_embed: bool,
+    train_norm: bool,
     lm_head: LinW<'a>,
     cos: W<'a>,
     sin: W<'a>,
@@ -146,8 +156,15 @@ fn f32_data<'g>(s: &'g Storage, l: &Layout) -> Result<&'g [f32]> {
     }
 }
 
+/// The names of the model's parameters that train.
+fn trained_names(model: &Transformer) -> std::collections::BTreeSet<&str> {
+    model.params.iter().map(|p| p.name.as_str()).collect()
+}
+
 impl<'a> Weights<'a> {
     fn new(model: &Transformer, data: &[&'a [f32]]) -> Result<Weights<'a>> {
+        let trained = trained_names(model);
+        let trains = |name: String| trained.contains(name.as_str()).then_some(name);
         let mut it = data.iter().copied();
         let mut next = || it.next().expect("one slice per tensor");
         let (embed, norm, cos, sin) = (next(), next(), next(), next());
@@ -164,19 +181,30 @@ impl<'a> Weights<'a> {
                 scale: lo.scale as f32,
                 dropout: lo.dropout,
             });
-            lins.push(LinW { name, w, bias, lora, inp, out, id: l.id });
+            // A tied LM head's weight is the embedding (the same tensor).
+            let w_name = match l.weight().id() == model.embed_weight().id() {
+                true => "model.embed_tokens.weight".to_string(),
+                false => format!("{name}.weight"),
+            };
+            let (train_w, train_b) = (trains(w_name), trains(format!("{name}.bias")));
+            lins.push(LinW { name, train_w, train_b, w, bias, lora, inp, out, id: l.id });
         }
         let lm_head = lins.pop().expect("lm_head is the last linear");
         let mut lins = lins.into_iter();
         let layers = norms
             .into_iter()
-            .map(|(input_norm, post_norm)| LayerW {
+            .enumerate()
+            .map(|(i, (input_norm, post_norm))| LayerW {
                 input_norm,
                 post_norm,
+                train_input_norm: trains(format!("model.layers.{i}.input_layernorm.weight")),
+                train_post_norm: trains(format!("model.layers.{i}.post_attention_layernorm.weight")),
                 lin: std::array::from_fn(|_| lins.next().expect("seven linears per layer")),
             })
             .collect();
-        Ok(Weights { embed, layers, norm, lm_head, cos, sin })
+        let train_embed = trained.contains("model.embed_tokens.weight");
+        let train_norm = trained.contains("model.norm.weight");
+        Ok(Weights { embed, layers, norm, train_embed, train_norm, lm_head, cos, sin })
     }
 }
 
@@ -452,9 +480,19 @@ fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, 
     // Backward.
     let mut dx = vec![0f32; dims.n * dims.hidden];
     rms_norm_backward(&x, &inv_f, w.norm, &dhn, &mut dx, false, &dims);
+    if w.train_norm {
+        rms_norm_weight_grad(&x, &inv_f, &dhn, &dims, grad_of(&mut grads, "model.norm.weight", dims.hidden));
+    }
     drop((hn, dhn));
     for (i, (lw, save)) in w.layers.iter().zip(saves).enumerate().rev() {
-        layer_backward(lw, w, &dims, save, &mut dx, positions, mask, i > 0, &mut grads);
+        layer_backward(lw, w, &dims, save, &mut dx, positions, mask, i > 0 || w.train_embed, &mut grads);
+    }
+    if w.train_embed {
+        // Each token's row of the first layer's input gradient, in token order.
+        let g = grad_of(&mut grads, "model.embed_tokens.weight", dims.vocab * dims.hidden);
+        for (row, &id) in dx.chunks(dims.hidden).zip(ids) {
+            add_here(&mut g[id as usize * dims.hidden..][..dims.hidden], row);
+        }
     }
     (loss_sum, grads)
 }
@@ -523,14 +561,14 @@ fn layer_backward(
     let Dims { b, t, n, heads, kv_heads, d, inter, .. } = *dims;
     let qd = heads * d;
     // dx holds d(loss)/d(layer output); the residual makes it d/dh too, and we add into it.
-    // A linear layer's input is only needed for its adapter's gradients.
-    let act = if lw.lin[DOWN].lora.is_some() { swiglu(&s.gate, &s.up) } else { Vec::new() };
+    // A linear layer's input is only needed for its weight's or adapter's gradients.
+    let act = if lw.lin[DOWN].needs_input() { swiglu(&s.gate, &s.up) } else { Vec::new() };
     let mut dact = vec![0f32; n * inter];
     linear_backward(&lw.lin[DOWN], &s.lin[DOWN], &act, n, dx, Some(&mut dact), grads);
     drop(act);
     let (dgate, dup) = swiglu_backward(&s.gate, &s.up, &dact);
     drop(dact);
-    let hn = if lw.lin[GATE].lora.is_some() || lw.lin[UP].lora.is_some() {
+    let hn = if lw.lin[GATE].needs_input() || lw.lin[UP].needs_input() {
         rms_norm_with(&s.h, &s.inv2, lw.post_norm, dims)
     } else {
         Vec::new()
@@ -539,6 +577,9 @@ fn layer_backward(
     linear_backward(&lw.lin[GATE], &s.lin[GATE], &hn, n, &dgate, Some(&mut dhn), grads);
     linear_backward_acc(&lw.lin[UP], &s.lin[UP], &hn, n, &dup, &mut dhn, grads);
     drop((hn, dgate, dup));
+    if let Some(name) = &lw.train_post_norm {
+        rms_norm_weight_grad(&s.h, &s.inv2, &dhn, dims, grad_of(grads, name, dims.hidden));
+    }
     rms_norm_backward(&s.h, &s.inv2, lw.post_norm, &dhn, dx, true, dims);
     // dx is now d/dh = d/d(layer input) through the residual, plus the attention branch below.
     let mut dattn = vec![0f32; n * qd];
@@ -553,19 +594,25 @@ fn layer_backward(
     let dq = from_heads(&dq, b, t, heads, d, Some((positions, w.cos, w.sin)));
     let dk = from_heads(&dk, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
     let dv = from_heads(&dv, b, t, kv_heads, d, None);
-    let xn = if [Q, K, V].iter().any(|&i| lw.lin[i].lora.is_some()) {
+    let xn = if [Q, K, V].iter().any(|&i| lw.lin[i].needs_input()) {
         rms_norm_with(&s.x, &s.inv1, lw.input_norm, dims)
     } else {
         Vec::new()
     };
-    if need_input_grad {
+    if need_input_grad || lw.train_input_norm.is_some() {
         let mut dxn = vec![0f32; n * dims.hidden];
         linear_backward(&lw.lin[Q], &s.lin[Q], &xn, n, &dq, Some(&mut dxn), grads);
         linear_backward_acc(&lw.lin[K], &s.lin[K], &xn, n, &dk, &mut dxn, grads);
         linear_backward_acc(&lw.lin[V], &s.lin[V], &xn, n, &dv, &mut dxn, grads);
-        rms_norm_backward(&s.x, &s.inv1, lw.input_norm, &dxn, dx, true, dims);
+        if let Some(name) = &lw.train_input_norm {
+            rms_norm_weight_grad(&s.x, &s.inv1, &dxn, dims, grad_of(grads, name, dims.hidden));
+        }
+        if need_input_grad {
+            rms_norm_backward(&s.x, &s.inv1, lw.input_norm, &dxn, dx, true, dims);
+        }
     } else {
-        // The first layer's input is the (frozen) embedding: only the adapters need gradients.
+        // The first layer's input is the (frozen) embedding: only the projections' own
+        // parameters need gradients.
         for (i, dy) in [(Q, &dq), (K, &dk), (V, &dv)] {
             linear_backward(&lw.lin[i], &s.lin[i], &xn, n, dy, None, grads);
         }

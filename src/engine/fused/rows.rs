@@ -192,6 +192,16 @@ pub(super) fn rms_norm_backward(
         });
 }
 
+/// The RMSNorm weight's gradient, `dw += Σ_rows dy ⊙ x · inv`, row by row in order.
+pub(super) fn rms_norm_weight_grad(x: &[f32], inv: &[f32], dy: &[f32], dims: &Dims, dw: &mut [f32]) {
+    let h = dims.hidden;
+    for ((x, dy), &inv) in x.chunks(h).zip(dy.chunks(h)).zip(inv) {
+        for ((g, x), dy) in dw.iter_mut().zip(x).zip(dy) {
+            *g += dy * x * inv;
+        }
+    }
+}
+
 /// `eˣ` to within 2 ulp, branch-free so that loops over it vectorise (libm's `expf` is a call
 /// per element and takes a slow path on underflow). Exactly 0 below the smallest normal result,
 /// as `expf` is (to within subnormals).
