@@ -11,7 +11,7 @@
 #    50 training losses are compared;
 # 4. the default recipe's training in bf16 and f16 (loss scaling) on CUDA;
 # 5. a full fine-tune of the default recipe's model, 50 steps on CUDA (the GPU engine, and
-#    candle's autograd with RTUNE_ENGINE=candle) and on the CPU (candle's autograd), compared;
+#    candle's autograd with RTUNE_ENGINE=candle) and on the CPU (the fused CPU engine), compared;
 # 6. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
 #    the GPU through Vulkan, and the default recipe (and the full fine-tune) through Vulkan
 #    against the CPU (issue 18).
