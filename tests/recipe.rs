@@ -109,11 +109,11 @@ fn golden_fingerprints() {
     let want = [
         ("download", "37aa0cfeb7924626ea5253f5da2f6917e944786c8cbfee8d4d67a376a9405865"),
         ("tokenize", "3a2ae0c4dc5e48b728418e8e1e9a1f752251022cbf52e4433932488ef7e0a371"),
-        ("train", "30d81fb6d70657fb525c4194b4bb5f27bf97846cf4c071ec88147f08243b0ea1"),
+        ("train", "b881f605095c3762d22f4a346bb8e456f4f31022ad3223059b1603efb184d34f"),
         ("eval_base", "c5d055bc17ff23e3c79c3905bf9a5f4987051d3accbbd6ce49448013fbc7e814"),
-        ("evaluate", "48666c82507d7c279e71d9f86c39b06373adc00215b26dfaae54140bf309d456"),
-        ("quantize", "6c122a3cdb9e90295fefc3847e2b91db83a8d8a7f4d41b179d9829a854c5a1a4"),
-        ("upload", "27ff67ad6f589c6521fbe9c25ba359c3ec5b5c0882bd730becc4b40413e0065d"),
+        ("evaluate", "e2d06a2cc5b87eadd2d42ea897433e9ab556400d0ee45a8941f9390c90111797"),
+        ("quantize", "0a8f136bfdfb0c152df4c4b37874cb3830bed667992e345525f18d9bd1940358"),
+        ("upload", "559ae7bb9614db070bee7a635d548f81e7c03f53146858da33265ef7ac8e4c5b"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);
