@@ -86,8 +86,15 @@ impl ModelFolder {
 
     /// Each tensor of the checkpoint in turn, on the CPU in its stored dtype: a model never has
     /// to be in memory twice (the GPU engine uploads each and drops it).
-    pub fn visit_weights<E: From<ModelError>>(
+    pub fn visit_weights<E: From<ModelError>>(&self, f: impl FnMut(&str, Tensor) -> Result<(), E>) -> Result<(), E> {
+        self.visit_weights_where(|_| true, f)
+    }
+
+    /// [`Self::visit_weights`] for the tensors whose names `want` accepts: the others are never
+    /// read (their pages of the mapped files are not touched).
+    pub fn visit_weights_where<E: From<ModelError>>(
         &self,
+        want: impl Fn(&str) -> bool,
         mut f: impl FnMut(&str, Tensor) -> Result<(), E>,
     ) -> Result<(), E> {
         for file in self.weight_files()? {
@@ -98,7 +105,7 @@ impl ModelFolder {
                 .map_err(ModelError::io(format!("cannot map `{}`", file.display())))?;
             let st = safetensors::SafeTensors::deserialize(&bytes)
                 .map_err(|e| ModelError::BadFile { path: file.display().to_string(), source: Box::new(e) })?;
-            for (name, view) in st.tensors() {
+            for (name, view) in st.tensors().into_iter().filter(|(name, _)| want(name)) {
                 f(&name, tensor_from_view(&name, &view, &Device::Cpu)?)?;
             }
         }

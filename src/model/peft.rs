@@ -101,14 +101,15 @@ pub fn write(
         }
     }
     if !modules.is_empty() {
-        // The saved modules' parameters that did not train, as the base has them.
-        base.visit_weights(|name, t| -> Result<(), ModelError> {
-            let key = format!("{PREFIX}{name}");
-            if modules.contains(&module(name)) && !saved.contains_key(&key) {
-                saved.insert(key, t);
-            }
+        // The saved modules' parameters that did not train, as the base has them (only those
+        // are read).
+        let missing = |name: &str| modules.contains(&module(name)) && !saved.contains_key(&format!("{PREFIX}{name}"));
+        let mut found = Vec::new();
+        base.visit_weights_where(missing, |name, t| -> Result<(), ModelError> {
+            found.push((format!("{PREFIX}{name}"), t));
             Ok(())
         })?;
+        saved.extend(found);
     }
     let mut config = json!({
         "peft_type": "LORA",
