@@ -316,6 +316,15 @@ fn check_tree(tree: &Node, problems: &mut Vec<Problem>) -> Option<Stages> {
                 .filter(|k| is_device_name(k))
                 .collect();
             checker.check_table(device, &device_schema, "device", &allow);
+            // `wgpu` is a name `prefer` explains (it is not a device), so it passes the check
+            // above; as a table its overrides would never apply.
+            if let Some(entry) = device.as_table().and_then(|t| t.get("wgpu")) {
+                problems.push(
+                    Problem::new("rtune::recipe::unknown_device", "`[device.wgpu]`: `wgpu` is not a device")
+                        .at(entry.key.as_ref(), "its overrides would never apply")
+                        .help("Vulkan GPUs are `vulkan` or `vulkan:N`: `[device.vulkan]`"),
+                );
+            }
         } else {
             checker.check(device, &serde_json::json!({"type": "object"}), "device");
         }
