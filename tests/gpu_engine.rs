@@ -1117,7 +1117,10 @@ fn engine_matches_autograd_on_the_golden_models() {
         for name in ["tiny-llama", "tiny-qwen2"] {
             let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
             let batch = golden_batch(name);
-            assert_engine_matches(&gpu, &folder, &fixture(name).join("adapter"), &batch, None, Dtype::F32, 2e-5);
+            // PEFT's plain adapter, and one with `modules_to_save` (base weights replaced).
+            for adapter in ["adapter", "adapter-modules"] {
+                assert_engine_matches(&gpu, &folder, &fixture(name).join(adapter), &batch, None, Dtype::F32, 2e-5);
+            }
         }
     }
 }

@@ -98,6 +98,49 @@ fn qwen2_lora_matches_peft() {
 }
 
 /// Central finite differences (in f64 on the loss) against autograd for a few LoRA entries.
+/// A PEFT adapter with `modules_to_save`, made by PEFT (tests/fixtures/make_golden.py
+/// `--modules`: modules changed at random — an untied LM head, norms, a whole linear; in Qwen2 a
+/// k_proj with its bias, and the embedding, which PEFT keeps tied to the LM head), loads as PEFT
+/// computes it: the path evaluation and exports take (`trained` = the folder), on candle and on
+/// the fused engine.
+#[test]
+fn peft_adapters_with_modules_to_save_match_peft() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let dir = fixture(name).join("adapter-modules");
+        let expected: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected-modules.json")).unwrap())
+                .unwrap();
+        let g = Golden { expected, ..golden(name) };
+        let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+        let cpu = rtune::device::Resolution::cpu();
+        let setup = |trained| rtune::engine::Setup {
+            folder: &folder,
+            trainable: Trainable::lora(peft::read_config(&dir).unwrap()),
+            seed: 0,
+            device: &cpu,
+            optimizer: None,
+            ema_decay: None,
+            checkpointing: rtune::engine::Checkpointing::Off,
+            trained,
+            max_batch: (2, 8),
+            tf32: false,
+            engine: None,
+        };
+        for fused in [false, true] {
+            let engine = rtune::engine::candle::CandleEngine::build(&setup(Some(&dir)), fused).unwrap();
+            check(engine.model(), &g, "modules");
+        }
+        // The adapter matrices alone on the base (the saved modules ignored) are another model.
+        let bare = load(name, &Trainable::lora(peft::read_config(&dir).unwrap()));
+        bare.load_adapters(&peft::read_weights(&dir, &Device::Cpu).unwrap()).unwrap();
+        let batch = Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap();
+        let select = Tensor::new(g.select.as_slice(), &Device::Cpu).unwrap();
+        let targets = Tensor::new(g.targets.as_slice(), &Device::Cpu).unwrap();
+        let loss = bare.loss(&batch, &select, &targets, None).unwrap().to_scalar::<f32>().unwrap() as f64;
+        assert!((loss - g.expected["modules"]["loss"].as_f64().unwrap()).abs() > 1e-3, "{name}: the modules matter");
+    }
+}
+
 /// An rsLoRA adapter (PEFT's `use_rslora`: scale alpha / √r) reads as one: the golden adapter
 /// re-saved with `use_rslora` and the alpha that gives PEFT's scale alpha / r the same value
 /// (alpha / r = alpha' / √r) computes PEFT's logits, and a model written back says `use_rslora`.
