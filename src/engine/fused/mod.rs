@@ -17,9 +17,9 @@
 //! It is used when the model computes in f32 on the CPU (see [`unsupported`]); anything else
 //! runs through candle. Base weights that train get `dW = dyᵀ·x` from the products (a tied LM
 //! head's adds to the embedding's), RMSNorm weights and biases column sums, and the embedding
-//! each token's row of the first layer's input gradient, in a fixed order. Both give the same loss and gradients
-//! to float rounding (`cargo test --test model fused_`), and draw the same LoRA dropout masks
-//! (keyed per element, [`crate::model::lora::dropout_keep`]).
+//! each token's row of the first layer's input gradient, in a fixed order. Both give the same
+//! loss and gradients to float rounding (`cargo test --test model fused_`), and draw the same
+//! LoRA dropout masks (keyed per element, [`crate::model::lora::dropout_keep`]).
 
 use std::collections::BTreeMap;
 
