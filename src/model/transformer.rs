@@ -55,20 +55,23 @@ impl Trainable {
     }
 
     /// The adapter the linear `prefix` (`model.layers.0.self_attn.q_proj`, `lm_head`) gets,
-    /// whose parameters are named `params` (the weight — for a tied LM head, the embedding — and
-    /// the bias). A linear whose own parameters train in full cannot also carry an adapter (PEFT
-    /// has no such module): that is an error naming both settings.
+    /// whose weight is named `weight` (`{prefix}.weight`; a tied LM head's is the embedding's)
+    /// and which has a bias (`{prefix}.bias`) or not. A linear whose own parameters train in full
+    /// cannot also carry an adapter (PEFT has no such module): that is an error naming both
+    /// settings.
     pub fn adapter_for(
         &self,
         prefix: &str,
-        params: &[&str],
+        weight: &str,
+        bias: bool,
     ) -> std::result::Result<Option<&LoraSpec>, super::ModelError> {
         let Some(spec) = &self.lora else { return Ok(None) };
         let module = prefix.rsplit('.').next().unwrap_or(prefix);
         if !spec.targets.iter().any(|t| t == module) {
             return Ok(None);
         }
-        match params.iter().find(|p| self.trains_weight(p)) {
+        let bias = bias.then(|| format!("{prefix}.bias"));
+        match std::iter::once(weight).chain(bias.as_deref()).find(|p| self.trains_weight(p)) {
             Some(p) => Err(super::ModelError::AdapterOnTrainedWeight {
                 weight: p.to_string(),
                 linear: prefix.to_string(),
@@ -186,7 +189,7 @@ impl Transformer {
             if !cfg.tie_word_embeddings {
                 return Err(super::ModelError::MissingTensor { name: "lm_head.weight".into() });
             }
-            b.linear_with("lm_head", &["model.embed_tokens.weight"], embed.clone(), None, h, cfg.vocab_size)?
+            b.linear_with("lm_head", "model.embed_tokens.weight", embed.clone(), None, h, cfg.vocab_size)?
         } else {
             b.linear("lm_head", h, cfg.vocab_size, false)?
         };
@@ -392,19 +395,17 @@ impl Builder<'_> {
         out: usize,
         bias: bool,
     ) -> std::result::Result<Linear, super::ModelError> {
-        let (w_name, b_name) = (format!("{prefix}.weight"), format!("{prefix}.bias"));
+        let w_name = format!("{prefix}.weight");
         let w = self.weight(&w_name, &[out, inp])?;
-        let b = if bias { Some(self.weight(&b_name, &[out])?) } else { None };
-        let names: &[&str] = if bias { &[&w_name, &b_name] } else { &[&w_name] };
-        self.linear_with(prefix, names, w, b, inp, out)
+        let b = if bias { Some(self.weight(&format!("{prefix}.bias"), &[out])?) } else { None };
+        self.linear_with(prefix, &w_name, w, b, inp, out)
     }
 
-    /// `params`: the names of the linear's weight and bias (the tied LM head's weight is the
-    /// embedding).
+    /// `w_name`: the name of the linear's weight (the tied LM head's is the embedding's).
     fn linear_with(
         &mut self,
         prefix: &str,
-        params: &[&str],
+        w_name: &str,
         w: Tensor,
         b: Option<Tensor>,
         inp: usize,
@@ -412,7 +413,7 @@ impl Builder<'_> {
     ) -> std::result::Result<Linear, super::ModelError> {
         let mut lin = Linear::new(w, b, self.next_id);
         self.next_id += 1;
-        if let Some(spec) = self.trainable.adapter_for(prefix, params)? {
+        if let Some(spec) = self.trainable.adapter_for(prefix, w_name, lin.bias().is_some())? {
             let (lora, params) = spec
                 .create(prefix, inp, out, DType::F32, lin.weight().device(), self.rng)
                 .map_err(super::ModelError::candle(format!("create LoRA adapter for `{prefix}`")))?;

@@ -412,9 +412,7 @@ impl GpuEngine {
                     "lm_head" if tied_head => "model.embed_tokens.weight".to_string(),
                     _ => format!("{prefix}.weight"),
                 };
-                let bias = format!("{prefix}.bias");
-                let params: &[&str] = if l.bias.is_some() { &[&weight, &bias] } else { &[&weight] };
-                let Some(spec) = trainable.adapter_for(&prefix, params)? else { continue };
+                let Some(spec) = trainable.adapter_for(&prefix, &weight, l.bias.is_some())? else { continue };
                 let a = values.len();
                 values.extend(spec.init_a(l.inp, &mut rng));
                 let b = values.len();
