@@ -17,6 +17,19 @@ use super::lora::{Linear, LoraSpec, Param};
 use super::ops::{apply_rope, cross_entropy, repeat_kv, rms_norm, rope_tables, softmax_last};
 use crate::rng::Rng;
 
+/// A decoder layer's linears, as their names continue `model.layers.<i>.`, in the order the
+/// engines keep them (attention q, k, v, o, then the MLP's gate, up and down:
+/// [`crate::engine::Q`] … [`crate::engine::DOWN`]).
+pub const LAYER_LINEARS: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
 /// Which weights train: a LoRA adapter, base weights whose Hugging Face names match patterns,
 /// both (the base weights are then what PEFT calls `modules_to_save`), or nothing.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -301,15 +314,8 @@ impl Transformer {
         let mut out = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
-            for (n, lin) in [
-                ("self_attn.q_proj", &l.attn.q),
-                ("self_attn.k_proj", &l.attn.k),
-                ("self_attn.v_proj", &l.attn.v),
-                ("self_attn.o_proj", &l.attn.o),
-                ("mlp.gate_proj", &l.mlp.gate),
-                ("mlp.up_proj", &l.mlp.up),
-                ("mlp.down_proj", &l.mlp.down),
-            ] {
+            let lins = [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down];
+            for (n, lin) in LAYER_LINEARS.iter().zip(lins) {
                 out.push((format!("{p}.{n}"), lin));
             }
         }

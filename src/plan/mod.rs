@@ -435,12 +435,11 @@ mod support {
             .help("set `adapter.kind = \"lora\"`, or `trainable = [\"all\"]` for a full fine-tune"));
         }
         for target in &adapter.targets {
-            use crate::recipe::LoraTarget as T;
+            // The target's weight in the first layer (or the LM head's).
             let m = target.as_str();
-            let weight = match target {
-                T::LmHead => "lm_head.weight".to_string(),
-                T::GateProj | T::UpProj | T::DownProj => format!("model.layers.0.mlp.{m}.weight"),
-                T::QProj | T::KProj | T::VProj | T::OProj => format!("model.layers.0.self_attn.{m}.weight"),
+            let weight = match crate::model::LAYER_LINEARS.iter().find(|l| l.rsplit('.').next() == Some(m)) {
+                Some(linear) => format!("model.layers.0.{linear}.weight"),
+                None => format!("{m}.weight"),
             };
             let pattern =
                 patterns.iter().map(|p| if *p == "all" { "*" } else { p }).find(|p| crate::glob::fnmatch(p, &weight));

@@ -16,19 +16,9 @@ use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, 
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
-use crate::model::{ModelConfig, ModelError, peft};
+use crate::model::{LAYER_LINEARS, ModelConfig, ModelError, peft};
 use crate::recipe::Dtype;
 use crate::rng::Rng;
-
-const MODULES: [&str; 7] = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-];
 
 /// Logits per LM-head chunk: 64 Mi elements (128 MiB in bf16) bounds memory and keeps the
 /// products large (151k-vocabulary models get 441 rows a chunk).
@@ -375,7 +365,7 @@ impl GpuEngine {
                 (cfg.intermediate_size, h, cfg.mlp_bias),
             ];
             let mut lins = Vec::with_capacity(7);
-            for (m, (inp, out, bias)) in MODULES.iter().zip(dims) {
+            for (m, (inp, out, bias)) in LAYER_LINEARS.iter().zip(dims) {
                 lins.push(lin(&format!("{p}.{m}"), inp, out, bias)?);
             }
             layers.push(Layer {
@@ -405,7 +395,7 @@ impl GpuEngine {
             let mut rng = Rng::derive(setup.seed, "lora-init");
             let first = slots.len();
             let linears = layers.iter_mut().enumerate().flat_map(|(i, l)| {
-                l.lin.iter_mut().zip(MODULES).map(move |(lin, m)| (format!("model.layers.{i}.{m}"), lin))
+                l.lin.iter_mut().zip(LAYER_LINEARS).map(move |(lin, m)| (format!("model.layers.{i}.{m}"), lin))
             });
             for (prefix, l) in linears.chain(std::iter::once(("lm_head".to_string(), &mut lm_head))) {
                 let weight = match prefix.as_str() {
