@@ -199,16 +199,12 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
 /// The command that ran the recipe, overrides included, as one line for a POSIX shell.
 fn command(c: &crate::plan::key::Card) -> String {
     let quote = crate::ui::shell_quote;
-    let mut words = Vec::new();
-    for o in &c.overrides {
-        if o.starts_with("RTUNE_")
-            && let Some((k, v)) = o.split_once('=')
-        {
-            words.push(format!("{k}={}", quote(v)));
-        }
-    }
+    // Variables are `RTUNE_…=value`; `--set` keys are recipe paths (lowercase sections).
+    let (vars, sets): (Vec<&String>, Vec<&String>) = c.overrides.iter().partition(|o| o.starts_with("RTUNE_"));
+    let mut words: Vec<String> =
+        vars.iter().filter_map(|o| o.split_once('=')).map(|(k, v)| format!("{k}={}", quote(v))).collect();
     words.extend(["rtune".to_string(), "run".to_string(), quote(&c.recipe_file)]);
-    for o in c.overrides.iter().filter(|o| !o.starts_with("RTUNE_")) {
+    for o in sets {
         words.extend(["--set".to_string(), quote(o)]);
     }
     words.join(" ")
