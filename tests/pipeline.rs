@@ -713,9 +713,7 @@ fn transformers5_folder(dir: &Path, rows: &[String]) -> String {
     .unwrap();
     std::fs::create_dir_all(dir).unwrap();
     rtune::model::scratch::create(dir, &spec, rows.iter(), 3).unwrap();
-    let read = |n: &str| -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(dir.join(n)).unwrap()).unwrap()
-    };
+    let read = |n: &str| read_json(&dir.join(n));
     let write = |n: &str, v: &serde_json::Value| std::fs::write(dir.join(n), serde_json::to_string_pretty(v).unwrap());
     let mut config = read("config.json");
     let theta = config.as_object_mut().unwrap().remove("rope_theta").unwrap();
@@ -830,21 +828,17 @@ to = "dir://out"
             let d = out.join(folder);
             let jinja = std::fs::read_to_string(d.join("chat_template.jinja")).unwrap();
             assert_eq!(jinja, expected_source, "{folder}/chat_template.jinja");
-            let tc: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(d.join("tokenizer_config.json")).unwrap()).unwrap();
+            let tc = read_json(&d.join("tokenizer_config.json"));
             assert_eq!(tc["chat_template"], expected_source.as_str(), "{folder}/tokenizer_config.json");
             assert_eq!(tc["padding_side"], "left");
             assert_eq!(tc["model_max_length"], 2048);
             assert_eq!(tc["added_tokens_decoder"]["2"]["content"], "</s>");
             assert_eq!(render(&jinja, &d), want, "{folder} renders otherwise than training");
         }
-        let merged_cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("merged/config.json")).unwrap()).unwrap();
+        let merged_cfg = read_json(&out.join("merged/config.json"));
         assert!(merged_cfg["rope_parameters"]["rope_theta"].is_number() && merged_cfg["dtype"] == "float32");
         assert!(out.join("merged/generation_config.json").is_file());
-        let adapter: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("peft-adapter/adapter_config.json")).unwrap())
-                .unwrap();
+        let adapter = read_json(&out.join("peft-adapter/adapter_config.json"));
         assert_eq!(adapter["base_model_name_or_path"], "base");
         let (gguf_template, eot) = gguf_chat_template(&out.join("gguf/model-q8_0.gguf"));
         assert_eq!(gguf_template.as_bytes(), expected_source.as_bytes(), "GGUF tokenizer.chat_template");
@@ -1088,9 +1082,6 @@ fn an_adapter_and_base_weights_train_together() {
     assert!(outcomes(&report).iter().all(|(_, o)| o == "built" || o == "cached"), "{:?}", outcomes(&report));
     let trained = artifact(&report, "train");
     assert!(!trained.join("weights.safetensors").exists());
-    let config = |dir: &Path| -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap()
-    };
     let modules = serde_json::json!([
         "lm_head",
         "model.embed_tokens",
@@ -1102,16 +1093,13 @@ fn an_adapter_and_base_weights_train_together() {
     ]);
     let exports = artifact(&report, "quantize");
     for dir in [trained.clone(), exports.join("peft-adapter")] {
-        let c = config(&dir);
+        let c = read_json(&dir.join("adapter_config.json"));
         assert_eq!(c["modules_to_save"], modules, "{}", dir.display());
         assert_eq!(c["ensure_weight_tying"], true, "{}", dir.display());
     }
-    let metrics: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(trained.join("metrics.json")).unwrap()).unwrap();
+    let metrics = read_json(&trained.join("metrics.json"));
     assert_eq!(metrics["trainable"], "lora+weights");
-    let evaluated: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(artifact(&report, "evaluate").join("metrics.json")).unwrap())
-            .unwrap();
+    let evaluated = read_json(&artifact(&report, "evaluate").join("metrics.json"));
     let (end, tuned) = (metrics["eval_loss_end"].as_f64().unwrap(), evaluated["eval_loss"].as_f64().unwrap());
     assert!((end - tuned).abs() <= 1e-6 * end, "evaluate {tuned} vs train's last eval {end}");
     assert!(metrics["eval_loss_start"].as_f64().unwrap() - end > 0.05, "it trained: {metrics}");
@@ -1255,8 +1243,7 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
     let run_of = |stage_name: &str| {
         let fp = stage(&vk, stage_name)["fingerprint"].as_str().unwrap().to_string();
         let path = vk_dir.cache().join("store-v1/manifests").join(format!("{fp}.json"));
-        let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        m["run"].clone()
+        read_json(&path)["run"].clone()
     };
     let (train_run, quantize_run) = (run_of("train"), run_of("quantize"));
     assert_eq!((train_run["device"].as_str(), train_run["dtype"].as_str()), (Some(device.as_str()), Some("f32")));

@@ -32,6 +32,12 @@ pub fn rtune(cwd: &Path, cache: &Path, args: &[&str]) -> Output {
         .expect("rtune runs")
 }
 
+/// A JSON file's value (artifacts' metrics, exported configs).
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
