@@ -300,9 +300,10 @@ pub fn vulkan_engine_refused(requested: Option<&str>) -> Option<String> {
 }
 
 /// The engine for a model on `device`, whatever trains: the GPU engine on CUDA and Vulkan and the
-/// fused engine on the CPU in f32 where they support the model, else candle's autograd (which has no Vulkan
-/// backend: there the GPU engine's limits are an error). `requested` (`RTUNE_ENGINE=candle|fused|gpu`)
-/// asks for one (to compare engines); asking for one that cannot run the model is an error.
+/// fused engine on the CPU in f32 where they support the model, else candle's autograd (which
+/// has no Vulkan backend: there the GPU engine's limits are an error). `requested`
+/// (`RTUNE_ENGINE=candle|fused|gpu`) asks for one (to compare engines); asking for one that
+/// cannot run the model is an error.
 pub fn choose(cfg: &ModelConfig, device: &Resolution, requested: Option<&str>) -> Result<EngineKind, EngineError> {
     let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32;
     let gpu_why = gpu::unsupported(cfg, device);
