@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{Engine, EngineError, EngineState, HostBatch, Setup};
 use crate::engine::optim::AdamW;
-use crate::model::{Batch, KvCache, ModelFolder, Transformer, peft};
+use crate::model::{Batch, KvCache, Transformer};
 use crate::rng::Rng;
 
 pub struct CandleEngine {
@@ -32,24 +32,17 @@ fn cerr(context: &str) -> impl FnOnce(candle_core::Error) -> EngineError + '_ {
     EngineError::candle(context)
 }
 
-/// The base weights of `folder` on `device` in f32 (trained master weights start exact), with
-/// those a train stage's output (`trained`) replaces in place of the base's.
-fn weights(
-    folder: &ModelFolder,
-    trained: Option<&std::path::Path>,
-    device: &Device,
-) -> Result<BTreeMap<String, Tensor>, EngineError> {
-    let mut w = folder.load_weights(device, DType::F32)?;
-    if let Some(dir) = trained {
-        w.extend(crate::model::trained_weights(dir, device)?);
-    }
-    Ok(w)
-}
-
 impl CandleEngine {
     pub fn build(setup: &Setup<'_>, fused: bool) -> Result<CandleEngine, EngineError> {
         let device = setup.device.candle_device().map_err(cerr("cannot open the device"))?;
-        let weights = weights(setup.folder, setup.trained, &device)?;
+        // The base weights in f32 (trained master weights start exact), with those the train
+        // stage's output replaces in their place.
+        let trained = match setup.trained {
+            Some(dir) => crate::model::read_trained(dir, &device)?,
+            None => Default::default(),
+        };
+        let mut weights = setup.folder.load_weights(&device, DType::F32)?;
+        weights.extend(trained.base);
         let mut rng = Rng::derive(setup.seed, "lora-init");
         let model = Transformer::with_dtype(
             &setup.folder.config,
@@ -62,11 +55,9 @@ impl CandleEngine {
         if !trainable.weights.is_empty() && !model.params.iter().any(|p| trainable.trains_weight(&p.name)) {
             return Err(super::no_weight_matches(&trainable.weights));
         }
-        if let (Some(_), Some(dir)) = (&trainable.lora, setup.trained)
-            && dir.join("adapter_config.json").is_file()
-        {
+        if let (Some(_), Some(saved)) = (&trainable.lora, &trained.adapters) {
             // (Base weights that train start from `weights`: the folder's where it saved them.)
-            model.load_adapters(&peft::read_weights(dir, &device)?)?;
+            model.load_adapters(saved)?;
         }
         Ok(CandleEngine::new(model, fused, setup.optimizer, setup.ema_decay))
     }

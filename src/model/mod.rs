@@ -111,21 +111,33 @@ impl ModelError {
     }
 }
 
-/// The base weights a train stage's output `dir` replaces, f32 on `device` by Hugging Face
-/// name: all of `weights.safetensors` (base weights trained in full), or a PEFT adapter's
-/// `modules_to_save` (base weights trained beside the adapter); none for a plain adapter.
-pub fn trained_weights(dir: &Path, device: &Device) -> Result<BTreeMap<String, Tensor>, ModelError> {
+/// What a train stage's output holds, f32 by name, read once.
+#[derive(Debug, Default)]
+pub struct TrainedOutput {
+    /// The base weights it replaces, by Hugging Face name: all of `weights.safetensors` (base
+    /// weights trained in full), or a PEFT folder's `modules_to_save` (trained beside the
+    /// adapter); none for a plain adapter.
+    pub base: BTreeMap<String, Tensor>,
+    /// A PEFT folder's adapter matrices, under PEFT's names (None: no PEFT folder).
+    pub adapters: Option<BTreeMap<String, Tensor>>,
+}
+
+/// Read the train stage's output `dir` onto `device`.
+pub fn read_trained(dir: &Path, device: &Device) -> Result<TrainedOutput, ModelError> {
     let full = dir.join("weights.safetensors");
     if full.is_file() {
         let t = candle_core::safetensors::load(&full, device)
             .map_err(ModelError::candle(format!("cannot read `{}`", full.display())))?;
-        return t
+        let base = t
             .into_iter()
             .map(|(k, v)| Ok((k, v.to_dtype(DType::F32).map_err(ModelError::candle("convert trained weights"))?)))
-            .collect();
+            .collect::<Result<_, ModelError>>()?;
+        return Ok(TrainedOutput { base, adapters: None });
     }
     if dir.join("adapter_config.json").is_file() {
-        return Ok(peft::base_weights(peft::read_weights(dir, device)?));
+        let (adapters, base) =
+            peft::read_weights(dir, device)?.into_iter().partition(|(k, _)| lora::is_adapter_param(k));
+        return Ok(TrainedOutput { base, adapters: Some(adapters) });
     }
-    Ok(BTreeMap::new())
+    Ok(TrainedOutput::default())
 }

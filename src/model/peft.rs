@@ -60,11 +60,6 @@ pub fn read_weights(dir: &Path, device: &Device) -> Result<BTreeMap<String, Tens
     Ok(out)
 }
 
-/// The base weights an adapter folder replaces (its `modules_to_save`), by Hugging Face name.
-pub fn base_weights(weights: BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
-    weights.into_iter().filter(|(k, _)| !is_adapter_param(k)).collect()
-}
-
 /// Write a PEFT adapter folder for `spec`. `weights` holds the adapter matrices under PEFT's
 /// names and any base weights that trained in full under their Hugging Face names; each of
 /// those makes its module a `modules_to_save` entry, saved whole: `base` (the model trained)

@@ -16,7 +16,7 @@ use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, 
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
-use crate::model::{LAYER_LINEARS, ModelConfig, ModelError, peft};
+use crate::model::{LAYER_LINEARS, ModelConfig, ModelError};
 use crate::recipe::Dtype;
 use crate::rng::Rng;
 
@@ -286,10 +286,11 @@ impl GpuEngine {
             return Err(EngineError::Unsupported(why));
         }
         let dt = compute_dtype(setup.device.dtype);
-        let overrides = match setup.trained {
-            Some(dir) => crate::model::trained_weights(dir, &candle_core::Device::Cpu)?,
+        let trained = match setup.trained {
+            Some(dir) => crate::model::read_trained(dir, &candle_core::Device::Cpu)?,
             None => Default::default(),
         };
+        let overrides = &trained.base;
         // Base weights that train (fnmatch patterns as in the candle model) stay on the host in
         // f32 until the passes below name them: each becomes a slot of the flat parameters then,
         // so weights the model does not use (as candle's) never train.
@@ -421,9 +422,8 @@ impl GpuEngine {
                 });
                 l.lora = Some(Adapter { a, b, rank: spec.rank, scale: spec.scale() as f32, dropout: spec.dropout });
             }
-            if let Some(dir) = setup.trained.filter(|d| d.join("adapter_config.json").is_file()) {
-                let saved = peft::read_weights(dir, &candle_core::Device::Cpu)?;
-                fill_slots(&slots[first..], &saved, &mut values, |name| ModelError::MissingTensor { name }.into())?;
+            if let Some(saved) = &trained.adapters {
+                fill_slots(&slots[first..], saved, &mut values, |name| ModelError::MissingTensor { name }.into())?;
             }
         }
         if i32::try_from(values.len()).is_err() {
