@@ -1112,9 +1112,10 @@ fn assert_trainable_matches(
 
 #[test]
 fn engine_matches_autograd_on_the_golden_models() {
-    // Llama with llama3 rope scaling and GQA; Qwen2 with q/k/v biases and tied embeddings.
+    // Llama with llama3 rope scaling and GQA; Qwen2 with q/k/v biases and tied embeddings;
+    // Qwen3 with head norms (one of each trained in its `modules_to_save`) and wide heads.
     for gpu in devices() {
-        for name in ["tiny-llama", "tiny-qwen2"] {
+        for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
             let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
             let batch = golden_batch(name);
             // PEFT's plain adapter, and one with `modules_to_save` (base weights replaced).
@@ -1198,20 +1199,27 @@ fn half_precision_engine_stays_within_its_rounding_of_autograd() {
 
 /// Base weights that train (a full fine-tune, and a selective one) get the loss and every
 /// gradient autograd gives them: matrices (the LM head's too), RMSNorm weights, q/k/v biases and
-/// the embedding table, tied to the LM head in Qwen2 (so its gradient sums both uses) and not in
-/// Llama; packed rows repeat tokens, whose embedding rows sum their gradients.
+/// the embedding table, tied to the LM head in Qwen2 and Qwen3 (so its gradient sums both uses)
+/// and not in Llama, Qwen3's head norms; packed rows repeat tokens, whose embedding rows sum
+/// their gradients.
 #[test]
 fn engine_matches_autograd_training_base_weights() {
     let all = || Trainable::weights(vec!["*".into()]);
     let some = || {
         Trainable::weights(
-            ["*.input_layernorm.*", "*.1.self_attn.[qv]_proj.*", "model.norm.weight", "lm_head.weight"]
-                .map(String::from)
-                .to_vec(),
+            [
+                "*.input_layernorm.*",
+                "*.1.self_attn.[qv]_proj.*",
+                "*.0.self_attn.k_norm.*",
+                "model.norm.weight",
+                "lm_head.weight",
+            ]
+            .map(String::from)
+            .to_vec(),
         )
     };
     for gpu in devices() {
-        for name in ["tiny-llama", "tiny-qwen2"] {
+        for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
             let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
             let batch = golden_batch(name);
             for trainable in [all(), some()] {
@@ -1220,10 +1228,12 @@ fn engine_matches_autograd_training_base_weights() {
         }
         let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
         assert_trainable_matches(&gpu, &folder, all(), None, &packed_batch(), None, Dtype::F32, 2e-5);
-        let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
-        let batch = golden_batch("tiny-llama");
-        for (dtype, tol) in [(Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
-            assert_trainable_matches(&gpu, &folder, all(), None, &batch, None, dtype, tol);
+        for name in ["tiny-llama", "tiny-qwen3"] {
+            let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+            let batch = golden_batch(name);
+            for (dtype, tol) in [(Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
+                assert_trainable_matches(&gpu, &folder, all(), None, &batch, None, dtype, tol);
+            }
         }
     }
 }
@@ -1235,7 +1245,7 @@ fn engine_matches_autograd_training_base_weights() {
 #[test]
 fn engine_matches_autograd_training_an_adapter_and_base_weights() {
     for gpu in devices() {
-        for name in ["tiny-llama", "tiny-qwen2"] {
+        for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
             let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
             let adapter = fixture(name).join("adapter");
             let weights = ["*norm*", "lm_head.weight", "model.embed_tokens.weight"].map(String::from).to_vec();

@@ -79,6 +79,17 @@ fn qwen2_matches_transformers() {
     check(&load("tiny-qwen2", &Trainable::nothing()), &g, "base");
 }
 
+/// Qwen3: heads wider than hidden / heads, and each query and key head RMS-normalised (with
+/// random weights) before the rotary embedding.
+#[test]
+fn qwen3_matches_transformers() {
+    let g = golden("tiny-qwen3");
+    let model = load("tiny-qwen3", &Trainable::nothing());
+    assert_eq!((model.cfg.head_dim, model.cfg.num_heads, model.cfg.hidden_size), (16, 4, 32));
+    assert!(model.cfg.qk_norm);
+    check(&model, &g, "base");
+}
+
 fn with_adapter(name: &str) -> Transformer {
     let dir = fixture(name).join("adapter");
     let spec = peft::read_config(&dir).unwrap();
@@ -97,15 +108,21 @@ fn qwen2_lora_matches_peft() {
     check(&with_adapter("tiny-qwen2"), &golden("tiny-qwen2"), "lora");
 }
 
+#[test]
+fn qwen3_lora_matches_peft() {
+    check(&with_adapter("tiny-qwen3"), &golden("tiny-qwen3"), "lora");
+}
+
 /// Central finite differences (in f64 on the loss) against autograd for a few LoRA entries.
 /// A PEFT adapter with `modules_to_save`, made by PEFT (tests/fixtures/make_golden.py
 /// `--modules`: modules changed at random — an untied LM head, norms, a whole linear; in Qwen2 a
-/// k_proj with its bias, and the embedding, which PEFT keeps tied to the LM head), loads as PEFT
+/// k_proj with its bias, and the embedding, which PEFT keeps tied to the LM head; in Qwen3 a
+/// query and a key head norm), loads as PEFT
 /// computes it: the path evaluation and exports take (`trained` = the folder), on candle and on
 /// the fused engine.
 #[test]
 fn peft_adapters_with_modules_to_save_match_peft() {
-    for name in ["tiny-llama", "tiny-qwen2"] {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
         let dir = fixture(name).join("adapter-modules");
         let expected: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected-modules.json")).unwrap())
@@ -598,8 +615,9 @@ fn assert_fused_matches(model: &Transformer, batch: &Batch, select: &[u32], targ
 
 #[test]
 fn fused_engine_matches_autograd_on_the_golden_models() {
-    // Llama with llama3 rope scaling and GQA; Qwen2 with q/k/v biases and tied embeddings.
-    for name in ["tiny-llama", "tiny-qwen2"] {
+    // Llama with llama3 rope scaling and GQA; Qwen2 with q/k/v biases and tied embeddings;
+    // Qwen3 with head norms and wide heads.
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
         let g = golden(name);
         let model = with_adapter(name);
         let batch = Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap();
@@ -642,12 +660,12 @@ fn packed_batch() -> (Batch, Vec<u32>, Vec<u32>) {
 /// Base weights that train — in full, selectively, and beside an adapter — get autograd's loss
 /// and every gradient from the fused engine: matrices, q/k/v biases, RMSNorm weights, the LM
 /// head, the embedding (tied to the head in Qwen2, so its gradient sums both uses; packed rows
-/// repeat tokens, whose rows sum), in row shards and in one pass.
+/// repeat tokens, whose rows sum), Qwen3's head norms, in row shards and in one pass.
 #[test]
 fn fused_engine_matches_autograd_training_base_weights() {
     let (batch, select, tgt) = packed_batch();
     let patterns = |p: &[&str]| p.iter().map(|p| p.to_string()).collect::<Vec<_>>();
-    for name in ["tiny-llama", "tiny-qwen2"] {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
         let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
         let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
         let adapter = fixture(name).join("adapter");
@@ -656,6 +674,7 @@ fn fused_engine_matches_autograd_training_base_weights() {
             Trainable::weights(patterns(&[
                 "*.input_layernorm.*",
                 "*.1.self_attn.[qv]_proj.*",
+                "*.0.self_attn.k_norm.*",
                 "model.norm.weight",
                 "lm_head.weight",
             ])),

@@ -20,6 +20,7 @@ pub fn shape(name: &str, max_positions: usize) -> ScratchModel {
         num_layers: layers,
         num_heads: heads,
         num_kv_heads: Some(kv),
+        head_dim: None,
         intermediate_size: inter,
         vocab_size: vocab,
         max_position_embeddings: max_positions,

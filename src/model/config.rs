@@ -55,6 +55,9 @@ pub struct RawConfig {
     pub sliding_window: Option<serde_json::Value>,
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
+    /// transformers ≥ 4.53: each layer's attention kind (`full_attention`, `sliding_attention`).
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
 }
 
 fn default_max_pos() -> usize {
@@ -118,10 +121,13 @@ pub struct ModelConfig {
     /// llama3 frequency scaling, when configured.
     pub rope_scaling: Option<RopeParameters>,
     pub tie_word_embeddings: bool,
-    /// q/k/v projections carry a bias (Qwen2, or Llama with `attention_bias`).
+    /// q/k/v projections carry a bias (Qwen2, or Llama and Qwen3 with `attention_bias`).
     pub qkv_bias: bool,
-    /// o_proj carries a bias (Llama with `attention_bias`).
+    /// o_proj carries a bias (Llama and Qwen3 with `attention_bias`).
     pub o_bias: bool,
+    /// Each query and key head is RMS-normalised (weights `self_attn.q_norm` / `k_norm`, one
+    /// value per head dimension) before the rotary embedding (Qwen3).
+    pub qk_norm: bool,
     pub mlp_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -134,6 +140,7 @@ impl ModelConfig {
         let arch = match arch_name.as_str() {
             "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => Arch::Llama,
             "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
+            "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
             other => {
                 return Err(ModelError::UnsupportedArchitecture { name: other.to_string() });
             }
@@ -151,7 +158,8 @@ impl ModelConfig {
             return Err(ModelError::Unsupported { what: format!("rope scaling `{rope_type}`") });
         }
         let rope_scaling = rope.filter(|_| rope_type == "llama3");
-        if raw.use_sliding_window == Some(true) {
+        let sliding_layers = raw.layer_types.iter().flatten().any(|t| t != "full_attention");
+        if raw.use_sliding_window == Some(true) || sliding_layers {
             return Err(ModelError::Unsupported { what: "sliding-window attention".into() });
         }
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
@@ -198,7 +206,8 @@ impl ModelConfig {
             // LlamaConfig and Qwen2Config both default to untied embeddings.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: arch == Arch::Qwen2 || attention_bias,
-            o_bias: arch == Arch::Llama && attention_bias,
+            o_bias: arch != Arch::Qwen2 && attention_bias,
+            qk_norm: arch == Arch::Qwen3,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
             bos_token_id: raw.bos_token_id,
             eos_token_ids: raw.eos_token_id.as_ref().map(TokenIds::to_vec).unwrap_or_default(),
@@ -211,6 +220,7 @@ impl ModelConfig {
         let (architectures, model_type) = match s.arch {
             Arch::Llama => ("LlamaForCausalLM", "llama"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+            Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
         };
         let mut v = serde_json::json!({
             "architectures": [architectures],
@@ -233,11 +243,19 @@ impl ModelConfig {
             "torch_dtype": "float32",
             "use_cache": true,
         });
-        if s.arch == Arch::Llama {
-            v["attention_bias"] = false.into();
-            v["mlp_bias"] = false.into();
-        } else {
-            v["use_sliding_window"] = false.into();
+        if let Some(d) = s.head_dim {
+            v["head_dim"] = d.into();
+        }
+        match s.arch {
+            Arch::Llama => {
+                v["attention_bias"] = false.into();
+                v["mlp_bias"] = false.into();
+            }
+            Arch::Qwen2 => v["use_sliding_window"] = false.into(),
+            Arch::Qwen3 => {
+                v["attention_bias"] = false.into();
+                v["use_sliding_window"] = false.into();
+            }
         }
         v
     }

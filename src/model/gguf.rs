@@ -62,6 +62,8 @@ pub fn tensor_name(hf: &str) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
         _ => return None,
     };
     Some(format!("blk.{layer}.{name}.{kind}"))
@@ -95,6 +97,7 @@ pub fn write(
     let arch = match cfg.arch {
         Arch::Llama => "llama",
         Arch::Qwen2 => "qwen2",
+        Arch::Qwen3 => "qwen3",
     };
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
@@ -113,7 +116,10 @@ pub fn write(
     md.push((a("rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
     md.push((a("rope.dimension_count"), Value::U32(cfg.head_dim as u32)));
     md.push((a("vocab_size"), Value::U32(cfg.vocab_size as u32)));
-    if cfg.head_dim * cfg.num_heads != cfg.hidden_size {
+    // llama.cpp derives the head size from these when they differ from hidden / heads; its
+    // converter writes them for every Qwen3 (whose config names `head_dim`), and candle's
+    // quantized Qwen3 requires them.
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size || cfg.arch == Arch::Qwen3 {
         md.push((a("attention.key_length"), Value::U32(cfg.head_dim as u32)));
         md.push((a("attention.value_length"), Value::U32(cfg.head_dim as u32)));
     }
@@ -259,7 +265,7 @@ fn tokenizer_metadata(
         .collect();
     // llama.cpp picks its pre-tokenizer regex by name; these are the families rtune trains.
     let pre = match (cfg.arch, cfg.vocab_size) {
-        (Arch::Qwen2, _) => "qwen2",
+        (Arch::Qwen2 | Arch::Qwen3, _) => "qwen2",
         (Arch::Llama, 128256) => "llama-bpe",
         (Arch::Llama, 49152) => "smollm",
         _ => "gpt-2",

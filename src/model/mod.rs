@@ -20,7 +20,7 @@ pub use batch::Batch;
 pub use config::{ModelConfig, RawConfig};
 pub use folder::ModelFolder;
 pub use lora::{Linear, LoraSpec, Param};
-pub use transformer::{KvCache, LAYER_LINEARS, Trainable, Transformer};
+pub use transformer::{KvCache, LAYER_LINEARS, QK_NORMS, Trainable, Transformer};
 
 /// Why a model could not be loaded, built or saved.
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
@@ -41,7 +41,10 @@ pub enum ModelError {
     #[error("architecture `{name}` is not supported")]
     #[diagnostic(
         code(rtune::model::architecture),
-        help("rtune trains LlamaForCausalLM (Llama, SmolLM, TinyLlama, Mistral-style) and Qwen2ForCausalLM")
+        help(
+            "rtune trains LlamaForCausalLM (Llama, SmolLM, TinyLlama, Mistral-style), Qwen2ForCausalLM and \
+             Qwen3ForCausalLM"
+        )
     )]
     UnsupportedArchitecture { name: String },
     #[error("{what} is not supported")]

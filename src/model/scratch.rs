@@ -105,6 +105,11 @@ pub fn init_weights(
         }
         out.insert(format!("{p}.input_layernorm.weight"), ones(&[h])?);
         out.insert(format!("{p}.post_attention_layernorm.weight"), ones(&[h])?);
+        if cfg.qk_norm {
+            for n in super::transformer::QK_NORMS {
+                out.insert(format!("{p}.{n}.weight"), ones(&[cfg.head_dim])?);
+            }
+        }
     }
     out.insert("model.norm.weight".into(), ones(&[h])?);
     if !cfg.tie_word_embeddings {

@@ -1,9 +1,10 @@
 //! Decoder-only transformers of the Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral without
-//! sliding window) and Qwen2/Qwen2.5, with LoRA adapters on any linear projection.
+//! sliding window), Qwen2/Qwen2.5 and Qwen3, with LoRA adapters on any linear projection.
 //!
-//! Follows transformers' `modeling_llama.py` and `modeling_qwen2.py` (RMSNorm, rotary embeddings
-//! with `rotate_half`, grouped-query attention, SiLU-gated MLP), so that logits and losses match
-//! transformers for the same weights. Every op on the training path is one with a backward pass
+//! Follows transformers' `modeling_llama.py`, `modeling_qwen2.py` and `modeling_qwen3.py`
+//! (RMSNorm, rotary embeddings with `rotate_half`, grouped-query attention, Qwen3's RMSNorm of
+//! each query and key head before the rotary embedding, SiLU-gated MLP), so that logits and
+//! losses match transformers for the same weights. Every op on the training path is one with a backward pass
 //! in candle: candle's fused `rms_norm`, `softmax_last_dim` and `rope` kernels have none and
 //! would silently drop gradients.
 
@@ -29,6 +30,10 @@ pub const LAYER_LINEARS: [&str; 7] = [
     "mlp.up_proj",
     "mlp.down_proj",
 ];
+
+/// The per-head query and key RMSNorms of a layer with `qk_norm` (Qwen3), as their names
+/// continue `model.layers.<i>.` (each with a `.weight` of `head_dim` values).
+pub const QK_NORMS: [&str; 2] = ["self_attn.q_norm", "self_attn.k_norm"];
 
 /// Which weights train: a LoRA adapter, base weights whose Hugging Face names match patterns,
 /// both (the base weights are then what PEFT calls `modules_to_save`), or nothing.
@@ -100,6 +105,9 @@ struct Attention {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// Qwen3's per-head RMSNorm weights of queries and keys (`[head_dim]` each).
+    qk_norm: Option<(Tensor, Tensor)>,
+    eps: f64,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -181,6 +189,14 @@ impl Transformer {
                 k: b.linear(&format!("{p}.self_attn.k_proj"), h, kvd, cfg.qkv_bias)?,
                 v: b.linear(&format!("{p}.self_attn.v_proj"), h, kvd, cfg.qkv_bias)?,
                 o: b.linear(&format!("{p}.self_attn.o_proj"), qd, h, cfg.o_bias)?,
+                qk_norm: match cfg.qk_norm {
+                    true => Some((
+                        b.weight(&format!("{p}.{}.weight", QK_NORMS[0]), &[cfg.head_dim])?,
+                        b.weight(&format!("{p}.{}.weight", QK_NORMS[1]), &[cfg.head_dim])?,
+                    )),
+                    false => None,
+                },
+                eps: cfg.rms_norm_eps,
                 heads: cfg.num_heads,
                 kv_heads: cfg.num_kv_heads,
                 head_dim: cfg.head_dim,
@@ -233,6 +249,11 @@ impl Transformer {
     /// Layer `i`'s input and post-attention RMSNorm weights.
     pub fn layer_norms(&self, i: usize) -> (&Tensor, &Tensor) {
         (&self.layers[i].input_norm, &self.layers[i].post_norm)
+    }
+
+    /// Layer `i`'s per-head query and key RMSNorm weights (Qwen3), `[head_dim]` each.
+    pub fn qk_norms(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
+        self.layers[i].attn.qk_norm.as_ref().map(|(q, k)| (q, k))
     }
 
     /// The rotary cos/sin tables, `[max_positions, head_dim]` each.
@@ -337,8 +358,13 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
         // [b, t, heads*d] → [b, heads, t, d]
-        let q = self.q.forward_t(x, dropout)?.reshape((b, t, self.heads, d))?.transpose(1, 2)?;
-        let k = self.k.forward_t(x, dropout)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
+        let mut q = self.q.forward_t(x, dropout)?.reshape((b, t, self.heads, d))?;
+        let mut k = self.k.forward_t(x, dropout)?.reshape((b, t, self.kv_heads, d))?;
+        if let Some((qn, kn)) = &self.qk_norm {
+            q = rms_norm(&q, qn, self.eps)?;
+            k = rms_norm(&k, kn, self.eps)?;
+        }
+        let (q, k) = (q.transpose(1, 2)?, k.transpose(1, 2)?);
         let v = self.v.forward_t(x, dropout)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
         let q = apply_rope(&q.contiguous()?, cos, sin)?;
         let mut k = apply_rope(&k.contiguous()?, cos, sin)?;
@@ -496,6 +522,11 @@ impl Transformer {
         for (i, l) in self.layers.iter().enumerate() {
             out.push(MergedTensor::plain(format!("model.layers.{i}.input_layernorm.weight"), &l.input_norm));
             out.push(MergedTensor::plain(format!("model.layers.{i}.post_attention_layernorm.weight"), &l.post_norm));
+            if let Some((qn, kn)) = &l.attn.qk_norm {
+                for (n, w) in QK_NORMS.iter().zip([qn, kn]) {
+                    out.push(MergedTensor::plain(format!("model.layers.{i}.{n}.weight"), w));
+                }
+            }
         }
         out.push(MergedTensor::plain("model.norm.weight".into(), &self.norm));
         for (name, lin) in self.linears() {

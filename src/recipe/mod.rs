@@ -359,17 +359,29 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
             let heads = s.get(&["num_heads"]).and_then(as_int);
             let hidden = s.get(&["hidden_size"]).and_then(as_int);
             let kv = s.get(&["num_kv_heads"]).and_then(as_int);
+            let head_dim = s.get(&["head_dim"]);
+            if let Some(hd) = head_dim.and_then(as_int).filter(|hd| hd % 2 != 0) {
+                problems.push(
+                    Problem::new(
+                        "rtune::recipe::bad_shape",
+                        format!("`model.scratch.head_dim` ({hd}) must be even for rotary embeddings"),
+                    )
+                    .at(head_dim.and_then(|n| n.origin.as_ref()), "odd head size"),
+                );
+            }
             if let (Some(h), Some(d)) = (heads, hidden) {
-                if h > 0 && d % h != 0 {
+                // An explicit `head_dim` frees the hidden size from the heads (Qwen3's shapes).
+                let derived = head_dim.is_none() && h > 0;
+                if derived && d % h != 0 {
                     problems.push(
                         Problem::new(
                             "rtune::recipe::bad_shape",
                             format!("`model.scratch.hidden_size` ({d}) must be a multiple of `num_heads` ({h})"),
                         )
                         .at(s.get(&["hidden_size"]).and_then(|n| n.origin.as_ref()), "not divisible")
-                        .help("attention splits the hidden size evenly across heads"),
+                        .help("attention splits the hidden size evenly across heads, or set `head_dim`"),
                     );
-                } else if h > 0 && (d / h) % 2 != 0 {
+                } else if derived && (d / h) % 2 != 0 {
                     problems.push(
                         Problem::new(
                             "rtune::recipe::bad_shape",
@@ -378,7 +390,8 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
                                 d / h
                             ),
                         )
-                        .at(s.get(&["hidden_size"]).and_then(|n| n.origin.as_ref()), "odd head size"),
+                        .at(s.get(&["hidden_size"]).and_then(|n| n.origin.as_ref()), "odd head size")
+                        .help("change `hidden_size` or `num_heads`, or set an even `head_dim`"),
                     );
                 }
                 if let Some(kv) = kv

@@ -86,6 +86,11 @@ pub struct ScratchModel {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 256))]
     pub num_kv_heads: Option<usize>,
+    /// Width of each attention head [default: `hidden_size / num_heads`]. Qwen3 models use
+    /// heads wider than that (Qwen3-0.6B: hidden 1024, 16 heads of 128).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 2, max = 256))]
+    pub head_dim: Option<usize>,
     /// Width of the SiLU-gated MLP.
     #[schemars(range(min = 1, max = 65536))]
     pub intermediate_size: usize,
@@ -137,6 +142,8 @@ pub enum Arch {
     Llama,
     /// `Qwen2ForCausalLM`: Qwen2 and Qwen2.5 (q/k/v biases).
     Qwen2,
+    /// `Qwen3ForCausalLM`: Qwen3 (RMSNorm on each query and key head, no biases).
+    Qwen3,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

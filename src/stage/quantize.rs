@@ -2,7 +2,7 @@
 //! `safetensors-merged` merges the adapter into the base weights and writes a Hugging Face model
 //! folder, then loads it back and checks that it computes what the adapter model computes.
 //! `gguf-*` writes llama.cpp's GGUF (see [`crate::model::gguf`]) and loads it back with candle's
-//! quantized Llama/Qwen2 code to compare its eval-split perplexity with the f32 model's.
+//! quantized Llama/Qwen2/Qwen3 code to compare its eval-split perplexity with the f32 model's.
 
 use std::path::Path;
 
@@ -173,7 +173,7 @@ fn tuned_engine(folder: &ModelFolder, weights_dir: &Path, device: &Resolution) -
 const SELF_CHECK_ROWS: usize = 64;
 
 /// Mean next-token loss of a GGUF file over the first eval rows, decoded token by token with
-/// candle's quantized Llama/Qwen2 (llama.cpp's conventions: it is a check of names, layout and
+/// candle's quantized Llama/Qwen2/Qwen3 (llama.cpp's conventions: it is a check of names, layout and
 /// metadata as much as of quantization error).
 fn gguf_eval_loss(
     path: &Path,
@@ -181,10 +181,11 @@ fn gguf_eval_loss(
     eval: &TokenStore,
     device: &Device,
 ) -> Result<(f64, usize), StageError> {
-    use candle_transformers::models::{quantized_llama, quantized_qwen2};
+    use candle_transformers::models::{quantized_llama, quantized_qwen2, quantized_qwen3};
     enum Q {
         Llama(quantized_llama::ModelWeights),
         Qwen2(quantized_qwen2::ModelWeights),
+        Qwen3(quantized_qwen3::ModelWeights),
     }
     let ctx = |what: &str| StageError::candle(format!("GGUF self-check: {what}"));
     let mut f = std::fs::File::open(path).map_err(StageError::io(format!("cannot open `{}`", path.display())))?;
@@ -196,6 +197,9 @@ fn gguf_eval_loss(
         crate::recipe::Arch::Qwen2 => {
             Q::Qwen2(quantized_qwen2::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
         }
+        crate::recipe::Arch::Qwen3 => {
+            Q::Qwen3(quantized_qwen3::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
+        }
     };
     let (mut sum, mut n) = (0f64, 0usize);
     for r in 0..eval.len().min(SELF_CHECK_ROWS) {
@@ -205,6 +209,7 @@ fn gguf_eval_loss(
             let logits = match &mut model {
                 Q::Llama(m) => m.forward(&x, j),
                 Q::Qwen2(m) => m.forward(&x, j),
+                Q::Qwen3(m) => m.forward(&x, j),
             }
             .map_err(ctx("forward"))?;
             if row.mask[j + 1] == 1 && row.seg[j + 1] == row.seg[j] {

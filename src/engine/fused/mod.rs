@@ -5,8 +5,8 @@
 //! and dispatching to the thread pool, and keeps every intermediate alive until the backward
 //! pass. This engine computes the same function in a few dozen GEMM calls (the `gemm` crate
 //! candle itself uses) and fused row loops:
-//! - RMSNorm, rotary embeddings, softmax, SiLU-gating and cross-entropy are single passes, each
-//!   with its derivative written out;
+//! - RMSNorm (Qwen3's per-head query and key norms too), rotary embeddings, softmax, SiLU-gating
+//!   and cross-entropy are single passes, each with its derivative written out;
 //! - attention runs per (sequence, head) on contiguous head-major blocks, one task per block;
 //! - no gradient is computed for a frozen weight, nor for the input of the first layer unless
 //!   the embedding trains;
@@ -114,8 +114,16 @@ struct LayerW<'a> {
     /// The norm weights' names where they train.
     train_input_norm: Option<String>,
     train_post_norm: Option<String>,
+    /// Qwen3's per-head query and key norms.
+    qk_norm: Option<[HeadNorm<'a>; 2]>,
     /// q, k, v, o, gate, up, down.
     lin: [LinW<'a>; 7],
+}
+
+/// An RMSNorm over each head (`[head_dim]` weights), and its weight's name where it trains.
+struct HeadNorm<'a> {
+    w: W<'a>,
+    train: Option<String>,
 }
 
 struct Weights<'a> {
@@ -137,6 +145,9 @@ fn tensors(model: &Transformer) -> Vec<&Tensor> {
     for i in 0..model.cfg.num_layers {
         let (a, b) = model.layer_norms(i);
         out.extend([a, b]);
+        if let Some((q, k)) = model.qk_norms(i) {
+            out.extend([q, k]);
+        }
     }
     for (_, l) in model.linears() {
         out.push(l.weight());
@@ -168,7 +179,8 @@ impl<'a> Weights<'a> {
         let mut it = data.iter().copied();
         let mut next = || it.next().expect("one slice per tensor");
         let (embed, norm, cos, sin) = (next(), next(), next(), next());
-        let norms: Vec<(W<'a>, W<'a>)> = (0..model.cfg.num_layers).map(|_| (next(), next())).collect();
+        let norms: Vec<(W<'a>, W<'a>, Option<[W<'a>; 2]>)> =
+            (0..model.cfg.num_layers).map(|i| (next(), next(), model.qk_norms(i).map(|_| [next(), next()]))).collect();
         let mut lins = Vec::new();
         for (name, l) in model.linears() {
             let (out, inp) = l.weight().dims2()?;
@@ -194,11 +206,18 @@ impl<'a> Weights<'a> {
         let layers = norms
             .into_iter()
             .enumerate()
-            .map(|(i, (input_norm, post_norm))| LayerW {
+            .map(|(i, (input_norm, post_norm, qk))| LayerW {
                 input_norm,
                 post_norm,
                 train_input_norm: trains(format!("model.layers.{i}.input_layernorm.weight")),
                 train_post_norm: trains(format!("model.layers.{i}.post_attention_layernorm.weight")),
+                qk_norm: qk.map(|ws| {
+                    let mut names = crate::model::QK_NORMS.iter();
+                    ws.map(|w| {
+                        let name = names.next().expect("two head norms");
+                        HeadNorm { w, train: trains(format!("model.layers.{i}.{name}.weight")) }
+                    })
+                }),
                 lin: std::array::from_fn(|_| lins.next().expect("seven linears per layer")),
             })
             .collect();
@@ -242,7 +261,7 @@ struct LayerSave {
     x: Vec<f32>,
     inv1: Vec<f32>,
     /// Head-major `[b, heads, t, d]` queries and `[b, kv_heads, t, d]` keys after rotary
-    /// embedding, and values.
+    /// embedding (and the head norms), and values.
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -255,6 +274,9 @@ struct LayerSave {
     gate: Vec<f32>,
     up: Vec<f32>,
     lin: [LinSave; 7],
+    /// With head norms: the query and key projections `[n, heads·d]`, `[n, kv_heads·d]`
+    /// before them, and the inverse RMS of each head's row.
+    qk: Option<[(Vec<f32>, Vec<f32>); 2]>,
 }
 
 /// Gradient accumulators by parameter name.
@@ -447,7 +469,7 @@ fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, 
         x = next;
         saves.extend(save);
     }
-    let (hn, inv_f) = rms_norm(&x, w.norm, &dims);
+    let (hn, inv_f) = rms_norm(&x, w.norm, dims.hidden, dims.eps);
 
     // LM head and loss in chunks of selected positions; the gradient of each chunk's logits
     // goes straight back through the head, so no full logits matrix is ever kept.
@@ -479,9 +501,9 @@ fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, 
 
     // Backward.
     let mut dx = vec![0f32; dims.n * dims.hidden];
-    rms_norm_backward(&x, &inv_f, w.norm, &dhn, &mut dx, false, &dims);
+    rms_norm_backward(&x, &inv_f, w.norm, &dhn, &mut dx, false, dims.hidden);
     if w.train_norm {
-        rms_norm_weight_grad(&x, &inv_f, &dhn, &dims, grad_of(&mut grads, "model.norm.weight", dims.hidden));
+        rms_norm_weight_grad(&x, &inv_f, &dhn, dims.hidden, grad_of(&mut grads, "model.norm.weight", dims.hidden));
     }
     drop((hn, dhn));
     for (i, (lw, save)) in w.layers.iter().zip(saves).enumerate().rev() {
@@ -510,17 +532,25 @@ fn layer_forward(
 ) -> (Vec<f32>, Option<LayerSave>) {
     let Dims { b, t, n, hidden, heads, kv_heads, d, inter, .. } = *dims;
     let (qd, kvd) = (heads * d, kv_heads * d);
-    let (xn, inv1) = rms_norm(&x, lw.input_norm, dims);
+    let (xn, inv1) = rms_norm(&x, lw.input_norm, hidden, dims.eps);
     let mut lin: [LinSave; 7] = Default::default();
     let mut proj = |i: usize, input: &[f32], width: usize| {
         let mut y = vec![0f32; n * width];
         lin[i] = linear_forward(&lw.lin[i], input, n, dropout, dims.row0, &mut y);
         y
     };
-    let q = proj(Q, &xn, qd);
-    let k = proj(K, &xn, kvd);
+    let mut q = proj(Q, &xn, qd);
+    let mut k = proj(K, &xn, kvd);
     let v = proj(V, &xn, kvd);
     drop(xn);
+    // Qwen3: each head's query and key RMS-normalised before the rotary embedding.
+    let qk = lw.qk_norm.as_ref().map(|[qn, kn]| {
+        let (normed, q_inv) = rms_norm(&q, qn.w, d, dims.eps);
+        let q_raw = std::mem::replace(&mut q, normed);
+        let (normed, k_inv) = rms_norm(&k, kn.w, d, dims.eps);
+        let k_raw = std::mem::replace(&mut k, normed);
+        [(q_raw, q_inv), (k_raw, k_inv)]
+    });
     let q = to_heads(&q, b, t, heads, d, Some((positions, w.cos, w.sin)));
     let k = to_heads(&k, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
     let v = to_heads(&v, b, t, kv_heads, d, None);
@@ -533,7 +563,7 @@ fn layer_forward(
     let mut h = x.clone();
     add(&mut h, &o);
     drop(o);
-    let (hn, inv2) = rms_norm(&h, lw.post_norm, dims);
+    let (hn, inv2) = rms_norm(&h, lw.post_norm, hidden, dims.eps);
     let gate = proj(GATE, &hn, inter);
     let up = proj(UP, &hn, inter);
     drop(hn);
@@ -542,7 +572,8 @@ fn layer_forward(
     drop(act);
     let mut next = h.clone();
     add(&mut next, &down);
-    let save = training.then_some(LayerSave { x, inv1, q, k, v, lse, attn, h, inv2, gate, up, lin });
+    let qk = qk.filter(|_| training);
+    let save = training.then_some(LayerSave { x, inv1, q, k, v, lse, attn, h, inv2, gate, up, lin, qk });
     (next, save)
 }
 
@@ -569,7 +600,7 @@ fn layer_backward(
     let (dgate, dup) = swiglu_backward(&s.gate, &s.up, &dact);
     drop(dact);
     let hn = if lw.lin[GATE].needs_input() || lw.lin[UP].needs_input() {
-        rms_norm_with(&s.h, &s.inv2, lw.post_norm, dims)
+        rms_norm_with(&s.h, &s.inv2, lw.post_norm, dims.hidden)
     } else {
         Vec::new()
     };
@@ -578,9 +609,9 @@ fn layer_backward(
     linear_backward_acc(&lw.lin[UP], &s.lin[UP], &hn, n, &dup, &mut dhn, grads);
     drop((hn, dgate, dup));
     if let Some(name) = &lw.train_post_norm {
-        rms_norm_weight_grad(&s.h, &s.inv2, &dhn, dims, grad_of(grads, name, dims.hidden));
+        rms_norm_weight_grad(&s.h, &s.inv2, &dhn, dims.hidden, grad_of(grads, name, dims.hidden));
     }
-    rms_norm_backward(&s.h, &s.inv2, lw.post_norm, &dhn, dx, true, dims);
+    rms_norm_backward(&s.h, &s.inv2, lw.post_norm, &dhn, dx, true, dims.hidden);
     // dx is now d/dh = d/d(layer input) through the residual, plus the attention branch below.
     let mut dattn = vec![0f32; n * qd];
     linear_backward(&lw.lin[O], &s.lin[O], &s.attn, n, dx, Some(&mut dattn), grads);
@@ -591,11 +622,22 @@ fn layer_backward(
     let mut dv = vec![0f32; b * kv_heads * t * d];
     attention_backward(&s.q, &s.k, &s.v, mask, &s.lse, &dout, dims, &mut dq, &mut dk, &mut dv);
     drop(dout);
-    let dq = from_heads(&dq, b, t, heads, d, Some((positions, w.cos, w.sin)));
-    let dk = from_heads(&dk, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
+    let mut dq = from_heads(&dq, b, t, heads, d, Some((positions, w.cos, w.sin)));
+    let mut dk = from_heads(&dk, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
+    if let (Some(norms), Some(raw)) = (&lw.qk_norm, &s.qk) {
+        // Through the head norms to the projections' outputs.
+        for ((norm, (x, inv)), dy) in norms.iter().zip(raw).zip([&mut dq, &mut dk]) {
+            if let Some(name) = &norm.train {
+                rms_norm_weight_grad(x, inv, dy, d, grad_of(grads, name, d));
+            }
+            let mut dx = vec![0f32; dy.len()];
+            rms_norm_backward(x, inv, norm.w, dy, &mut dx, false, d);
+            *dy = dx;
+        }
+    }
     let dv = from_heads(&dv, b, t, kv_heads, d, None);
     let xn = if [Q, K, V].iter().any(|&i| lw.lin[i].needs_input()) {
-        rms_norm_with(&s.x, &s.inv1, lw.input_norm, dims)
+        rms_norm_with(&s.x, &s.inv1, lw.input_norm, dims.hidden)
     } else {
         Vec::new()
     };
@@ -605,10 +647,10 @@ fn layer_backward(
         linear_backward_acc(&lw.lin[K], &s.lin[K], &xn, n, &dk, &mut dxn, grads);
         linear_backward_acc(&lw.lin[V], &s.lin[V], &xn, n, &dv, &mut dxn, grads);
         if let Some(name) = &lw.train_input_norm {
-            rms_norm_weight_grad(&s.x, &s.inv1, &dxn, dims, grad_of(grads, name, dims.hidden));
+            rms_norm_weight_grad(&s.x, &s.inv1, &dxn, dims.hidden, grad_of(grads, name, dims.hidden));
         }
         if need_input_grad {
-            rms_norm_backward(&s.x, &s.inv1, lw.input_norm, &dxn, dx, true, dims);
+            rms_norm_backward(&s.x, &s.inv1, lw.input_norm, &dxn, dx, true, dims.hidden);
         }
     } else {
         // The first layer's input is the (frozen) embedding: only the projections' own

@@ -135,22 +135,20 @@ pub(super) fn add(dst: &mut [f32], src: &[f32]) {
 
 /// RMSNorm as transformers computes it, `(x · inv) · w` with `inv = 1/√(mean(x²) + eps)`;
 /// returns the output and `inv` per row.
-pub(super) fn rms_norm(x: &[f32], w: &[f32], dims: &Dims) -> (Vec<f32>, Vec<f32>) {
-    let h = dims.hidden;
+pub(super) fn rms_norm(x: &[f32], w: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
     let inv: Vec<f32> = x
         .par_chunks(h)
         .with_min_len(min_rows(h))
         .map(|row| {
             let ms = dot3(row, row, None) / h as f32;
-            1.0 / (ms + dims.eps).sqrt()
+            1.0 / (ms + eps).sqrt()
         })
         .collect();
-    (rms_norm_with(x, &inv, w, dims), inv)
+    (rms_norm_with(x, &inv, w, h), inv)
 }
 
 /// RMSNorm with the per-row `inv` already known (the backward pass recomputes outputs).
-pub(super) fn rms_norm_with(x: &[f32], inv: &[f32], w: &[f32], dims: &Dims) -> Vec<f32> {
-    let h = dims.hidden;
+pub(super) fn rms_norm_with(x: &[f32], inv: &[f32], w: &[f32], h: usize) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
     y.par_chunks_mut(h).zip(x.par_chunks(h)).zip(inv.par_iter()).with_min_len(min_rows(h)).for_each(
         |((y, x), &inv)| {
@@ -170,9 +168,8 @@ pub(super) fn rms_norm_backward(
     dy: &[f32],
     dx: &mut [f32],
     accumulate: bool,
-    dims: &Dims,
+    h: usize,
 ) {
-    let h = dims.hidden;
     dx.par_chunks_mut(h)
         .zip(x.par_chunks(h))
         .zip(dy.par_chunks(h))
@@ -193,8 +190,7 @@ pub(super) fn rms_norm_backward(
 }
 
 /// The RMSNorm weight's gradient, `dw += Σ_rows dy ⊙ x · inv`, row by row in order.
-pub(super) fn rms_norm_weight_grad(x: &[f32], inv: &[f32], dy: &[f32], dims: &Dims, dw: &mut [f32]) {
-    let h = dims.hidden;
+pub(super) fn rms_norm_weight_grad(x: &[f32], inv: &[f32], dy: &[f32], h: usize, dw: &mut [f32]) {
     for ((x, dy), &inv) in x.chunks(h).zip(dy.chunks(h)).zip(inv) {
         for ((g, x), dy) in dw.iter_mut().zip(x).zip(dy) {
             *g += dy * x * inv;

@@ -16,7 +16,7 @@ use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, 
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
-use crate::model::{LAYER_LINEARS, ModelConfig, ModelError};
+use crate::model::{LAYER_LINEARS, ModelConfig, ModelError, QK_NORMS};
 use crate::recipe::Dtype;
 use crate::rng::Rng;
 
@@ -58,6 +58,8 @@ struct Lin {
 struct Layer {
     input_norm: W,
     post_norm: W,
+    /// Qwen3's RMSNorms of each query and key head (`[head_dim]` weights).
+    qk_norm: Option<[W; 2]>,
     lin: [Lin; 7],
 }
 
@@ -243,6 +245,8 @@ struct Saved {
     up: Buf,
     /// `x Aᵀ` of each adapter (LoRA layers only).
     u: [Option<Buf>; 7],
+    /// With head norms: the query and key projections before them, and each head's inverse RMS.
+    qk: Option<[(Buf, Buf); 2]>,
 }
 
 pub struct GpuEngine {
@@ -369,9 +373,17 @@ impl GpuEngine {
             for (m, (inp, out, bias)) in LAYER_LINEARS.iter().zip(dims) {
                 lins.push(lin(&format!("{p}.{m}"), inp, out, bias)?);
             }
+            let qk_norm = match cfg.qk_norm {
+                true => Some([
+                    weight(&format!("{p}.{}.weight", QK_NORMS[0]), &[cfg.head_dim])?,
+                    weight(&format!("{p}.{}.weight", QK_NORMS[1]), &[cfg.head_dim])?,
+                ]),
+                false => None,
+            };
             layers.push(Layer {
                 input_norm: weight(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_norm: weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                qk_norm,
                 lin: lins.try_into().map_err(|_| ()).expect("seven linears"),
             });
         }
@@ -487,8 +499,12 @@ impl GpuEngine {
         let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let s = self.dt.size();
         let ranks: usize = self.layers.first().map_or(0, |l| l.lin.iter().filter_map(|l| l.lora.map(|a| a.rank)).sum());
-        let per_layer =
+        let mut per_layer =
             s * (2 * c.hidden_size + 2 * qd + 2 * kvd + 2 * c.intermediate_size + ranks) + 4 * (2 + c.num_heads);
+        if c.qk_norm {
+            // The projections before the head norms, and each head's inverse RMS.
+            per_layer += s * (qd + kvd) + 4 * (c.num_heads + c.num_kv_heads);
+        }
         let input = s * c.hidden_size;
         let kept = if checkpointing { input * c.num_layers + per_layer } else { (per_layer + input) * c.num_layers };
         (kept * n) as u64
@@ -784,11 +800,25 @@ impl GpuEngine {
         let inv1 = self.buf(n, Dt::F32)?;
         o.rmsnorm_fwd(x.ptr(), self.w(l.input_norm), xn.ptr(), inv1.ptr(), n, h, c.rms_norm_eps as f32)?;
         let mut u: [Option<Buf>; 7] = Default::default();
-        let (q, k, v) = (self.buf(n * qd, dt)?, self.buf(n * kvd, dt)?, self.buf(n * kvd, dt)?);
+        let (mut q, mut k, v) = (self.buf(n * qd, dt)?, self.buf(n * kvd, dt)?, self.buf(n * kvd, dt)?);
         u[Q] = self.lin_fwd(&l.lin[Q], xn.ptr(), n, q.ptr(), false, dropout, 0)?;
         u[K] = self.lin_fwd(&l.lin[K], xn.ptr(), n, k.ptr(), false, dropout, 0)?;
         u[V] = self.lin_fwd(&l.lin[V], xn.ptr(), n, v.ptr(), false, dropout, 0)?;
         drop(xn);
+        // Qwen3: each query and key head RMS-normalised before the rotary embedding.
+        let qk = match l.qk_norm {
+            Some([qn, kn]) => {
+                let norm = |w: W, x: &mut Buf, heads: usize| -> Result<(Buf, Buf), GpuError> {
+                    let (normed, inv) = (self.buf(x.len, dt)?, self.buf(n * heads, Dt::F32)?);
+                    let eps = c.rms_norm_eps as f32;
+                    o.rmsnorm_fwd(x.ptr(), self.w(w), normed.ptr(), inv.ptr(), n * heads, c.head_dim, eps)?;
+                    Ok((std::mem::replace(x, normed), inv))
+                };
+                let q_raw = norm(qn, &mut q, c.num_heads)?;
+                Some([q_raw, norm(kn, &mut k, c.num_kv_heads)?]).filter(|_| save)
+            }
+            None => None,
+        };
         o.rope(q.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, false)?;
         o.rope(k.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, false)?;
         let attn = self.buf(n * qd, dt)?;
@@ -809,7 +839,7 @@ impl GpuEngine {
         o.swiglu(gate.ptr(), up.ptr(), act.ptr(), n * inter)?;
         let next = self.copy(&hid)?;
         u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, next.ptr(), true, dropout, 0)?;
-        let saved = save.then_some(Saved { inv1, q, k, v, attn, lse, h: hid, inv2, gate, up, u });
+        let saved = save.then_some(Saved { inv1, q, k, v, attn, lse, h: hid, inv2, gate, up, u, qk });
         Ok((next, saved))
     }
 
@@ -865,7 +895,7 @@ impl GpuEngine {
         // Attention; dx is now the gradient of the attention block's output too.
         let dattn = self.buf(n * qd, dt)?;
         self.lin_bwd(&l.lin[O], s.u[O].as_ref(), s.attn.ptr(), n, dx.ptr(), Some((dattn.ptr(), false)), dropout, 0)?;
-        let (dq, dk, dv) = (self.buf(s.q.len, dt)?, self.buf(s.k.len, dt)?, self.buf(s.v.len, dt)?);
+        let (mut dq, mut dk, dv) = (self.buf(s.q.len, dt)?, self.buf(s.k.len, dt)?, self.buf(s.v.len, dt)?);
         let delta = self.buf(s.lse.len, Dt::F32)?;
         let shape = self.attn_shape(bt);
         let partial = self.buf(shape.partial_len(), Dt::F32)?;
@@ -888,6 +918,16 @@ impl GpuEngine {
         drop((dattn, delta, partial));
         o.rope(dq.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, true)?;
         o.rope(dk.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, true)?;
+        if let (Some(norms), Some(raw)) = (l.qk_norm, &s.qk) {
+            // Through the head norms to the projections' outputs.
+            for ((w, (x, inv)), (dy, heads)) in
+                norms.into_iter().zip(raw).zip([(&mut dq, c.num_heads), (&mut dk, c.num_kv_heads)])
+            {
+                let dx = self.buf(dy.len, dt)?;
+                self.norm_bwd(w, x.ptr(), inv.ptr(), dy.ptr(), Some((dx.ptr(), false)), n * heads, c.head_dim)?;
+                *dy = dx;
+            }
+        }
         let xn = match [Q, K, V].iter().any(|&i| self.needs_input(&l.lin[i])) {
             true => {
                 let b = self.buf(n * h, dt)?;
