@@ -121,6 +121,13 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                         (ratio - 1.0) * 100.0
                     ),
                 );
+                if ratio > 1.5 {
+                    ctx.ui.warn(format!(
+                        "{file}: perplexity {ratio:.2}× the unquantized model's in candle's GGUF reader — more than \
+                         quantization alone should cost; try a wider type (q8_0, f16), and if that too is off, \
+                         report it: the file or the reader may be wrong"
+                    ));
+                }
                 report.insert(
                     format!("gguf-{tag}"),
                     json!({
@@ -204,6 +211,11 @@ fn gguf_eval_loss(
     let (mut sum, mut n) = (0f64, 0usize);
     for r in 0..eval.len().min(SELF_CHECK_ROWS) {
         let row = eval.row(r);
+        // Each row starts afresh: Llama's and Qwen2's caches restart at position 0 by
+        // themselves, Qwen3's keeps appending until cleared.
+        if let Q::Qwen3(m) = &mut model {
+            m.clear_kv_cache();
+        }
         for j in 0..row.ids.len().saturating_sub(1) {
             let x = candle_core::Tensor::new(&[[row.ids[j]]], device).map_err(ctx("input"))?;
             let logits = match &mut model {
