@@ -1106,6 +1106,64 @@ fn an_adapter_and_base_weights_train_together() {
     assert!(exports.join("merged/model.safetensors").is_file() && exports.join("gguf/model-q8_0.gguf").is_file());
 }
 
+/// The default recipe's model as a Qwen3 (heads wider than hidden / heads, a query and key
+/// RMSNorm in each layer).
+const QWEN3: &str = "model.scratch={arch=\"qwen3\", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, \
+                     head_dim=32, intermediate_size=128, vocab_size=512}";
+
+/// A Qwen3 model trains (its query norms beside the adapter, as `modules_to_save`), evaluates
+/// and exports end to end: the merged folder is a Qwen3 folder with its head norms, and the GGUF
+/// reads back in candle's quantized Qwen3 at the unquantized model's perplexity.
+#[test]
+fn a_qwen3_model_trains_and_exports_end_to_end() {
+    let p = Project::tiny_offline();
+    let report = p.run_json(&[
+        "tiny.toml",
+        "--set",
+        QWEN3,
+        "--set",
+        r#"stages.train.trainable=["adapter", "*.q_norm.weight"]"#,
+        "--set",
+        "stages.train.max_steps=30",
+        "--set",
+        "stages.evaluate.max_new_tokens=2",
+    ]);
+    assert!(outcomes(&report).iter().all(|(_, o)| o == "built"), "{:?}", outcomes(&report));
+    let trained = artifact(&report, "train");
+    let c = read_json(&trained.join("adapter_config.json"));
+    assert_eq!(
+        c["modules_to_save"],
+        serde_json::json!(["model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.q_norm"])
+    );
+    let metrics = read_json(&trained.join("metrics.json"));
+    let end = metrics["eval_loss_end"].as_f64().unwrap();
+    assert!(metrics["eval_loss_start"].as_f64().unwrap() - end > 0.5, "it trained: {metrics}");
+    let tuned = read_json(&artifact(&report, "evaluate").join("metrics.json"))["eval_loss"].as_f64().unwrap();
+    assert!((end - tuned).abs() <= 1e-6 * end, "evaluate {tuned} vs train's last eval {end}");
+    let exports = artifact(&report, "quantize");
+    let config = read_json(&exports.join("merged/config.json"));
+    assert_eq!(
+        (config["architectures"][0].as_str(), config["head_dim"].as_u64()),
+        (Some("Qwen3ForCausalLM"), Some(32))
+    );
+    let merged = rtune::model::ModelFolder::open(&exports.join("merged")).unwrap();
+    let weights = merged.load_weights(&candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    for n in ["model.layers.1.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"] {
+        assert_eq!(weights.get(n).map(|t| t.dims().to_vec()), Some(vec![32]), "{n} in the merged folder");
+    }
+    let quantize = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "quantize").unwrap();
+    let gguf = &quantize["metrics"]["formats"]["gguf-q8_0"];
+    let ratio = gguf["perplexity_ratio"].as_f64().unwrap();
+    assert!((ratio - 1.0).abs() < 0.003, "q8_0 perplexity ratio {ratio}: {gguf}");
+}
+
+/// The Qwen3 model on Vulkan (the GPU engine) against the CPU (the fused engine): the eval
+/// losses agree within 1e-4 relative after 4 steps.
+#[test]
+fn a_qwen3_model_on_vulkan_matches_the_cpu() {
+    default_recipe_on_vulkan(&[&["--set", QWEN3][..], SHORT_RUN].concat());
+}
+
 /// Settings a `[device.<name>]` table overrides are checked as the stage's own are: `validate`
 /// checks every table, `plan` the chosen device's (an override used to pass both and fail when
 /// its stage ran).
