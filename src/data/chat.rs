@@ -143,7 +143,10 @@ impl ChatTemplate {
             let upto = self.render(&messages[..=i], false)?;
             if !upto.starts_with(&prefix) || !full.starts_with(&upto) {
                 return Err(format!(
-                    "the chat template does not render conversations prefix-stably (turn {i}), so assistant turns cannot be located"
+                    "the chat template renders turn {i} differently once later turns follow it (Qwen3's, for one, \
+                     gives only the last reply an empty `<think>` block), so the assistant turns cannot be located; \
+                     train multi-turn rows with `dataset.chat_template = \"chatml\"` (what such templates render for \
+                     earlier turns) or split them into single exchanges"
                 ));
             }
             if upto.len() > prefix.len() {
@@ -277,6 +280,25 @@ mod tests {
         let got: Vec<&str> = spans.iter().map(|&(a, b)| &full[a..b]).collect();
         assert_eq!(got, ["Hello!<|im_end|>\n", "Bye.<|im_end|>\n"]);
         assert!(full.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"));
+    }
+
+    /// A template that, like Qwen3's, gives only the last reply an empty think block: one
+    /// exchange trains with the block in its span; several are refused with the way out.
+    #[test]
+    fn templates_that_change_earlier_turns_train_single_exchanges_only() {
+        let src = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let one: Vec<Value> =
+            serde_json::from_str(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"}]"#).unwrap();
+        let (full, spans) = t.spans(&one).unwrap();
+        let got: Vec<&str> = spans.iter().map(|&(a, b)| &full[a..b]).collect();
+        assert_eq!(got, ["<think>\n\n</think>\n\nHello!<|im_end|>\n"]);
+        let two: Vec<Value> = serde_json::from_str(
+            r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"},{"role":"user","content":"Bye"},{"role":"assistant","content":"Bye."}]"#,
+        )
+        .unwrap();
+        let err = t.spans(&two).unwrap_err();
+        assert!(err.contains("turn 1") && err.contains("chat_template = \"chatml\""), "{err}");
     }
 
     #[test]
