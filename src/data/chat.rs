@@ -289,7 +289,8 @@ mod tests {
         let src = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
         let t = ChatTemplate::new(src, "", "").unwrap();
         let one: Vec<Value> =
-            serde_json::from_str(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"}]"#).unwrap();
+            serde_json::from_str(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"}]"#)
+                .unwrap();
         let (full, spans) = t.spans(&one).unwrap();
         let got: Vec<&str> = spans.iter().map(|&(a, b)| &full[a..b]).collect();
         assert_eq!(got, ["<think>\n\n</think>\n\nHello!<|im_end|>\n"]);

@@ -19,6 +19,7 @@ static ALL: &[Builtin] = builtins![
     "qwen2.5-0.5b-lora",
     "qwen2.5-1.5b-lora",
     "qwen2.5-3b-lora-rocm",
+    "qwen3-0.6b-lora",
     "llama-3.2-1b-chat",
     "smollm2-135m-full",
 ];
