@@ -48,6 +48,7 @@ const CHANGES: &[(&str, &str)] = &[
     ("model.scratch.num_layers", "3"),
     ("model.scratch.num_heads", "8"),
     ("model.scratch.num_kv_heads", "4"),
+    ("model.scratch.head_dim", "32"),
     ("model.scratch.vocab_size", "600"),
     ("model.scratch.max_position_embeddings", "1024"),
     ("model.scratch.rms_norm_eps", "1e-4"),
