@@ -8,7 +8,8 @@
 #
 #   . scripts/gpu-env.sh && scripts/gpu_bench.sh [SHAPE:BATCHxSEQ ...]
 #
-# Default shapes: smollm2-135m:4x1024 qwen2.5-0.5b:4x1024 qwen2.5-3b:4x1024 qwen2.5-3b:1x512.
+# Default shapes: smollm2-135m:4x1024 qwen2.5-0.5b:4x1024 qwen2.5-3b:4x1024 qwen2.5-3b:1x512
+# (also: smollm2-360m, qwen3-0.6b; benches/reference/gpu_shapes.py).
 # STEPS (default 20) timed steps each; RTUNE (default .gpu/rtune) the binary; SKIP_TORCH=1 runs
 # rtune alone (e.g. with RTUNE_ENGINE=candle, to measure candle's autograd on the GPU); DEVICE
 # (default cuda) and DTYPE (default bf16) are the recipe's device preference and dtype — issue
@@ -131,9 +132,9 @@ for r in rows:
 for r in rows:
     arch, c = SHAPES[r["shape"]]
     h, L, inter, V = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
-    d = h // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * d
-    weights = L * (2 * h * h + 2 * h * kv + 3 * h * inter) + V * h
+    d = c.get("head_dim", h // c["num_attention_heads"])
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    weights = L * (2 * h * q + 2 * h * kv + 3 * h * inter) + V * h
     per_token = (6 if r.get("train") == "full" else 4) * weights + L * 6 * r["seq"] * d * c["num_attention_heads"]
     for who, tps in [("rtune", r["rtune_tokens_per_s"] or 0.0), ("PyTorch", r["torch"]["tokens_per_s"])]:
         flops = per_token * tps

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 SHAPES = {
     # HuggingFaceTB/SmolLM2-135M
@@ -26,19 +27,29 @@ SHAPES = {
     "qwen2.5-3b": ("qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                                  intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True,
                                  rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)),
+    # Qwen/Qwen3-0.6B-Base (heads of 128 in a hidden size of 1024, q/k head norms)
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                 head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                                 rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)),
     # Not a real model: a small shape to dry-run the benchmark's scripts without a GPU
     # (TORCH_DEVICE=cpu DEVICE=vulkan scripts/gpu_bench.sh smoke:2x128, on lavapipe).
     "smoke": ("qwen2", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=256, vocab_size=4096, tie_word_embeddings=False,
                             rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=1024)),
+    "smoke-qwen3": ("qwen3", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=64, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
+                                  rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=1024)),
 }
+
+CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
 WORDS = 4000
 
 
 def config(shape):
     arch, kw = SHAPES[shape]
-    return (LlamaConfig if arch == "llama" else Qwen2Config)(bos_token_id=1, eos_token_id=2, **kw)
+    return CLASSES[arch][0](bos_token_id=1, eos_token_id=2, **kw)
 
 
 def make(shape, root, device="cuda"):
@@ -49,7 +60,7 @@ def make(shape, root, device="cuda"):
     if not (model_dir / "config.json").exists():
         torch.manual_seed(0)
         cfg = config(shape)
-        cls = LlamaForCausalLM if SHAPES[shape][0] == "llama" else Qwen2ForCausalLM
+        cls = CLASSES[SHAPES[shape][0]][1]
         with torch.device(device):
             model = cls(cfg).to(torch.bfloat16)
         model.save_pretrained(model_dir)
