@@ -130,6 +130,13 @@ impl ChatTemplate {
     /// The assistant spans of `full` (this conversation, rendered) that start before byte
     /// `limit`: rows are truncated to `max_seq_len` tokens, so turns past the cut need no
     /// prefix renders (each costs time linear in the turns before it).
+    ///
+    /// A turn starts where `messages[..i]` rendered with a generation prompt ends, which must be
+    /// a prefix of `full`. It ends where `messages[..=i]` rendered ends, when that is a prefix of
+    /// `full` too. Templates that render a reply differently once it is no longer the last
+    /// (Qwen3's gives only the last reply an empty `<think>` block) fail that; for them the turn
+    /// ends after its content, found verbatim in `full`, and the closing text the template puts
+    /// after it (`<|im_end|>\n`).
     pub fn spans_before(&self, messages: &[Value], full: &str, limit: usize) -> Result<Vec<(usize, usize)>, String> {
         let mut spans = Vec::new();
         for (i, m) in messages.iter().enumerate() {
@@ -141,20 +148,42 @@ impl ChatTemplate {
                 break;
             }
             let upto = self.render(&messages[..=i], false)?;
-            if !upto.starts_with(&prefix) || !full.starts_with(&upto) {
-                return Err(format!(
-                    "the chat template renders turn {i} differently once later turns follow it (Qwen3's, for one, \
-                     gives only the last reply an empty `<think>` block), so the assistant turns cannot be located; \
-                     train multi-turn rows with `dataset.chat_template = \"chatml\"` (what such templates render for \
-                     earlier turns) or split them into single exchanges"
-                ));
+            let unstable = || {
+                format!(
+                    "the chat template renders turn {i} in a way that cannot be located in the whole conversation \
+                     (it changes the turns before it, or the reply's text), so its tokens cannot be marked for the \
+                     loss; train such rows with `dataset.chat_template = \"chatml\"` or split them into single \
+                     exchanges"
+                )
+            };
+            if !upto.starts_with(&prefix) || !full.starts_with(&prefix) {
+                return Err(unstable());
             }
-            if upto.len() > prefix.len() {
-                spans.push((prefix.len(), upto.len()));
+            let end = match full.starts_with(&upto) {
+                true => upto.len(),
+                false => {
+                    reply_end(full, prefix.len(), &upto[prefix.len()..], m["content"].as_str()).ok_or_else(unstable)?
+                }
+            };
+            if end > prefix.len() {
+                spans.push((prefix.len(), end));
             }
         }
         Ok(spans)
     }
+}
+
+/// Where a reply whose turn renders on its own as `alone` (generation prompt excluded) ends in
+/// `full`, searching from `start`: after its `content`, found verbatim in both, and the text
+/// `alone` closes the turn with (which must not come before the content: that would be a later
+/// turn's text). `None` when the content is empty or not rendered verbatim.
+fn reply_end(full: &str, start: usize, alone: &str, content: Option<&str>) -> Option<usize> {
+    let content = content.filter(|c| !c.is_empty())?;
+    let closing = &alone[alone.rfind(content)? + content.len()..];
+    let mark = Some(closing.trim()).filter(|m| !m.is_empty())?;
+    let found = start + full[start..].find(content)?;
+    let at = found + content.len();
+    (full[at..].starts_with(closing) && !full[start..found].contains(mark)).then_some(at + closing.len())
 }
 
 /// The BOS and EOS token strings of a model folder's tokenizer_config.json (empty if unset).
@@ -282,23 +311,28 @@ mod tests {
         assert!(full.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"));
     }
 
-    /// A template that, like Qwen3's, gives only the last reply an empty think block: one
-    /// exchange trains with the block in its span; several are refused with the way out.
+    /// A template that, like Qwen3's, gives only the last reply an empty think block: every
+    /// reply is located in the whole conversation (the last with its block, the earlier ones as
+    /// the template renders them there); one whose text the template changes is refused.
     #[test]
-    fn templates_that_change_earlier_turns_train_single_exchanges_only() {
-        let src = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+    fn templates_that_change_earlier_turns_locate_each_reply() {
+        let src = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m.content.split('</think>')[-1] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
         let t = ChatTemplate::new(src, "", "").unwrap();
-        let one: Vec<Value> =
-            serde_json::from_str(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"}]"#)
-                .unwrap();
-        let (full, spans) = t.spans(&one).unwrap();
-        let got: Vec<&str> = spans.iter().map(|&(a, b)| &full[a..b]).collect();
-        assert_eq!(got, ["<think>\n\n</think>\n\nHello!<|im_end|>\n"]);
-        let two: Vec<Value> = serde_json::from_str(
-            r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"},{"role":"user","content":"Bye"},{"role":"assistant","content":"Bye."}]"#,
-        )
-        .unwrap();
-        let err = t.spans(&two).unwrap_err();
+        let spans_of = |json: &str| -> Result<Vec<String>, String> {
+            let msgs: Vec<Value> = serde_json::from_str(json).unwrap();
+            let (full, spans) = t.spans(&msgs)?;
+            Ok(spans.iter().map(|&(a, b)| full[a..b].to_string()).collect())
+        };
+        let one = r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"}]"#;
+        assert_eq!(spans_of(one).unwrap(), ["<think>\n\n</think>\n\nHello!<|im_end|>\n"]);
+        let three = r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"},{"role":"user","content":"Hello!"},{"role":"assistant","content":"Hello!"},{"role":"user","content":"Bye"},{"role":"assistant","content":"Bye."}]"#;
+        assert_eq!(
+            spans_of(three).unwrap(),
+            ["Hello!<|im_end|>\n", "Hello!<|im_end|>\n", "<think>\n\n</think>\n\nBye.<|im_end|>\n"]
+        );
+        // The template drops reasoning from earlier replies: their text is not in the whole.
+        let changed = r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"<think>hm</think>Hello!"},{"role":"user","content":"Bye"},{"role":"assistant","content":"Bye."}]"#;
+        let err = spans_of(changed).unwrap_err();
         assert!(err.contains("turn 1") && err.contains("chat_template = \"chatml\""), "{err}");
     }
 
