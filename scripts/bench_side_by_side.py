@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = {"tiny": 30, "135m": 5}
+STEPS = {"tiny": 30, "135m": 5, "qwen3-0.6b": 3}
 args = sys.argv[1:]
 epoch = "--epoch" in args
 shapes = [a for a in args if not a.startswith("--")] or ["tiny", "135m"]

@@ -7,8 +7,26 @@ use rtune::recipe::{Arch, ScratchModel};
 
 /// `tiny` (hidden 64, 2 layers, vocab 1000), `small` (hidden 256, 8 layers, vocab 8000) or `135m`
 /// (SmolLM2-135M's shape: hidden 576, 30 layers, vocab 49152, tied embeddings), as random-weight
-/// Llamas with room for `max_positions` tokens.
+/// The benchmarks' shapes (Llamas, and the Qwen3-0.6B shape) with room for `max_positions` tokens.
 pub fn shape(name: &str, max_positions: usize) -> ScratchModel {
+    if name == "qwen3-0.6b" {
+        // Qwen/Qwen3-0.6B-Base: heads of 128 in a hidden size of 1024, q/k head norms.
+        return ScratchModel {
+            arch: Arch::Qwen3,
+            hidden_size: 1024,
+            num_layers: 28,
+            num_heads: 16,
+            num_kv_heads: Some(8),
+            head_dim: Some(128),
+            intermediate_size: 3072,
+            vocab_size: 151936,
+            max_position_embeddings: max_positions,
+            rope_theta: 1000000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            initializer_range: 0.02,
+        };
+    }
     let (hidden, layers, heads, kv, inter, vocab, tied) = match name {
         "135m" => (576, 30, 9, 3, 1536, 49152, true),
         "small" => (256, 8, 4, 2, 768, 8000, false),
