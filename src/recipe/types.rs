@@ -228,6 +228,7 @@ pub struct Adapter {
     /// Rank-stabilized LoRA (Kalajdzievski 2023; PEFT's `use_rslora`): scale the adapter output
     /// by alpha / √rank, so that higher ranks keep learning instead of being scaled down.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[schemars(extend("default" = false))]
     pub rslora: bool,
     /// Dropout on the adapter input during training.
     #[serde(default)]
@@ -321,6 +322,7 @@ pub struct DevicePolicy {
     /// Let f32 matrix products on NVIDIA GPUs use TF32 tensor cores (about 1e-3 relative
     /// precision instead of f32's 1e-7, several times faster). Part of the fingerprint.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[schemars(extend("default" = false))]
     pub tf32: bool,
     /// Per-device stage overrides (`[device.<name>.<stage>]`), checked against each stage.
     #[serde(flatten, default)]
@@ -548,6 +550,7 @@ pub struct TrainSettings {
     /// groups of 50 batches (transformers' `group_by_length`). Far less padding, the same rows
     /// per epoch.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[schemars(extend("default" = false))]
     pub group_by_length: bool,
     /// Recompute each decoder layer's activations in the backward pass instead of keeping
     /// them: `true`, `false`, or `"auto"` (the default: on when they would not fit in free GPU
