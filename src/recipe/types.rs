@@ -645,8 +645,10 @@ pub enum ScheduleKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EarlyStopping {
+    /// Periodic evaluations (`eval_every`) in a row without an improvement before training stops.
     #[schemars(range(min = 1))]
     pub patience: u32,
+    /// How far below the best eval loss so far a new one must be to count as an improvement.
     #[serde(default)]
     #[schemars(range(min = 0.0))]
     pub min_delta: f64,
@@ -655,6 +657,7 @@ pub struct EarlyStopping {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Ema {
+    /// After each optimizer step, average = decay · average + (1 − decay) · weights (e.g. 0.999).
     #[schemars(extend("exclusiveMinimum" = 0.0, "exclusiveMaximum" = 1.0))]
     pub decay: f64,
 }
@@ -710,6 +713,7 @@ pub struct EvaluateSettings {
     /// Prompts to generate from (greedy unless `temperature` > 0).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub prompts: Vec<String>,
+    /// Most tokens generated for each prompt (generation also stops at an end-of-sequence token).
     #[serde(default = "default_new_tokens")]
     #[schemars(range(min = 1, max = 65536))]
     pub max_new_tokens: usize,
@@ -717,9 +721,11 @@ pub struct EvaluateSettings {
     #[serde(default)]
     #[schemars(range(min = 0.0, max = 100.0))]
     pub temperature: f64,
+    /// Sampling: draw only from the `top_k` most likely tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub top_k: Option<usize>,
+    /// Sampling (nucleus): draw only from the most likely tokens whose probabilities sum to `top_p`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("exclusiveMinimum" = 0.0), range(max = 1.0))]
     pub top_p: Option<f64>,
@@ -743,6 +749,9 @@ pub enum EvalModel {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct QuantizeSettings {
+    /// What to export: `peft-adapter`, `safetensors-merged`, `gguf-f32`, `gguf-f16`, `gguf-q8_0`,
+    /// `gguf-q4_0`, `gguf-q4_k` (GGUFs are checked by reading them back: perplexity against the
+    /// unquantized model) [default without a LoRA adapter: the list without `peft-adapter`].
     #[serde(default = "default_formats")]
     #[schemars(length(min = 1))]
     pub formats: Vec<ExportFormat>,
