@@ -792,6 +792,9 @@ prefer = ["cpu"]
 [stages.train]
 max_steps = 2
 batch_size = 4
+[stages.evaluate]
+prompts = ["Name a colour."]
+max_new_tokens = 2
 [stages.quantize]
 formats = ["peft-adapter", "safetensors-merged", "gguf-q8_0"]
 [stages.upload]
@@ -814,13 +817,20 @@ to = "dir://out"
     };
 
     for over in [None, Some("chatml")] {
-        let mut cmd = vec!["run", "chat.toml"];
+        let mut cmd = vec!["run", "chat.toml", "--json"];
         if over.is_some() {
             cmd.extend(["--set", "dataset.chat_template=\"chatml\""]);
         }
         let o = rtune(p, &cache, &cmd);
         assert!(o.status.success(), "{}", stderr(&o));
         let trained = rtune::data::chat::ChatTemplate::for_model(&base, over).unwrap();
+        // The evaluate stage's prompt is a user turn of the trained template, with its
+        // generation prompt.
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let eval = read_json(&artifact(&report, "evaluate").join("metrics.json"));
+        let user = [serde_json::json!({ "role": "user", "content": "Name a colour." })];
+        let rendered = &eval["results"]["tuned"]["samples"][0]["rendered"];
+        assert_eq!(rendered, trained.render(&user, true).unwrap().as_str(), "{eval}");
         let expected_source = if over.is_some() { rtune::data::chat::CHATML.to_string() } else { template.clone() };
         let want = trained.render(&conversation, true).unwrap();
         let out = p.join("out");

@@ -250,6 +250,10 @@ pub struct EvaluateKeySettings {
     pub data: Option<Rendering>,
     /// `prompts` are wrapped as the data was (the Alpaca prompt for `alpaca`).
     pub prompt_format: DataFormat,
+    /// `chat` data with `prompts`: each prompt is a user turn rendered with the template the
+    /// data was (`dataset.chat_template`, else the model's) and its generation prompt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_template: Option<Template>,
     /// Seeds sampling.
     pub seed: u64,
 }
@@ -423,6 +427,7 @@ mod tests {
                         evaluate: typed(json!({ "dataset": "held-out.jsonl", "prompts": ["hi"] })),
                         data: Some(rendering()),
                         prompt_format: DataFormat::Alpaca,
+                        prompt_template: None,
                         seed: 7,
                     },
                     device: device(),

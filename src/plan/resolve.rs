@@ -115,7 +115,14 @@ pub(super) fn resolve_key(
                 None => (None, None),
             };
             StageKey::Evaluate(EvaluateKey {
-                settings: EvaluateKeySettings { evaluate, data, prompt_format: d.format, seed },
+                settings: EvaluateKeySettings {
+                    prompt_template: (d.format == crate::recipe::DataFormat::Chat && !evaluate.prompts.is_empty())
+                        .then(|| Template { format: d.format, chat_template: d.chat_template.clone() }),
+                    evaluate,
+                    data,
+                    prompt_format: d.format,
+                    seed,
+                },
                 device: on_device(true),
                 sources,
             })

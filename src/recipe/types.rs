@@ -710,10 +710,14 @@ pub struct EvaluateSettings {
     #[serde(default = "default_batch")]
     #[schemars(range(min = 1, max = 65536))]
     pub batch_size: u32,
-    /// Prompts to generate from (greedy unless `temperature` > 0).
+    /// Prompts to generate from (greedy unless `temperature` > 0), wrapped as the training data
+    /// was: the Alpaca prompt for `alpaca`; for `chat`, a user turn rendered with the chat
+    /// template and its generation prompt (generation then also stops at the token that ends
+    /// the assistant's turn, and metrics.json records the rendered text); as they are for `text`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub prompts: Vec<String>,
-    /// Most tokens generated for each prompt (generation also stops at an end-of-sequence token).
+    /// Most tokens generated for each prompt (generation stops earlier at an end-of-sequence
+    /// token).
     #[serde(default = "default_new_tokens")]
     #[schemars(range(min = 1, max = 65536))]
     pub max_new_tokens: usize,

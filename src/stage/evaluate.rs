@@ -49,6 +49,19 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
         Some(_) => return Err(StageError::Internal("an evaluate stage's dataset is a local file".into())),
     };
     let tokenizer = folder.tokenizer()?;
+    // Chat data: prompts become a user turn of the template the data was rendered with, and
+    // generation also stops at the token that ends the assistant's turn.
+    let chat = match &key.settings.prompt_template {
+        Some(t) => {
+            let over = t.chat_template.as_deref();
+            let shipped = crate::data::chat::shipped(&folder.dir, t.format, over, &tokenizer)?;
+            let template = crate::data::chat::ChatTemplate::for_model(&folder, over)?;
+            Some((template, shipped.and_then(|s| s.turn_end).map(|(_, id)| id)))
+        }
+        None => None,
+    };
+    let mut stops = folder.config.eos_token_ids.clone();
+    stops.extend(chat.as_ref().and_then(|c| c.1));
     let which: Vec<&str> = match s.model {
         EvalModel::Base => vec!["base"],
         EvalModel::Tuned => vec!["tuned"],
@@ -61,20 +74,33 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
         let (loss, n) = evaluate(&mut *engine, &eval, s.batch_size as usize, 0)?;
         let mut samples = Vec::new();
         for (i, prompt) in s.prompts.iter().enumerate() {
-            let text = match key.settings.prompt_format {
-                DataFormat::Alpaca => alpaca_prompt(prompt, ""),
-                _ => prompt.clone(),
+            // A chat template writes its own BOS, as the training rows had it.
+            let (text, bos) = match (&chat, key.settings.prompt_format) {
+                (Some((template, _)), _) => {
+                    let turn = [json!({"role": "user", "content": prompt})];
+                    let text = template
+                        .render(&turn, true)
+                        .map_err(|e| StageError::Internal(format!("chat template, prompt {i}: {e}")))?;
+                    (text, None)
+                }
+                (None, DataFormat::Alpaca) => (alpaca_prompt(prompt, ""), folder.config.bos_token_id),
+                (None, _) => (prompt.clone(), folder.config.bos_token_id),
             };
             let enc =
                 tokenizer.encode(text.as_str(), false).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
-            let mut ids: Vec<u32> = folder.config.bos_token_id.into_iter().collect();
+            let mut ids: Vec<u32> = bos.into_iter().collect();
             ids.extend(enc.get_ids());
             let mut rng = Rng::derive(key.settings.seed, &format!("sample:{i}"));
             let limit = folder.config.max_position_embeddings;
-            let out = generate(&mut *engine, &ids, s, &folder.config.eos_token_ids, limit, &mut rng)?;
+            let out = generate(&mut *engine, &ids, s, &stops, limit, &mut rng)?;
             let completion =
                 tokenizer.decode(&out, true).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
-            samples.push(json!({ "prompt": prompt, "completion": completion, "tokens": out.len() }));
+            let mut sample = json!({ "prompt": prompt, "completion": completion, "tokens": out.len() });
+            if chat.is_some() {
+                // What the model saw: the prompt as the chat template renders a user turn.
+                sample["rendered"] = json!(text);
+            }
+            samples.push(sample);
         }
         ctx.ui.status(
             "evaluate",
