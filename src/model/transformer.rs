@@ -4,9 +4,9 @@
 //! Follows transformers' `modeling_llama.py`, `modeling_qwen2.py` and `modeling_qwen3.py`
 //! (RMSNorm, rotary embeddings with `rotate_half`, grouped-query attention, Qwen3's RMSNorm of
 //! each query and key head before the rotary embedding, SiLU-gated MLP), so that logits and
-//! losses match transformers for the same weights. Every op on the training path is one with a backward pass
-//! in candle: candle's fused `rms_norm`, `softmax_last_dim` and `rope` kernels have none and
-//! would silently drop gradients.
+//! losses match transformers for the same weights. Every op on the training path is one with a
+//! backward pass in candle: candle's fused `rms_norm`, `softmax_last_dim` and `rope` kernels
+//! have none and would silently drop gradients.
 
 use std::collections::BTreeMap;
 

@@ -657,7 +657,8 @@ pub struct EarlyStopping {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Ema {
-    /// After each optimizer step, average = decay · average + (1 − decay) · weights (e.g. 0.999).
+    /// After each optimizer step, average = decay · average + (1 − decay) · weights (e.g.
+    /// 0.999).
     #[schemars(extend("exclusiveMinimum" = 0.0, "exclusiveMaximum" = 1.0))]
     pub decay: f64,
 }
@@ -729,7 +730,8 @@ pub struct EvaluateSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub top_k: Option<usize>,
-    /// Sampling (nucleus): draw only from the most likely tokens whose probabilities sum to `top_p`.
+    /// Sampling (nucleus): draw only from the most likely tokens whose probabilities sum to
+    /// `top_p`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("exclusiveMinimum" = 0.0), range(max = 1.0))]
     pub top_p: Option<f64>,

@@ -180,8 +180,8 @@ fn tuned_engine(folder: &ModelFolder, weights_dir: &Path, device: &Resolution) -
 const SELF_CHECK_ROWS: usize = 64;
 
 /// Mean next-token loss of a GGUF file over the first eval rows, decoded token by token with
-/// candle's quantized Llama/Qwen2/Qwen3 (llama.cpp's conventions: it is a check of names, layout and
-/// metadata as much as of quantization error).
+/// candle's quantized Llama/Qwen2/Qwen3 (llama.cpp's conventions: it is a check of names,
+/// layout and metadata as much as of quantization error).
 fn gguf_eval_loss(
     path: &Path,
     arch: crate::recipe::Arch,

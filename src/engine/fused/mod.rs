@@ -211,12 +211,9 @@ impl<'a> Weights<'a> {
                 post_norm,
                 train_input_norm: trains(format!("model.layers.{i}.input_layernorm.weight")),
                 train_post_norm: trains(format!("model.layers.{i}.post_attention_layernorm.weight")),
-                qk_norm: qk.map(|ws| {
-                    let mut names = crate::model::QK_NORMS.iter();
-                    ws.map(|w| {
-                        let name = names.next().expect("two head norms");
-                        HeadNorm { w, train: trains(format!("model.layers.{i}.{name}.weight")) }
-                    })
+                qk_norm: qk.map(|[q, k]| {
+                    let norm = |w, name| HeadNorm { w, train: trains(format!("model.layers.{i}.{name}.weight")) };
+                    [norm(q, crate::model::QK_NORMS[0]), norm(k, crate::model::QK_NORMS[1])]
                 }),
                 lin: std::array::from_fn(|_| lins.next().expect("seven linears per layer")),
             })
