@@ -27,11 +27,16 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// inputs changes, so artifacts built by an older rtune are not reused.
 /// History: all 1 — first version; upload 2 — model card and loss curve added; train,
 /// evaluate, quantize 2 — fused cross-entropy; 3 — the fused CPU engine; train 4 —
-/// counter-based LoRA dropout masks; train 5 — base weights train on the fused CPU engine.
+/// counter-based LoRA dropout masks; train 5 — base weights train on the fused CPU engine;
+/// tokenize 2, evaluate 4 — rows and prompts start with BOS only where the tokenizer adds one.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
-        Download | Tokenize => 1,
+        Download => 1,
+        // 2: `alpaca` rows start with BOS only where the tokenizer puts one in front of text
+        // (`data::format::row_bos`); Qwen and GPT-2-style tokenizers (SmolLM2) add none, and rows
+        // of their models no longer start with the config's `bos_token_id`.
+        Tokenize => 2,
         // 2: the fused CPU cross-entropy sums in another order, so losses, gradients and
         // therefore trained weights differ in the last bits from version 1's.
         // 3: f32 LoRA runs on the CPU use the fused engine (src/engine/fused/), whose sums run
@@ -42,7 +47,9 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // 5 (train): f32 runs on the CPU that train base weights (alone or beside an adapter)
         // use the fused engine too, not candle's autograd: other summation orders.
         Train => 5,
-        Evaluate => 3,
+        // 4: prompts (and an evaluate stage's own dataset) start with BOS as tokenize's rows do
+        // (`row_bos`); `chat` prompts are rendered with the chat template.
+        Evaluate => 4,
         // 4: exported folders and GGUF carry the chat template the data was rendered with
         // (and its turn-end token as a stop token), the full tokenizer files, and PEFT names a
         // local base by its recipe path.

@@ -108,12 +108,12 @@ fn golden_fingerprints() {
         .collect();
     let want = [
         ("download", "37aa0cfeb7924626ea5253f5da2f6917e944786c8cbfee8d4d67a376a9405865"),
-        ("tokenize", "3a2ae0c4dc5e48b728418e8e1e9a1f752251022cbf52e4433932488ef7e0a371"),
-        ("train", "b881f605095c3762d22f4a346bb8e456f4f31022ad3223059b1603efb184d34f"),
-        ("eval_base", "c5d055bc17ff23e3c79c3905bf9a5f4987051d3accbbd6ce49448013fbc7e814"),
-        ("evaluate", "e2d06a2cc5b87eadd2d42ea897433e9ab556400d0ee45a8941f9390c90111797"),
-        ("quantize", "0a8f136bfdfb0c152df4c4b37874cb3830bed667992e345525f18d9bd1940358"),
-        ("upload", "559ae7bb9614db070bee7a635d548f81e7c03f53146858da33265ef7ac8e4c5b"),
+        ("tokenize", "ac827c61fe3e242ccd5b967da9657552731edb3114097200a8c83fbcb655ab10"),
+        ("train", "c593fdd0e111503718403820ef74eb221d8ae7a4eaaa818bc30e5b234c678290"),
+        ("eval_base", "9cc937914960b544e7182b775fe727492834afaa0467f1440c4d8bd0194dac05"),
+        ("evaluate", "2cba0362533ce380bd75918041c63681f77c2938144afb82e778ac7ceaf27bfa"),
+        ("quantize", "37d3c5c7fccf99b583fe55defce912722d321e887b936a867019b9985ccd8dfb"),
+        ("upload", "3fc1f38e57148be78b8beb4d720f967d429fba1ee2390cb4226894d722a0cedb"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);

@@ -225,8 +225,18 @@ pub fn model_template(dir: &Path) -> Option<(String, &'static str)> {
 }
 
 /// The Alpaca prompt as a chat template: a user turn is the instruction (a system turn, if
-/// any, is its input), an assistant turn the response followed by EOS, as `alpaca` rows train.
+/// any, is its input), an assistant turn the response followed by EOS, as `alpaca` rows train
+/// (with a leading BOS; [`alpaca_template`] leaves it out for tokenizers that add none).
 pub const ALPACA: &str = "{{ bos_token }}{% set ns = namespace(input='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.input = message['content'] %}{% elif message['role'] == 'user' %}{% if ns.input | trim %}{{ 'Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.\\n\\n### Instruction:\\n' + message['content'] + '\\n\\n### Input:\\n' + ns.input + '\\n\\n### Response:\\n' }}{% else %}{{ 'Below is an instruction that describes a task. Write a response that appropriately completes the request.\\n\\n### Instruction:\\n' + message['content'] + '\\n\\n### Response:\\n' }}{% endif %}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}";
+
+/// [`ALPACA`], with its leading `{{ bos_token }}` only where `alpaca` rows start with BOS
+/// ([`super::format::row_bos`]).
+pub fn alpaca_template(bos: bool) -> &'static str {
+    match bos {
+        true => ALPACA,
+        false => ALPACA.strip_prefix("{{ bos_token }}").expect("ALPACA starts with the BOS"),
+    }
+}
 
 /// The chat template a fine-tuned model ships with: the one its data was rendered with.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -240,12 +250,12 @@ pub struct Shipped {
     pub turn_end: Option<(String, u32)>,
 }
 
-/// The template exports carry for a model trained on `format` data from the folder `dir`:
+/// The template exports carry for a model trained on `format` data from `folder`:
 /// `chat` rows were rendered with `dataset.chat_template` or the folder's template, `alpaca`
 /// rows with the Alpaca prompt ([`ALPACA`]); `text` rows with none, so the base model's template
 /// (if any) is kept.
 pub fn shipped(
-    dir: &Path,
+    folder: &crate::model::ModelFolder,
     format: crate::recipe::DataFormat,
     over: Option<&str>,
     tokenizer: &tokenizers::Tokenizer,
@@ -254,13 +264,16 @@ pub fn shipped(
     let (source, origin) = match (format, over) {
         (DataFormat::Chat, Some("chatml")) => (CHATML.to_string(), "dataset.chat_template = \"chatml\"".to_string()),
         (DataFormat::Chat, Some(t)) => (t.to_string(), "dataset.chat_template".to_string()),
-        (DataFormat::Alpaca, _) => (ALPACA.to_string(), "the Alpaca prompt (dataset.format = \"alpaca\")".to_string()),
-        (DataFormat::Chat | DataFormat::Text, None) | (DataFormat::Text, Some(_)) => match model_template(dir) {
+        (DataFormat::Alpaca, _) => {
+            let bos = super::format::row_bos(folder, tokenizer).is_some();
+            (alpaca_template(bos).to_string(), "the Alpaca prompt (dataset.format = \"alpaca\")".to_string())
+        }
+        (DataFormat::Chat | DataFormat::Text, None) | (DataFormat::Text, Some(_)) => match model_template(&folder.dir) {
             Some((t, file)) => (t, format!("the base model's {file}")),
             None => return Ok(None),
         },
     };
-    let (bos, eos) = special_tokens(dir);
+    let (bos, eos) = special_tokens(&folder.dir);
     let template = ChatTemplate::new(&source, &bos, &eos)?;
     let turn_end = turn_end(&template, tokenizer);
     Ok(Some(Shipped { source, origin, turn_end }))

@@ -407,7 +407,7 @@ mod tests {
                     settings: TokenizeSettings { rendering: rendering(), eval_fraction: 0.05, packing: true, seed: 7 },
                 }),
                 inputs(&["dataset", "model"]),
-                r#"{"fingerprint_version":3,"inputs":{"dataset":"fp-dataset","model":"fp-model"},"kind":"tokenize","settings":{"column_map":{"output":"response"},"eval_fraction":0.05,"format":"alpaca","max_seq_len":256,"packing":true,"seed":7,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"stage_version":1}"#,
+                r#"{"fingerprint_version":3,"inputs":{"dataset":"fp-dataset","model":"fp-model"},"kind":"tokenize","settings":{"column_map":{"output":"response"},"eval_fraction":0.05,"format":"alpaca","max_seq_len":256,"packing":true,"seed":7,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"stage_version":2}"#,
             ),
             (
                 StageKey::Train(TrainKey {
@@ -434,7 +434,7 @@ mod tests {
                     sources: Some(Sources { model: None, dataset: Some(local("d")) }),
                 }),
                 inputs(&["model", "weights"]),
-                r#"{"device":{"class":"cuda","dtype":"bf16"},"fingerprint_version":3,"inputs":{"model":"fp-model","weights":"fp-weights"},"kind":"evaluate","settings":{"data":{"column_map":{"output":"response"},"format":"alpaca","max_seq_len":256,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"evaluate":{"batch_size":4,"dataset":"held-out.jsonl","max_new_tokens":32,"model":"tuned","prompts":["hi"],"temperature":0.0},"prompt_format":"alpaca","seed":7},"sources":{"dataset":"d"},"stage_version":3}"#,
+                r#"{"device":{"class":"cuda","dtype":"bf16"},"fingerprint_version":3,"inputs":{"model":"fp-model","weights":"fp-weights"},"kind":"evaluate","settings":{"data":{"column_map":{"output":"response"},"format":"alpaca","max_seq_len":256,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"evaluate":{"batch_size":4,"dataset":"held-out.jsonl","max_new_tokens":32,"model":"tuned","prompts":["hi"],"temperature":0.0},"prompt_format":"alpaca","seed":7},"sources":{"dataset":"d"},"stage_version":4}"#,
             ),
             (
                 StageKey::Quantize(QuantizeKey {

@@ -54,12 +54,13 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
     let chat = match &key.settings.prompt_template {
         Some(t) => {
             let over = t.chat_template.as_deref();
-            let shipped = crate::data::chat::shipped(&folder.dir, t.format, over, &tokenizer)?;
+            let shipped = crate::data::chat::shipped(&folder, t.format, over, &tokenizer)?;
             let template = crate::data::chat::ChatTemplate::for_model(&folder, over)?;
             Some((template, shipped.and_then(|s| s.turn_end).map(|(_, id)| id)))
         }
         None => None,
     };
+    let bos = crate::data::format::row_bos(&folder, &tokenizer);
     let mut stops = folder.config.eos_token_ids.clone();
     stops.extend(chat.as_ref().and_then(|c| c.1));
     let which: Vec<&str> = match s.model {
@@ -83,8 +84,8 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
                         .map_err(|e| StageError::Internal(format!("chat template, prompt {i}: {e}")))?;
                     (text, None)
                 }
-                (None, DataFormat::Alpaca) => (alpaca_prompt(prompt, ""), folder.config.bos_token_id),
-                (None, _) => (prompt.clone(), folder.config.bos_token_id),
+                (None, DataFormat::Alpaca) => (alpaca_prompt(prompt, ""), bos),
+                (None, _) => (prompt.clone(), bos),
             };
             let enc =
                 tokenizer.encode(text.as_str(), false).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;

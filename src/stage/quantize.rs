@@ -43,7 +43,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     // The template the data was rendered with.
     let template = &key.settings.template;
     let tokenizer = folder.tokenizer()?;
-    let chat = crate::data::chat::shipped(&model_dir, template.format, template.chat_template.as_deref(), &tokenizer)?;
+    let chat = crate::data::chat::shipped(&folder, template.format, template.chat_template.as_deref(), &tokenizer)?;
     let gguf_chat =
         chat.as_ref().map(|c| gguf::ChatMetadata { template: &c.source, turn_end: c.turn_end.as_ref().map(|t| t.1) });
     let mut report = serde_json::Map::new();
