@@ -34,7 +34,7 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     match kind {
         Download => 1,
         // 2: `alpaca` rows start with BOS only where the tokenizer puts one in front of text
-        // (`data::format::row_bos`); Qwen and GPT-2-style tokenizers (SmolLM2) add none, and rows
+        // (`ModelFolder::row_bos`); Qwen and GPT-2-style tokenizers (SmolLM2) add none, and rows
         // of their models no longer start with the config's `bos_token_id`.
         Tokenize => 2,
         // 2: the fused CPU cross-entropy sums in another order, so losses, gradients and

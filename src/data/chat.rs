@@ -230,7 +230,7 @@ pub fn model_template(dir: &Path) -> Option<(String, &'static str)> {
 pub const ALPACA: &str = "{{ bos_token }}{% set ns = namespace(input='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.input = message['content'] %}{% elif message['role'] == 'user' %}{% if ns.input | trim %}{{ 'Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.\\n\\n### Instruction:\\n' + message['content'] + '\\n\\n### Input:\\n' + ns.input + '\\n\\n### Response:\\n' }}{% else %}{{ 'Below is an instruction that describes a task. Write a response that appropriately completes the request.\\n\\n### Instruction:\\n' + message['content'] + '\\n\\n### Response:\\n' }}{% endif %}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}";
 
 /// [`ALPACA`], with its leading `{{ bos_token }}` only where `alpaca` rows start with BOS
-/// ([`super::format::row_bos`]).
+/// ([`crate::model::ModelFolder::row_bos`]).
 pub fn alpaca_template(bos: bool) -> &'static str {
     match bos {
         true => ALPACA,
@@ -265,13 +265,15 @@ pub fn shipped(
         (DataFormat::Chat, Some("chatml")) => (CHATML.to_string(), "dataset.chat_template = \"chatml\"".to_string()),
         (DataFormat::Chat, Some(t)) => (t.to_string(), "dataset.chat_template".to_string()),
         (DataFormat::Alpaca, _) => {
-            let bos = super::format::row_bos(folder, tokenizer).is_some();
+            let bos = folder.row_bos(tokenizer).is_some();
             (alpaca_template(bos).to_string(), "the Alpaca prompt (dataset.format = \"alpaca\")".to_string())
         }
-        (DataFormat::Chat | DataFormat::Text, None) | (DataFormat::Text, Some(_)) => match model_template(&folder.dir) {
-            Some((t, file)) => (t, format!("the base model's {file}")),
-            None => return Ok(None),
-        },
+        (DataFormat::Chat | DataFormat::Text, None) | (DataFormat::Text, Some(_)) => {
+            match model_template(&folder.dir) {
+                Some((t, file)) => (t, format!("the base model's {file}")),
+                None => return Ok(None),
+            }
+        }
     };
     let (bos, eos) = special_tokens(&folder.dir);
     let template = ChatTemplate::new(&source, &bos, &eos)?;

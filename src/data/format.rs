@@ -2,7 +2,8 @@
 //!
 //! - `alpaca`: the Stanford Alpaca prompt (with or without `### Input:`), encoded as
 //!   `[bos] + encode(prompt) + encode(output) + [eos]` without the tokenizer's special tokens,
-//!   where `bos` is there only if the tokenizer puts one in front of text ([`row_bos`]);
+//!   where `bos` is there only if the tokenizer puts one in front of text
+//!   ([`crate::model::ModelFolder::row_bos`]);
 //!   bos and prompt are masked from the loss unless `train_on_prompt`.
 //! - `text`: the `text` column encoded with the tokenizer's post-processor; every token counts.
 //! - `chat`: the `messages` column (a list of `{role, content}`) rendered with the model's chat
@@ -21,19 +22,6 @@ use crate::recipe::DataFormat;
 
 pub const ALPACA_WITH_INPUT: &str = "Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
 pub const ALPACA_NO_INPUT: &str = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n";
-
-/// The BOS id that starts a row (an `alpaca` row, an evaluation prompt): the model's
-/// `bos_token_id` where its tokenizer puts one in front of encoded text, as transformers'
-/// `tokenizer(text)` does — its post-processor adds it (Llama 3's `<|begin_of_text|>`) or
-/// tokenizer_config.json says `add_bos_token: true` (Llama 2, Mistral, rtune's scratch models);
-/// `None` for tokenizers that add none (Qwen's, whose `bos_token` is null; GPT-2-style ones
-/// such as SmolLM2's), so that rows start as the model sees text at inference.
-pub fn row_bos(folder: &crate::model::ModelFolder, tokenizer: &Tokenizer) -> Option<u32> {
-    let bos = folder.config.bos_token_id?;
-    let flag = folder.tokenizer_config().is_some_and(|c| c["add_bos_token"] == true);
-    let added = tokenizer.encode("a", true).is_ok_and(|e| e.get_ids().first() == Some(&bos));
-    (flag || added).then_some(bos)
-}
 
 /// The Alpaca prompt for an instruction and (possibly empty) input.
 pub fn alpaca_prompt(instruction: &str, input: &str) -> String {
@@ -314,50 +302,5 @@ mod tests {
         // For tokenizers that add no BOS, the template writes none either.
         let bare = ChatTemplate::new(crate::data::chat::alpaca_template(false), "<s>", "</s>").unwrap();
         assert_eq!(bare.render(&plain, false).unwrap(), format!("{}5</s>", alpaca_prompt("Add 2 and 3.", "")));
-    }
-
-    /// Rows start with BOS where the tokenizer puts one in front of text, as transformers'
-    /// `tokenizer(text)` does: through its post-processor (Llama 3) or `add_bos_token: true`
-    /// (Llama 2); not for Qwen's (`add_bos_token: false`, `bos_token: null`) or GPT-2-style ones.
-    #[test]
-    fn rows_start_with_bos_only_where_the_tokenizer_adds_one() {
-        use tokenizers::processors::template::TemplateProcessing;
-        let vocab = [("<unk>", 0), ("<s>", 1), ("</s>", 2), ("a", 3)].map(|(t, i)| (t.to_string(), i));
-        let tokenizer = |prepends: bool| {
-            let model = tokenizers::models::wordlevel::WordLevel::builder()
-                .vocab(vocab.iter().cloned().collect())
-                .unk_token("<unk>".into())
-                .build()
-                .unwrap();
-            let mut t = tokenizers::Tokenizer::new(model);
-            t.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::WhitespaceSplit));
-            if prepends {
-                let p = TemplateProcessing::builder()
-                    .try_single("<s> $A")
-                    .unwrap()
-                    .special_tokens(vec![("<s>", 1)])
-                    .build()
-                    .unwrap();
-                t.with_post_processor(Some(p));
-            }
-            t
-        };
-        let dir = tempfile::tempdir().unwrap();
-        let config = serde_json::json!({
-            "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "vocab_size": 4, "bos_token_id": 1, "eos_token_id": 2,
-        });
-        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
-        let folder = crate::model::ModelFolder::open(dir.path()).unwrap();
-        let with_config = |tc: serde_json::Value| {
-            std::fs::write(dir.path().join("tokenizer_config.json"), tc.to_string()).unwrap();
-        };
-        with_config(serde_json::json!({ "bos_token": "<s>" }));
-        assert_eq!(super::row_bos(&folder, &tokenizer(true)), Some(1), "post-processor (Llama 3)");
-        assert_eq!(super::row_bos(&folder, &tokenizer(false)), None, "GPT-2 style");
-        with_config(serde_json::json!({ "bos_token": "<s>", "add_bos_token": true }));
-        assert_eq!(super::row_bos(&folder, &tokenizer(false)), Some(1), "add_bos_token (Llama 2)");
-        with_config(serde_json::json!({ "bos_token": null, "add_bos_token": false }));
-        assert_eq!(super::row_bos(&folder, &tokenizer(false)), None, "Qwen");
     }
 }

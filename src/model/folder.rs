@@ -125,6 +125,20 @@ impl ModelFolder {
         let text = std::fs::read_to_string(self.dir.join("tokenizer_config.json")).ok()?;
         serde_json::from_str(&text).ok()
     }
+
+    /// The BOS id that starts a row (an `alpaca` row, an evaluation prompt): the model's
+    /// `bos_token_id` where its tokenizer puts one in front of encoded text, as transformers'
+    /// `tokenizer(text)` does — its post-processor adds it (Llama 3's `<|begin_of_text|>`) or
+    /// tokenizer_config.json says `add_bos_token: true` (Llama 2, Mistral, rtune's scratch
+    /// models); `None` for tokenizers that add none (Qwen's, whose `bos_token` is null;
+    /// GPT-2-style ones such as SmolLM2's), so that rows start as the model sees text at
+    /// inference.
+    pub fn row_bos(&self, tokenizer: &tokenizers::Tokenizer) -> Option<u32> {
+        let bos = self.config.bos_token_id?;
+        let flag = self.tokenizer_config().is_some_and(|c| c["add_bos_token"] == true);
+        let added = tokenizer.encode("a", true).is_ok_and(|e| e.get_ids().first() == Some(&bos));
+        (flag || added).then_some(bos)
+    }
 }
 
 fn tensor_from_view(
@@ -290,4 +304,54 @@ pub fn tensor_bytes(t: &Tensor) -> candle_core::Result<(safetensors::Dtype, Vec<
             flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ModelFolder;
+
+    /// Rows start with BOS where the tokenizer puts one in front of text, as transformers'
+    /// `tokenizer(text)` does: through its post-processor (Llama 3) or `add_bos_token: true`
+    /// (Llama 2); not for Qwen's (`add_bos_token: false`, `bos_token: null`) or GPT-2-style ones.
+    #[test]
+    fn rows_start_with_bos_only_where_the_tokenizer_adds_one() {
+        use tokenizers::processors::template::TemplateProcessing;
+        let vocab = [("<unk>", 0), ("<s>", 1), ("</s>", 2), ("a", 3)].map(|(t, i)| (t.to_string(), i));
+        let tokenizer = |prepends: bool| {
+            let model = tokenizers::models::wordlevel::WordLevel::builder()
+                .vocab(vocab.iter().cloned().collect())
+                .unk_token("<unk>".into())
+                .build()
+                .unwrap();
+            let mut t = tokenizers::Tokenizer::new(model);
+            t.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::WhitespaceSplit));
+            if prepends {
+                let p = TemplateProcessing::builder()
+                    .try_single("<s> $A")
+                    .unwrap()
+                    .special_tokens(vec![("<s>", 1)])
+                    .build()
+                    .unwrap();
+                t.with_post_processor(Some(p));
+            }
+            t
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let config = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 4, "bos_token_id": 1, "eos_token_id": 2,
+        });
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        let folder = ModelFolder::open(dir.path()).unwrap();
+        let with_config = |tc: serde_json::Value| {
+            std::fs::write(dir.path().join("tokenizer_config.json"), tc.to_string()).unwrap();
+        };
+        with_config(serde_json::json!({ "bos_token": "<s>" }));
+        assert_eq!(folder.row_bos(&tokenizer(true)), Some(1), "post-processor (Llama 3)");
+        assert_eq!(folder.row_bos(&tokenizer(false)), None, "GPT-2 style");
+        with_config(serde_json::json!({ "bos_token": "<s>", "add_bos_token": true }));
+        assert_eq!(folder.row_bos(&tokenizer(false)), Some(1), "add_bos_token (Llama 2)");
+        with_config(serde_json::json!({ "bos_token": null, "add_bos_token": false }));
+        assert_eq!(folder.row_bos(&tokenizer(false)), None, "Qwen");
+    }
 }

@@ -29,7 +29,7 @@ pub fn encode_each(
     let renderer = Renderer {
         tokenizer: &tokenizer,
         format: d.format,
-        bos: crate::data::format::row_bos(folder, &tokenizer),
+        bos: folder.row_bos(&tokenizer),
         eos: folder.config.eos_token_ids.first().copied(),
         max_seq_len: d.max_seq_len,
         truncate: d.truncate,

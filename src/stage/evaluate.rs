@@ -60,7 +60,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
         }
         None => None,
     };
-    let bos = crate::data::format::row_bos(&folder, &tokenizer);
+    let bos = folder.row_bos(&tokenizer);
     let mut stops = folder.config.eos_token_ids.clone();
     stops.extend(chat.as_ref().and_then(|c| c.1));
     let which: Vec<&str> = match s.model {
