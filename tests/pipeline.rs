@@ -733,6 +733,34 @@ fn transformers5_folder(dir: &Path, rows: &[String]) -> String {
     template.to_string()
 }
 
+/// Mistral v0.1's sliding window (here 128 tokens): rtune attends over whole sequences, exact only
+/// within the window, so rows longer than it are a clear error before training, naming the
+/// setting; rows that fit train.
+#[test]
+fn rows_longer_than_a_sliding_window_are_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    let alpaca = std::fs::read_to_string(root().join("recipes/data/synthetic-alpaca.jsonl")).unwrap();
+    let rows: Vec<String> = alpaca.lines().take(64).map(String::from).collect();
+    std::fs::write(p.join("data.jsonl"), rows.join("\n")).unwrap();
+    transformers5_folder(&p.join("base"), &rows);
+    let mut config = read_json(&p.join("base/config.json"));
+    config["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    config["model_type"] = "mistral".into();
+    config["sliding_window"] = 128.into();
+    std::fs::write(p.join("base/config.json"), config.to_string()).unwrap();
+    let recipe = "[recipe]\nname = \"window\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\nformat = \"alpaca\"\n\
+                  max_seq_len = 512\nskip_bad_rows = true\n[device]\nprefer = [\"cpu\"]\n[stages.train]\nmax_steps = 1\n";
+    std::fs::write(p.join("window.toml"), recipe).unwrap();
+    let cache = p.join("cache");
+    let o = rtune(p, &cache, &["run", "window.toml"]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("rtune::train::too_long"), "{err}");
+    assert!(err.contains("sliding window of 128") && err.contains("`dataset.max_seq_len` to 128"), "{err}");
+    let o = rtune(p, &cache, &["run", "window.toml", "--set", "dataset.max_seq_len=128"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 fn gguf_chat_template(path: &Path) -> (String, Option<u32>) {
     use candle_core::quantized::gguf_file::{Content, Value};
     let mut f = std::fs::File::open(path).unwrap();

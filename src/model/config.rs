@@ -116,6 +116,10 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub vocab_size: usize,
     pub max_position_embeddings: usize,
+    /// Mistral's `sliding_window` (v0.1: 4096): each token attends to that many before it.
+    /// rtune attends over whole sequences, which is the same only for sequences no longer than
+    /// the window; [`ModelConfig::max_positions`] keeps them there.
+    pub sliding_window: Option<usize>,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     /// llama3 frequency scaling, when configured.
@@ -137,6 +141,7 @@ pub struct ModelConfig {
 impl ModelConfig {
     pub fn from_raw(raw: &RawConfig) -> Result<ModelConfig, ModelError> {
         let arch_name = raw.architectures.first().cloned().or_else(|| raw.model_type.clone()).unwrap_or_default();
+        let mistral = matches!(arch_name.as_str(), "MistralForCausalLM" | "mistral");
         let arch = match arch_name.as_str() {
             "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => Arch::Llama,
             "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
@@ -200,6 +205,11 @@ impl ModelConfig {
             head_dim,
             vocab_size: raw.vocab_size,
             max_position_embeddings: raw.max_position_embeddings,
+            // Mistral applies a numeric `sliding_window` without a `use_sliding_window` switch.
+            sliding_window: match (mistral, &raw.sliding_window) {
+                (true, Some(serde_json::Value::Number(w))) => w.as_u64().map(|w| w as usize).filter(|&w| w > 0),
+                _ => None,
+            },
             rms_norm_eps: raw.rms_norm_eps,
             rope_theta,
             rope_scaling,
@@ -212,6 +222,26 @@ impl ModelConfig {
             bos_token_id: raw.bos_token_id,
             eos_token_ids: raw.eos_token_id.as_ref().map(TokenIds::to_vec).unwrap_or_default(),
             pad_token_id: raw.pad_token_id,
+        })
+    }
+
+    /// The longest sequence rtune computes exactly as transformers does: the rotary tables'
+    /// reach, and within a sliding window (Mistral v0.1) only the window's length.
+    pub fn max_positions(&self) -> usize {
+        self.sliding_window.map_or(self.max_position_embeddings, |w| w.min(self.max_position_embeddings))
+    }
+
+    /// Why a sequence of `len` tokens cannot be computed exactly, or `None` when it can.
+    pub fn sequence_too_long(&self, len: usize) -> Option<String> {
+        (len > self.max_positions()).then(|| match self.sliding_window {
+            Some(w) if w < self.max_position_embeddings => format!(
+                "sequences of {len} tokens pass the model's sliding window of {w} (config.json `sliding_window`): \
+                 rtune attends over whole sequences, which matches the model only within the window"
+            ),
+            _ => format!(
+                "sequences of {len} tokens pass the model's {} positions (config.json `max_position_embeddings`)",
+                self.max_position_embeddings
+            ),
         })
     }
 
@@ -292,6 +322,26 @@ mod tests {
         let mut yarn = base();
         yarn["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
         assert_eq!(parse(yarn).unwrap_err().to_string(), "rope scaling `yarn` is not supported");
+    }
+
+    /// Mistral v0.1's `sliding_window` bounds the sequences rtune computes exactly; a null
+    /// window (v0.2+) or another architecture's unused field does not.
+    #[test]
+    fn a_mistral_sliding_window_bounds_the_sequence_length() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        v["max_position_embeddings"] = 32768.into();
+        v["sliding_window"] = 4096.into();
+        let c = parse(v.clone()).unwrap();
+        assert_eq!((c.max_positions(), c.sequence_too_long(4096)), (4096, None));
+        assert!(c.sequence_too_long(4097).unwrap().contains("sliding window of 4096"));
+        v["sliding_window"] = serde_json::Value::Null;
+        assert_eq!(parse(v.clone()).unwrap().max_positions(), 32768);
+        v["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        v["sliding_window"] = 4096.into();
+        let c = parse(v).unwrap();
+        assert_eq!(c.max_positions(), 32768);
+        assert!(c.sequence_too_long(40000).unwrap().contains("32768 positions"));
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Decoder-only transformers of the Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral without
-//! sliding window), Qwen2/Qwen2.5 and Qwen3, with LoRA adapters on any linear projection.
+//! Decoder-only transformers of the Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral on
+//! sequences within its sliding window), Qwen2/Qwen2.5 and Qwen3, with LoRA adapters on any
+//! linear projection.
 //!
 //! Follows transformers' `modeling_llama.py`, `modeling_qwen2.py` and `modeling_qwen3.py`
 //! (RMSNorm, rotary embeddings with `rotate_half`, grouped-query attention, Qwen3's RMSNorm of

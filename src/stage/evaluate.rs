@@ -48,6 +48,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
         }
         Some(_) => return Err(StageError::Internal("an evaluate stage's dataset is a local file".into())),
     };
+    crate::train::check_lengths(&folder.config, &[&eval])?;
     let tokenizer = folder.tokenizer()?;
     // Chat data: prompts become a user turn of the template the data was rendered with, and
     // generation also stops at the token that ends the assistant's turn.
@@ -92,7 +93,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
             let mut ids: Vec<u32> = bos.into_iter().collect();
             ids.extend(enc.get_ids());
             let mut rng = Rng::derive(key.settings.seed, &format!("sample:{i}"));
-            let limit = folder.config.max_position_embeddings;
+            let limit = folder.config.max_positions();
             let out = generate(&mut *engine, &ids, s, &stops, limit, &mut rng)?;
             let completion =
                 tokenizer.decode(&out, true).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;

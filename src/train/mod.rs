@@ -45,6 +45,14 @@ pub enum TrainError {
     #[error("training interrupted at step {step}; checkpoint saved in `{checkpoint}`")]
     #[diagnostic(code(rtune::train::interrupted), help("run the same command again to resume from the checkpoint"))]
     Interrupted { step: u64, checkpoint: String },
+    #[error("{why}")]
+    #[diagnostic(
+        code(rtune::train::too_long),
+        help(
+            "set `dataset.max_seq_len` to {fit} or less (longer rows are truncated, or dropped with `truncate = false`)"
+        )
+    )]
+    TooLong { why: String, fit: usize },
     #[error("the training split is empty")]
     #[diagnostic(code(rtune::train::no_data), help("lower `dataset.eval_fraction` or add rows"))]
     NoData,
@@ -274,6 +282,17 @@ struct Trainer<'a> {
 }
 
 /// Run (or resume) training; writes the trained weights, metrics and curve into `job.out`.
+/// The longest row of `stores`, or an error when rows are longer than the model computes
+/// exactly (its positions, or Mistral's sliding window): before any engine runs, and naming the
+/// setting that fixes it.
+pub fn check_lengths(cfg: &crate::model::ModelConfig, stores: &[&TokenStore]) -> Result<usize, TrainError> {
+    let longest = stores.iter().flat_map(|s| (0..s.len()).map(|i| s.row_len(i))).max().unwrap_or(0);
+    match cfg.sequence_too_long(longest) {
+        Some(why) => Err(TrainError::TooLong { why, fit: cfg.max_positions() }),
+        None => Ok(longest),
+    }
+}
+
 pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
     let s = job.settings;
     let which = trainable(s, job.adapter);
@@ -288,7 +307,7 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
     let steps_per_epoch = micro_per_epoch.div_ceil(s.grad_accum as u64);
     let total_steps = s.max_steps.unwrap_or(steps_per_epoch * s.epochs as u64);
     let cfg = AdamWConfig { beta1: s.betas[0], beta2: s.betas[1], eps: s.adam_eps, weight_decay: s.weight_decay };
-    let longest = (0..train.len()).map(|i| train.row_len(i)).max().unwrap_or(0);
+    let longest = check_lengths(&folder.config, &[&train, &eval])?;
     let setup = Setup {
         folder: &folder,
         trainable: which,
