@@ -158,24 +158,61 @@ fn tensor_from_view(
     t.map_err(ModelError::candle(format!("load `{name}`")))
 }
 
-/// Write tensors as one safetensors file with PEFT/transformers' `{"format": "pt"}` header.
+/// Write tensors as one safetensors file with PEFT/transformers' `{"format": "pt"}` header,
+/// one tensor's bytes at a time (a checkpoint's optimizer moments or a full fine-tune's weights
+/// are never copied whole).
 pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<(), ModelError> {
-    let mut bufs: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, t) in tensors {
-        let (dtype, bytes) = tensor_bytes(t).map_err(ModelError::candle(format!("read `{name}`")))?;
-        bufs.push((name.clone(), dtype, t.dims().to_vec(), bytes));
+    let entries: Vec<(&String, &Tensor)> = tensors.iter().collect();
+    let layout: Vec<(String, DType, Vec<usize>)> =
+        entries.iter().map(|(n, t)| (n.to_string(), t.dtype(), t.dims().to_vec())).collect();
+    write_safetensors(path, &layout, |i| {
+        let (name, t) = entries[i];
+        tensor_bytes(t).map(|(_, b)| b).map_err(ModelError::candle(format!("read `{name}`")))
+    })
+}
+
+/// The bytes a tensor of `dtype` takes per element in a file (others are written as f32).
+fn file_element_size(dtype: DType) -> u64 {
+    if matches!(dtype, DType::F16 | DType::BF16) { 2 } else { 4 }
+}
+
+/// One safetensors file of the tensors `layout` names (in that order, with the dtype and shape
+/// each has in memory), `{"format": "pt"}` metadata, each tensor's bytes from `bytes(i)` when
+/// its turn comes; flushed and synced.
+fn write_safetensors(
+    path: &Path,
+    layout: &[(String, DType, Vec<usize>)],
+    mut bytes: impl FnMut(usize) -> Result<Vec<u8>, ModelError>,
+) -> Result<(), ModelError> {
+    use std::io::Write;
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+    let mut offset = 0u64;
+    for (name, dtype, shape) in layout {
+        let n = shape.iter().product::<usize>() as u64 * file_element_size(*dtype);
+        let dtype = match dtype {
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            _ => "F32",
+        };
+        header.insert(
+            name.clone(),
+            serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n] }),
+        );
+        offset += n;
     }
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bufs
-        .iter()
-        .map(|(n, d, s, b)| {
-            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("consistent tensor view");
-            (n.clone(), v)
-        })
-        .collect();
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(views, Some(meta))
-        .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
-    std::fs::write(path, bytes).map_err(ModelError::io(format!("cannot write `{}`", path.display())))
+    let mut text = serde_json::to_string(&header).expect("json");
+    while !text.len().is_multiple_of(8) {
+        text.push(' ');
+    }
+    let io = |e| ModelError::Io { context: format!("cannot write `{}`", path.display()), source: e };
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    w.write_all(&(text.len() as u64).to_le_bytes()).map_err(io)?;
+    w.write_all(text.as_bytes()).map_err(io)?;
+    for i in 0..layout.len() {
+        w.write_all(&bytes(i)?).map_err(io)?;
+    }
+    w.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)
 }
 
 /// Write tensors, each computed only when its turn comes (see
@@ -188,10 +225,8 @@ pub fn save_safetensors_sharded(
     tensors: &[crate::model::transformer::MergedTensor<'_>],
     max_shard_bytes: u64,
 ) -> Result<Vec<String>, ModelError> {
-    use std::io::Write;
     let size_of = |t: &crate::model::transformer::MergedTensor<'_>| {
-        let el = if matches!(t.dtype(), DType::F16 | DType::BF16) { 2 } else { 4 };
-        t.shape().iter().product::<usize>() as u64 * el
+        t.shape().iter().product::<usize>() as u64 * file_element_size(t.dtype())
     };
     let mut shards: Vec<Vec<usize>> = vec![vec![]];
     let mut current = 0u64;
@@ -217,40 +252,17 @@ pub fn save_safetensors_sharded(
     let mut files = Vec::new();
     for (k, members) in shards.iter().enumerate() {
         let file = name(k);
-        let mut header = serde_json::Map::new();
-        header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
-        let mut offset = 0u64;
-        for &i in members {
-            let t = &tensors[i];
-            let n = size_of(t);
-            let dtype = match t.dtype() {
-                DType::F16 => "F16",
-                DType::BF16 => "BF16",
-                _ => "F32",
-            };
-            header.insert(
-                t.name.clone(),
-                serde_json::json!({ "dtype": dtype, "shape": t.shape(), "data_offsets": [offset, offset + n] }),
-            );
-            weight_map.insert(t.name.clone(), serde_json::json!(file));
-            offset += n;
+        let layout: Vec<(String, DType, Vec<usize>)> =
+            members.iter().map(|&i| (tensors[i].name.clone(), tensors[i].dtype(), tensors[i].shape())).collect();
+        for (name, ..) in &layout {
+            weight_map.insert(name.clone(), serde_json::json!(file));
         }
-        total += offset;
-        let mut text = serde_json::to_string(&header).expect("json");
-        while !text.len().is_multiple_of(8) {
-            text.push(' ');
-        }
-        let path = dir.join(&file);
-        let io = |e| ModelError::Io { context: format!("cannot write `{}`", path.display()), source: e };
-        let mut w = std::io::BufWriter::new(std::fs::File::create(&path).map_err(io)?);
-        w.write_all(&(text.len() as u64).to_le_bytes()).map_err(io)?;
-        w.write_all(text.as_bytes()).map_err(io)?;
-        for &i in members {
-            let t = tensors[i].tensor().map_err(ModelError::candle(format!("merge `{}`", tensors[i].name)))?;
-            let (_, bytes) = tensor_bytes(&t).map_err(ModelError::candle(format!("read `{}`", tensors[i].name)))?;
-            w.write_all(&bytes).map_err(io)?;
-        }
-        w.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)?;
+        total += members.iter().map(|&i| size_of(&tensors[i])).sum::<u64>();
+        write_safetensors(&dir.join(&file), &layout, |j| {
+            let m = &tensors[members[j]];
+            let t = m.tensor().map_err(ModelError::candle(format!("merge `{}`", m.name)))?;
+            tensor_bytes(&t).map(|(_, b)| b).map_err(ModelError::candle(format!("read `{}`", m.name)))
+        })?;
         files.push(file);
     }
     if count > 1 {
