@@ -284,7 +284,7 @@ pub fn shipped(
 /// The special token right after an assistant turn's content: render a two-turn conversation,
 /// take what its assistant span adds after the reply text, and find the first special token in
 /// it (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3, EOS for Alpaca).
-fn turn_end(template: &ChatTemplate, tokenizer: &tokenizers::Tokenizer) -> Option<(String, u32)> {
+pub fn turn_end(template: &ChatTemplate, tokenizer: &tokenizers::Tokenizer) -> Option<(String, u32)> {
     const REPLY: &str = "Reply.";
     let msgs: Vec<Value> = vec![
         serde_json::json!({"role": "user", "content": "Question?"}),

@@ -48,16 +48,15 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
         }
         Some(_) => return Err(StageError::Internal("an evaluate stage's dataset is a local file".into())),
     };
-    crate::train::check_lengths(&folder.config, &[&eval])?;
+    let longest = crate::train::check_lengths(&folder.config, &[&eval])?;
     let tokenizer = folder.tokenizer()?;
     // Chat data: prompts become a user turn of the template the data was rendered with, and
     // generation also stops at the token that ends the assistant's turn.
     let chat = match &key.settings.prompt_template {
         Some(t) => {
-            let over = t.chat_template.as_deref();
-            let shipped = crate::data::chat::shipped(&folder, t.format, over, &tokenizer)?;
-            let template = crate::data::chat::ChatTemplate::for_model(&folder, over)?;
-            Some((template, shipped.and_then(|s| s.turn_end).map(|(_, id)| id)))
+            let template = crate::data::chat::ChatTemplate::for_model(&folder, t.chat_template.as_deref())?;
+            let turn_end = crate::data::chat::turn_end(&template, &tokenizer).map(|(_, id)| id);
+            Some((template, turn_end))
         }
         None => None,
     };
@@ -72,7 +71,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
     let mut results = serde_json::Map::new();
     for w in &which {
         let weights_dir = if *w == "base" { None } else { Some(ctx.input("weights")?) };
-        let mut engine = eval_engine(&key.device, &folder, weights_dir.as_deref(), s.batch_size as usize, &eval)?;
+        let mut engine = eval_engine(&key.device, &folder, weights_dir.as_deref(), s.batch_size as usize, longest)?;
         let (loss, n) = evaluate(&mut *engine, &eval, s.batch_size as usize, 0)?;
         let mut samples = Vec::new();
         for (i, prompt) in s.prompts.iter().enumerate() {
@@ -139,13 +138,12 @@ pub(super) fn eval_engine(
     folder: &ModelFolder,
     trained: Option<&std::path::Path>,
     batch_size: usize,
-    eval: &TokenStore,
+    longest: usize,
 ) -> Result<Box<dyn Engine>, StageError> {
     let trainable = match trained {
         Some(dir) if dir.join("adapter_config.json").is_file() => Trainable::lora(peft::read_config(dir)?),
         _ => Trainable::nothing(),
     };
-    let longest = (0..eval.len()).map(|i| eval.row_len(i)).max().unwrap_or(1);
     let resolution = device.resolution();
     let setup = Setup {
         folder,
@@ -156,7 +154,7 @@ pub(super) fn eval_engine(
         ema_decay: None,
         checkpointing: Checkpointing::Off,
         trained,
-        max_batch: (batch_size, longest),
+        max_batch: (batch_size, longest.max(1)),
         tf32: device.tf32,
         engine: device.engine.as_deref(),
     };
