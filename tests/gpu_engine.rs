@@ -20,7 +20,7 @@ use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, Gpu, GpuEngine, GpuError, Memory};
 use rtune::engine::optim::AdamWConfig;
 use rtune::engine::{Checkpointing, Engine, HostBatch, Setup};
 use rtune::model::{LoraSpec, ModelFolder, Trainable, peft};
-use rtune::recipe::Dtype;
+use rtune::recipe::{BaseQuant, Dtype};
 use rtune::rng::Rng;
 
 // ---------------------------------------------------------------------------------------------
@@ -1034,6 +1034,7 @@ fn setup<'a>(
         max_batch: (4, 32),
         tf32: false,
         engine: None,
+        base_quant: None,
     }
 }
 
@@ -1084,11 +1085,29 @@ fn assert_trainable_matches(
     dt: Dtype,
     tol: f32,
 ) {
+    assert_base_matches(gpu, folder, trainable, trained, None, batch, dropout, dt, tol);
+}
+
+/// [`assert_trainable_matches`] over a base held as `base_quant` says.
+#[allow(clippy::too_many_arguments)]
+fn assert_base_matches(
+    gpu: &Rc<dyn Gpu>,
+    folder: &ModelFolder,
+    trainable: Trainable,
+    trained: Option<&Path>,
+    base_quant: Option<BaseQuant>,
+    batch: &HostBatch,
+    dropout: Option<u64>,
+    dt: Dtype,
+    tol: f32,
+) {
     let cpu = Resolution::cpu();
-    let mut reference = CandleEngine::build(&setup(folder, trainable.clone(), &cpu, trained), false).unwrap();
+    let reference_setup = Setup { base_quant, ..setup(folder, trainable.clone(), &cpu, trained) };
+    let mut reference = CandleEngine::build(&reference_setup, false).unwrap();
     let dev = resolution(dt, DeviceClass::Cuda);
-    let mut engine = GpuEngine::new(gpu.clone(), &setup(folder, trainable.clone(), &dev, trained)).unwrap();
-    let what = format!("{} {dt:?} {trainable:?}", gpu.name());
+    let engine_setup = Setup { base_quant, ..setup(folder, trainable.clone(), &dev, trained) };
+    let mut engine = GpuEngine::new(gpu.clone(), &engine_setup).unwrap();
+    let what = format!("{} {dt:?} {trainable:?} {base_quant:?}", gpu.name());
     let (weight, scale) = (0.75, 4.0);
     reference.accumulate(batch, weight, scale, dropout).unwrap();
     engine.accumulate(batch, weight, scale, dropout).unwrap();
@@ -1123,6 +1142,34 @@ fn engine_matches_autograd_on_the_golden_models() {
                 assert_engine_matches(&gpu, &folder, &fixture(name).join(adapter), &batch, None, Dtype::F32, 2e-5);
             }
         }
+    }
+}
+
+/// QLoRA: the decoder's linears in 4 bits, dequantized on the device before each product that
+/// reads them, give the loss and every adapter gradient of candle's autograd over the same 4-bit
+/// weights (itself checked against PEFT over bitsandbytes in tests/model.rs), in f32, bf16 and
+/// f16, with PEFT's adapter and with every linear and the (unquantized) LM head adapted.
+#[test]
+fn qlora_engine_matches_autograd_over_the_4bit_base() {
+    let folder = ModelFolder::open(&fixture("tiny-qlora").join("model")).unwrap();
+    let batch = golden_batch("tiny-qlora");
+    let nf4 = Some(BaseQuant::Nf4);
+    let every = all_targets_adapter(&folder, 0.0, false);
+    for gpu in devices() {
+        for adapter in [fixture("tiny-qlora").join("adapter"), every.path().to_path_buf()] {
+            let lora = Trainable::lora(peft::read_config(&adapter).unwrap());
+            for (dt, tol) in [(Dtype::F32, 2e-5), (Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
+                assert_base_matches(&gpu, &folder, lora.clone(), Some(&adapter), nf4, &batch, None, dt, tol);
+            }
+        }
+        // The step needs less memory with the packed 4-bit weights (and one dequantized at a time).
+        let dev = resolution(Dtype::F16, DeviceClass::Cuda);
+        let lora = || Trainable::lora(peft::read_config(&fixture("tiny-qlora").join("adapter")).unwrap());
+        let dense = GpuEngine::new(gpu.clone(), &setup(&folder, lora(), &dev, None)).unwrap();
+        let quantized = GpuEngine::new(gpu.clone(), &Setup { base_quant: nf4, ..setup(&folder, lora(), &dev, None) });
+        let (dense, quantized) = (dense.memory_estimate(1, 1, false).unwrap().0, quantized.unwrap());
+        let quantized = quantized.memory_estimate(1, 1, false).unwrap().0;
+        assert!(quantized < dense, "{}: 4-bit base {quantized} bytes vs {dense}", gpu.name());
     }
 }
 

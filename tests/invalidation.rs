@@ -68,6 +68,7 @@ const CHANGES: &[(&str, &str)] = &[
     ("adapter.rank", "4"),
     ("adapter.alpha", "8"),
     ("adapter.rslora", "true"),
+    ("adapter.quantize_base", "\"nf4\""),
     ("adapter.dropout", "0.1"),
     ("adapter.targets", "[\"q_proj\"]"),
     ("stages.train.epochs", "2"),

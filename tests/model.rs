@@ -113,6 +113,86 @@ fn qwen3_lora_matches_peft() {
     check(&with_adapter("tiny-qwen3"), &golden("tiny-qwen3"), "lora");
 }
 
+/// bitsandbytes' 4-bit NF4 quantization of every linear of the tiny QLoRA model, as transformers
+/// loads it with `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`
+/// (tests/fixtures/make_golden.py `--qlora`): the same packed bytes and block scales, bit for bit,
+/// and no other weight quantized.
+#[test]
+fn nf4_quantization_matches_bitsandbytes() {
+    use rtune::model::nf4;
+    let want: BTreeMap<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(fixture("tiny-qlora").join("nf4.json")).unwrap()).unwrap();
+    let folder = ModelFolder::open(&fixture("tiny-qlora").join("model")).unwrap();
+    let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let mut n = 0;
+    for (name, w) in &weights {
+        assert_eq!(nf4::quantizes(name), want.contains_key(name), "{name}");
+        let Some(want) = want.get(name) else { continue };
+        let q = nf4::quantize(&w.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let hex: String = q.packed.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, want["packed"].as_str().unwrap(), "{name}: packed indices");
+        let absmax: Vec<f32> = serde_json::from_value(want["absmax"].clone()).unwrap();
+        assert_eq!(q.absmax, absmax, "{name}: block scales");
+        n += 1;
+    }
+    assert_eq!(n, 14);
+}
+
+/// QLoRA against PEFT over bitsandbytes' 4-bit base (make_golden.py `--qlora`): the 4-bit model's
+/// logits and loss, and with a LoRA adapter on every linear its logits, loss and every adapter
+/// gradient, on candle's autograd and on the fused CPU engine.
+#[test]
+fn qlora_matches_peft_over_a_bitsandbytes_base() {
+    use rtune::engine::Engine;
+    let g = golden("tiny-qlora");
+    let dir = fixture("tiny-qlora").join("adapter");
+    let folder = ModelFolder::open(&fixture("tiny-qlora").join("model")).unwrap();
+    let cpu = rtune::device::Resolution::cpu();
+    let setup = |trainable, trained, base_quant| rtune::engine::Setup {
+        folder: &folder,
+        trainable,
+        seed: 0,
+        device: &cpu,
+        optimizer: Some(rtune::engine::optim::AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }),
+        ema_decay: None,
+        checkpointing: rtune::engine::Checkpointing::Off,
+        trained,
+        max_batch: (2, 8),
+        tf32: false,
+        engine: None,
+        base_quant,
+    };
+    let nf4 = Some(rtune::recipe::BaseQuant::Nf4);
+    let want: BTreeMap<String, Vec<f32>> = serde_json::from_value(g.expected["lora"]["grads"].clone()).unwrap();
+    let batch = rtune::engine::HostBatch::from_parts(&g.rows, &g.lens, None, g.select.clone(), g.targets.clone());
+    for fused in [false, true] {
+        let base = rtune::engine::candle::CandleEngine::build(&setup(Trainable::nothing(), None, nf4), fused).unwrap();
+        check(base.model(), &g, "base");
+        let lora = || Trainable::lora(peft::read_config(&dir).unwrap());
+        let mut tuned = rtune::engine::candle::CandleEngine::build(&setup(lora(), Some(&dir), nf4), fused).unwrap();
+        check(tuned.model(), &g, "lora");
+        tuned.accumulate(&batch, 1.0, 1.0, None).unwrap();
+        let got = tuned.gradient_values().unwrap();
+        assert_eq!(got.len(), want.len());
+        for (name, want) in &want {
+            let got: Vec<f32> = got[&name.replace(".default", "")].flatten_all().unwrap().to_vec1().unwrap();
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff <= 1e-4 * scale, "fused {fused}: {name}: max |diff| {diff} of {scale}");
+        }
+        // The same adapter on the original weights is another model.
+        let dense = rtune::engine::candle::CandleEngine::build(&setup(lora(), Some(&dir), None), fused).unwrap();
+        let (b, sel, tgt) = (
+            Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap(),
+            Tensor::new(g.select.as_slice(), &Device::Cpu).unwrap(),
+            Tensor::new(g.targets.as_slice(), &Device::Cpu).unwrap(),
+        );
+        let loss = dense.model().loss(&b, &sel, &tgt, None).unwrap().to_scalar::<f32>().unwrap() as f64;
+        let qlora = g.expected["lora"]["loss"].as_f64().unwrap();
+        assert!((loss - qlora).abs() > 1e-3, "the dense base's loss {loss} is QLoRA's {qlora}");
+    }
+}
+
 /// Central finite differences (in f64 on the loss) against autograd for a few LoRA entries.
 /// A PEFT adapter with `modules_to_save`, made by PEFT (tests/fixtures/make_golden.py
 /// `--modules`: modules changed at random — an untied LM head, norms, a whole linear; in Qwen2 a
@@ -142,6 +222,7 @@ fn peft_adapters_with_modules_to_save_match_peft() {
             max_batch: (2, 8),
             tf32: false,
             engine: None,
+            base_quant: None,
         };
         for fused in [false, true] {
             let engine = rtune::engine::candle::CandleEngine::build(&setup(Some(&dir)), fused).unwrap();

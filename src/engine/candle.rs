@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{Engine, EngineError, EngineState, HostBatch, Setup};
 use crate::engine::optim::AdamW;
-use crate::model::{Batch, KvCache, Transformer};
+use crate::model::{Batch, KvCache, Transformer, nf4};
 use crate::rng::Rng;
 
 pub struct CandleEngine {
@@ -42,6 +42,14 @@ impl CandleEngine {
             None => Default::default(),
         };
         let mut weights = setup.folder.load_weights(&device, DType::F32)?;
+        // A 4-bit base: the values it stands for, dequantized (the math of the GPU engine's
+        // packed weights, without their memory saving).
+        for (name, w) in weights.iter_mut() {
+            if nf4::stored(setup.base_quant, &setup.trainable, name)? {
+                let v: Vec<f32> = w.flatten_all().and_then(|t| t.to_vec1()).map_err(cerr("read a weight"))?;
+                *w = Tensor::from_vec(nf4::round_trip(&v), w.dims(), &device).map_err(cerr("dequantize a weight"))?;
+            }
+        }
         weights.extend(trained.base);
         let mut rng = Rng::derive(setup.seed, "lora-init");
         let model = Transformer::with_dtype(

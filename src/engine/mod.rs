@@ -283,6 +283,9 @@ pub struct Setup<'a> {
     pub tf32: bool,
     /// The engine asked for (`RTUNE_ENGINE`, fingerprinted by the plan); None: the default.
     pub engine: Option<&'a str>,
+    /// Keep the decoder layers' linear weights in 4 bits (`adapter.quantize_base`,
+    /// [`crate::model::nf4`]).
+    pub base_quant: Option<crate::recipe::BaseQuant>,
 }
 
 /// The engine `RTUNE_ENGINE` asks for, if any. It changes the last bits of results, so the plan

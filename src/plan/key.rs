@@ -254,6 +254,10 @@ pub struct EvaluateKeySettings {
     /// data was (`dataset.chat_template`, else the model's) and its generation prompt.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_template: Option<Template>,
+    /// The base model computes with its linears in 4 bits, as the adapter trained
+    /// (`adapter.quantize_base`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base_quant: Option<crate::recipe::BaseQuant>,
     /// Seeds sampling.
     pub seed: u64,
 }
@@ -428,6 +432,7 @@ mod tests {
                         data: Some(rendering()),
                         prompt_format: DataFormat::Alpaca,
                         prompt_template: None,
+                        base_quant: None,
                         seed: 7,
                     },
                     device: device(),

@@ -463,6 +463,54 @@ mod support {
         Ok(())
     }
 
+    /// `adapter.quantize_base`: the 4-bit base sits under a LoRA adapter, so every train stage
+    /// trains one, and no weight pattern beside it names a 4-bit weight (a decoder linear's).
+    /// The problem points at `trainable` where the stage sets it, else at `quantize_base`.
+    fn check_quantized_base(
+        table: &Value,
+        at: Option<&crate::recipe::Origin>,
+        loaded: &LoadedRecipe,
+    ) -> Result<(), Problem> {
+        let adapter = &loaded.recipe.adapter;
+        let Some(quant) = adapter.quantize_base else { return Ok(()) };
+        let quant = serde_json::to_value(quant).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+        let patterns: Option<Vec<String>> = table.get("trainable").and_then(|v| serde_json::from_value(v.clone()).ok());
+        if !crate::train::trains_adapter(patterns.as_deref(), adapter.kind) {
+            return Err(Problem::new(
+                "rtune::plan::quantized_base",
+                format!(
+                    "`adapter.quantize_base = \"{quant}\"` keeps the frozen base in 4 bits under a LoRA adapter, \
+                     but this stage trains base weights without one"
+                ),
+            )
+            .at(loaded.origin(&["adapter", "quantize_base"]), "4-bit base")
+            .at(at, "no adapter")
+            .help("a 4-bit weight cannot train: drop `quantize_base` for a full fine-tune, or add \"adapter\""));
+        }
+        for p in patterns.iter().flatten().filter(|p| *p != crate::train::ADAPTER) {
+            let p = if p == "all" { "*" } else { p.as_str() };
+            let weight = crate::model::LAYER_LINEARS
+                .iter()
+                .map(|l| format!("model.layers.0.{l}.weight"))
+                .find(|w| crate::glob::fnmatch(p, w));
+            if let Some(weight) = weight {
+                return Err(Problem::new(
+                    "rtune::plan::quantized_base",
+                    format!(
+                        "`trainable` trains `{p}` in full, which names weights `adapter.quantize_base` keeps in \
+                         4 bits (`{weight}`, …)"
+                    ),
+                )
+                .at(loaded.origin(&["adapter", "quantize_base"]), "4-bit base")
+                .at(at, "trains 4-bit weights")
+                .help(
+                    "beside a 4-bit base, train only weights it keeps whole: norms, biases, the embedding, the LM head",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// `overrides`: the `[device.<name>]` tables whose settings apply, broadest first (the
     /// chosen device's `override_names`; none: the stages' own settings).
     pub fn check(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Result<(), Problem> {
@@ -471,7 +519,10 @@ mod support {
         match spec.kind {
             StageKind::Download => {}
             StageKind::Tokenize => {}
-            StageKind::Train => check_trainable(&table, at("trainable"), loaded)?,
+            StageKind::Train => {
+                check_trainable(&table, at("trainable"), loaded)?;
+                check_quantized_base(&table, at("trainable"), loaded)?;
+            }
             StageKind::Evaluate => {}
             StageKind::Quantize => {
                 if let Some(size) = table.get("max_shard_size").and_then(|v| v.as_str())

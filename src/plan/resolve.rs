@@ -121,6 +121,7 @@ pub(super) fn resolve_key(
                     evaluate,
                     data,
                     prompt_format: d.format,
+                    base_quant: recipe.adapter.quantize_base,
                     seed,
                 },
                 device: on_device(true),

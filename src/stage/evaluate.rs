@@ -71,7 +71,14 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
     let mut results = serde_json::Map::new();
     for w in &which {
         let weights_dir = if *w == "base" { None } else { Some(ctx.input("weights")?) };
-        let mut engine = eval_engine(&key.device, &folder, weights_dir.as_deref(), s.batch_size as usize, longest)?;
+        let mut engine = eval_engine(
+            &key.device,
+            &folder,
+            weights_dir.as_deref(),
+            key.settings.base_quant,
+            s.batch_size as usize,
+            longest,
+        )?;
         let (loss, n) = evaluate(&mut *engine, &eval, s.batch_size as usize, 0)?;
         let mut samples = Vec::new();
         for (i, prompt) in s.prompts.iter().enumerate() {
@@ -132,11 +139,13 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
 }
 
 /// An engine for evaluating the base model (`trained` None) or the base model with a train
-/// stage's result applied (a PEFT adapter, or trained weights), on the stage's device.
+/// stage's result applied (a PEFT adapter, or trained weights), on the stage's device, its
+/// linears in 4 bits with `base_quant`.
 pub(super) fn eval_engine(
     device: &DeviceKey,
     folder: &ModelFolder,
     trained: Option<&std::path::Path>,
+    base_quant: Option<crate::recipe::BaseQuant>,
     batch_size: usize,
     longest: usize,
 ) -> Result<Box<dyn Engine>, StageError> {
@@ -157,6 +166,7 @@ pub(super) fn eval_engine(
         max_batch: (batch_size, longest.max(1)),
         tf32: device.tf32,
         engine: device.engine.as_deref(),
+        base_quant,
     };
     Ok(crate::engine::build(&setup)?)
 }

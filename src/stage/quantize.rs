@@ -152,8 +152,8 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     Ok(metrics)
 }
 
-/// The base model with the train stage's result applied, as candle tensors on `device` (in
-/// f32), computing with the fused CPU engine where it can.
+/// The base model (its original weights) with the train stage's result applied, as candle
+/// tensors on `device` (in f32), computing with the fused CPU engine where it can.
 fn tuned_engine(folder: &ModelFolder, weights_dir: &Path, device: &Resolution) -> Result<CandleEngine, StageError> {
     let trainable = match weights_dir.join("adapter_config.json").is_file() {
         true => Trainable::lora(peft::read_config(weights_dir)?),
@@ -171,6 +171,9 @@ fn tuned_engine(folder: &ModelFolder, weights_dir: &Path, device: &Resolution) -
         max_batch: (1, 1),
         tf32: false,
         engine: None,
+        // Exports merge the adapter into the original weights, however the base was held
+        // while it trained (`adapter.quantize_base`).
+        base_quant: None,
     };
     let fused = device.class == crate::device::DeviceClass::Cpu;
     Ok(CandleEngine::build(&setup, fused)?)

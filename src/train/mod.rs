@@ -324,6 +324,7 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         max_batch: (s.batch_size as usize, longest),
         tf32: job.tf32,
         engine: job.engine,
+        base_quant: job.adapter.quantize_base,
     };
     let engine = crate::engine::build(&setup).map_err(|e| out_of_memory(e, s, None))?;
     if s.gradient_checkpointing == GradientCheckpointing::On(true) && !engine.checkpointing() {

@@ -16,7 +16,7 @@ use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, 
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
-use crate::model::{LAYER_LINEARS, ModelConfig, ModelError, QK_NORMS};
+use crate::model::{LAYER_LINEARS, ModelConfig, ModelError, QK_NORMS, nf4};
 use crate::recipe::Dtype;
 use crate::rng::Rng;
 
@@ -35,12 +35,15 @@ struct Adapter {
     dropout: f64,
 }
 
-/// A weight the passes read: frozen at its compute-dtype address, or trained (in full, alone or
-/// beside an adapter) at its offset in the flat parameters, whose compute-dtype copy the passes
-/// read and whose gradient is at the same offset of the flat gradients.
+/// A weight the passes read: frozen at its compute-dtype address, frozen in 4 bits (a decoder
+/// linear's under `adapter.quantize_base`: packed NF4 indices and f32 block scales, dequantized
+/// before each product that reads it), or trained (in full, alone or beside an adapter) at its
+/// offset in the flat parameters, whose compute-dtype copy the passes read and whose gradient is
+/// at the same offset of the flat gradients.
 #[derive(Debug, Clone, Copy)]
 enum W {
     Frozen(u64),
+    Nf4 { packed: u64, absmax: u64 },
     Trained(usize),
 }
 
@@ -300,6 +303,7 @@ impl GpuEngine {
         // so weights the model does not use (as candle's) never train.
         let trainable = &setup.trainable;
         let mut weights: BTreeMap<String, Buf> = BTreeMap::new();
+        let mut quantized: BTreeMap<String, (Buf, Buf)> = BTreeMap::new();
         let mut masters: BTreeMap<String, Vec<f32>> = BTreeMap::new();
         let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         setup.folder.visit_weights(|name, t| -> Result<(), EngineError> {
@@ -310,10 +314,16 @@ impl GpuEngine {
                 .and_then(|t| t.flatten_all())
                 .and_then(|t| t.to_vec1())
                 .map_err(EngineError::candle(format!("read `{name}`")))?;
-            if trainable.trains_weight(name) {
+            let upload = |e| oom_or(e, &format!("uploading `{name}`"), 0, 0);
+            if nf4::stored(setup.base_quant, trainable, name)? {
+                let q = nf4::quantize(&v);
+                let packed = Buf::from_u32(&gpu, &q.words()).map_err(upload)?;
+                let absmax = Buf::from_f32(&gpu, &q.absmax, Dt::F32).map_err(upload)?;
+                quantized.insert(name.to_string(), (packed, absmax));
+            } else if trainable.trains_weight(name) {
                 masters.insert(name.to_string(), v);
             } else {
-                let buf = Buf::from_f32(&gpu, &v, dt).map_err(|e| oom_or(e, &format!("uploading `{name}`"), 0, 0))?;
+                let buf = Buf::from_f32(&gpu, &v, dt).map_err(upload)?;
                 weights.insert(name.to_string(), buf);
             }
             Ok(())
@@ -342,7 +352,10 @@ impl GpuEngine {
                     slots.push(Slot { name: name.to_string(), shape: shape.to_vec(), off, len: v.len() });
                     Ok(W::Trained(off))
                 }
-                None => Ok(W::Frozen(weights[name].ptr())),
+                None => Ok(match quantized.get(name) {
+                    Some((packed, absmax)) => W::Nf4 { packed: packed.ptr(), absmax: absmax.ptr() },
+                    None => W::Frozen(weights[name].ptr()),
+                }),
             }
         };
         let next_id = std::cell::Cell::new(0);
@@ -456,7 +469,7 @@ impl GpuEngine {
             gpu,
             dt,
             cfg,
-            _weights: weights.into_values().collect(),
+            _weights: weights.into_values().chain(quantized.into_values().flat_map(|(p, a)| [p, a])).collect(),
             embed,
             norm,
             layers,
@@ -517,7 +530,10 @@ impl GpuEngine {
         let s = self.dt.size();
         let layer = s * n * (4 * c.hidden_size + 3 * c.intermediate_size);
         let chunk = s * LOGITS_PER_CHUNK.min(n * c.vocab_size);
-        (layer + chunk + 2 * s * n * c.hidden_size) as u64
+        // A 4-bit weight dequantized for its product.
+        let dequantized = self.layers.iter().flat_map(|l| &l.lin).filter(|l| matches!(l.w, W::Nf4 { .. }));
+        let dequantized = s * dequantized.map(|l| l.out * l.inp).max().unwrap_or(0);
+        (layer + chunk + 2 * s * n * c.hidden_size + dequantized) as u64
     }
 
     /// Bytes held whatever the batch: weights, trained parameters and their optimizer state.
@@ -546,6 +562,20 @@ impl GpuEngine {
         match w {
             W::Frozen(p) => p,
             W::Trained(off) => self.pc(off),
+            W::Nf4 { .. } => unreachable!("4-bit weights are read through `lin_weight`"),
+        }
+    }
+
+    /// A linear's weight in the compute dtype: its address, with the buffer it was dequantized
+    /// into for this product when it is kept in 4 bits.
+    fn lin_weight(&self, l: &Lin) -> Result<(u64, Option<Buf>), GpuError> {
+        match l.w {
+            W::Nf4 { packed, absmax } => {
+                let b = self.buf(l.out * l.inp, self.dt)?;
+                self.ops().nf4_dequant(packed, absmax, b.ptr(), l.out * l.inp)?;
+                Ok((b.ptr(), Some(b)))
+            }
+            w => Ok((self.w(w), None)),
         }
     }
 
@@ -553,7 +583,7 @@ impl GpuEngine {
     fn wgrad(&self, w: W) -> Option<u64> {
         match w {
             W::Trained(off) => self.trained.as_ref().and_then(|t| t.grads.as_ref()).map(|g| g.at(off)),
-            W::Frozen(_) => None,
+            W::Frozen(_) | W::Nf4 { .. } => None,
         }
     }
 
@@ -705,7 +735,9 @@ impl GpuEngine {
         first: usize,
     ) -> Result<Option<Buf>, GpuError> {
         let o = self.ops();
-        o.gemm(y, self.dt, x, false, self.w(l.w), true, n, l.out, l.inp, 1.0, if accumulate { 1.0 } else { 0.0 })?;
+        let (w, dequantized) = self.lin_weight(l)?;
+        o.gemm(y, self.dt, x, false, w, true, n, l.out, l.inp, 1.0, if accumulate { 1.0 } else { 0.0 })?;
+        drop(dequantized);
         if let Some(bias) = l.bias {
             o.add_bias(y, self.w(bias), n, l.out)?;
         }
@@ -767,7 +799,9 @@ impl GpuEngine {
             du = Some(d);
         }
         let Some((dx, accumulate)) = dx else { return Ok(()) };
-        o.gemm(dx, self.dt, dy, false, self.w(l.w), false, n, l.inp, l.out, 1.0, if accumulate { 1.0 } else { 0.0 })?;
+        let (w, dequantized) = self.lin_weight(l)?;
+        o.gemm(dx, self.dt, dy, false, w, false, n, l.inp, l.out, 1.0, if accumulate { 1.0 } else { 0.0 })?;
+        drop(dequantized);
         if let (Some(a), Some(du)) = (l.lora, du) {
             match Self::mask(l, dropout) {
                 None => o.gemm(dx, self.dt, du.ptr(), false, self.pc(a.a), false, n, l.inp, a.rank, 1.0, 1.0)?,

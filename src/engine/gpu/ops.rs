@@ -194,6 +194,12 @@ impl Ops<'_> {
         self.run("add_bias", rows * width, &[Arg::Ptr(y), Arg::Ptr(bias), i(rows), i(width)])
     }
 
+    /// `out[i] = CODE[index i] · absmax[i / 64]` in the compute dtype: a weight kept in 4 bits
+    /// ([`crate::model::nf4`]; `packed` as its little-endian words).
+    pub fn nf4_dequant(&self, packed: u64, absmax: u64, out: u64, n: usize) -> R {
+        self.run("nf4_dequant", n, &[Arg::Ptr(packed), Arg::Ptr(absmax), Arg::Ptr(out), i(n)])
+    }
+
     pub fn cast_from_f32(&self, src: u64, dst: u64, n: usize) -> R {
         self.run("cast_from_f32", n, &[Arg::Ptr(src), Arg::Ptr(dst), i(n)])
     }
