@@ -1635,11 +1635,21 @@ fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
     let err = engine.accumulate(&batch, 1.0, 1.0, None).unwrap_err();
     assert!(matches!(err, rtune::engine::EngineError::OutOfMemory { .. }), "{err}");
     let settings: rtune::recipe::TrainSettings = toml::from_str("batch_size = 4\ngrad_accum = 2").unwrap();
-    let e = rtune::train::out_of_memory(err, &settings, Some(&engine));
+    let e = rtune::train::out_of_memory(err, &settings, Some(&engine), None);
     let (message, help) = (e.to_string(), e.help().map(|h| h.to_string()).unwrap_or_default());
     assert!(message.starts_with("the GPU ran out of memory while training (batch 4 × 32 tokens)"), "{message}");
     assert!(help.contains("`stages.train.gradient_checkpointing = true`"), "{help}");
     assert!(help.contains("checkpoints and cached stages are kept"), "{help}");
+    // Weights that do not fit: a 4-bit base is the first suggestion, with what it saves.
+    let (dense, packed) = rtune::model::nf4::linear_bytes(&folder.config, 4);
+    assert_eq!(dense, 8 * 4 * (4 * 32 * 32 + 3 * 32 * 64));
+    assert!(packed * 7 < dense, "{packed} of {dense}");
+    let weights = GpuEngine::new(Rc::new(EmuGpu { limit: Cell::new(Some(1000)), ..Default::default() }), &s)
+        .err()
+        .expect("1000 bytes hold no model");
+    let e = rtune::train::out_of_memory(weights, &settings, None, Some((dense, packed)));
+    let help = e.help().map(|h| h.to_string()).unwrap_or_default();
+    assert!(help.starts_with("settings that would fit: `adapter.quantize_base = \"nf4\"` (QLoRA"), "{help}");
     // And the suggestion holds: the same step with checkpointing fits.
     drop(engine);
     s.checkpointing = Checkpointing::On;

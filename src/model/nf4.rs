@@ -73,6 +73,17 @@ pub fn stored(quant: Option<BaseQuant>, trainable: &Trainable, name: &str) -> Re
     Ok(stored)
 }
 
+/// Bytes the decoder layers' linear weights take at `dtype_bytes` a value, and in NF4 (packed
+/// indices and block scales): what `adapter.quantize_base` saves.
+pub fn linear_bytes(cfg: &super::ModelConfig, dtype_bytes: usize) -> (u64, u64) {
+    let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+    let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    let sizes = [h * qd, h * kvd, h * kvd, qd * h, h * inter, h * inter, inter * h];
+    let packed: usize = sizes.iter().map(|n| n.div_ceil(2) + 4 * n.div_ceil(BLOCK)).sum();
+    let values: usize = sizes.iter().sum();
+    ((values * cfg.num_layers * dtype_bytes) as u64, (packed * cfg.num_layers) as u64)
+}
+
 /// The index of the code value nearest to `x` (in [-1, 1]): the number of midpoints between
 /// consecutive code values below it, a value on a midpoint going to the lower one
 /// (bitsandbytes' `torch.bucketize` against the midpoints).

@@ -279,6 +279,9 @@ struct Trainer<'a> {
     issued: f64,
     last_issue: f64,
     timed_steps: u64,
+    /// The linear weights' bytes as they are and in 4 bits, when an adapter trains over a
+    /// full-precision base on a GPU (what an out-of-memory error suggests).
+    quantizable: Option<(u64, u64)>,
 }
 
 /// Run (or resume) training; writes the trained weights, metrics and curve into `job.out`.
@@ -308,6 +311,11 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
     let total_steps = s.max_steps.unwrap_or(steps_per_epoch * s.epochs as u64);
     let cfg = AdamWConfig { beta1: s.betas[0], beta2: s.betas[1], eps: s.adam_eps, weight_decay: s.weight_decay };
     let longest = check_lengths(&folder.config, &[&train, &eval])?;
+    let on_gpu = matches!(job.device.class, crate::device::DeviceClass::Cuda | crate::device::DeviceClass::Vulkan);
+    let quantizable = (on_gpu && which.lora.is_some() && job.adapter.quantize_base.is_none()).then(|| {
+        let bytes = if job.device.dtype == crate::recipe::Dtype::F32 { 4 } else { 2 };
+        crate::model::nf4::linear_bytes(&folder.config, bytes)
+    });
     let setup = Setup {
         folder: &folder,
         trainable: which,
@@ -326,7 +334,7 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         engine: job.engine,
         base_quant: job.adapter.quantize_base,
     };
-    let engine = crate::engine::build(&setup).map_err(|e| out_of_memory(e, s, None))?;
+    let engine = crate::engine::build(&setup).map_err(|e| out_of_memory(e, s, None, quantizable))?;
     if s.gradient_checkpointing == GradientCheckpointing::On(true) && !engine.checkpointing() {
         job.ui.warn(format!(
             "gradient_checkpointing applies to the GPU engine; the {} keeps every activation",
@@ -365,6 +373,7 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         issued: 0.0,
         last_issue: 0.0,
         timed_steps: 0,
+        quantizable,
     };
     let resumed = checkpoint::latest(&job.work).map(|ck| t.restore(&ck)).transpose()?;
     let n_params = t.engine.trained_count();
@@ -438,7 +447,12 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
 
 /// An out-of-memory error of the engine as a train error that says what would fit (other errors
 /// pass through).
-pub fn out_of_memory(e: EngineError, s: &TrainSettings, engine: Option<&dyn Engine>) -> TrainError {
+pub fn out_of_memory(
+    e: EngineError,
+    s: &TrainSettings,
+    engine: Option<&dyn Engine>,
+    quantizable: Option<(u64, u64)>,
+) -> TrainError {
     let EngineError::OutOfMemory { context, batch, seq, requested, free, total } = e else {
         return TrainError::Engine(e);
     };
@@ -476,8 +490,25 @@ pub fn out_of_memory(e: EngineError, s: &TrainSettings, engine: Option<&dyn Engi
             len /= 2;
         }
     }
-    if fits.is_empty() {
+    // A 4-bit base frees most of the weights' memory: the first thing to try when they did not
+    // fit (no batch yet), the last otherwise.
+    let qlora = quantizable.map(|(dense, packed)| {
+        format!(
+            "`adapter.quantize_base = \"nf4\"` (QLoRA: the layers' linear weights in {} instead of {})",
+            crate::ui::human_bytes(packed),
+            crate::ui::human_bytes(dense)
+        )
+    });
+    if fits.is_empty() && t > 0 {
         fits.push("a smaller `stages.train.batch_size` (with a larger `grad_accum`), `gradient_checkpointing = true`, or a shorter `dataset.max_seq_len`".into());
+    }
+    match (qlora, t) {
+        (Some(q), 0) => fits.insert(0, q),
+        (Some(q), _) => fits.push(q),
+        (None, _) => {}
+    }
+    if fits.is_empty() {
+        fits.push("a smaller model, or a device with more memory".into());
     }
     TrainError::OutOfMemory {
         message: format!(
@@ -499,7 +530,7 @@ impl Trainer<'_> {
     fn evaluate(&mut self) -> Result<(f64, usize), TrainError> {
         let s = self.job.settings;
         crate::engine::evaluate(&mut *self.engine, &self.eval, s.batch_size as usize, s.eval_batches)
-            .map_err(|e| out_of_memory(e, s, None))
+            .map_err(|e| out_of_memory(e, s, None, self.quantizable))
     }
 
     fn tokens_per_second(&self) -> Option<f64> {
@@ -546,7 +577,7 @@ impl Trainer<'_> {
             let key = crate::model::lora::batch_dropout_key(self.job.seed, self.state.micro + i as u64);
             self.engine
                 .accumulate(mb, weight, scale, Some(key))
-                .map_err(|e| out_of_memory(e, s, Some(&*self.engine)))?;
+                .map_err(|e| out_of_memory(e, s, Some(&*self.engine), self.quantizable))?;
         }
         self.last_issue = issue.elapsed().as_secs_f64();
         // Gradients are ready: a data-parallel run would all-reduce them here.
