@@ -23,7 +23,7 @@ use serde_json::json;
 use crate::data::{TokenStore, tokens::TokenRow};
 use crate::device::Resolution;
 use crate::engine::optim::AdamWConfig;
-use crate::engine::{Checkpointing, Engine, EngineError, HostBatch, Setup};
+use crate::engine::{Checkpointing, Engine, EngineError, EngineKind, HostBatch, Setup};
 use crate::model::{LoraSpec, ModelFolder, Trainable};
 use crate::recipe::{Adapter, AdapterKind, GradientCheckpointing, TrainSettings};
 use crate::rng::Rng;
@@ -338,6 +338,14 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
     if s.gradient_checkpointing == GradientCheckpointing::On(true) && !engine.checkpointing() {
         job.ui.warn(format!(
             "gradient_checkpointing applies to the GPU engine; the {} keeps every activation",
+            engine.describe()
+        ));
+    }
+    let packed = crate::engine::choose(&folder.config, job.device, job.engine).ok() == Some(EngineKind::Gpu);
+    if job.adapter.quantize_base.is_some() && !packed {
+        job.ui.warn(format!(
+            "the {} computes with the 4-bit base's values but holds them dequantized: QLoRA's numbers \
+             without its memory saving (the GPU engine keeps the packed weights)",
             engine.describe()
         ));
     }
