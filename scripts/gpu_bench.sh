@@ -17,6 +17,8 @@
 # (the Vulkan engine on the same GPU against PyTorch on CUDA; gpu-env.sh brings the loader).
 # TRAIN=full benchmarks a full fine-tune instead of LoRA: `adapter.kind = "none"` for rtune, and
 # for PyTorch fp32 weights under autocast bf16 with AdamW over every weight (peft_gpu.py --full).
+# TRAIN=qlora benchmarks QLoRA: `adapter.quantize_base = "nf4"` for rtune, transformers'
+# `load_in_4bit` NF4 base (bitsandbytes) for PyTorch (peft_gpu.py --qlora).
 # To dry-run this script without a GPU (PyTorch, transformers and PEFT on the CPU, rtune through
 # lavapipe): TORCH_DEVICE=cpu DEVICE=vulkan RTUNE=target/release/rtune scripts/gpu_bench.sh smoke:2x128
 set -euo pipefail
@@ -27,8 +29,10 @@ device="${DEVICE:-cuda}"
 dtype="${DTYPE:-bf16}"
 train="${TRAIN:-lora}"
 torch_device="${TORCH_DEVICE:-cuda}"
-case "$train" in lora) kind=lora torch_args=() ;; full) kind=none torch_args=(--full) ;; *)
-  echo "TRAIN is lora or full, not $train" >&2
+base=""
+case "$train" in lora) kind=lora torch_args=() ;; full) kind=none torch_args=(--full) ;;
+qlora) kind=lora torch_args=(--qlora) base='quantize_base = "nf4"' ;; *)
+  echo "TRAIN is lora, full or qlora, not $train" >&2
   exit 2
   ;;
 esac
@@ -66,6 +70,7 @@ rank = 16
 alpha = 32
 dropout = 0.05
 targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+$base
 
 [device]
 prefer = ["$device"]
@@ -114,7 +119,7 @@ import json, sys
 sys.path.insert(0, "benches/reference")
 from gpu_shapes import SHAPES
 rows = [json.loads(l) for l in open(sys.argv[1])]
-ref = "PyTorch+PEFT" if rows[0].get("train", "lora") == "lora" else "PyTorch (full fine-tune)"
+ref = {"lora": "PyTorch+PEFT", "qlora": "PyTorch+PEFT+bitsandbytes", "full": "PyTorch (full fine-tune)"}[rows[0].get("train", "lora")]
 print(f"\n| shape | batch × seq | rtune tok/s | {ref} tok/s | speed ratio | rtune peak GPU | PyTorch peak GPU (allocated / reserved) | memory ratio |")
 print("|---|---|---|---|---|---|---|---|")
 for r in rows:

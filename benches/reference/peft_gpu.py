@@ -6,9 +6,12 @@ fused AdamW (lr 1e-4), random token ids of the benchmarked shape, labels = ids. 
 checkpointing only with --checkpointing. Times `steps` steps after 3 warm-ups with CUDA
 synchronisation; prints one JSON line. With --full, a full fine-tune instead: no PEFT, the
 weights in fp32 (the master copies) under autocast(bf16), AdamW over every weight — the usual
-mixed-precision recipe (transformers' Trainer with bf16=True).
+mixed-precision recipe (transformers' Trainer with bf16=True). With --qlora, QLoRA: the model
+loaded by transformers with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_compute_dtype=bfloat16) — every linear but the LM head in bitsandbytes' 4-bit NF4 —
+and the same LoRA adapter over it (needs bitsandbytes).
 
-    python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing] [--full] [--device cpu]
+    python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing] [--full|--qlora] [--device cpu]
 
 `--device cpu` only dry-runs the script (and gpu_bench.sh) on a machine without a GPU: no peak
 memory is reported there.
@@ -26,11 +29,20 @@ from transformers import AutoModelForCausalLM
 model_dir, batch, seq, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 checkpointing = "--checkpointing" in sys.argv
 full = "--full" in sys.argv
+qlora = "--qlora" in sys.argv
 dev = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
 cuda = dev == "cuda"
 torch.manual_seed(0)
 weights_dtype = torch.float32 if full else torch.bfloat16
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype, attn_implementation="sdpa").to(dev)
+if qlora:
+    import bitsandbytes
+    from transformers import BitsAndBytesConfig
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_use_double_quant=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype, attn_implementation="sdpa",
+                                                 quantization_config=quant, device_map={"": dev})
+else:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype, attn_implementation="sdpa").to(dev)
 if checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
@@ -73,7 +85,8 @@ seconds = time.perf_counter() - start
 print(json.dumps({
     "impl": f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
             "SDPA attention, autocast bf16, " + ("fused AdamW" if cuda else "AdamW") + (", gradient checkpointing" if checkpointing else "")
-            + ("; full fine-tune, fp32 weights" if full else ""),
+            + ("; full fine-tune, fp32 weights" if full else "")
+            + (f"; QLoRA, bitsandbytes {bitsandbytes.__version__} nf4" if qlora else ""),
     "device": torch.cuda.get_device_name() if cuda else dev,
     "batch": batch, "seq": seq, "steps": steps,
     "seconds": seconds,
