@@ -77,7 +77,14 @@ fn shipped_recipes_validate_and_the_offline_one_plans() {
         }
     }
     let ls = stdout(&rtune(&root(), cache.path(), &["ls"]));
-    for name in ["tiny-offline", "qwen2.5-3b-lora-rocm", "qwen3-0.6b-lora", "smollm2-135m-lora", "smollm2-360m-lora"] {
+    for name in [
+        "tiny-offline",
+        "qwen2.5-3b-lora-rocm",
+        "qwen3-0.6b-lora",
+        "qwen3-8b-qlora",
+        "smollm2-135m-lora",
+        "smollm2-360m-lora",
+    ] {
         assert!(ls.contains(name), "{ls}");
     }
     let p = Project::tiny_offline();

@@ -20,6 +20,7 @@ static ALL: &[Builtin] = builtins![
     "qwen2.5-1.5b-lora",
     "qwen2.5-3b-lora-rocm",
     "qwen3-0.6b-lora",
+    "qwen3-8b-qlora",
     "llama-3.2-1b-chat",
     "smollm2-135m-full",
 ];

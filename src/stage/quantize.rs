@@ -36,9 +36,10 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     let model_dir = ctx.model_dir()?;
     let weights_dir = ctx.input("weights")?;
     let folder = ModelFolder::open(&model_dir)?;
-    // Exports are computed in f32 (exact merges, whatever dtype trained): the key's device is.
-    let mut engine = tuned_engine(&folder, &weights_dir, &key.device.resolution())?;
-    let candle_device = engine.model().device().clone();
+    // Exports are computed in f32 (exact merges, whatever dtype trained) on the key's device;
+    // the model is loaded only for a format that merges (a PEFT export copies the adapter).
+    let mut tuned: Option<CandleEngine> = None;
+    let device = key.device.resolution();
     let base_name = &key.settings.base_name;
     // The template the data was rendered with.
     let template = &key.settings.template;
@@ -62,6 +63,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
             ExportFormat::SafetensorsMerged => {
                 let dir = ctx.out.join("merged");
                 mkdir(&dir)?;
+                let engine = loaded(&mut tuned, &folder, &weights_dir, &device)?;
                 let tensors = engine.model().merged_tensors();
                 let shard = s.shard_bytes().map_err(StageError::Internal)?;
                 // Each merged tensor is computed, written and dropped in turn.
@@ -93,6 +95,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let Some((qtype, _)) = gguf::target(*other) else {
                     return Err(StageError::Internal(format!("export format {other:?} is not a GGUF format")));
                 };
+                let engine = loaded(&mut tuned, &folder, &weights_dir, &device)?;
                 let merged = engine.model().merged_tensors();
                 let tag = format!("{qtype:?}").to_lowercase();
                 let file = format!("model-{tag}.gguf");
@@ -105,12 +108,12 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                     Some(c) => c,
                     None => {
                         let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
-                        let (reference, _) = crate::train::evaluate(&mut engine, &eval, 1, SELF_CHECK_ROWS as u64)?;
+                        let (reference, _) = crate::train::evaluate(engine, &eval, 1, SELF_CHECK_ROWS as u64)?;
                         self_check.insert((eval, reference))
                     }
                 };
                 let reference = *reference;
-                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, &candle_device)?;
+                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, engine.model().device())?;
                 let ratio = (loss - reference).exp();
                 ctx.ui.status(
                     "quantize",
@@ -150,6 +153,19 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     })) });
     write_json(&ctx.out.join("exports.json"), &metrics)?;
     Ok(metrics)
+}
+
+/// The tuned model in `slot`, loaded ([`tuned_engine`]) the first time it is asked for.
+fn loaded<'a>(
+    slot: &'a mut Option<CandleEngine>,
+    folder: &ModelFolder,
+    weights_dir: &Path,
+    device: &Resolution,
+) -> Result<&'a mut CandleEngine, StageError> {
+    match slot {
+        Some(engine) => Ok(engine),
+        None => Ok(slot.insert(tuned_engine(folder, weights_dir, device)?)),
+    }
 }
 
 /// The base model (its original weights) with the train stage's result applied, as candle
