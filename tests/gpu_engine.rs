@@ -1146,9 +1146,10 @@ fn engine_matches_autograd_on_the_golden_models() {
 }
 
 /// QLoRA: the decoder's linears in 4 bits, dequantized on the device before each product that
-/// reads them, give the loss and every adapter gradient of candle's autograd over the same 4-bit
-/// weights (itself checked against PEFT over bitsandbytes in tests/model.rs), in f32, bf16 and
-/// f16, with PEFT's adapter and with every linear and the (unquantized) LM head adapted.
+/// reads them (under double quantization, their block scales first), give the loss and every
+/// adapter gradient of candle's autograd over the same 4-bit weights (itself checked against
+/// PEFT over bitsandbytes in tests/model.rs), in f32, bf16 and f16, with PEFT's adapter and with
+/// every linear and the (unquantized) LM head adapted.
 #[test]
 fn qlora_engine_matches_autograd_over_the_4bit_base() {
     let folder = ModelFolder::open(&fixture("tiny-qlora").join("model")).unwrap();
@@ -1159,7 +1160,19 @@ fn qlora_engine_matches_autograd_over_the_4bit_base() {
         for adapter in [fixture("tiny-qlora").join("adapter"), every.path().to_path_buf()] {
             let lora = Trainable::lora(peft::read_config(&adapter).unwrap());
             for (dt, tol) in [(Dtype::F32, 2e-5), (Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
-                assert_base_matches(&gpu, &folder, lora.clone(), Some(&adapter), nf4, &batch, None, dt, tol);
+                for quant in [BaseQuant::Nf4, BaseQuant::Nf4Dq] {
+                    assert_base_matches(
+                        &gpu,
+                        &folder,
+                        lora.clone(),
+                        Some(&adapter),
+                        Some(quant),
+                        &batch,
+                        None,
+                        dt,
+                        tol,
+                    );
+                }
             }
         }
         // The step needs less memory with the packed 4-bit weights (and one dequantized at a time).

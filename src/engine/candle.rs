@@ -45,9 +45,10 @@ impl CandleEngine {
         // A 4-bit base: the values it stands for, dequantized (the math of the GPU engine's
         // packed weights, without their memory saving).
         for (name, w) in weights.iter_mut() {
-            if nf4::stored(setup.base_quant, &setup.trainable, name)? {
+            if let Some(quant) = nf4::stored(setup.base_quant, &setup.trainable, name)? {
                 let v: Vec<f32> = w.flatten_all().and_then(|t| t.to_vec1()).map_err(cerr("read a weight"))?;
-                *w = Tensor::from_vec(nf4::round_trip(&v), w.dims(), &device).map_err(cerr("dequantize a weight"))?;
+                let v = nf4::round_trip(&v, quant);
+                *w = Tensor::from_vec(v, w.dims(), &device).map_err(cerr("dequantize a weight"))?;
             }
         }
         weights.extend(trained.base);

@@ -241,8 +241,9 @@ pub struct Adapter {
     /// QLoRA: keep the frozen base model's linear weights (the attention and MLP projections of
     /// every layer) in 4 bits while the adapter trains — `"nf4"`, bitsandbytes' 4-bit
     /// NormalFloat in blocks of 64, as `BitsAndBytesConfig(load_in_4bit=True,
-    /// bnb_4bit_quant_type="nf4")` loads them: about 4.5 bits a weight instead of 16, so a model
-    /// of 8B parameters trains in about 6 GB of weights. The adapter learns against the 4-bit
+    /// bnb_4bit_quant_type="nf4")` loads them (4.5 bits a weight instead of 16), or `"nf4-dq"`
+    /// with `bnb_4bit_use_double_quant=True` (the scales quantized too: 4.127 bits). A model of
+    /// 8B parameters then trains in about 6 GB of weights. The adapter learns against the 4-bit
     /// weights (train and evaluate compute with them); exports merge it into the original ones.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantize_base: Option<BaseQuant>,
@@ -252,9 +253,13 @@ pub struct Adapter {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum BaseQuant {
-    /// 4-bit NormalFloat, blocks of 64 values with an f32 scale each (QLoRA without double
-    /// quantization).
+    /// 4-bit NormalFloat, blocks of 64 values with an f32 scale each
+    /// (`bnb_4bit_use_double_quant=False`): 4.5 bits a weight.
     Nf4,
+    /// NF4 with its block scales quantized again to 8 bits (`bnb_4bit_use_double_quant=True`,
+    /// the QLoRA paper's setting): 4.127 bits a weight.
+    #[serde(rename = "nf4-dq")]
+    Nf4Dq,
 }
 
 impl Default for Adapter {

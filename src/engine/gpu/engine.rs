@@ -17,7 +17,7 @@ use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
 use crate::model::{LAYER_LINEARS, ModelConfig, ModelError, QK_NORMS, nf4};
-use crate::recipe::Dtype;
+use crate::recipe::{BaseQuant, Dtype};
 use crate::rng::Rng;
 
 /// Logits per LM-head chunk: 64 Mi elements (128 MiB in bf16) bounds memory and keeps the
@@ -43,8 +43,16 @@ struct Adapter {
 #[derive(Debug, Clone, Copy)]
 enum W {
     Frozen(u64),
-    Nf4 { packed: u64, absmax: u64 },
+    Nf4 { packed: u64, scales: Scales },
     Trained(usize),
+}
+
+/// A 4-bit weight's block scales: f32 values, or under double quantization their 8-bit indices
+/// into the dynamic code, an f32 scale per 256 of them and their offset.
+#[derive(Debug, Clone, Copy)]
+enum Scales {
+    Plain(u64),
+    Nested { codes: u64, scales: u64, offset: f32 },
 }
 
 struct Lin {
@@ -258,6 +266,8 @@ pub struct GpuEngine {
     cfg: ModelConfig,
     /// Owns every frozen weight; the layers below hold their addresses.
     _weights: Vec<Buf>,
+    /// Double quantization's 8-bit code (256 f32 values), when the base has it.
+    dynamic: Option<u64>,
     embed: W,
     norm: W,
     layers: Vec<Layer>,
@@ -303,7 +313,8 @@ impl GpuEngine {
         // so weights the model does not use (as candle's) never train.
         let trainable = &setup.trainable;
         let mut weights: BTreeMap<String, Buf> = BTreeMap::new();
-        let mut quantized: BTreeMap<String, (Buf, Buf)> = BTreeMap::new();
+        // 4-bit weights: how the passes read each, and the buffers that hold it.
+        let mut quantized: BTreeMap<String, (W, Vec<Buf>)> = BTreeMap::new();
         let mut masters: BTreeMap<String, Vec<f32>> = BTreeMap::new();
         let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         setup.folder.visit_weights(|name, t| -> Result<(), EngineError> {
@@ -315,11 +326,24 @@ impl GpuEngine {
                 .and_then(|t| t.to_vec1())
                 .map_err(EngineError::candle(format!("read `{name}`")))?;
             let upload = |e| oom_or(e, &format!("uploading `{name}`"), 0, 0);
-            if nf4::stored(setup.base_quant, trainable, name)? {
-                let q = nf4::quantize(&v);
+            if let Some(quant) = nf4::stored(setup.base_quant, trainable, name)? {
+                let q = nf4::quantize(&v, quant == BaseQuant::Nf4Dq);
                 let packed = Buf::from_u32(&gpu, &q.words()).map_err(upload)?;
-                let absmax = Buf::from_f32(&gpu, &q.absmax, Dt::F32).map_err(upload)?;
-                quantized.insert(name.to_string(), (packed, absmax));
+                let (scales, mut bufs) = match &q.nested {
+                    None => {
+                        let absmax = Buf::from_f32(&gpu, &q.absmax, Dt::F32).map_err(upload)?;
+                        (Scales::Plain(absmax.ptr()), vec![absmax])
+                    }
+                    Some(n) => {
+                        let codes = Buf::from_u32(&gpu, &n.words()).map_err(upload)?;
+                        let scales = Buf::from_f32(&gpu, &n.scales, Dt::F32).map_err(upload)?;
+                        let s = Scales::Nested { codes: codes.ptr(), scales: scales.ptr(), offset: n.offset };
+                        (s, vec![codes, scales])
+                    }
+                };
+                let w = W::Nf4 { packed: packed.ptr(), scales };
+                bufs.push(packed);
+                quantized.insert(name.to_string(), (w, bufs));
             } else if trainable.trains_weight(name) {
                 masters.insert(name.to_string(), v);
             } else {
@@ -352,10 +376,7 @@ impl GpuEngine {
                     slots.push(Slot { name: name.to_string(), shape: shape.to_vec(), off, len: v.len() });
                     Ok(W::Trained(off))
                 }
-                None => Ok(match quantized.get(name) {
-                    Some((packed, absmax)) => W::Nf4 { packed: packed.ptr(), absmax: absmax.ptr() },
-                    None => W::Frozen(weights[name].ptr()),
-                }),
+                None => Ok(quantized.get(name).map_or_else(|| W::Frozen(weights[name].ptr()), |q| q.0)),
             }
         };
         let next_id = std::cell::Cell::new(0);
@@ -464,12 +485,18 @@ impl GpuEngine {
         };
 
         let acc = Buf::zeros(&gpu, 4, Dt::U32).map_err(gerr("allocate accumulators"))?;
+        let dynamic = match setup.base_quant {
+            Some(BaseQuant::Nf4Dq) => Some(Buf::from_f32(&gpu, &nf4::dynamic_code(), Dt::F32).map_err(gerr("upload"))?),
+            _ => None,
+        };
+        let dynamic_ptr = dynamic.as_ref().map(Buf::ptr);
         let mut engine = GpuEngine {
             describe: format!("GPU engine ({}, {})", gpu.name(), setup.device.dtype.as_str()),
             gpu,
             dt,
             cfg,
-            _weights: weights.into_values().chain(quantized.into_values().flat_map(|(p, a)| [p, a])).collect(),
+            _weights: weights.into_values().chain(quantized.into_values().flat_map(|q| q.1)).chain(dynamic).collect(),
+            dynamic: dynamic_ptr,
             embed,
             norm,
             layers,
@@ -570,9 +597,24 @@ impl GpuEngine {
     /// into for this product when it is kept in 4 bits.
     fn lin_weight(&self, l: &Lin) -> Result<(u64, Option<Buf>), GpuError> {
         match l.w {
-            W::Nf4 { packed, absmax } => {
-                let b = self.buf(l.out * l.inp, self.dt)?;
-                self.ops().nf4_dequant(packed, absmax, b.ptr(), l.out * l.inp)?;
+            W::Nf4 { packed, scales } => {
+                let n = l.out * l.inp;
+                let nested = match scales {
+                    Scales::Plain(_) => None,
+                    Scales::Nested { codes, scales, offset } => {
+                        let blocks = n.div_ceil(nf4::BLOCK);
+                        let b = self.buf(blocks, Dt::F32)?;
+                        let code = self.dynamic.expect("double quantization uploads its code");
+                        self.ops().nf4_scales(codes, scales, code, offset, b.ptr(), blocks)?;
+                        Some(b)
+                    }
+                };
+                let absmax = match scales {
+                    Scales::Plain(p) => p,
+                    Scales::Nested { .. } => nested.as_ref().map(Buf::ptr).expect("computed above"),
+                };
+                let b = self.buf(n, self.dt)?;
+                self.ops().nf4_dequant(packed, absmax, b.ptr(), n)?;
                 Ok((b.ptr(), Some(b)))
             }
             w => Ok((self.w(w), None)),

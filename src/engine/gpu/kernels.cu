@@ -182,6 +182,17 @@ __device__ void nf4_dequant(const uint32_t* packed, const float* absmax, T* out,
 }
 KERNEL_T(nf4_dequant, (const uint32_t* packed, const float* absmax, T* out, int n), (packed, absmax, out, n))
 
+// Double quantization's block scales: scale b = code[8-bit index b] · scales[b / 256] + offset,
+// rounded after the product and after the sum as src/model/nf4.rs computes them.
+extern "C" __global__ void nf4_scales(const uint32_t* codes, const float* scales, const float* code, float offset,
+                                      float* out, int n) {
+    FOR_EACH(b, n) {
+        uint32_t idx = (codes[b >> 2] >> ((b & 3) * 8)) & 0xffu;
+        out[b] = __fadd_rn(__fmul_rn(code[idx], scales[b / 256]), offset);
+    }
+}
+EMU_REGISTER(nf4_scales)
+
 template <typename T>
 __device__ void cast_from_f32(const float* src, T* dst, int n) {
     FOR_EACH(i, n) dst[i] = from_f<T>(src[i]);

@@ -200,6 +200,13 @@ impl Ops<'_> {
         self.run("nf4_dequant", n, &[Arg::Ptr(packed), Arg::Ptr(absmax), Arg::Ptr(out), i(n)])
     }
 
+    /// `out[b] = code[index b] · scales[b / 256] + offset` in f32: a 4-bit weight's block scales
+    /// under double quantization (`codes` as little-endian words of 8-bit indices).
+    pub fn nf4_scales(&self, codes: u64, scales: u64, code: u64, offset: f32, out: u64, n: usize) -> R {
+        let args = [Arg::Ptr(codes), Arg::Ptr(scales), Arg::Ptr(code), Arg::F32(offset), Arg::Ptr(out), i(n)];
+        self.gpu.launch("nf4_scales", grid(n), BLOCK, &args)
+    }
+
     pub fn cast_from_f32(&self, src: u64, dst: u64, n: usize) -> R {
         self.run("cast_from_f32", n, &[Arg::Ptr(src), Arg::Ptr(dst), i(n)])
     }

@@ -80,6 +80,7 @@ pub const KERNELS: &[(&str, &[u8])] = &[
     ("nf4_dequant_bf16", include_bytes!("spirv/nf4_dequant_bf16.spv")),
     ("nf4_dequant_f16", include_bytes!("spirv/nf4_dequant_f16.spv")),
     ("nf4_dequant_f32", include_bytes!("spirv/nf4_dequant_f32.spv")),
+    ("nf4_scales", include_bytes!("spirv/nf4_scales.spv")),
     ("rmsnorm_apply_bf16", include_bytes!("spirv/rmsnorm_apply_bf16.spv")),
     ("rmsnorm_apply_f16", include_bytes!("spirv/rmsnorm_apply_f16.spv")),
     ("rmsnorm_apply_f32", include_bytes!("spirv/rmsnorm_apply_f32.spv")),

@@ -161,6 +161,19 @@ void main() {
 }
 #endif
 
+// Double quantization's block scales: scale b = code[8-bit index b] · scales[b / 256] + offset,
+// rounded after the product and after the sum as src/model/nf4.rs computes them.
+#ifdef K_nf4_scales
+layout(push_constant) uniform P { U32 codes; F32 scales; F32 code; float offset; F32 out_; int n; } p;
+void main() {
+    FOR_EACH(b, p.n) {
+        uint idx = (p.codes.v[b >> 2] >> ((b & 3) * 8)) & 0xffu;
+        precise float s = p.code.v[idx] * p.scales.v[b / 256];
+        p.out_.v[b] = s + p.offset;
+    }
+}
+#endif
+
 #ifdef K_cast_from_f32
 layout(push_constant) uniform P { F32 src; TB dst; int n; } p;
 void main() {
