@@ -13,8 +13,9 @@
 #   scripts/gpu-session.sh bench    # carry .gpu .gl: SmolLM2-135M/360M at 4×512 through Vulkan
 #                                   # (bf16, then f16) against PyTorch + PEFT on CUDA, and rtune
 #                                   # on CUDA
-#   scripts/gpu-session.sh more     # carry .gpu .gl: the scalar attention's share, and a full
-#                                   # fine-tune against PyTorch on CUDA and through Vulkan
+#   scripts/gpu-session.sh more     # carry .gpu .gl: the scalar attention's share, a full
+#                                   # fine-tune against PyTorch on CUDA and through Vulkan, and
+#                                   # QLoRA (nf4-dq) on CUDA and through Vulkan
 #
 # Logs and results go under $OUT/<part> (the device tool brings $OUT back); the end of the
 # output is a summary. SHAPES overrides the benchmarks' shapes. A dry run without a GPU, on
@@ -81,7 +82,12 @@ more)
   OUT="$out/full-cuda" TRAIN=full timeout 200 scripts/gpu_bench.sh "${shapes[0]}" >"$out/full-cuda.txt" 2>&1 || status=1
   OUT="$out/full-vulkan" TRAIN=full DEVICE=vulkan SKIP_TORCH=1 timeout 150 scripts/gpu_bench.sh "${shapes[0]}" \
     >"$out/full-vulkan.txt" 2>&1 || status=1
-  summarize vulkan-f16-scalar full-cuda full-vulkan
+  log "QLoRA (nf4-dq, bf16): CUDA, then Vulkan (rtune alone: the image has no bitsandbytes)"
+  OUT="$out/qlora-cuda" TRAIN=qlora SKIP_TORCH=1 timeout 60 scripts/gpu_bench.sh "${shapes[1]:-${shapes[0]}}" \
+    >"$out/qlora-cuda.txt" 2>&1 || status=1
+  OUT="$out/qlora-vulkan" TRAIN=qlora DEVICE=vulkan SKIP_TORCH=1 timeout 60 scripts/gpu_bench.sh \
+    "${shapes[1]:-${shapes[0]}}" >"$out/qlora-vulkan.txt" 2>&1 || status=1
+  summarize vulkan-f16-scalar full-cuda full-vulkan qlora-cuda qlora-vulkan
   ;;
 *)
   echo "unknown part $part: vulkan, verify, bench or more" >&2

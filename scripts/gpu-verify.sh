@@ -12,9 +12,10 @@
 # 4. the default recipe's training in bf16 and f16 (loss scaling) on CUDA;
 # 5. a full fine-tune of the default recipe's model, 50 steps on CUDA (the GPU engine, and
 #    candle's autograd with RTUNE_ENGINE=candle) and on the CPU (the fused CPU engine), compared;
-# 6. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
-#    the GPU through Vulkan, and the default recipe (and the full fine-tune) through Vulkan
-#    against the CPU (issue 18).
+# 6. QLoRA (`adapter.quantize_base = "nf4-dq"`), 50 steps on CUDA and on the CPU, compared;
+# 7. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
+#    the GPU through Vulkan, and the default recipe (and the full fine-tune and QLoRA) through
+#    Vulkan against the CPU (issue 18).
 # Logs go to $OUT (or /tmp/rtune-gpu-verify). TESTS=0 skips the engine's tests (2 and 6's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +56,10 @@ full=(--only train --set adapter.kind=none --set stages.train.max_steps=50 --set
 run_recipe full-cuda /tmp/rtune-cache-cuda "${full[@]}"
 RTUNE_ENGINE=candle run_recipe full-cuda-candle /tmp/rtune-cache-cuda "${full[@]}"
 run_recipe full-cpu /tmp/rtune-cache-cpu "${full[@]}" --set 'device.prefer=["cpu"]'
+step "QLoRA (nf4-dq), 50 steps, on CUDA and the CPU"
+qlora=(--only train --set 'adapter.quantize_base="nf4-dq"' --set stages.train.max_steps=50)
+run_recipe qlora-cuda /tmp/rtune-cache-cuda "${qlora[@]}"
+run_recipe qlora-cpu /tmp/rtune-cache-cpu "${qlora[@]}" --set 'device.prefer=["cpu"]'
 
 step "Vulkan: the GPU engine's tests and the default recipe"
 if .gpu/rtune doctor 2>/dev/null | grep -q "^  vulkan:"; then
@@ -69,6 +74,7 @@ if .gpu/rtune doctor 2>/dev/null | grep -q "^  vulkan:"; then
   fi
   run_recipe tiny-vulkan /tmp/rtune-cache-vulkan --set 'device.prefer=["vulkan"]'
   run_recipe full-vulkan /tmp/rtune-cache-vulkan "${full[@]}" --set 'device.prefer=["vulkan"]'
+  run_recipe qlora-vulkan /tmp/rtune-cache-vulkan "${qlora[@]}" --set 'device.prefer=["vulkan"]'
 else
   echo "no Vulkan device (carry the loader's .deb under .gl/)"
 fi
@@ -109,12 +115,16 @@ def low_precision(name):
     _, m = curve(name)
     print(f"{name} on CUDA: eval loss {m['eval_loss_end']:.5f} (f32: {mc['eval_loss_end']:.5f}), {m.get('engine')}")
     return False
-def full_fine_tune(name):
-    (fc, mfc), (fp, mfp) = curve(name), curve("full-cpu")
+def against_cpu(name, reference, what, tol):
+    (fc, mfc), (fp, mfp) = curve(name), curve(reference)
     w = max(abs(a - b) / abs(b) for a, b in zip(fc, fp))
-    print(f"full fine-tune, 50 steps, {name}: max relative loss difference vs CPU {w:.2e}; eval loss "
+    print(f"{what}, 50 steps, {name}: max relative loss difference vs CPU {w:.2e}; eval loss "
           f"{mfc['eval_loss_end']:.6f} vs {mfp['eval_loss_end']:.6f} ({mfc.get('engine')} / {mfp.get('engine')})")
-    return w > 1e-3
+    return w > tol
+def full_fine_tune(name):
+    return against_cpu(name, "full-cpu", "full fine-tune", 1e-3)
+def qlora(name):
+    return against_cpu(name, "qlora-cpu", "QLoRA (nf4-dq)", 1e-4)
 def vulkan():
     _, mv = curve("tiny-vulkan")
     d = abs(mv["eval_loss_end"] - mp["eval_loss_end"]) / mp["eval_loss_end"]
@@ -127,6 +137,8 @@ for name in ["tiny-bf16", "tiny-f16"]:
 on_vulkan = (out / "tiny-vulkan.stdout").exists()
 for name in ["full-cuda", "full-cuda-candle"] + (["full-vulkan"] if on_vulkan else []):
     failed |= fails(name, lambda: full_fine_tune(name))
+for name in ["qlora-cuda"] + (["qlora-vulkan"] if on_vulkan else []):
+    failed |= fails(name, lambda: qlora(name))
 if on_vulkan:
     failed |= fails("tiny-vulkan", vulkan)
 if failed:

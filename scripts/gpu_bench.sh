@@ -17,8 +17,9 @@
 # (the Vulkan engine on the same GPU against PyTorch on CUDA; gpu-env.sh brings the loader).
 # TRAIN=full benchmarks a full fine-tune instead of LoRA: `adapter.kind = "none"` for rtune, and
 # for PyTorch fp32 weights under autocast bf16 with AdamW over every weight (peft_gpu.py --full).
-# TRAIN=qlora benchmarks QLoRA: `adapter.quantize_base = "nf4"` for rtune, transformers'
-# `load_in_4bit` NF4 base (bitsandbytes) for PyTorch (peft_gpu.py --qlora).
+# TRAIN=qlora benchmarks QLoRA: `adapter.quantize_base = "nf4-dq"` (QUANT=nf4 without double
+# quantization) for rtune, transformers' `load_in_4bit` NF4 base with double quantization
+# (bitsandbytes) for PyTorch (peft_gpu.py --qlora).
 # To dry-run this script without a GPU (PyTorch, transformers and PEFT on the CPU, rtune through
 # lavapipe): TORCH_DEVICE=cpu DEVICE=vulkan RTUNE=target/release/rtune scripts/gpu_bench.sh smoke:2x128
 set -euo pipefail
@@ -31,7 +32,7 @@ train="${TRAIN:-lora}"
 torch_device="${TORCH_DEVICE:-cuda}"
 base=""
 case "$train" in lora) kind=lora torch_args=() ;; full) kind=none torch_args=(--full) ;;
-qlora) kind=lora torch_args=(--qlora) base='quantize_base = "nf4"' ;; *)
+qlora) kind=lora torch_args=(--qlora) base="quantize_base = \"${QUANT:-nf4-dq}\"" ;; *)
   echo "TRAIN is lora, full or qlora, not $train" >&2
   exit 2
   ;;

@@ -8,7 +8,8 @@ synchronisation; prints one JSON line. With --full, a full fine-tune instead: no
 weights in fp32 (the master copies) under autocast(bf16), AdamW over every weight — the usual
 mixed-precision recipe (transformers' Trainer with bf16=True). With --qlora, QLoRA: the model
 loaded by transformers with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-bnb_4bit_compute_dtype=bfloat16) — every linear but the LM head in bitsandbytes' 4-bit NF4 —
+bnb_4bit_compute_dtype=bfloat16, bnb_4bit_use_double_quant=True) — every linear but the LM
+head in bitsandbytes' 4-bit NF4, its scales in 8 bits —
 and the same LoRA adapter over it (needs bitsandbytes).
 
     python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing] [--full|--qlora] [--device cpu]
@@ -38,7 +39,7 @@ if qlora:
     import bitsandbytes
     from transformers import BitsAndBytesConfig
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-                               bnb_4bit_use_double_quant=False)
+                               bnb_4bit_use_double_quant=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype, attn_implementation="sdpa",
                                                  quantization_config=quant, device_map={"": dev})
 else:
@@ -86,7 +87,7 @@ print(json.dumps({
     "impl": f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
             "SDPA attention, autocast bf16, " + ("fused AdamW" if cuda else "AdamW") + (", gradient checkpointing" if checkpointing else "")
             + ("; full fine-tune, fp32 weights" if full else "")
-            + (f"; QLoRA, bitsandbytes {bitsandbytes.__version__} nf4" if qlora else ""),
+            + (f"; QLoRA, bitsandbytes {bitsandbytes.__version__} nf4 + double quantization" if qlora else ""),
     "device": torch.cuda.get_device_name() if cuda else dev,
     "batch": batch, "seq": seq, "steps": steps,
     "seconds": seconds,
