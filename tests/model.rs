@@ -47,6 +47,30 @@ fn load(name: &str, trainable: &Trainable) -> Transformer {
     Transformer::new(&folder.config, &weights, trainable, &mut Rng::new(0)).unwrap()
 }
 
+/// An engine's setup on the CPU for the golden batch (with AdamW, so that it takes gradients).
+fn cpu_setup<'a>(
+    folder: &'a ModelFolder,
+    cpu: &'a rtune::device::Resolution,
+    trainable: Trainable,
+    trained: Option<&'a Path>,
+    base_quant: Option<rtune::recipe::BaseQuant>,
+) -> rtune::engine::Setup<'a> {
+    rtune::engine::Setup {
+        folder,
+        trainable,
+        seed: 0,
+        device: cpu,
+        optimizer: Some(rtune::engine::optim::AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }),
+        ema_decay: None,
+        checkpointing: rtune::engine::Checkpointing::Off,
+        trained,
+        max_batch: (2, 8),
+        tf32: false,
+        engine: None,
+        base_quant,
+    }
+}
+
 fn check(model: &Transformer, g: &Golden, key: &str) {
     check_within(model, g, key, 1.0)
 }
@@ -209,20 +233,7 @@ fn qlora_matches_peft_over_a_bitsandbytes_base() {
     let dir = fixture("tiny-qlora").join("adapter");
     let folder = ModelFolder::open(&fixture("tiny-qlora").join("model")).unwrap();
     let cpu = rtune::device::Resolution::cpu();
-    let setup = |trainable, trained, base_quant| rtune::engine::Setup {
-        folder: &folder,
-        trainable,
-        seed: 0,
-        device: &cpu,
-        optimizer: Some(rtune::engine::optim::AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }),
-        ema_decay: None,
-        checkpointing: rtune::engine::Checkpointing::Off,
-        trained,
-        max_batch: (2, 8),
-        tf32: false,
-        engine: None,
-        base_quant,
-    };
+    let setup = |trainable, trained, base_quant| cpu_setup(&folder, &cpu, trainable, trained, base_quant);
     let batch = rtune::engine::HostBatch::from_parts(&g.rows, &g.lens, None, g.select.clone(), g.targets.clone());
     let dq: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("tiny-qlora").join("expected-dq.json")).unwrap())
@@ -283,20 +294,8 @@ fn peft_adapters_with_modules_to_save_match_peft() {
         let g = Golden { expected, ..golden(name) };
         let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
         let cpu = rtune::device::Resolution::cpu();
-        let setup = |trained| rtune::engine::Setup {
-            folder: &folder,
-            trainable: Trainable::lora(peft::read_config(&dir).unwrap()),
-            seed: 0,
-            device: &cpu,
-            optimizer: None,
-            ema_decay: None,
-            checkpointing: rtune::engine::Checkpointing::Off,
-            trained,
-            max_batch: (2, 8),
-            tf32: false,
-            engine: None,
-            base_quant: None,
-        };
+        let setup =
+            |trained| cpu_setup(&folder, &cpu, Trainable::lora(peft::read_config(&dir).unwrap()), trained, None);
         for fused in [false, true] {
             let engine = rtune::engine::candle::CandleEngine::build(&setup(Some(&dir)), fused).unwrap();
             check(engine.model(), &g, "modules");
