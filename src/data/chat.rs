@@ -79,14 +79,10 @@ impl ChatTemplate {
     /// The template for a model folder: `dataset.chat_template` (`"chatml"` or a Jinja
     /// string) wins; else the folder's own ([`model_template`]).
     pub fn for_model(folder: &crate::model::ModelFolder, over: Option<&str>) -> Result<ChatTemplate, DataError> {
-        let source = match over {
-            Some("chatml") => CHATML.to_string(),
-            Some(t) => t.to_string(),
-            None => model_template(&folder.dir).map(|(t, _)| t).ok_or_else(|| DataError::Invalid {
-                message: "the model has no chat template (no `chat_template.jinja`, `chat_template.json` or `chat_template` in tokenizer_config.json)".into(),
-                help: Some("set `[dataset] chat_template = \"chatml\"` (or a Jinja template string)".into()),
-            })?,
-        };
+        let (source, _) = chat_source(folder, over).ok_or_else(|| DataError::Invalid {
+            message: "the model has no chat template (no `chat_template.jinja`, `chat_template.json` or `chat_template` in tokenizer_config.json)".into(),
+            help: Some("set `[dataset] chat_template = \"chatml\"` (or a Jinja template string)".into()),
+        })?;
         let (bos, eos) = special_tokens(&folder.dir);
         ChatTemplate::new(&source, &bos, &eos)
     }
@@ -261,24 +257,30 @@ pub fn shipped(
     tokenizer: &tokenizers::Tokenizer,
 ) -> Result<Option<Shipped>, DataError> {
     use crate::recipe::DataFormat;
-    let (source, origin) = match (format, over) {
-        (DataFormat::Chat, Some("chatml")) => (CHATML.to_string(), "dataset.chat_template = \"chatml\"".to_string()),
-        (DataFormat::Chat, Some(t)) => (t.to_string(), "dataset.chat_template".to_string()),
-        (DataFormat::Alpaca, _) => {
+    let chosen = match format {
+        DataFormat::Alpaca => {
             let bos = folder.row_bos(tokenizer).is_some();
-            (alpaca_template(bos).to_string(), "the Alpaca prompt (dataset.format = \"alpaca\")".to_string())
+            Some((alpaca_template(bos).to_string(), "the Alpaca prompt (dataset.format = \"alpaca\")".to_string()))
         }
-        (DataFormat::Chat | DataFormat::Text, None) | (DataFormat::Text, Some(_)) => {
-            match model_template(&folder.dir) {
-                Some((t, file)) => (t, format!("the base model's {file}")),
-                None => return Ok(None),
-            }
-        }
+        DataFormat::Chat => chat_source(folder, over),
+        // `dataset.chat_template` applies to chat data only.
+        DataFormat::Text => chat_source(folder, None),
     };
+    let Some((source, origin)) = chosen else { return Ok(None) };
     let (bos, eos) = special_tokens(&folder.dir);
     let template = ChatTemplate::new(&source, &bos, &eos)?;
     let turn_end = turn_end(&template, tokenizer);
     Ok(Some(Shipped { source, origin, turn_end }))
+}
+
+/// The chat template `dataset.chat_template` (`over`) picks for a model — `"chatml"`, a Jinja
+/// string, else the model's own — and where it comes from; None when there is none.
+fn chat_source(folder: &crate::model::ModelFolder, over: Option<&str>) -> Option<(String, String)> {
+    match over {
+        Some("chatml") => Some((CHATML.to_string(), "dataset.chat_template = \"chatml\"".to_string())),
+        Some(t) => Some((t.to_string(), "dataset.chat_template".to_string())),
+        None => model_template(&folder.dir).map(|(t, file)| (t, format!("the base model's {file}"))),
+    }
 }
 
 /// The special token right after an assistant turn's content: render a two-turn conversation,
