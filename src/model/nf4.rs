@@ -17,9 +17,9 @@
 //! scales, less their mean (`offset`), are quantized again, 8 bits each in blocks of
 //! [`SCALE_BLOCK`] with bitsandbytes' signed dynamic code ([`dynamic_code`]) and an f32 scale per
 //! block — 4.127 bits a weight instead of 4.5. A scale is then `dynamic[index] · scale2 +
-//! offset`, in f32. bitsandbytes' own kernels pick the 8-bit index by a binary search (CUDA) or a
-//! lookup table (CPU) that now and then choose the neighbour of the nearest value; rtune takes
-//! the nearest, so its scales agree with bitsandbytes' to that step.
+//! offset`, in f32. bitsandbytes' CPU kernel picks the 8-bit index through a lookup table that
+//! now and then returns a neighbour of the nearest value; rtune takes the nearest, so its scales
+//! agree with bitsandbytes' to that step.
 
 use super::{LAYER_LINEARS, ModelError, Trainable};
 use crate::recipe::BaseQuant;
