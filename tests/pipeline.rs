@@ -1223,8 +1223,12 @@ fn qlora_trains_over_a_4bit_base_and_exports_into_the_original_weights() {
         args.extend(extra);
         p.run_json(&args)
     };
+    // Both runs upload their card to the same `dir://` destination.
+    let card = || std::fs::read_to_string(p.path().join("out/tiny-offline/README.md")).unwrap();
     let dense = run(&[]);
+    let dense_card = card();
     let qlora = run(&["--set", r#"adapter.quantize_base="nf4""#]);
+    let qlora_card = card();
     // The download and tokenize stages are the dense run's; everything from train on is new.
     let built: Vec<_> = outcomes(&qlora).into_iter().filter(|(_, o)| o == "built").map(|(s, _)| s).collect();
     assert_eq!(built, ["train", "eval_base", "evaluate", "quantize", "upload"], "{:?}", outcomes(&qlora));
@@ -1238,6 +1242,8 @@ fn qlora_trains_over_a_4bit_base_and_exports_into_the_original_weights() {
     assert!((end - tuned).abs() <= 1e-6 * end, "evaluate {tuned} vs train's last eval {end}");
     let config = read_json(&artifact(&qlora, "train").join("adapter_config.json"));
     assert_eq!(config["peft_type"], "LORA");
+    assert!(qlora_card.contains("- qlora\n") && qlora_card.contains("bnb_4bit_use_double_quant=False"), "{qlora_card}");
+    assert!(!dense_card.contains("qlora") && !dense_card.contains("QLoRA"), "{dense_card}");
     let quantize = qlora["stages"].as_array().unwrap().iter().find(|s| s["name"] == "quantize").unwrap();
     let diff = quantize["metrics"]["formats"]["safetensors-merged"]["max_logit_diff"].as_f64().unwrap();
     assert!(diff < 1e-3, "merged into the original weights: {diff}");

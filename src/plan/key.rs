@@ -330,6 +330,9 @@ pub struct Card {
     pub dataset_repo: Option<String>,
     /// A LoRA adapter (`library_name: peft` and the `lora` tag).
     pub lora: bool,
+    /// The adapter trained over a 4-bit base (`adapter.quantize_base`; the `qlora` tag).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub qlora: Option<crate::recipe::BaseQuant>,
 }
 
 /// A text that is hashed by its digest.
@@ -469,6 +472,7 @@ mod tests {
                             base_repo: None,
                             dataset_repo: Some("owner/data".into()),
                             lora: true,
+                            qlora: None,
                         },
                     },
                     dir: Some(PathBuf::from("/not/hashed")),

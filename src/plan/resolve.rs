@@ -180,7 +180,9 @@ pub(super) fn resolve_key(
                     .get(&crate::recipe::stages::Port::Exports)
                     .and_then(|q| super::trained_from(q, loaded, &overrides))
                     .map_or(recipe.adapter.kind != crate::recipe::AdapterKind::None, |t| t.adapter),
+                qlora: None,
             };
+            let card = Card { qlora: recipe.adapter.quantize_base.filter(|_| card.lora), ..card };
             let dir = upload.to.strip_prefix("dir://").map(|rel| loaded.resolve_path(rel));
             StageKey::Upload(UploadKey { settings: UploadKeySettings { upload, card }, dir })
         }

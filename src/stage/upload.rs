@@ -106,6 +106,9 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
     if lora {
         tags.push("lora");
     }
+    if c.qlora.is_some() {
+        tags.push("qlora");
+    }
     if files.iter().any(|(p, _, _)| p.ends_with(".gguf")) {
         tags.push("gguf");
     }
@@ -129,6 +132,17 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
         let _ = writeln!(s, "{d}\n");
     }
     let _ = writeln!(s, "Fine-tuned from {} with rtune (`{}`).\n", c.base, command(c));
+    if let Some(q) = c.qlora {
+        let double = q == crate::recipe::BaseQuant::Nf4Dq;
+        let _ = writeln!(
+            s,
+            "QLoRA: the adapter trained over the base with its linear layers in 4-bit NF4 (bitsandbytes' \
+             `load_in_4bit=True, bnb_4bit_quant_type=\"nf4\", bnb_4bit_use_double_quant={}`), and the \
+             evaluations below ran over that base; merged exports hold the adapter merged into the \
+             original weights.\n",
+            if double { "True" } else { "False" }
+        );
+    }
     s.push_str("## Files\n\n| file | size |\n|---|---|\n");
     for (p, local, _) in files {
         let size = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
