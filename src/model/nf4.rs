@@ -407,11 +407,21 @@ fn blockwise(w: &[f32], block: usize, mut index: impl FnMut(usize, f32)) -> Vec<
 /// Quantize `w` (a flattened weight) as bitsandbytes does ([`blockwise`] blocks of [`BLOCK`],
 /// the nearest [`CODE`] value), its scales again with `double` ([`Nested`]).
 pub fn quantize(w: &[f32], double: bool) -> Nf4 {
+    use rayon::prelude::*;
+    // Spans of whole blocks quantized in parallel (only the last span's last block can be
+    // partial, as in one pass).
+    const SPAN: usize = BLOCK * 4096;
     let mut packed = vec![0u8; w.len().div_ceil(2)];
-    let absmax = blockwise(w, BLOCK, |i, x| {
-        let code = nearest(x);
-        packed[i / 2] |= if i.is_multiple_of(2) { code << 4 } else { code };
-    });
+    let mut absmax = vec![0f32; w.len().div_ceil(BLOCK)];
+    packed.par_chunks_mut(SPAN / 2).zip(absmax.par_chunks_mut(SPAN / BLOCK)).zip(w.par_chunks(SPAN)).for_each(
+        |((packed, absmax), w)| {
+            let scales = blockwise(w, BLOCK, |i, x| {
+                let code = nearest(x);
+                packed[i / 2] |= if i.is_multiple_of(2) { code << 4 } else { code };
+            });
+            absmax.copy_from_slice(&scales);
+        },
+    );
     let (absmax, nested) = match double {
         false => (absmax, None),
         true => {
@@ -563,6 +573,19 @@ mod tests {
         }
         assert!(double.bytes() * 8 < w.len() * 4127 / 1000 + 64, "{} bytes", double.bytes());
         assert!(plain.bytes() * 8 == w.len() * 9 / 2);
+    }
+
+    #[test]
+    fn spans_quantized_in_parallel_equal_each_block_alone() {
+        // Two spans and a bit, the last block partial (62 values).
+        let n = 2 * BLOCK * 4096 + 3 * BLOCK + 62;
+        let w: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * (1.0 + (i / 640) as f32)).collect();
+        let q = quantize(&w, false);
+        for (b, block) in w.chunks(BLOCK).enumerate() {
+            let alone = quantize(block, false);
+            assert_eq!(q.absmax[b], alone.absmax[0], "block {b}");
+            assert_eq!(&q.packed[b * BLOCK / 2..(b * BLOCK + block.len()).div_ceil(2)], &alone.packed[..], "block {b}");
+        }
     }
 
     #[test]
