@@ -225,6 +225,22 @@ impl ModelConfig {
         })
     }
 
+    /// A decoder layer's linears in [`super::LAYER_LINEARS`]' order: inputs, outputs, and
+    /// whether each has a bias.
+    pub fn layer_linears(&self) -> [(usize, usize, bool); 7] {
+        let (h, inter) = (self.hidden_size, self.intermediate_size);
+        let (qd, kvd) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
+        [
+            (h, qd, self.qkv_bias),
+            (h, kvd, self.qkv_bias),
+            (h, kvd, self.qkv_bias),
+            (qd, h, self.o_bias),
+            (h, inter, self.mlp_bias),
+            (h, inter, self.mlp_bias),
+            (inter, h, self.mlp_bias),
+        ]
+    }
+
     /// The longest sequence rtune computes exactly as transformers does: the rotary tables'
     /// reach, and within a sliding window (Mistral v0.1) only the window's length.
     pub fn max_positions(&self) -> usize {

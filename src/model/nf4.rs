@@ -366,23 +366,27 @@ pub fn stored(quant: Option<BaseQuant>, trainable: &Trainable, name: &str) -> Re
 /// Bytes the decoder layers' linear weights take at `dtype_bytes` a value, and in NF4 (packed
 /// indices and block scales): what `adapter.quantize_base` saves.
 pub fn linear_bytes(cfg: &super::ModelConfig, dtype_bytes: usize) -> (u64, u64) {
-    let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
-    let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
-    let sizes = [h * qd, h * kvd, h * kvd, qd * h, h * inter, h * inter, inter * h];
-    let packed: usize = sizes.iter().map(|n| n.div_ceil(2) + 4 * n.div_ceil(BLOCK)).sum();
+    let sizes = cfg.layer_linears().map(|(inp, out, _)| inp * out);
+    let packed: usize = sizes.iter().map(|&n| packed_bytes(n)).sum();
     let values: usize = sizes.iter().sum();
     ((values * cfg.num_layers * dtype_bytes) as u64, (packed * cfg.num_layers) as u64)
 }
 
-/// The index of the code value nearest to `x` (in [-1, 1]): the number of midpoints between
-/// consecutive code values below it, a value on a midpoint going to the lower one
-/// (bitsandbytes' `torch.bucketize` against the midpoints).
-fn nearest(x: f32) -> u8 {
-    let mut i = 0u8;
-    while (i as usize) < 15 && x > (CODE[i as usize] + CODE[i as usize + 1]) / 2.0 {
-        i += 1;
-    }
-    i
+/// Bytes `n` values take in NF4 without double quantization: indices and f32 block scales.
+fn packed_bytes(n: usize) -> usize {
+    n.div_ceil(2) + 4 * n.div_ceil(BLOCK)
+}
+
+/// The midpoints between consecutive values of an ascending code, in f32.
+fn midpoints(code: &[f32]) -> Vec<f32> {
+    code.windows(2).map(|p| (p[0] + p[1]) / 2.0).collect()
+}
+
+/// The index of the code value nearest to `x` (in [-1, 1]), given the code's [`midpoints`]: the
+/// number of midpoints below it, a value on a midpoint going to the lower one (bitsandbytes'
+/// `torch.bucketize` against the midpoints).
+fn nearest(mids: &[f32], x: f32) -> u8 {
+    mids.partition_point(|m| *m < x) as u8
 }
 
 /// Blockwise absmax quantization as bitsandbytes computes it: per block of `block` values the
@@ -413,10 +417,11 @@ pub fn quantize(w: &[f32], double: bool) -> Nf4 {
     const SPAN: usize = BLOCK * 4096;
     let mut packed = vec![0u8; w.len().div_ceil(2)];
     let mut absmax = vec![0f32; w.len().div_ceil(BLOCK)];
+    let mids = midpoints(&CODE);
     packed.par_chunks_mut(SPAN / 2).zip(absmax.par_chunks_mut(SPAN / BLOCK)).zip(w.par_chunks(SPAN)).for_each(
         |((packed, absmax), w)| {
             let scales = blockwise(w, BLOCK, |i, x| {
-                let code = nearest(x);
+                let code = nearest(&mids, x);
                 packed[i / 2] |= if i.is_multiple_of(2) { code << 4 } else { code };
             });
             absmax.copy_from_slice(&scales);
@@ -436,10 +441,9 @@ pub fn quantize(w: &[f32], double: bool) -> Nf4 {
 fn quantize_scales(absmax: &[f32]) -> Nested {
     let offset = (absmax.iter().map(|&a| a as f64).sum::<f64>() / absmax.len().max(1) as f64) as f32;
     let centered: Vec<f32> = absmax.iter().map(|a| a - offset).collect();
-    let code = dynamic_code();
-    let mids: Vec<f32> = code.windows(2).map(|p| (p[0] + p[1]) / 2.0).collect();
+    let mids = midpoints(&dynamic_code());
     let mut codes = vec![0u8; absmax.len()];
-    let scales = blockwise(&centered, SCALE_BLOCK, |i, x| codes[i] = mids.partition_point(|m| *m < x) as u8);
+    let scales = blockwise(&centered, SCALE_BLOCK, |i, x| codes[i] = nearest(&mids, x));
     Nested { codes, scales, offset }
 }
 
@@ -483,11 +487,10 @@ impl Nf4 {
     /// Bytes the packed form takes: indices and scales (their own indices and scales under
     /// double quantization).
     pub fn bytes(&self) -> usize {
-        self.packed.len()
-            + match &self.nested {
-                None => 4 * self.absmax.len(),
-                Some(n) => n.codes.len() + 4 * n.scales.len() + 4,
-            }
+        match &self.nested {
+            None => packed_bytes(self.len),
+            Some(n) => self.packed.len() + n.codes.len() + 4 * n.scales.len() + 4,
+        }
     }
 }
 
@@ -526,13 +529,14 @@ mod tests {
     #[test]
     fn the_code_is_sorted_and_nearest_rounds_to_it() {
         assert!(CODE.windows(2).all(|p| p[0] < p[1]));
+        let mids = midpoints(&CODE);
         for (i, c) in CODE.iter().enumerate() {
-            assert_eq!(nearest(*c) as usize, i);
+            assert_eq!(nearest(&mids, *c) as usize, i);
         }
         // Just above a midpoint goes up; on it, down.
         let mid = (CODE[7] + CODE[8]) / 2.0;
-        assert_eq!(nearest(mid), 7);
-        assert_eq!(nearest(f32::from_bits(mid.to_bits() + 1)), 8);
+        assert_eq!(nearest(&mids, mid), 7);
+        assert_eq!(nearest(&mids, f32::from_bits(mid.to_bits() + 1)), 8);
     }
 
     #[test]

@@ -353,7 +353,6 @@ impl GpuEngine {
             Ok(())
         })?;
         let h = cfg.hidden_size;
-        let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let masters = std::cell::RefCell::new(masters);
         let trained_weights = std::cell::RefCell::new((Vec::<Slot>::new(), Vec::<f32>::new()));
         let weight = |name: &str, shape: &[usize]| -> Result<W, ModelError> {
@@ -394,17 +393,8 @@ impl GpuEngine {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
-            let dims = [
-                (h, qd, cfg.qkv_bias),
-                (h, kvd, cfg.qkv_bias),
-                (h, kvd, cfg.qkv_bias),
-                (qd, h, cfg.o_bias),
-                (h, cfg.intermediate_size, cfg.mlp_bias),
-                (h, cfg.intermediate_size, cfg.mlp_bias),
-                (cfg.intermediate_size, h, cfg.mlp_bias),
-            ];
             let mut lins = Vec::with_capacity(7);
-            for (m, (inp, out, bias)) in LAYER_LINEARS.iter().zip(dims) {
+            for (m, (inp, out, bias)) in LAYER_LINEARS.iter().zip(cfg.layer_linears()) {
                 lins.push(lin(&format!("{p}.{m}"), inp, out, bias)?);
             }
             let qk_norm = match cfg.qk_norm {
@@ -599,19 +589,16 @@ impl GpuEngine {
         match l.w {
             W::Nf4 { packed, scales } => {
                 let n = l.out * l.inp;
-                let nested = match scales {
-                    Scales::Plain(_) => None,
+                // Under double quantization the block scales are dequantized first.
+                let (absmax, _scales) = match scales {
+                    Scales::Plain(p) => (p, None),
                     Scales::Nested { codes, scales, offset } => {
                         let blocks = n.div_ceil(nf4::BLOCK);
                         let b = self.buf(blocks, Dt::F32)?;
                         let code = self.dynamic.expect("double quantization uploads its code");
                         self.ops().nf4_scales(codes, scales, code, offset, b.ptr(), blocks)?;
-                        Some(b)
+                        (b.ptr(), Some(b))
                     }
-                };
-                let absmax = match scales {
-                    Scales::Plain(p) => p,
-                    Scales::Nested { .. } => nested.as_ref().map(Buf::ptr).expect("computed above"),
                 };
                 let b = self.buf(n, self.dt)?;
                 self.ops().nf4_dequant(packed, absmax, b.ptr(), n)?;
