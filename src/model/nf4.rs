@@ -318,6 +318,11 @@ pub fn dynamic_code() -> [f32; 256] {
     DYNAMIC.map(f32::from_bits)
 }
 
+/// The GPU engine's table of both codes: [`CODE`]'s 16 values, then [`dynamic_code`]'s 256.
+pub fn codes() -> Vec<f32> {
+    CODE.iter().copied().chain(dynamic_code()).collect()
+}
+
 /// A weight in NF4: `packed[i / 2]` holds value `i`'s code index (high nibble for even `i`);
 /// `absmax[i / BLOCK]` its block's scale (as computed with: dequantized, under double
 /// quantization, from `nested`).

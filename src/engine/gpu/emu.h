@@ -198,7 +198,6 @@ inline void exchange(const uint64_t* mine, int n, F&& read) {
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static
-#define __constant__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))

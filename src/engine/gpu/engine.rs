@@ -266,8 +266,9 @@ pub struct GpuEngine {
     cfg: ModelConfig,
     /// Owns every frozen weight; the layers below hold their addresses.
     _weights: Vec<Buf>,
-    /// Double quantization's 8-bit code (256 f32 values), when the base has it.
-    dynamic: Option<u64>,
+    /// With a 4-bit base: the NF4 code's 16 values, then double quantization's 256 (f32, as
+    /// [`nf4::codes`] lays them out).
+    codes: Option<u64>,
     embed: W,
     norm: W,
     layers: Vec<Layer>,
@@ -475,18 +476,18 @@ impl GpuEngine {
         };
 
         let acc = Buf::zeros(&gpu, 4, Dt::U32).map_err(gerr("allocate accumulators"))?;
-        let dynamic = match setup.base_quant {
-            Some(BaseQuant::Nf4Dq) => Some(Buf::from_f32(&gpu, &nf4::dynamic_code(), Dt::F32).map_err(gerr("upload"))?),
-            _ => None,
+        let codes = match setup.base_quant {
+            Some(_) => Some(Buf::from_f32(&gpu, &nf4::codes(), Dt::F32).map_err(gerr("upload the NF4 codes"))?),
+            None => None,
         };
-        let dynamic_ptr = dynamic.as_ref().map(Buf::ptr);
+        let codes_ptr = codes.as_ref().map(Buf::ptr);
         let mut engine = GpuEngine {
             describe: format!("GPU engine ({}, {})", gpu.name(), setup.device.dtype.as_str()),
             gpu,
             dt,
             cfg,
-            _weights: weights.into_values().chain(quantized.into_values().flat_map(|q| q.1)).chain(dynamic).collect(),
-            dynamic: dynamic_ptr,
+            _weights: weights.into_values().chain(quantized.into_values().flat_map(|q| q.1)).chain(codes).collect(),
+            codes: codes_ptr,
             embed,
             norm,
             layers,
@@ -589,19 +590,20 @@ impl GpuEngine {
         match l.w {
             W::Nf4 { packed, scales } => {
                 let n = l.out * l.inp;
+                let code = self.codes.expect("a 4-bit base uploads its codes");
                 // Under double quantization the block scales are dequantized first.
                 let (absmax, _scales) = match scales {
                     Scales::Plain(p) => (p, None),
                     Scales::Nested { codes, scales, offset } => {
                         let blocks = n.div_ceil(nf4::BLOCK);
                         let b = self.buf(blocks, Dt::F32)?;
-                        let code = self.dynamic.expect("double quantization uploads its code");
-                        self.ops().nf4_scales(codes, scales, code, offset, b.ptr(), blocks)?;
+                        let dynamic = code + 4 * nf4::CODE.len() as u64;
+                        self.ops().nf4_scales(codes, scales, dynamic, offset, b.ptr(), blocks)?;
                         (b.ptr(), Some(b))
                     }
                 };
                 let b = self.buf(n, self.dt)?;
-                self.ops().nf4_dequant(packed, absmax, b.ptr(), n)?;
+                self.ops().nf4_dequant(packed, absmax, code, b.ptr(), n)?;
                 Ok((b.ptr(), Some(b)))
             }
             w => Ok((self.w(w), None)),

@@ -165,22 +165,18 @@ __device__ void add_bias(T* y, const T* bias, int rows, int width) {
 KERNEL_T(add_bias, (T * y, const T* bias, int rows, int width), (y, bias, rows, width))
 
 // A weight kept in 4-bit NormalFloat (src/model/nf4.rs, bitsandbytes' layout): value i's code
-// index in the nibbles of the packed bytes (high nibble first), its scale per block of 64.
-__constant__ float NF4_CODE[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
-    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
-    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
-    0.7229568362236023f, 1.0f};
-
+// index in the nibbles of the packed bytes (high nibble first), its scale per block of 64; `code`
+// is the 16 NF4 values (nf4::CODE, uploaded by the engine).
 template <typename T>
-__device__ void nf4_dequant(const uint32_t* packed, const float* absmax, T* out, int n) {
+__device__ void nf4_dequant(const uint32_t* packed, const float* absmax, const float* code, T* out, int n) {
     FOR_EACH(i, n) {
         uint32_t byte = (packed[i >> 3] >> (((i >> 1) & 3) * 8)) & 0xffu;
         uint32_t idx = (i & 1) ? (byte & 15u) : (byte >> 4);
-        out[i] = from_f<T>(NF4_CODE[idx] * absmax[i / 64]);
+        out[i] = from_f<T>(code[idx] * absmax[i / 64]);
     }
 }
-KERNEL_T(nf4_dequant, (const uint32_t* packed, const float* absmax, T* out, int n), (packed, absmax, out, n))
+KERNEL_T(nf4_dequant, (const uint32_t* packed, const float* absmax, const float* code, T* out, int n),
+         (packed, absmax, code, out, n))
 
 // Double quantization's block scales: scale b = code[8-bit index b] · scales[b / 256] + offset,
 // rounded after the product and after the sum as src/model/nf4.rs computes them.

@@ -194,10 +194,10 @@ impl Ops<'_> {
         self.run("add_bias", rows * width, &[Arg::Ptr(y), Arg::Ptr(bias), i(rows), i(width)])
     }
 
-    /// `out[i] = CODE[index i] · absmax[i / 64]` in the compute dtype: a weight kept in 4 bits
-    /// ([`crate::model::nf4`]; `packed` as its little-endian words).
-    pub fn nf4_dequant(&self, packed: u64, absmax: u64, out: u64, n: usize) -> R {
-        self.run("nf4_dequant", n, &[Arg::Ptr(packed), Arg::Ptr(absmax), Arg::Ptr(out), i(n)])
+    /// `out[i] = code[index i] · absmax[i / 64]` in the compute dtype: a weight kept in 4 bits
+    /// ([`crate::model::nf4`]; `packed` as its little-endian words, `code` the 16 NF4 values).
+    pub fn nf4_dequant(&self, packed: u64, absmax: u64, code: u64, out: u64, n: usize) -> R {
+        self.run("nf4_dequant", n, &[Arg::Ptr(packed), Arg::Ptr(absmax), Arg::Ptr(code), Arg::Ptr(out), i(n)])
     }
 
     /// `out[b] = code[index b] · scales[b / 256] + offset` in f32: a 4-bit weight's block scales

@@ -144,19 +144,15 @@ void main() {
 #endif
 
 // A weight kept in 4-bit NormalFloat (src/model/nf4.rs, bitsandbytes' layout): value i's code
-// index in the nibbles of the packed bytes (high nibble first), its scale per block of 64.
+// index in the nibbles of the packed bytes (high nibble first), its scale per block of 64; `code`
+// is the 16 NF4 values (nf4::CODE, uploaded by the engine).
 #ifdef K_nf4_dequant
-const float NF4_CODE[16] = float[16](
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0);
-layout(push_constant) uniform P { U32 packed; F32 absmax; TB out_; int n; } p;
+layout(push_constant) uniform P { U32 packed; F32 absmax; F32 code; TB out_; int n; } p;
 void main() {
     FOR_EACH(i, p.n) {
         uint byte_ = (p.packed.v[i >> 3] >> (((i >> 1) & 3) * 8)) & 0xffu;
         uint idx = (i & 1) != 0 ? (byte_ & 15u) : (byte_ >> 4);
-        st(p.out_, i, NF4_CODE[idx] * p.absmax.v[i / 64]);
+        st(p.out_, i, p.code.v[idx] * p.absmax.v[i / 64]);
     }
 }
 #endif
