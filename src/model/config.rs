@@ -241,6 +241,36 @@ impl ModelConfig {
         ]
     }
 
+    /// Every weight the model has, as transformers names it, with its shape, in the order of the
+    /// model's `state_dict` (embeddings; each layer's norms, query/key norms and linears with their
+    /// biases; the final norm; the LM head unless tied): what a checkpoint must hold and what a
+    /// merged export writes.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let h = self.hidden_size;
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h])];
+        for i in 0..self.num_layers {
+            let p = format!("model.layers.{i}");
+            out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+            if self.qk_norm {
+                for n in super::QK_NORMS {
+                    out.push((format!("{p}.{n}.weight"), vec![self.head_dim]));
+                }
+            }
+            out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            for (n, (inp, o, bias)) in super::LAYER_LINEARS.iter().zip(self.layer_linears()) {
+                out.push((format!("{p}.{n}.weight"), vec![o, inp]));
+                if bias {
+                    out.push((format!("{p}.{n}.bias"), vec![o]));
+                }
+            }
+        }
+        out.push(("model.norm.weight".into(), vec![h]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".into(), vec![self.vocab_size, h]));
+        }
+        out
+    }
+
     /// The longest sequence rtune computes exactly as transformers does: the rotary tables'
     /// reach, and within a sliding window (Mistral v0.1) only the window's length.
     pub fn max_positions(&self) -> usize {

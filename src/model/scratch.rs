@@ -62,58 +62,32 @@ pub fn init_weights(
     seed: u64,
     device: &Device,
 ) -> Result<BTreeMap<String, Tensor>, ModelError> {
-    let mut out = BTreeMap::new();
-    let h = cfg.hidden_size;
-    let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
     let normal = |name: &str, shape: &[usize]| -> Result<Tensor, ModelError> {
         let mut rng = Rng::derive(seed, &format!("scratch:{name}"));
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| (rng.normal() * init_range) as f32).collect();
         Tensor::from_vec(v, shape, device).map_err(ModelError::candle(format!("init `{name}`")))
     };
-    let ones =
-        |shape: &[usize]| Tensor::ones(shape, candle_core::DType::F32, device).map_err(ModelError::candle("init norm"));
-    let zeros = |shape: &[usize]| {
-        Tensor::zeros(shape, candle_core::DType::F32, device).map_err(ModelError::candle("init bias"))
-    };
-    let mut embed = normal("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-    if let Some(pad) = cfg.pad_token_id {
-        // nn.Embedding(padding_idx=pad) keeps the padding row at zero.
-        let mut rows: Vec<Vec<f32>> = embed.to_vec2().map_err(ModelError::candle("init embeddings"))?;
-        if let Some(r) = rows.get_mut(pad as usize) {
-            r.iter_mut().for_each(|x| *x = 0.0);
-        }
-        embed = Tensor::new(rows, device).map_err(ModelError::candle("init embeddings"))?;
-    }
-    out.insert("model.embed_tokens.weight".to_string(), embed);
-    for i in 0..cfg.num_layers {
-        let p = format!("model.layers.{i}");
-        for (n, o, inp, bias) in [
-            ("self_attn.q_proj", qd, h, cfg.qkv_bias),
-            ("self_attn.k_proj", kvd, h, cfg.qkv_bias),
-            ("self_attn.v_proj", kvd, h, cfg.qkv_bias),
-            ("self_attn.o_proj", h, qd, cfg.o_bias),
-            ("mlp.gate_proj", cfg.intermediate_size, h, cfg.mlp_bias),
-            ("mlp.up_proj", cfg.intermediate_size, h, cfg.mlp_bias),
-            ("mlp.down_proj", h, cfg.intermediate_size, cfg.mlp_bias),
-        ] {
-            let name = format!("{p}.{n}.weight");
-            out.insert(name.clone(), normal(&name, &[o, inp])?);
-            if bias {
-                out.insert(format!("{p}.{n}.bias"), zeros(&[o])?);
+    let mut out = BTreeMap::new();
+    for (name, shape) in cfg.tensors() {
+        let t = if name.ends_with("norm.weight") {
+            Tensor::ones(shape.as_slice(), candle_core::DType::F32, device).map_err(ModelError::candle("init norm"))?
+        } else if name.ends_with(".bias") {
+            Tensor::zeros(shape.as_slice(), candle_core::DType::F32, device).map_err(ModelError::candle("init bias"))?
+        } else if name == "model.embed_tokens.weight"
+            && let Some(pad) = cfg.pad_token_id
+        {
+            // nn.Embedding(padding_idx=pad) keeps the padding row at zero.
+            let mut rows: Vec<Vec<f32>> =
+                normal(&name, &shape)?.to_vec2().map_err(ModelError::candle("init embeddings"))?;
+            if let Some(r) = rows.get_mut(pad as usize) {
+                r.iter_mut().for_each(|x| *x = 0.0);
             }
-        }
-        out.insert(format!("{p}.input_layernorm.weight"), ones(&[h])?);
-        out.insert(format!("{p}.post_attention_layernorm.weight"), ones(&[h])?);
-        if cfg.qk_norm {
-            for n in super::transformer::QK_NORMS {
-                out.insert(format!("{p}.{n}.weight"), ones(&[cfg.head_dim])?);
-            }
-        }
-    }
-    out.insert("model.norm.weight".into(), ones(&[h])?);
-    if !cfg.tie_word_embeddings {
-        out.insert("lm_head.weight".into(), normal("lm_head.weight", &[cfg.vocab_size, h])?);
+            Tensor::new(rows, device).map_err(ModelError::candle("init embeddings"))?
+        } else {
+            normal(&name, &shape)?
+        };
+        out.insert(name, t);
     }
     Ok(out)
 }
