@@ -44,7 +44,7 @@ fn main() {
         dropout: 0.0,
         targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
     };
-    let model = Transformer::new(&cfg, &weights, &Trainable::lora(lora), &mut Rng::new(2)).unwrap();
+    let model = Transformer::new(&cfg, &weights, &Trainable::lora(lora.clone()), &mut Rng::new(2)).unwrap();
     let mut rng = Rng::new(5);
     let values: BTreeMap<String, Tensor> = model
         .params
@@ -92,14 +92,21 @@ fn main() {
     let out = root.join("out");
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
+    // The adapter as the train stage leaves it, merged from the mapped base as the quantize
+    // stage merges it.
+    let folder = rtune::model::ModelFolder::open(&model_dir).unwrap();
+    let adapter = root.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    rtune::model::peft::write(&adapter, &lora, &values, "bench", &folder).unwrap();
+    let merged = rtune::model::merged::Merged::open(&folder, Some(&adapter)).unwrap();
     let start = Instant::now();
-    let files = rtune::model::folder::save_safetensors_sharded(&out, &model.merged_tensors(), 5_000_000_000).unwrap();
+    let files = merged.save_safetensors(&out, None, 5_000_000_000).unwrap().files;
     let size: u64 = files.iter().map(|f| std::fs::metadata(out.join(f)).unwrap().len()).sum();
     println!("  export safetensors-merged {:>6.2} s  {}", start.elapsed().as_secs_f64(), rtune::ui::human_bytes(size));
     for format in [ExportFormat::GgufF16, ExportFormat::GgufQ8_0, ExportFormat::GgufQ4K] {
         let path = out.join(format!("{format:?}.gguf"));
         let start = Instant::now();
-        rtune::model::gguf::write(&path, &cfg, &model.merged_tensors(), &model_dir, "bench", format, None).unwrap();
+        rtune::model::gguf::write(&path, &merged, &model_dir, "bench", format, None).unwrap();
         let size = std::fs::metadata(&path).unwrap().len();
         println!(
             "  export {:<18} {:>6.2} s  {}",

@@ -28,7 +28,8 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// History: all 1 — first version; upload 2 — model card and loss curve added; train,
 /// evaluate, quantize 2 — fused cross-entropy; 3 — the fused CPU engine; train 4 —
 /// counter-based LoRA dropout masks; train 5 — base weights train on the fused CPU engine;
-/// tokenize 2, evaluate 4 — rows and prompts start with BOS only where the tokenizer adds one.
+/// tokenize 2, evaluate 4 — rows and prompts start with BOS only where the tokenizer adds one;
+/// quantize 5 — merged folders in the base's dtypes.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -53,7 +54,10 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // 4: exported folders and GGUF carry the chat template the data was rendered with
         // (and its turn-end token as a stop token), the full tokenizer files, and PEFT names a
         // local base by its recipe path.
-        Quantize => 4,
+        // 5: merged folders keep the base's dtypes (a bf16 base: bf16 weights, not f32), merged
+        // tensor by tensor from the mapped checkpoint; the GGUF self-check's reference loss is
+        // computed by the candle model one layer at a time (another summation order).
+        Quantize => 5,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
         // `plan` can check the destination and `run` restore it.

@@ -116,7 +116,6 @@ proptest! {
 #[test]
 fn damaged_gguf_files_are_errors() {
     use candle_core::quantized::gguf_file::Content;
-    let folder = ModelFolder::open(&golden_model()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     // A tokenizer is needed for the metadata; the token fixture's will do.
     for f in ["config.json", "model.safetensors"] {
@@ -124,26 +123,10 @@ fn damaged_gguf_files_are_errors() {
     }
     std::fs::copy(common::root().join("tests/fixtures/tokens/tokenizer.json"), dir.path().join("tokenizer.json"))
         .unwrap();
-    let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
-    let model = rtune::model::Transformer::new(
-        &folder.config,
-        &weights,
-        &rtune::model::Trainable::nothing(),
-        &mut rtune::rng::Rng::new(0),
-    )
-    .unwrap();
     let path = dir.path().join("m.gguf");
-    let cfg = ModelFolder::open(dir.path()).unwrap().config;
-    rtune::model::gguf::write(
-        &path,
-        &cfg,
-        &model.merged_tensors(),
-        dir.path(),
-        "t",
-        rtune::recipe::ExportFormat::GgufQ8_0,
-        None,
-    )
-    .unwrap();
+    let copy = ModelFolder::open(dir.path()).unwrap();
+    let merged = rtune::model::merged::Merged::open(&copy, None).unwrap();
+    rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufQ8_0, None).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let mut refused = 0;
     for cut in [0usize, 3, 8, 24, 100, 1000, bytes.len() / 2] {

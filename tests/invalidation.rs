@@ -98,6 +98,7 @@ const CHANGES: &[(&str, &str)] = &[
     ("stages.evaluate.top_p", "0.9"),
     ("stages.quantize.formats", "[\"gguf-f16\"]"),
     ("stages.quantize.max_shard_size", "\"1MB\""),
+    ("stages.quantize.merged_dtype", "\"bf16\""),
     ("stages.upload.to", "\"dir://out/elsewhere\""),
     ("stages.upload.message", "\"a message\""),
     ("stages.upload.create", "true"),

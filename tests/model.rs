@@ -417,12 +417,16 @@ fn saved_folder_round_trips_bit_exactly() {
     let _: BTreeMap<String, Tensor> = again;
 }
 
-/// Merged weights are base + scale·B·A, and the merged model computes what the adapter does.
+/// Merged weights are base + scale·B·A, and the merged model computes what the adapter does —
+/// built whole from the merged tensors, and layer by layer as the quantize stage's checks run
+/// it (the adapter model and the merged one, each against PEFT's logits).
 #[test]
 fn merged_weights_equal_base_plus_scaled_delta() {
-    let model = with_adapter("tiny-llama");
-    let merged = model.merged_weights().unwrap();
+    use rtune::model::merged::{Form, Merged};
     let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let tuned = Merged::open(&folder, Some(&fixture("tiny-llama").join("adapter"))).unwrap();
+    let merged: BTreeMap<String, Tensor> =
+        tuned.layout().iter().map(|e| (e.name.clone(), tuned.tensor(&e.name).unwrap())).collect();
     let base = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
     let adapter = peft::read_weights(&fixture("tiny-llama").join("adapter"), &Device::Cpu).unwrap();
     let name = "model.layers.1.self_attn.v_proj";
@@ -441,6 +445,128 @@ fn merged_weights_equal_base_plus_scaled_delta() {
     assert_eq!(merged.keys().collect::<Vec<_>>(), base.keys().collect::<Vec<_>>(), "same tensor names as the base");
     let plain = Transformer::new(&folder.config, &merged, &Trainable::nothing(), &mut Rng::new(0)).unwrap();
     check(&plain, &golden("tiny-llama"), "lora");
+    // One layer at a time: both models give PEFT's logits.
+    let g = golden("tiny-llama");
+    let batch = Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap();
+    let want: Vec<Vec<Vec<f32>>> = serde_json::from_value(g.expected["lora"]["logits"].clone()).unwrap();
+    for form in [Form::Adapter, Form::Merged] {
+        let model = tuned.streamed(form, &Device::Cpu).unwrap();
+        let h = model.hidden(std::slice::from_ref(&batch)).unwrap();
+        let logits: Vec<Vec<Vec<f32>>> = model.logits(&h[0]).unwrap().to_vec3().unwrap();
+        let max = want.iter().flatten().flatten().zip(logits.iter().flatten().flatten()).map(|(a, b)| (a - b).abs());
+        let max = max.fold(0f32, f32::max);
+        assert!(max < 1e-4, "{form:?}: max |logit diff| {max}");
+    }
+}
+
+/// The bits of a tensor's values, as f32 (bf16 and f16 widen exactly).
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// A bf16 checkpoint merges into bf16 weights, as PEFT's `merge_and_unload` leaves a model
+/// loaded in its own dtype: each the f32 merge rounded once. Asked for f32, the folder is f32
+/// and its config.json says so.
+#[test]
+fn merged_exports_keep_the_base_dtype_unless_told_otherwise() {
+    use rtune::model::merged::Merged;
+    let src = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let bf16 = src.load_weights(&Device::Cpu, DType::BF16).unwrap();
+    rtune::model::folder::save_safetensors(&dir.path().join("model.safetensors"), &bf16).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("tiny-llama").join("model/config.json")).unwrap())
+            .unwrap();
+    config["dtype"] = "bfloat16".into();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let folder = ModelFolder::open(dir.path()).unwrap();
+    let tuned = Merged::open(&folder, Some(&fixture("tiny-llama").join("adapter"))).unwrap();
+    assert!(tuned.layout().iter().all(|e| e.dtype == DType::BF16));
+    for (asked, want, name) in [(None, DType::BF16, "bfloat16"), (Some(DType::F32), DType::F32, "float32")] {
+        let out = tempfile::tempdir().unwrap();
+        tuned.save_safetensors(out.path(), asked, u64::MAX).unwrap();
+        let raw = tuned.raw_config(asked);
+        assert_eq!((&raw["dtype"], raw.get("torch_dtype")), (&serde_json::json!(name), None));
+        std::fs::write(out.path().join("config.json"), raw.to_string()).unwrap();
+        let back = ModelFolder::open(out.path()).unwrap().stored().unwrap();
+        assert_eq!(back.len(), tuned.layout().len());
+        for e in tuned.layout() {
+            let got = back.get(&e.name).unwrap();
+            assert_eq!(got.dtype(), want, "{}", e.name);
+            let merged = tuned.tensor(&e.name).unwrap();
+            assert_eq!(bits(&got), bits(&merged.to_dtype(want).unwrap()), "{}", e.name);
+        }
+    }
+    // The adapter survives the rounding: a merged bf16 projection is not the base's.
+    let name = "model.layers.1.self_attn.v_proj.weight";
+    let merged = tuned.tensor(name).unwrap().to_dtype(DType::BF16).unwrap();
+    assert_ne!(bits(&merged), bits(&bf16[name]));
+}
+
+/// An adapter on a tied LM head unties it: the merged model has its own `lm_head.weight` (the
+/// embedding plus the head's delta) and says `tie_word_embeddings: false`; run one layer at a
+/// time, the adapter model and the merged one compute what the adapter model built whole does.
+#[test]
+fn an_adapter_on_a_tied_head_unties_it_in_the_merge() {
+    use rtune::model::merged::{Form, Merged};
+    let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+    assert!(folder.config.tie_word_embeddings);
+    let targets = ["q_proj", "lm_head"].map(String::from).to_vec();
+    let spec = rtune::model::LoraSpec { rank: 4, alpha: 8.0, rslora: false, dropout: 0.0, targets };
+    let model = load("tiny-qwen2", &Trainable::lora(spec.clone()));
+    let mut rng = Rng::new(3);
+    let values: BTreeMap<String, Tensor> = model
+        .params
+        .iter()
+        .map(|p| {
+            let v: Vec<f32> = (0..p.var.elem_count()).map(|_| (rng.next_f64() as f32 - 0.5) * 0.2).collect();
+            (p.name.clone(), Tensor::from_vec(v, p.var.shape(), &Device::Cpu).unwrap())
+        })
+        .collect();
+    model.load_params(&values).unwrap();
+    let adapter = tempfile::tempdir().unwrap();
+    peft::write(adapter.path(), &spec, &values, "t", &folder).unwrap();
+    let tuned = Merged::open(&folder, Some(adapter.path())).unwrap();
+    assert!(!tuned.config().tie_word_embeddings);
+    assert_eq!(tuned.raw_config(None)["tie_word_embeddings"], false);
+    assert_eq!(tuned.layout().last().unwrap().name, "lm_head.weight");
+    let ids: Vec<Vec<u32>> = vec![vec![1, 17, 45, 99, 3, 64], vec![5, 6, 7, 8, 9, 10]];
+    let batch = Batch::new(&ids, &[6, 4], None, &Device::Cpu).unwrap();
+    let want = bits(&model.logits(&batch).unwrap());
+    let want: Vec<f32> = want.iter().map(|b| f32::from_bits(*b)).collect();
+    for form in [Form::Adapter, Form::Merged] {
+        let m = tuned.streamed(form, &Device::Cpu).unwrap();
+        let h = m.hidden(std::slice::from_ref(&batch)).unwrap();
+        let got = m.logits(&h[0]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-4, "{form:?}: {d}");
+    }
+}
+
+/// Adapter matrices the config's targets do not cover would be dropped by the adapter model and
+/// added by a merge: that is an error naming one, never a silent difference.
+#[test]
+fn an_adapter_tensor_no_target_covers_is_an_error() {
+    use rtune::model::merged::Merged;
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["adapter_model.safetensors", "adapter_config.json"] {
+        std::fs::copy(fixture("tiny-llama").join("adapter").join(f), dir.path().join(f)).unwrap();
+    }
+    let path = dir.path().join("adapter_config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["target_modules"] = serde_json::json!(["q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]);
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let err = Merged::open(&folder, Some(dir.path())).err().expect("refused").to_string();
+    assert!(err.contains("v_proj.lora_"), "{err}");
 }
 
 /// Logits of one unpadded sequence, position by position.
@@ -606,16 +732,9 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
     let model = load("tiny-qwen2", &Trainable::nothing());
     let path = dir.path().join("m.gguf");
     let folder = ModelFolder::open(dir.path()).unwrap();
-    let report = rtune::model::gguf::write(
-        &path,
-        &folder.config,
-        &model.merged_tensors(),
-        dir.path(),
-        "t",
-        rtune::recipe::ExportFormat::GgufF32,
-        None,
-    )
-    .unwrap();
+    let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
+    let report =
+        rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufF32, None).unwrap();
     let mut f = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
     assert_eq!(content.metadata["general.architecture"].to_string().unwrap(), "qwen2");
@@ -636,11 +755,13 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
 
 #[test]
 fn merged_weights_stream_into_shards_with_an_index_that_loads_back() {
-    let model = with_adapter("tiny-llama");
-    let merged = model.merged_weights().unwrap();
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let tuned = rtune::model::merged::Merged::open(&folder, Some(&fixture("tiny-llama").join("adapter"))).unwrap();
+    let merged: BTreeMap<String, Tensor> =
+        tuned.layout().iter().map(|e| (e.name.clone(), tuned.tensor(&e.name).unwrap())).collect();
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(fixture("tiny-llama").join("model/config.json"), dir.path().join("config.json")).unwrap();
-    let files = rtune::model::folder::save_safetensors_sharded(dir.path(), &model.merged_tensors(), 30_000).unwrap();
+    let files = tuned.save_safetensors(dir.path(), None, 30_000).unwrap().files;
     assert!(files.len() > 2, "{files:?}");
     assert_eq!(files.last().unwrap(), "model.safetensors.index.json");
     assert!(files[0].starts_with("model-00001-of-"), "{files:?}");
@@ -656,7 +777,7 @@ fn merged_weights_stream_into_shards_with_an_index_that_loads_back() {
     }
     // One file when it fits.
     let one = tempfile::tempdir().unwrap();
-    let files = rtune::model::folder::save_safetensors_sharded(one.path(), &model.merged_tensors(), u64::MAX).unwrap();
+    let files = tuned.save_safetensors(one.path(), None, u64::MAX).unwrap().files;
     assert_eq!(files, ["model.safetensors"]);
     assert_eq!(rtune::recipe::parse_size("5GB").unwrap(), 5_000_000_000);
     assert_eq!(rtune::recipe::parse_size("2 MiB").unwrap(), 2 * 1024 * 1024);
@@ -673,8 +794,8 @@ fn every_gguf_type_round_trips() {
     use rtune::recipe::ExportFormat as F;
     let dir = qwen2_folder_for_gguf();
     let model = load("tiny-qwen2", &Trainable::nothing());
-    let merged = model.merged_tensors();
     let folder = ModelFolder::open(dir.path()).unwrap();
+    let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
     let ids = [1u32, 17, 45, 99, 3, 64];
     let full = full_forward(&model, &ids);
     // (format, ggml type, llama.cpp file type, smallest cosine similarity of logits)
@@ -685,7 +806,7 @@ fn every_gguf_type_round_trips() {
         (F::GgufQ4K, GgmlDType::Q4K, 15, 0.95),
     ] {
         let path = dir.path().join(format!("{format:?}.gguf"));
-        let report = rtune::model::gguf::write(&path, &folder.config, &merged, dir.path(), "t", format, None).unwrap();
+        let report = rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None).unwrap();
         let mut f = std::fs::File::open(&path).unwrap();
         let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
         assert_eq!(content.metadata["general.file_type"].to_u32().unwrap(), file_type, "{format:?}");

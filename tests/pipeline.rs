@@ -761,6 +761,56 @@ fn rows_longer_than_a_sliding_window_are_refused_before_training() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// A bf16 checkpoint exports a bf16 merged folder (what PEFT's `merge_and_unload` leaves), read
+/// back bit for bit, with the logit difference its rounding costs reported; `merged_dtype = "f32"`
+/// writes f32 and says so in config.json.
+#[test]
+fn a_bf16_base_merges_into_bf16_unless_told_otherwise() {
+    use candle_core::{DType, Device};
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    let alpaca = std::fs::read_to_string(root().join("recipes/data/synthetic-alpaca.jsonl")).unwrap();
+    let rows: Vec<String> = alpaca.lines().take(64).map(String::from).collect();
+    std::fs::write(p.join("data.jsonl"), rows.join("\n")).unwrap();
+    transformers5_folder(&p.join("base"), &rows);
+    let base = rtune::model::ModelFolder::open(&p.join("base")).unwrap();
+    let bf16 = base.load_weights(&Device::Cpu, DType::BF16).unwrap();
+    rtune::model::folder::save_safetensors(&p.join("base/model.safetensors"), &bf16).unwrap();
+    let recipe = "[recipe]\nname = \"bf16\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\nformat = \"alpaca\"\n\
+                  [device]\nprefer = [\"cpu\"]\ndtype = [\"f32\"]\n[stages.train]\nmax_steps = 3\nlearning_rate = 1e-2\n\
+                  [stages.quantize]\nformats = [\"safetensors-merged\"]\n";
+    std::fs::write(p.join("bf16.toml"), recipe).unwrap();
+    let cache = p.join("cache");
+    for (set, dtype, torch) in
+        [(None, "BF16", None), (Some("stages.quantize.merged_dtype=\"f32\""), "F32", Some("float32"))]
+    {
+        let mut args = vec!["run", "bf16.toml", "--json"];
+        if let Some(set) = set {
+            args.extend(["--set", set]);
+        }
+        let o = rtune(p, &cache, &args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let exports = artifact(&report, "quantize");
+        let metrics = read_json(&exports.join("exports.json"));
+        let merged = &metrics["formats"]["safetensors-merged"];
+        assert_eq!(merged["dtypes"], serde_json::json!([dtype.to_lowercase()]), "{merged}");
+        assert!(merged["max_logit_diff"].as_f64().unwrap() < 1e-4, "{merged}");
+        // Rounding to bf16 moves the logits a little; an f32 folder is the f32 merge itself.
+        let as_written = merged["max_logit_diff_as_written"].as_f64();
+        assert_eq!(as_written.is_some(), dtype == "BF16", "{merged}");
+        assert!(as_written.is_none_or(|d| d > 0.0 && d < 0.1), "{merged}");
+        let bytes = std::fs::read(exports.join("merged/model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert!(st.tensors().iter().all(|(_, v)| format!("{:?}", v.dtype()) == dtype), "{dtype}");
+        let config = read_json(&exports.join("merged/config.json"));
+        // A transformers 5 config names it `dtype`.
+        if let Some(torch) = torch {
+            assert_eq!((&config["dtype"], config.get("torch_dtype")), (&serde_json::json!(torch), None));
+        }
+    }
+}
+
 fn gguf_chat_template(path: &Path) -> (String, Option<u32>) {
     use candle_core::quantized::gguf_file::{Content, Value};
     let mut f = std::fs::File::open(path).unwrap();

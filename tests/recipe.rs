@@ -119,8 +119,8 @@ fn golden_fingerprints() {
         ("train", "c593fdd0e111503718403820ef74eb221d8ae7a4eaaa818bc30e5b234c678290"),
         ("eval_base", "9cc937914960b544e7182b775fe727492834afaa0467f1440c4d8bd0194dac05"),
         ("evaluate", "2cba0362533ce380bd75918041c63681f77c2938144afb82e778ac7ceaf27bfa"),
-        ("quantize", "37d3c5c7fccf99b583fe55defce912722d321e887b936a867019b9985ccd8dfb"),
-        ("upload", "3fc1f38e57148be78b8beb4d720f967d429fba1ee2390cb4226894d722a0cedb"),
+        ("quantize", "15c86c5ca02bcd861d613c6460a3b9156357908ee20feb55fc9ca92282084cad"),
+        ("upload", "8e10870724839e8201366d6bcf64e42e00248f51fc160dc5ef5ce1d862e43e84"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);

@@ -112,6 +112,26 @@ impl ModelFolder {
         Ok(())
     }
 
+    /// The checkpoint's tensors, mapped and read by name one at a time (see [`StoredWeights`]).
+    pub fn stored(&self) -> Result<StoredWeights, ModelError> {
+        let mut maps = Vec::new();
+        let mut index = BTreeMap::new();
+        for (k, file) in self.weight_files()?.into_iter().enumerate() {
+            let handle =
+                std::fs::File::open(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
+            // SAFETY: the file is only read, and only while this map lives.
+            let bytes = unsafe { memmap2::Mmap::map(&handle) }
+                .map_err(ModelError::io(format!("cannot map `{}`", file.display())))?;
+            let st = safetensors::SafeTensors::deserialize(&bytes)
+                .map_err(|e| ModelError::BadFile { path: file.display().to_string(), source: Box::new(e) })?;
+            for (name, view) in st.tensors() {
+                index.insert(name, (k, view.shape().to_vec(), view.dtype()));
+            }
+            maps.push((file, bytes));
+        }
+        Ok(StoredWeights { maps, index })
+    }
+
     pub fn tokenizer(&self) -> Result<tokenizers::Tokenizer, ModelError> {
         let path = self.dir.join("tokenizer.json");
         if !path.is_file() {
@@ -138,6 +158,71 @@ impl ModelFolder {
         let flag = self.tokenizer_config().is_some_and(|c| c["add_bos_token"] == true);
         let added = tokenizer.encode("a", true).is_ok_and(|e| e.get_ids().first() == Some(&bos));
         (flag || added).then_some(bos)
+    }
+}
+
+/// A checkpoint's safetensors files, mapped: each tensor is read (on the CPU, in its stored
+/// dtype) only when asked for, so a model is never in memory whole — the pages of the mapped
+/// files are the page cache's, not the process's.
+pub struct StoredWeights {
+    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    /// Each tensor's file (an index into `maps`), shape and stored dtype.
+    index: BTreeMap<String, (usize, Vec<usize>, safetensors::Dtype)>,
+}
+
+impl StoredWeights {
+    /// How many tensors the checkpoint holds.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// The shape of tensor `name`, if the checkpoint has it.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.index.get(name).map(|(_, s, _)| s.as_slice())
+    }
+
+    /// The dtype tensor `name` is stored in (f32, f16 or bf16; others are an error).
+    pub fn dtype(&self, name: &str) -> Result<DType, ModelError> {
+        let Some((_, _, dtype)) = self.index.get(name) else {
+            return Err(ModelError::MissingTensor { name: name.into() });
+        };
+        match dtype {
+            safetensors::Dtype::F32 => Ok(DType::F32),
+            safetensors::Dtype::F16 => Ok(DType::F16),
+            safetensors::Dtype::BF16 => Ok(DType::BF16),
+            other => Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
+        }
+    }
+
+    /// The blake3 of tensor `name`'s bytes as stored.
+    pub fn digest(&self, name: &str) -> Result<blake3::Hash, ModelError> {
+        self.with_view(name, |view| Ok(blake3::hash(view.data())))
+    }
+
+    /// Tensor `name` on the CPU in its stored dtype.
+    pub fn get(&self, name: &str) -> Result<Tensor, ModelError> {
+        self.with_view(name, |view| tensor_from_view(name, view, &Device::Cpu))
+    }
+
+    fn with_view<R>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&safetensors::tensor::TensorView<'_>) -> Result<R, ModelError>,
+    ) -> Result<R, ModelError> {
+        let Some((k, ..)) = self.index.get(name) else {
+            return Err(ModelError::MissingTensor { name: name.into() });
+        };
+        let (file, bytes) = &self.maps[*k];
+        let bad = |e: safetensors::SafeTensorError| ModelError::BadFile {
+            path: file.display().to_string(),
+            source: Box::new(e),
+        };
+        let st = safetensors::SafeTensors::deserialize(bytes).map_err(bad)?;
+        f(&st.tensor(name).map_err(bad)?)
     }
 }
 
@@ -172,14 +257,14 @@ pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Resu
 }
 
 /// The bytes a tensor of `dtype` takes per element in a file (others are written as f32).
-fn file_element_size(dtype: DType) -> u64 {
+pub(crate) fn file_element_size(dtype: DType) -> u64 {
     if matches!(dtype, DType::F16 | DType::BF16) { 2 } else { 4 }
 }
 
 /// One safetensors file of the tensors `layout` names (in that order, with the dtype and shape
 /// each has in memory), `{"format": "pt"}` metadata, each tensor's bytes from `bytes(i)` when
 /// its turn comes; flushed and synced.
-fn write_safetensors(
+pub(crate) fn write_safetensors(
     path: &Path,
     layout: &[(String, DType, Vec<usize>)],
     mut bytes: impl FnMut(usize) -> Result<Vec<u8>, ModelError>,
@@ -215,67 +300,6 @@ fn write_safetensors(
     w.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)
 }
 
-/// Write tensors, each computed only when its turn comes (see
-/// [`crate::model::transformer::MergedTensor`]), as a Hugging Face model's weights: one
-/// `model.safetensors`, or — past `max_shard_bytes` — shards `model-00001-of-0000N.safetensors`
-/// and `model.safetensors.index.json`, named as transformers' `save_pretrained` names them.
-/// Peak memory is one tensor, not the model. Returns the files written.
-pub fn save_safetensors_sharded(
-    dir: &Path,
-    tensors: &[crate::model::transformer::MergedTensor<'_>],
-    max_shard_bytes: u64,
-) -> Result<Vec<String>, ModelError> {
-    let size_of = |t: &crate::model::transformer::MergedTensor<'_>| {
-        t.shape().iter().product::<usize>() as u64 * file_element_size(t.dtype())
-    };
-    let mut shards: Vec<Vec<usize>> = vec![vec![]];
-    let mut current = 0u64;
-    for (i, t) in tensors.iter().enumerate() {
-        let n = size_of(t);
-        if current > 0 && current + n > max_shard_bytes {
-            shards.push(vec![]);
-            current = 0;
-        }
-        shards.last_mut().expect("one shard").push(i);
-        current += n;
-    }
-    let count = shards.len();
-    let name = |k: usize| {
-        if count == 1 {
-            "model.safetensors".to_string()
-        } else {
-            format!("model-{:05}-of-{count:05}.safetensors", k + 1)
-        }
-    };
-    let mut weight_map = serde_json::Map::new();
-    let mut total = 0u64;
-    let mut files = Vec::new();
-    for (k, members) in shards.iter().enumerate() {
-        let file = name(k);
-        let layout: Vec<(String, DType, Vec<usize>)> =
-            members.iter().map(|&i| (tensors[i].name.clone(), tensors[i].dtype(), tensors[i].shape())).collect();
-        for (name, ..) in &layout {
-            weight_map.insert(name.clone(), serde_json::json!(file));
-        }
-        total += members.iter().map(|&i| size_of(&tensors[i])).sum::<u64>();
-        write_safetensors(&dir.join(&file), &layout, |j| {
-            let m = &tensors[members[j]];
-            let t = m.tensor().map_err(ModelError::candle(format!("merge `{}`", m.name)))?;
-            tensor_bytes(&t).map(|(_, b)| b).map_err(ModelError::candle(format!("read `{}`", m.name)))
-        })?;
-        files.push(file);
-    }
-    if count > 1 {
-        let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
-        let path = dir.join("model.safetensors.index.json");
-        let mut text = serde_json::to_string_pretty(&index).expect("json");
-        text.push('\n');
-        std::fs::write(&path, text).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?;
-        files.push("model.safetensors.index.json".into());
-    }
-    Ok(files)
-}
-
 /// Load a tokenizer.json. The file is checked to be JSON first, and a panic inside the
 /// tokenizers crate (it unwraps on some malformed sections) becomes an error. The tokenizer then
 /// encodes and decodes a sample with special tokens: the crate accepts some inconsistent files
@@ -305,17 +329,19 @@ pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, ModelError> 
 pub fn tensor_bytes(t: &Tensor) -> candle_core::Result<(safetensors::Dtype, Vec<u8>)> {
     let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
     Ok(match t.dtype() {
-        DType::F16 => {
-            (safetensors::Dtype::F16, flat.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
-        }
-        DType::BF16 => {
-            (safetensors::Dtype::BF16, flat.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
-        }
-        _ => (
-            safetensors::Dtype::F32,
-            flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        ),
+        DType::F16 => (safetensors::Dtype::F16, le_bytes(&flat.to_vec1::<half::f16>()?, |x| x.to_le_bytes())),
+        DType::BF16 => (safetensors::Dtype::BF16, le_bytes(&flat.to_vec1::<half::bf16>()?, |x| x.to_le_bytes())),
+        _ => (safetensors::Dtype::F32, le_bytes(&flat.to_dtype(DType::F32)?.to_vec1::<f32>()?, |x| x.to_le_bytes())),
     })
+}
+
+/// Values as little-endian bytes, into a buffer sized once.
+fn le_bytes<T: Copy, const N: usize>(values: &[T], bytes: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+    let mut out = vec![0u8; values.len() * N];
+    for (chunk, v) in out.chunks_exact_mut(N).zip(values) {
+        chunk.copy_from_slice(&bytes(*v));
+    }
+    out
 }
 
 #[cfg(test)]

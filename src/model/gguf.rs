@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
+use candle_core::Tensor;
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file::Value};
-use candle_core::{DType, Tensor};
 
 use super::{ModelConfig, ModelError};
 use crate::recipe::{Arch, ExportFormat};
@@ -82,16 +82,17 @@ pub struct ChatMetadata<'a> {
     pub turn_end: Option<u32>,
 }
 
-/// Write `weights` (HF names, merged, computed one by one) of a model with `cfg` and its tokenizer as GGUF.
+/// Write the merged model (its tensors computed, quantized and dropped one by one) and the
+/// tokenizer of `model_dir` as GGUF.
 pub fn write(
     path: &Path,
-    cfg: &ModelConfig,
-    weights: &[crate::model::transformer::MergedTensor<'_>],
+    merged: &crate::model::merged::Merged<'_>,
     model_dir: &Path,
     name: &str,
     format: ExportFormat,
     chat: Option<ChatMetadata<'_>>,
 ) -> Result<GgufReport, ModelError> {
+    let cfg = merged.config();
     let (qtype, file_type) =
         target(format).ok_or_else(|| ModelError::Unsupported { what: format!("{format:?} as GGUF") })?;
     let arch = match cfg.arch {
@@ -129,15 +130,10 @@ pub fn write(
     let mut fallbacks = Vec::new();
     let err = |n: &str| ModelError::candle(format!("convert `{n}` for GGUF"));
     // One merged tensor at a time: computed, quantized, dropped.
-    for m in weights {
-        let hf = m.name.as_str();
+    for entry in merged.layout() {
+        let hf = entry.name.as_str();
         let Some(gname) = tensor_name(hf) else { continue };
-        // Merged where the model lives (a GPU for big models), quantized on the CPU.
-        let mut t = m
-            .tensor()
-            .and_then(|t| t.to_dtype(DType::F32))
-            .and_then(|t| t.to_device(&candle_core::Device::Cpu))
-            .map_err(err(hf))?;
+        let mut t = merged.tensor(hf)?;
         if cfg.arch == Arch::Llama && hf.ends_with("q_proj.weight") {
             t = permute(&t, cfg.num_heads).map_err(err(hf))?;
         } else if cfg.arch == Arch::Llama && hf.ends_with("k_proj.weight") {

@@ -136,18 +136,14 @@ impl Linear {
         *out_dims.last_mut().expect("non-empty") = y.dim(1)?;
         y.reshape(out_dims)
     }
+}
 
-    /// `W + scale · B A` (the merged weight), computed in f32.
-    pub fn merged_weight(&self) -> Result<Tensor> {
-        match &self.lora {
-            None => Ok(self.weight.clone()),
-            Some(l) => {
-                let w = self.weight.to_dtype(DType::F32)?;
-                let ba = l.b.to_dtype(DType::F32)?.matmul(&l.a.to_dtype(DType::F32)?)?;
-                (w + (ba * l.scale)?)?.to_dtype(self.weight.dtype())
-            }
-        }
-    }
+/// The merged weight `W + scale · B A` of a linear with weight `w` `[out, in]` and adapter
+/// matrices `a` `[r, in]`, `b` `[out, r]`, computed in f32 (whatever the inputs' dtypes), as PEFT's
+/// `merge_and_unload` adds `get_delta_weight`. The one definition of a merge.
+pub fn merge(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+    let ba = b.to_dtype(DType::F32)?.matmul(&a.to_dtype(DType::F32)?)?;
+    w.to_dtype(DType::F32)? + (ba * scale)?
 }
 
 /// Inverted dropout of `x` (a `[rows, in]` input) with the mask of adapter key `key`.

@@ -11,6 +11,7 @@ pub mod config;
 pub mod folder;
 pub mod gguf;
 pub mod lora;
+pub mod merged;
 pub mod nf4;
 pub mod ops;
 pub mod peft;

@@ -127,6 +127,10 @@ struct Layer {
     mlp: Mlp,
 }
 
+/// One decoder layer built on its own ([`Transformer::layer`]), for a forward that holds one
+/// layer at a time ([`Transformer::hidden_streamed`]).
+pub struct DecoderLayer(Layer);
+
 /// Cached keys and values of earlier positions, one pair per layer (generation).
 #[derive(Debug, Default)]
 pub struct KvCache {
@@ -178,42 +182,39 @@ impl Transformer {
         rng: &mut Rng,
         dtype: DType,
     ) -> std::result::Result<Transformer, super::ModelError> {
+        Self::build(cfg, weights, trainable, rng, dtype, true)
+    }
+
+    /// The model without its decoder layers: the embedding, the final norm and the LM head (with
+    /// its adapter where `trainable` gives it one), from `weights` that need hold no layer's
+    /// tensors. The layers come one at a time ([`Self::layer`]) to [`Self::hidden_streamed`].
+    pub fn without_layers(
+        cfg: &ModelConfig,
+        weights: &BTreeMap<String, Tensor>,
+        trainable: &Trainable,
+        dtype: DType,
+    ) -> std::result::Result<Transformer, super::ModelError> {
+        Self::build(cfg, weights, trainable, &mut Rng::new(0), dtype, false)
+    }
+
+    fn build(
+        cfg: &ModelConfig,
+        weights: &BTreeMap<String, Tensor>,
+        trainable: &Trainable,
+        rng: &mut Rng,
+        dtype: DType,
+        with_layers: bool,
+    ) -> std::result::Result<Transformer, super::ModelError> {
         let mut b = Builder { weights, trainable, rng, params: Vec::new(), dtype, next_id: 0 };
         let h = cfg.hidden_size;
-        let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let embed = b.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
-            let p = format!("model.layers.{i}");
-            let attn = Attention {
-                q: b.linear(&format!("{p}.self_attn.q_proj"), h, qd, cfg.qkv_bias)?,
-                k: b.linear(&format!("{p}.self_attn.k_proj"), h, kvd, cfg.qkv_bias)?,
-                v: b.linear(&format!("{p}.self_attn.v_proj"), h, kvd, cfg.qkv_bias)?,
-                o: b.linear(&format!("{p}.self_attn.o_proj"), qd, h, cfg.o_bias)?,
-                qk_norm: match cfg.qk_norm {
-                    true => Some((
-                        b.weight(&format!("{p}.{}.weight", QK_NORMS[0]), &[cfg.head_dim])?,
-                        b.weight(&format!("{p}.{}.weight", QK_NORMS[1]), &[cfg.head_dim])?,
-                    )),
-                    false => None,
-                },
-                eps: cfg.rms_norm_eps,
-                heads: cfg.num_heads,
-                kv_heads: cfg.num_kv_heads,
-                head_dim: cfg.head_dim,
-            };
-            let mlp = Mlp {
-                gate: b.linear(&format!("{p}.mlp.gate_proj"), h, cfg.intermediate_size, cfg.mlp_bias)?,
-                up: b.linear(&format!("{p}.mlp.up_proj"), h, cfg.intermediate_size, cfg.mlp_bias)?,
-                down: b.linear(&format!("{p}.mlp.down_proj"), cfg.intermediate_size, h, cfg.mlp_bias)?,
-            };
-            layers.push(Layer {
-                input_norm: b.weight(&format!("{p}.input_layernorm.weight"), &[h])?,
-                attn,
-                post_norm: b.weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                mlp,
-            });
+        if with_layers {
+            for i in 0..cfg.num_layers {
+                layers.push(b.layer(cfg, i)?);
+            }
         }
+        b.next_id = cfg.num_layers * LAYER_LINEARS.len();
         let norm = b.weight("model.norm.weight", &[h])?;
         let lm_head = if cfg.tie_word_embeddings || !weights.contains_key("lm_head.weight") {
             if !cfg.tie_word_embeddings {
@@ -226,6 +227,23 @@ impl Transformer {
         let params = std::mem::take(&mut b.params);
         let (cos, sin) = rope_tables(cfg, embed.device(), dtype).map_err(super::ModelError::candle("rotary tables"))?;
         Ok(Transformer { cfg: cfg.clone(), embed, layers, norm, lm_head, cos, sin, params, dtype })
+    }
+
+    /// Decoder layer `i`, built on its own from Hugging Face-named `weights` (only layer `i`'s
+    /// are read) in this model's compute dtype, with adapters where `trainable` puts them and
+    /// their matrices from `adapters` (PEFT's names; every one the layer has must be there).
+    pub fn layer(
+        &self,
+        i: usize,
+        weights: &BTreeMap<String, Tensor>,
+        trainable: &Trainable,
+        adapters: &BTreeMap<String, Tensor>,
+    ) -> std::result::Result<DecoderLayer, super::ModelError> {
+        let mut rng = Rng::new(0);
+        let mut b = Builder { weights, trainable, rng: &mut rng, params: Vec::new(), dtype: self.dtype, next_id: 0 };
+        let layer = b.layer(&self.cfg, i)?;
+        load_params(&b.params, adapters, super::lora::is_adapter_param)?;
+        Ok(DecoderLayer(layer))
     }
 
     pub fn device(&self) -> &Device {
@@ -264,38 +282,70 @@ impl Transformer {
 
     /// Hidden states after the final norm: `[b, t, hidden]`.
     pub fn hidden(&self, batch: &Batch, dropout: Option<u64>, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
-        let (b, t) = batch.ids.dims2()?;
-        let embed = self.embed.to_dtype(self.dtype)?;
-        let mut x = embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
-        let pos = batch.positions.flatten_all()?;
-        let cos = self.cos.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
-        let sin = self.sin.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
-        let mask = batch.mask.to_dtype(self.dtype)?;
+        let (mut x, inputs) = self.inputs(batch)?;
         if let Some(c) = cache.as_deref_mut()
             && c.layers.len() != self.layers.len()
         {
             c.layers = vec![None; self.layers.len()];
         }
         for (i, layer) in self.layers.iter().enumerate() {
-            let residual = &x;
-            let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps)?;
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let h = layer.attn.forward(&h, &cos, &sin, &mask, dropout, slot)?;
-            x = (residual + h)?;
-            let residual = &x;
-            let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps)?;
-            let gate = layer.mlp.gate.forward_t(&h, dropout)?.silu()?;
-            let up = layer.mlp.up.forward_t(&h, dropout)?;
-            let h = layer.mlp.down.forward_t(&(gate * up)?, dropout)?;
-            x = (residual + h)?;
+            x = layer.forward(&x, &inputs, self.cfg.rms_norm_eps, dropout, slot)?;
         }
         rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
     }
 
+    /// Hidden states after the final norm of each of `batches`, the decoder layers built one at
+    /// a time by `layer(i)` ([`Self::layer`]) and dropped once every batch has passed through:
+    /// the model's layers are never in memory together. `self` is built
+    /// [`Self::without_layers`].
+    pub fn hidden_streamed(
+        &self,
+        batches: &[Batch],
+        mut layer: impl FnMut(usize) -> std::result::Result<DecoderLayer, super::ModelError>,
+    ) -> std::result::Result<Vec<Tensor>, super::ModelError> {
+        let err = |what: String| super::ModelError::candle(what);
+        let mut states = Vec::with_capacity(batches.len());
+        for batch in batches {
+            states.push(self.inputs(batch).map_err(err("embed a batch".into()))?);
+        }
+        for i in 0..self.cfg.num_layers {
+            let DecoderLayer(l) = layer(i)?;
+            for (x, inputs) in states.iter_mut() {
+                // Detached: the result must not keep the layer (its adapters are variables)
+                // alive through candle's graph once the layer is dropped.
+                *x = l
+                    .forward(x, inputs, self.cfg.rms_norm_eps, None, None)
+                    .map_err(err(format!("layer {i}")))?
+                    .detach();
+            }
+        }
+        states
+            .into_iter()
+            .map(|(x, _)| rms_norm(&x, &self.norm, self.cfg.rms_norm_eps).map_err(err("final norm".into())))
+            .collect()
+    }
+
+    /// The LM head's logits (f32) for hidden states `[..., hidden]`.
+    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward_t(h, None)?.to_dtype(DType::F32)
+    }
+
+    /// A batch's embedded tokens `[b, t, hidden]` and what every layer reads beside them.
+    fn inputs(&self, batch: &Batch) -> Result<(Tensor, LayerInputs)> {
+        let (b, t) = batch.ids.dims2()?;
+        let embed = self.embed.to_dtype(self.dtype)?;
+        let x = embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        let pos = batch.positions.flatten_all()?;
+        let cos = self.cos.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
+        let sin = self.sin.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
+        let mask = batch.mask.to_dtype(self.dtype)?;
+        Ok((x, LayerInputs { cos, sin, mask }))
+    }
+
     /// Logits for every position: `[b, t, vocab]` (f32).
     pub fn logits(&self, batch: &Batch) -> Result<Tensor> {
-        let h = self.hidden(batch, None, None)?;
-        self.lm_head.forward_t(&h, None)?.to_dtype(DType::F32)
+        self.head(&self.hidden(batch, None, None)?)
     }
 
     /// Mean cross-entropy of `targets` at the flattened positions `select` (indices into
@@ -343,6 +393,32 @@ impl Transformer {
         }
         out.push(("lm_head".into(), &self.lm_head));
         out
+    }
+}
+
+/// The rotary tables at a batch's positions and its attention mask, read by every layer.
+struct LayerInputs {
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+}
+
+impl Layer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        inputs: &LayerInputs,
+        eps: f64,
+        dropout: Option<u64>,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let LayerInputs { cos, sin, mask } = inputs;
+        let h = rms_norm(x, &self.input_norm, eps)?;
+        let x = (x + self.attn.forward(&h, cos, sin, mask, dropout, cache)?)?;
+        let h = rms_norm(&x, &self.post_norm, eps)?;
+        let gate = self.mlp.gate.forward_t(&h, dropout)?.silu()?;
+        let up = self.mlp.up.forward_t(&h, dropout)?;
+        x + self.mlp.down.forward_t(&(gate * up)?, dropout)?
     }
 }
 
@@ -401,6 +477,44 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
+    /// Decoder layer `i` (its linears numbered from `i · 7`, as in [`Transformer::linears`]).
+    fn layer(&mut self, cfg: &ModelConfig, i: usize) -> std::result::Result<Layer, super::ModelError> {
+        self.next_id = i * LAYER_LINEARS.len();
+        let p = format!("model.layers.{i}");
+        let shapes = cfg.layer_linears();
+        let lin = |b: &mut Self, k: usize| {
+            let (inp, out, bias) = shapes[k];
+            b.linear(&format!("{p}.{}", LAYER_LINEARS[k]), inp, out, bias)
+        };
+        // In the order their parameters always had: attention's linears, its norms, the MLP's.
+        let (q, k, v, o) = (lin(self, 0)?, lin(self, 1)?, lin(self, 2)?, lin(self, 3)?);
+        let qk_norm = match cfg.qk_norm {
+            true => Some((
+                self.weight(&format!("{p}.{}.weight", QK_NORMS[0]), &[cfg.head_dim])?,
+                self.weight(&format!("{p}.{}.weight", QK_NORMS[1]), &[cfg.head_dim])?,
+            )),
+            false => None,
+        };
+        let (gate, up, down) = (lin(self, 4)?, lin(self, 5)?, lin(self, 6)?);
+        let attn = Attention {
+            q,
+            k,
+            v,
+            o,
+            qk_norm,
+            eps: cfg.rms_norm_eps,
+            heads: cfg.num_heads,
+            kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        Ok(Layer {
+            input_norm: self.weight(&format!("{p}.input_layernorm.weight"), &[cfg.hidden_size])?,
+            attn,
+            post_norm: self.weight(&format!("{p}.post_attention_layernorm.weight"), &[cfg.hidden_size])?,
+            mlp: Mlp { gate, up, down },
+        })
+    }
+
     fn weight(&mut self, name: &str, shape: &[usize]) -> std::result::Result<Tensor, super::ModelError> {
         let t = self.weights.get(name).ok_or_else(|| super::ModelError::MissingTensor { name: name.into() })?;
         if t.dims() != shape {
@@ -484,22 +598,7 @@ impl Transformer {
         tensors: &BTreeMap<String, Tensor>,
         which: impl Fn(&str) -> bool,
     ) -> std::result::Result<(), super::ModelError> {
-        for p in self.params.iter().filter(|p| which(&p.name)) {
-            let t = tensors.get(&p.name).ok_or_else(|| super::ModelError::MissingTensor { name: p.name.clone() })?;
-            if t.dims() != p.var.dims() {
-                return Err(super::ModelError::ShapeMismatch {
-                    name: p.name.clone(),
-                    expected: p.var.dims().to_vec(),
-                    found: t.dims().to_vec(),
-                });
-            }
-            let t = t
-                .to_dtype(p.var.dtype())
-                .and_then(|t| t.to_device(p.var.device()))
-                .map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
-            p.var.set(&t).map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
-        }
-        Ok(())
+        load_params(&self.params, tensors, which)
     }
 
     /// Current values of the trained parameters, by name.
@@ -508,76 +607,27 @@ impl Transformer {
     }
 }
 
-impl Transformer {
-    /// Every weight under its HF name with LoRA adapters merged in (`W + scale·B·A`), ready to
-    /// save as a plain model folder. Tied embeddings stay tied (an adapter on a tied `lm_head`
-    /// would untie them and is written as its own `lm_head.weight`).
-    pub fn merged_weights(&self) -> Result<BTreeMap<String, Tensor>> {
-        self.merged_tensors().into_iter().map(|m| Ok((m.name.clone(), m.tensor()?))).collect()
-    }
-
-    /// The tensors of the merged model, computed one at a time on demand (an export can write
-    /// each and drop it, so a merge never holds a second copy of the model).
-    pub fn merged_tensors(&self) -> Vec<MergedTensor<'_>> {
-        let mut out = vec![MergedTensor::plain("model.embed_tokens.weight".into(), &self.embed)];
-        for (i, l) in self.layers.iter().enumerate() {
-            out.push(MergedTensor::plain(format!("model.layers.{i}.input_layernorm.weight"), &l.input_norm));
-            out.push(MergedTensor::plain(format!("model.layers.{i}.post_attention_layernorm.weight"), &l.post_norm));
-            if let Some((qn, kn)) = &l.attn.qk_norm {
-                for (n, w) in QK_NORMS.iter().zip([qn, kn]) {
-                    out.push(MergedTensor::plain(format!("model.layers.{i}.{n}.weight"), w));
-                }
-            }
+/// Overwrite the `params` that `which` accepts with the values in `tensors`, each of which must
+/// be there with its shape.
+fn load_params(
+    params: &[Param],
+    tensors: &BTreeMap<String, Tensor>,
+    which: impl Fn(&str) -> bool,
+) -> std::result::Result<(), super::ModelError> {
+    for p in params.iter().filter(|p| which(&p.name)) {
+        let t = tensors.get(&p.name).ok_or_else(|| super::ModelError::MissingTensor { name: p.name.clone() })?;
+        if t.dims() != p.var.dims() {
+            return Err(super::ModelError::ShapeMismatch {
+                name: p.name.clone(),
+                expected: p.var.dims().to_vec(),
+                found: t.dims().to_vec(),
+            });
         }
-        out.push(MergedTensor::plain("model.norm.weight".into(), &self.norm));
-        for (name, lin) in self.linears() {
-            if name == "lm_head" && self.cfg.tie_word_embeddings && lin.lora.is_none() {
-                continue;
-            }
-            out.push(MergedTensor { name: format!("{name}.weight"), source: MergedSource::Linear(lin) });
-            if let Some(b) = lin.bias() {
-                out.push(MergedTensor::plain(format!("{name}.bias"), b));
-            }
-        }
-        out
+        let t = t
+            .to_dtype(p.var.dtype())
+            .and_then(|t| t.to_device(p.var.device()))
+            .map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
+        p.var.set(&t).map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
     }
-}
-
-/// One tensor of the merged model.
-pub struct MergedTensor<'a> {
-    pub name: String,
-    source: MergedSource<'a>,
-}
-
-enum MergedSource<'a> {
-    Plain(&'a Tensor),
-    /// `W + scale · B · A`, computed when asked for.
-    Linear(&'a Linear),
-}
-
-impl<'a> MergedTensor<'a> {
-    fn plain(name: String, t: &'a Tensor) -> MergedTensor<'a> {
-        MergedTensor { name, source: MergedSource::Plain(t) }
-    }
-
-    pub fn shape(&self) -> Vec<usize> {
-        match &self.source {
-            MergedSource::Plain(t) => t.dims().to_vec(),
-            MergedSource::Linear(l) => l.weight().dims().to_vec(),
-        }
-    }
-
-    pub fn dtype(&self) -> DType {
-        match &self.source {
-            MergedSource::Plain(t) => t.dtype(),
-            MergedSource::Linear(l) => l.weight().dtype(),
-        }
-    }
-
-    pub fn tensor(&self) -> Result<Tensor> {
-        match &self.source {
-            MergedSource::Plain(t) => Ok(t.detach()),
-            MergedSource::Linear(l) => Ok(l.merged_weight()?.detach()),
-        }
-    }
+    Ok(())
 }

@@ -532,9 +532,22 @@ mod support {
                         .at(at("max_shard_size"), "not a size")
                         .help("e.g. \"5GB\", \"500MB\" or \"2GiB\""));
                 }
+                // Settings of the merged folder beside a list of formats without it do nothing.
+                let listed = table.get("formats").and_then(|f| f.as_array());
+                if let Some(formats) = listed
+                    && !formats.iter().any(|f| f.as_str() == Some("safetensors-merged"))
+                    && let Some(key) = ["merged_dtype", "max_shard_size"].into_iter().find(|k| table.get(*k).is_some())
+                {
+                    return Err(Problem::new(
+                        "rtune::plan::unused_setting",
+                        format!("`{key}` shapes the `safetensors-merged` export, which `formats` does not list"),
+                    )
+                    .at(at(key), "applies to no export")
+                    .help("add \"safetensors-merged\" to `formats`, or drop the key"));
+                }
                 // With the default list (no `formats`), base weights that train get no PEFT
                 // export (resolve drops it); asked for explicitly, it is an error.
-                let formats = table.get("formats").and_then(|f| f.as_array()).cloned().unwrap_or_default();
+                let formats = listed.cloned().unwrap_or_default();
                 let peft = formats.iter().any(|f| f.as_str() == Some("peft-adapter"));
                 if let (true, Some(TrainedFrom { adapter: false, by_patterns, train })) =
                     (peft, trained_from(spec, loaded, overrides))

@@ -790,6 +790,11 @@ pub struct QuantizeSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?\s*([KMGT]i?B|B)$"))]
     pub max_shard_size: Option<String>,
+    /// `safetensors-merged`: the dtype the merged weights are written in, `"f32"`, `"bf16"` or
+    /// `"f16"` (the merge itself is computed in f32 and rounded once) [default: each tensor as the
+    /// base model stores it, as PEFT's `merge_and_unload` leaves a model loaded in its own dtype].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_dtype: Option<Dtype>,
 }
 
 impl QuantizeSettings {

@@ -1,20 +1,23 @@
 //! `quantize`: exports the trained model. `peft-adapter` writes a PEFT LoRA folder;
-//! `safetensors-merged` merges the adapter into the base weights and writes a Hugging Face model
-//! folder, then loads it back and checks that it computes what the adapter model computes.
-//! `gguf-*` writes llama.cpp's GGUF (see [`crate::model::gguf`]) and loads it back with candle's
-//! quantized Llama/Qwen2/Qwen3 code to compare its eval-split perplexity with the f32 model's.
+//! `safetensors-merged` merges the adapter into the base weights one tensor at a time
+//! ([`Merged`]) and writes a Hugging Face model folder in the base's dtypes (or
+//! `merged_dtype`), reads it back against the digests written, and checks that the merged model
+//! computes what the adapter model computes. `gguf-*` writes llama.cpp's GGUF (see
+//! [`crate::model::gguf`]) and loads it back with candle's quantized Llama/Qwen2/Qwen3 code to
+//! compare its eval-split perplexity with the adapter model's. The checks' models run one
+//! decoder layer at a time: an export never holds the whole model.
 
 use std::path::Path;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
 use crate::data::TokenStore;
-use crate::device::Resolution;
-use crate::engine::candle::CandleEngine;
-use crate::engine::{Checkpointing, Setup};
-use crate::model::{Batch, ModelFolder, Trainable, Transformer, folder::save_safetensors_sharded, gguf, peft};
+use crate::engine::HostBatch;
+use crate::model::merged::{Form, Merged};
+use crate::model::ops::cross_entropy;
+use crate::model::{Batch, ModelFolder, gguf, peft};
 use crate::plan::key::QuantizeKey;
 use crate::recipe::ExportFormat;
 use crate::rng::Rng;
@@ -36,10 +39,10 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     let model_dir = ctx.model_dir()?;
     let weights_dir = ctx.input("weights")?;
     let folder = ModelFolder::open(&model_dir)?;
-    // Exports are computed in f32 (exact merges, whatever dtype trained) on the key's device;
-    // the model is loaded only for a format that merges (a PEFT export copies the adapter).
-    let mut tuned: Option<CandleEngine> = None;
-    let device = key.device.resolution();
+    // The tuned model, merged one tensor at a time from the mapped base in f32 (exact merges,
+    // whatever dtype trained); the self-checks run on the key's device one layer at a time.
+    let merged = Merged::open(&folder, Some(&weights_dir))?;
+    let device = key.device.resolution().candle_device().map_err(StageError::candle("cannot open the device"))?;
     let base_name = &key.settings.base_name;
     // The template the data was rendered with.
     let template = &key.settings.template;
@@ -63,57 +66,73 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
             ExportFormat::SafetensorsMerged => {
                 let dir = ctx.out.join("merged");
                 mkdir(&dir)?;
-                let engine = loaded(&mut tuned, &folder, &weights_dir, &device)?;
-                let tensors = engine.model().merged_tensors();
                 let shard = s.shard_bytes().map_err(StageError::Internal)?;
-                // Each merged tensor is computed, written and dropped in turn.
-                let files = save_safetensors_sharded(&dir, &tensors, shard)?;
-                let unties = tensors.iter().any(|t| t.name == "lm_head.weight");
+                let dtype = s.merged_dtype.map(candle_dtype);
+                progress(ctx, &merged, "merge");
+                let written = merged.save_safetensors(&dir, dtype, shard)?;
+                merged.on_tensor(None);
                 write_tokenizer_files(&dir, &model_dir, chat.as_ref(), true)?;
-                // An adapter on a tied LM head unties it: the merged head is its own tensor.
-                let mut config = folder.raw_config.clone();
-                if unties && folder.config.tie_word_embeddings {
-                    config["tie_word_embeddings"] = json!(false);
-                }
-                write_json(&dir.join("config.json"), &config)?;
-                let diff = check_merged(engine.model(), &dir)?;
+                write_json(&dir.join("config.json"), &merged.raw_config(dtype))?;
+                check_written(&merged, &dir, dtype, &written.digests)?;
+                let files = written.files;
+                // Rounded to a narrower dtype, the folder as written computes a little off the
+                // f32 merge: how much is reported, not checked.
+                let dtypes: std::collections::BTreeSet<&str> =
+                    merged.layout().iter().map(|e| dtype_name(dtype.unwrap_or(e.dtype))).collect();
+                let narrow: Vec<&str> = dtypes.iter().copied().filter(|d| *d != "f32").collect();
+                let narrowed = !narrow.is_empty();
+                let back = narrowed.then(|| ModelFolder::open(&dir)).transpose()?;
+                let back = back.as_ref().map(|f| Merged::open(f, None)).transpose()?;
+                let (diff, as_written) = check_merged(&merged, back.as_ref(), &device)?;
                 if diff > 1e-3 {
                     return Err(StageError::Internal(format!(
                         "the merged model differs from the adapter model (max |logit difference| {diff})"
                     )));
                 }
+                let written_note =
+                    as_written.map(|d| format!(" ({d:.2e} as written in {})", narrow.join("/"))).unwrap_or_default();
                 ctx.ui.status(
                     "quantize",
-                    format!("merged model written; max |logit difference| vs the adapter model {diff:.2e}"),
+                    format!(
+                        "merged model written and read back; max |logit difference| vs the adapter model \
+                         {diff:.2e}{written_note}"
+                    ),
                 );
                 report.insert(
                     "safetensors-merged".into(),
-                    json!({ "dir": "merged", "tensors": tensors.len(), "files": files, "max_logit_diff": diff }),
+                    json!({
+                        "dir": "merged",
+                        "tensors": merged.layout().len(),
+                        "files": files,
+                        "dtypes": dtypes,
+                        "max_logit_diff": diff,
+                        "max_logit_diff_as_written": as_written,
+                    }),
                 );
             }
             other => {
                 let Some((qtype, _)) = gguf::target(*other) else {
                     return Err(StageError::Internal(format!("export format {other:?} is not a GGUF format")));
                 };
-                let engine = loaded(&mut tuned, &folder, &weights_dir, &device)?;
-                let merged = engine.model().merged_tensors();
                 let tag = format!("{qtype:?}").to_lowercase();
                 let file = format!("model-{tag}.gguf");
                 mkdir(&ctx.out.join("gguf"))?;
                 let path = ctx.out.join("gguf").join(&file);
                 let name = &key.settings.name;
-                let written = gguf::write(&path, &folder.config, &merged, &model_dir, name, *other, gguf_chat)?;
-                // The eval rows and the unquantized model's loss on them, once for all GGUF formats.
+                progress(ctx, &merged, &tag);
+                let written = gguf::write(&path, &merged, &model_dir, name, *other, gguf_chat)?;
+                merged.on_tensor(None);
+                // The eval rows and the adapter model's loss on them, once for all GGUF formats.
                 let (eval, reference) = match &self_check {
                     Some(c) => c,
                     None => {
                         let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
-                        let (reference, _) = crate::train::evaluate(engine, &eval, 1, SELF_CHECK_ROWS as u64)?;
+                        let reference = adapter_eval_loss(&merged, &eval, &device)?;
                         self_check.insert((eval, reference))
                     }
                 };
                 let reference = *reference;
-                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, engine.model().device())?;
+                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, &device)?;
                 let ratio = (loss - reference).exp();
                 ctx.ui.status(
                     "quantize",
@@ -155,44 +174,67 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     Ok(metrics)
 }
 
-/// The tuned model in `slot`, loaded ([`tuned_engine`]) the first time it is asked for.
-fn loaded<'a>(
-    slot: &'a mut Option<CandleEngine>,
-    folder: &ModelFolder,
-    weights_dir: &Path,
-    device: &Resolution,
-) -> Result<&'a mut CandleEngine, StageError> {
-    match slot {
-        Some(engine) => Ok(engine),
-        None => Ok(slot.insert(tuned_engine(folder, weights_dir, device)?)),
+/// Show the tensors `merged` computes from now on as progress of `what` — for a model whose
+/// exports take more than a moment (over 100M parameters).
+fn progress<'a>(ctx: &StageCtx<'_>, merged: &Merged<'a>, what: &str) {
+    let params: usize = merged.layout().iter().map(|e| e.shape.iter().product::<usize>()).sum();
+    if params < 100_000_000 {
+        return;
+    }
+    let mut bar = ctx.ui.bar("quantize", merged.layout().len() as u64);
+    let (what, mut done) = (what.to_string(), 0);
+    merged.on_tensor(Some(Box::new(move |name: &str| {
+        done += 1;
+        bar.set(done, &format!("{what} {name}"));
+    })));
+}
+
+/// The candle dtype of a recipe dtype.
+fn candle_dtype(d: crate::recipe::Dtype) -> DType {
+    match d {
+        crate::recipe::Dtype::F32 => DType::F32,
+        crate::recipe::Dtype::F16 => DType::F16,
+        crate::recipe::Dtype::Bf16 => DType::BF16,
     }
 }
 
-/// The base model (its original weights) with the train stage's result applied, as candle
-/// tensors on `device` (in f32), computing with the fused CPU engine where it can.
-fn tuned_engine(folder: &ModelFolder, weights_dir: &Path, device: &Resolution) -> Result<CandleEngine, StageError> {
-    let trainable = match weights_dir.join("adapter_config.json").is_file() {
-        true => Trainable::lora(peft::read_config(weights_dir)?),
-        false => Trainable::nothing(),
-    };
-    let setup = Setup {
-        folder,
-        trainable,
-        seed: 0,
-        device,
-        optimizer: None,
-        ema_decay: None,
-        checkpointing: Checkpointing::Off,
-        trained: Some(weights_dir),
-        max_batch: (1, 1),
-        tf32: false,
-        engine: None,
-        // Exports merge the adapter into the original weights, however the base was held
-        // while it trained (`adapter.quantize_base`).
-        base_quant: None,
-    };
-    let fused = device.class == crate::device::DeviceClass::Cpu;
-    Ok(CandleEngine::build(&setup, fused)?)
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => "f32",
+    }
+}
+
+/// The adapter model's mean next-token loss over the first [`SELF_CHECK_ROWS`] eval rows (one
+/// row a batch, as the evaluate stage batches them), computed one decoder layer at a time.
+fn adapter_eval_loss(merged: &Merged<'_>, eval: &TokenStore, device: &Device) -> Result<f64, StageError> {
+    let err = |what: &str| StageError::candle(format!("GGUF self-check reference: {what}"));
+    let mut batches = Vec::new();
+    let mut picks = Vec::new();
+    for r in 0..eval.len().min(SELF_CHECK_ROWS) {
+        let row = eval.row(r);
+        let hb = HostBatch::new(&[(row.ids.as_slice(), row.seg.as_slice(), row.mask.as_slice())]);
+        if hb.select.is_empty() {
+            continue;
+        }
+        batches.push(Batch::from_layout(&hb.ids, hb.b, hb.t, &hb.layout, device).map_err(err("batch"))?);
+        let n = hb.select.len();
+        let select = Tensor::from_slice(&hb.select, n, device).map_err(err("batch"))?;
+        let targets = Tensor::from_slice(&hb.targets, n, device).map_err(err("batch"))?;
+        picks.push((select, targets, n));
+    }
+    let model = merged.streamed(Form::Adapter, device)?;
+    let hidden = model.hidden(&batches)?;
+    let (mut sum, mut count) = (0f64, 0usize);
+    for (h, (select, targets, n)) in hidden.iter().zip(&picks) {
+        let h = h.flatten_to(1).and_then(|h| h.index_select(select, 0)).map_err(err("select"))?;
+        let loss =
+            cross_entropy(&model.logits(&h)?, targets).and_then(|l| l.to_scalar::<f32>()).map_err(err("loss"))?;
+        sum += loss as f64 * *n as f64;
+        count += n;
+    }
+    Ok(if count > 0 { sum / count as f64 } else { f64::NAN })
 }
 
 /// Eval rows used by the GGUF self-check (token-by-token decoding is slow on big models).
@@ -317,18 +359,66 @@ fn mkdir(dir: &Path) -> Result<(), StageError> {
     std::fs::create_dir_all(dir).map_err(StageError::io(format!("cannot create `{}`", dir.display())))
 }
 
-/// Load the merged folder back and compare its logits with the adapter model's on a fixed batch.
-fn check_merged(adapter_model: &Transformer, dir: &Path) -> Result<f64, StageError> {
-    let folder = ModelFolder::open(dir)?;
-    let device = adapter_model.device();
-    let weights = folder.load_weights(device, DType::F32)?;
-    let merged = Transformer::new(&folder.config, &weights, &Trainable::nothing(), &mut Rng::new(0))?;
-    let vocab = folder.config.vocab_size as u64;
+/// The merged folder as written: its config.json reads back as the merged model's, and it holds
+/// exactly the merged model's tensors, each with its shape, its dtype and the bytes the writer
+/// computed (`digests`), bit for bit.
+fn check_written(
+    merged: &Merged<'_>,
+    dir: &Path,
+    dtype: Option<DType>,
+    digests: &std::collections::BTreeMap<String, blake3::Hash>,
+) -> Result<(), StageError> {
+    let back = ModelFolder::open(dir)?;
+    if back.config != *merged.config() {
+        return Err(StageError::Internal("the merged folder's config.json reads back as another model".into()));
+    }
+    let stored = back.stored()?;
+    if stored.len() != merged.layout().len() {
+        return Err(StageError::Internal(format!(
+            "the merged folder holds {} tensors, not the model's {}",
+            stored.len(),
+            merged.layout().len()
+        )));
+    }
+    for e in merged.layout() {
+        let same = stored.shape(&e.name) == Some(e.shape.as_slice())
+            && stored.dtype(&e.name)? == dtype.unwrap_or(e.dtype)
+            && digests.get(&e.name) == Some(&stored.digest(&e.name)?);
+        if !same {
+            return Err(StageError::Internal(format!(
+                "`{}` reads back from the merged folder other than it was written",
+                e.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The merged model's logits against the adapter model's on a fixed batch (both computed in
+/// f32 one layer at a time on `device`): the largest absolute difference; and the same for the
+/// folder `written` as it reads back, where given.
+fn check_merged(
+    merged: &Merged<'_>,
+    written: Option<&Merged<'_>>,
+    device: &Device,
+) -> Result<(f64, Option<f64>), StageError> {
+    let vocab = merged.config().vocab_size as u64;
     let mut rng = Rng::new(7);
     let rows: Vec<Vec<u32>> = (0..2).map(|_| (0..16).map(|_| (rng.next_u64() % vocab) as u32).collect()).collect();
     let batch = Batch::new(&rows, &[16, 16], None, device).map_err(StageError::candle("self-check batch"))?;
-    let a = adapter_model.logits(&batch).map_err(StageError::candle("self-check"))?;
-    let b = merged.logits(&batch).map_err(StageError::candle("self-check"))?;
-    let d = (a - b).and_then(|d| d.abs()).and_then(|d| d.max_all()).and_then(|d| d.to_scalar::<f32>());
-    Ok(d.map_err(StageError::candle("self-check"))? as f64)
+    // One model at a time: each is dropped before the next is built.
+    let logits = |m: &Merged<'_>, form: Form| -> Result<Tensor, StageError> {
+        let model = m.streamed(form, device)?;
+        let h = model.hidden(std::slice::from_ref(&batch))?;
+        Ok(model.logits(&h[0])?)
+    };
+    let adapter = logits(merged, Form::Adapter)?;
+    let max_diff = |other: Tensor| -> Result<f64, StageError> {
+        let d = (&adapter - other).and_then(|d| d.abs()).and_then(|d| d.max_all()).and_then(|d| d.to_scalar::<f32>());
+        Ok(d.map_err(StageError::candle("self-check"))? as f64)
+    };
+    let diff = max_diff(logits(merged, Form::Merged)?)?;
+    // The written folder is a plain model: its weights are what its "adapter model" holds.
+    let as_written = written.map(|w| logits(w, Form::Adapter).and_then(&max_diff)).transpose()?;
+    Ok((diff, as_written))
 }
