@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Peak memory and time of the quantize stage (merged safetensors + q8_0 GGUF, with their
+# self-checks) through the path users run (`rtune run … --only quantize --force quantize`), for
+# one or two rtune binaries side by side on the same trained adapter.
+#
+#   scripts/bench_export_memory.sh SHAPE RTUNE [OLD_RTUNE]
+#
+# SHAPE: `1b` (TinyLlama-1.1B's shape: hidden 2048, 22 layers, MLP 5632, vocab 32000, 4.4 GB in
+# f32) or `tiny`. The model is a scratch model (random weights, f32); the adapter is LoRA r=8 on
+# every projection, trained 2 steps so that its B matrices are not zero; the eval split is small
+# (the GGUF self-check decodes every eval token on the CPU).
+#
+# Prints one line per binary: wall seconds, peak anonymous memory (RssAnon sampled every 50 ms:
+# what the process itself allocated) and peak RSS (`/usr/bin/time`: that plus the pages of mapped
+# checkpoint files, which the kernel can drop and re-read).
+set -euo pipefail
+shape=$1; shift
+root="$(cd "$(dirname "$0")/.." && pwd)"
+work="${BENCH_DIR:-$(mktemp -d)}"
+mkdir -p "$work/data"
+grep "model name" /proc/cpuinfo | head -1 || true
+case "$shape" in
+  1b) scratch='{ arch = "llama", hidden_size = 2048, num_layers = 22, num_heads = 32, num_kv_heads = 4, intermediate_size = 5632, vocab_size = 32000, max_position_embeddings = 2048 }' ;;
+  tiny) scratch='{ arch = "llama", hidden_size = 64, num_layers = 2, num_heads = 4, num_kv_heads = 2, intermediate_size = 128, vocab_size = 512 }' ;;
+  *) echo "unknown shape $shape (1b, tiny)" >&2; exit 2 ;;
+esac
+head -300 "$root/recipes/data/synthetic-alpaca.jsonl" > "$work/data/rows.jsonl"
+cat > "$work/bench.toml" <<TOML
+[recipe]
+name = "export-bench"
+seed = 1
+[model]
+scratch = $scratch
+[dataset]
+path = "data/rows.jsonl"
+format = "alpaca"
+eval_fraction = 0.02
+max_seq_len = 64
+[adapter]
+rank = 8
+alpha = 16
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+[device]
+prefer = ["cpu"]
+dtype = ["f32"]
+[stages.train]
+max_steps = 2
+batch_size = 1
+learning_rate = 1e-3
+[stages.quantize]
+formats = ["safetensors-merged", "gguf-q8_0"]
+TOML
+export RTUNE_CACHE_DIR="$work/cache" RTUNE_NO_PROGRESS=1
+# The model, tokens and adapter: built once (their stages are the same in every binary compared).
+(cd "$work" && "$1" run bench.toml --only download -q >/dev/null && "$1" run bench.toml --only tokenize -q >/dev/null \
+  && "$1" run bench.toml --only train -q >/dev/null)
+for bin in "$@"; do
+  start=$(date +%s.%N)
+  (cd "$work" && exec /usr/bin/time -f "%M" -o "$work/rss" "$bin" run bench.toml --only quantize --force quantize -q \
+    > "$work/out.json") &
+  pid=$!
+  peak=0
+  while kill -0 "$pid" 2>/dev/null; do
+    for p in $(pgrep -P "$pid" 2>/dev/null; pgrep -f "$bin run bench.toml" 2>/dev/null); do
+      anon=$(awk '/^RssAnon/ {print $2}' "/proc/$p/status" 2>/dev/null || echo 0)
+      [ -n "$anon" ] && [ "$anon" -gt "$peak" ] && peak=$anon
+    done
+    sleep 0.05
+  done
+  wait "$pid"
+  end=$(date +%s.%N)
+  python3 - "$bin" "$shape" "$start" "$end" "$peak" "$(cat "$work/rss")" <<'PY'
+import sys
+b, shape, s, e, anon, rss = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+print(f"{b}: quantize ({shape}) {e-s:.1f} s, peak anonymous memory {anon/1024:.0f} MiB, peak RSS {rss/1024:.0f} MiB")
+PY
+done
