@@ -459,6 +459,21 @@ fn merged_weights_equal_base_plus_scaled_delta() {
     }
 }
 
+/// Give every trained parameter of `model` uniform values in ±0.1 from `seed`; returns them.
+fn randomize(model: &Transformer, seed: u64) -> BTreeMap<String, Tensor> {
+    let mut rng = Rng::new(seed);
+    let values: BTreeMap<String, Tensor> = model
+        .params
+        .iter()
+        .map(|p| {
+            let v: Vec<f32> = (0..p.var.elem_count()).map(|_| (rng.next_f64() as f32 - 0.5) * 0.2).collect();
+            (p.name.clone(), Tensor::from_vec(v, p.var.shape(), &Device::Cpu).unwrap())
+        })
+        .collect();
+    model.load_params(&values).unwrap();
+    values
+}
+
 /// The bits of a tensor's values, as f32 (bf16 and f16 widen exactly).
 fn bits(t: &Tensor) -> Vec<u32> {
     t.to_dtype(DType::F32)
@@ -522,16 +537,7 @@ fn an_adapter_on_a_tied_head_unties_it_in_the_merge() {
     let targets = ["q_proj", "lm_head"].map(String::from).to_vec();
     let spec = rtune::model::LoraSpec { rank: 4, alpha: 8.0, rslora: false, dropout: 0.0, targets };
     let model = load("tiny-qwen2", &Trainable::lora(spec.clone()));
-    let mut rng = Rng::new(3);
-    let values: BTreeMap<String, Tensor> = model
-        .params
-        .iter()
-        .map(|p| {
-            let v: Vec<f32> = (0..p.var.elem_count()).map(|_| (rng.next_f64() as f32 - 0.5) * 0.2).collect();
-            (p.name.clone(), Tensor::from_vec(v, p.var.shape(), &Device::Cpu).unwrap())
-        })
-        .collect();
-    model.load_params(&values).unwrap();
+    let values = randomize(&model, 3);
     let adapter = tempfile::tempdir().unwrap();
     peft::write(adapter.path(), &spec, &values, "t", &folder).unwrap();
     let tuned = Merged::open(&folder, Some(adapter.path())).unwrap();
@@ -981,16 +987,7 @@ fn packed_batch_matches(dropout: f64) {
     let spec = rtune::model::LoraSpec { rank: 4, alpha: 8.0, rslora: false, dropout, targets };
     let model = Transformer::new(&folder.config, &weights, &Trainable::lora(spec), &mut Rng::new(3)).unwrap();
     // Random B matrices, so that every A gets a gradient.
-    let mut rng = Rng::new(9);
-    let values: BTreeMap<String, Tensor> = model
-        .params
-        .iter()
-        .map(|p| {
-            let v: Vec<f32> = (0..p.var.elem_count()).map(|_| (rng.next_f64() as f32 - 0.5) * 0.2).collect();
-            (p.name.clone(), Tensor::from_vec(v, p.var.shape(), &Device::Cpu).unwrap())
-        })
-        .collect();
-    model.load_params(&values).unwrap();
+    randomize(&model, 9);
     let (batch, select, tgt) = packed_batch();
     assert_fused_matches(&model, &batch, &select, &tgt, (dropout > 0.0).then_some(42));
     if dropout > 0.0 {

@@ -733,6 +733,15 @@ fn transformers5_folder(dir: &Path, rows: &[String]) -> String {
     template.to_string()
 }
 
+/// `data.jsonl` (64 rows of the synthetic dataset) and `base/`, a transformers 5 folder of a
+/// small scratch model, in `p`.
+fn small_base_project(p: &Path) {
+    let alpaca = std::fs::read_to_string(root().join("recipes/data/synthetic-alpaca.jsonl")).unwrap();
+    let rows: Vec<String> = alpaca.lines().take(64).map(String::from).collect();
+    std::fs::write(p.join("data.jsonl"), rows.join("\n")).unwrap();
+    transformers5_folder(&p.join("base"), &rows);
+}
+
 /// Mistral v0.1's sliding window (here 128 tokens): rtune attends over whole sequences, exact only
 /// within the window, so rows longer than it are a clear error before training, naming the
 /// setting; rows that fit train.
@@ -740,10 +749,7 @@ fn transformers5_folder(dir: &Path, rows: &[String]) -> String {
 fn rows_longer_than_a_sliding_window_are_refused_before_training() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
-    let alpaca = std::fs::read_to_string(root().join("recipes/data/synthetic-alpaca.jsonl")).unwrap();
-    let rows: Vec<String> = alpaca.lines().take(64).map(String::from).collect();
-    std::fs::write(p.join("data.jsonl"), rows.join("\n")).unwrap();
-    transformers5_folder(&p.join("base"), &rows);
+    small_base_project(p);
     let mut config = read_json(&p.join("base/config.json"));
     config["architectures"] = serde_json::json!(["MistralForCausalLM"]);
     config["model_type"] = "mistral".into();
@@ -769,10 +775,7 @@ fn a_bf16_base_merges_into_bf16_unless_told_otherwise() {
     use candle_core::{DType, Device};
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
-    let alpaca = std::fs::read_to_string(root().join("recipes/data/synthetic-alpaca.jsonl")).unwrap();
-    let rows: Vec<String> = alpaca.lines().take(64).map(String::from).collect();
-    std::fs::write(p.join("data.jsonl"), rows.join("\n")).unwrap();
-    transformers5_folder(&p.join("base"), &rows);
+    small_base_project(p);
     let base = rtune::model::ModelFolder::open(&p.join("base")).unwrap();
     let bf16 = base.load_weights(&Device::Cpu, DType::BF16).unwrap();
     rtune::model::folder::save_safetensors(&p.join("base/model.safetensors"), &bf16).unwrap();

@@ -97,17 +97,9 @@ impl ModelFolder {
         want: impl Fn(&str) -> bool,
         mut f: impl FnMut(&str, Tensor) -> Result<(), E>,
     ) -> Result<(), E> {
-        for file in self.weight_files()? {
-            let handle =
-                std::fs::File::open(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
-            // SAFETY: the file is only read, and only while this map lives.
-            let bytes = unsafe { memmap2::Mmap::map(&handle) }
-                .map_err(ModelError::io(format!("cannot map `{}`", file.display())))?;
-            let st = safetensors::SafeTensors::deserialize(&bytes)
-                .map_err(|e| ModelError::BadFile { path: file.display().to_string(), source: Box::new(e) })?;
-            for (name, view) in st.tensors().into_iter().filter(|(name, _)| want(name)) {
-                f(&name, tensor_from_view(&name, &view, &Device::Cpu)?)?;
-            }
+        let stored = self.stored()?;
+        for name in stored.index.keys().filter(|n| want(n)) {
+            f(name, stored.get(name)?)?;
         }
         Ok(())
     }
