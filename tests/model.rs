@@ -790,6 +790,36 @@ fn merged_weights_stream_into_shards_with_an_index_that_loads_back() {
     assert!(rtune::recipe::parse_size("5 parsecs").is_err());
 }
 
+/// rtune streams a GGUF (header first, then each tensor as it is computed); the file is the one
+/// candle's `gguf_file::write` makes of the same metadata and tensors, byte for byte.
+#[test]
+fn streamed_gguf_is_byte_identical_to_candles_writer() {
+    use candle_core::quantized::gguf_file;
+    let dir = qwen2_folder_for_gguf();
+    let folder = ModelFolder::open(dir.path()).unwrap();
+    let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
+    for format in [rtune::recipe::ExportFormat::GgufQ8_0, rtune::recipe::ExportFormat::GgufQ4K] {
+        let path = dir.path().join("m.gguf");
+        rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None).unwrap();
+        let ours = std::fs::read(&path).unwrap();
+        let mut f = std::io::Cursor::new(ours.clone());
+        let content = gguf_file::Content::read(&mut f).unwrap();
+        // The order rtune wrote: metadata keys by where they are in the file, tensors by offset.
+        let at = |key: &str| ours.windows(key.len()).position(|w| w == key.as_bytes()).unwrap();
+        let mut keys: Vec<&String> = content.metadata.keys().collect();
+        keys.sort_by_key(|k| at(k));
+        let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+        names.sort_by_key(|n| content.tensor_infos[*n].offset);
+        let tensors: Vec<(&str, candle_core::quantized::QTensor)> =
+            names.iter().map(|n| (n.as_str(), content.tensor(&mut f, n, &Device::Cpu).unwrap())).collect();
+        let md: Vec<(&str, &gguf_file::Value)> = keys.iter().map(|k| (k.as_str(), &content.metadata[*k])).collect();
+        let refs: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+        let mut theirs = std::io::Cursor::new(Vec::new());
+        gguf_file::write(&mut theirs, &md, &refs).unwrap();
+        assert!(theirs.into_inner() == ours, "{format:?}: the files differ");
+    }
+}
+
 /// Every GGUF type round-trips: written, read back by candle's llama.cpp reader with the
 /// declared tensor types and `general.file_type`, and its logits follow the f32 model's (as
 /// closely as the type allows).

@@ -2,7 +2,8 @@
 //! `blk.N.attn_q.weight`-style tensor names, `general.*` and `<arch>.*` metadata, the tokenizer
 //! embedded as `tokenizer.ggml.*`, Llama's q/k rows permuted for llama.cpp's interleaved rotary
 //! embedding, llama3 rope factors as `rope_freqs.weight`, and 1-D tensors kept in f32.
-//! candle's `gguf_file::write` writes the container (GGUF v2).
+//! The container is GGUF v2, as candle's `gguf_file::write` writes it, but streamed: the header
+//! first, then each tensor computed, quantized and written in turn (never the model in memory).
 
 use std::path::Path;
 
@@ -126,49 +127,212 @@ pub fn write(
     }
     md.extend(tokenizer_metadata(cfg, model_dir, chat)?);
 
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    // What each tensor will be — its ggml type follows from its shape — so that the header,
+    // with every tensor's offset, is written before any tensor is computed.
+    let mut plan: Vec<Planned> = Vec::new();
     let mut fallbacks = Vec::new();
-    let err = |n: &str| ModelError::candle(format!("convert `{n}` for GGUF"));
-    // One merged tensor at a time: computed, quantized, dropped.
-    for entry in merged.layout() {
-        let hf = entry.name.as_str();
-        let Some(gname) = tensor_name(hf) else { continue };
-        let mut t = merged.tensor(hf)?;
-        if cfg.arch == Arch::Llama && hf.ends_with("q_proj.weight") {
-            t = permute(&t, cfg.num_heads).map_err(err(hf))?;
-        } else if cfg.arch == Arch::Llama && hf.ends_with("k_proj.weight") {
-            t = permute(&t, cfg.num_kv_heads).map_err(err(hf))?;
-        }
-        let ty = if t.rank() == 1 {
-            GgmlDType::F32
-        } else {
-            let row = t.dim(1).map_err(err(hf))?;
-            let fits = |q: GgmlDType| row % q.block_size() == 0;
-            let chosen =
-                [qtype, GgmlDType::Q8_0, GgmlDType::F16].into_iter().find(|q| fits(*q)).unwrap_or(GgmlDType::F32);
-            if chosen != qtype {
-                fallbacks
-                    .push(format!("{gname}: {chosen:?} (rows of {row} are not a multiple of {})", qtype.block_size()));
-            }
-            chosen
-        };
-        let q = QTensor::quantize(&t, ty).map_err(err(hf))?;
-        tensors.push((gname, q));
-    }
     // `lm_head.weight` is among the weights only when the head is untied or carries a merged
     // adapter; llama.cpp then reads `output.weight`, otherwise it reuses `token_embd.weight`.
-    if let Some(factors) = llama3_rope_factors(cfg) {
-        let t = Tensor::new(factors.as_slice(), &candle_core::Device::Cpu).map_err(err("rope_freqs"))?;
-        tensors.push(("rope_freqs.weight".into(), QTensor::quantize(&t, GgmlDType::F32).map_err(err("rope_freqs"))?));
+    for entry in merged.layout() {
+        let Some(gname) = tensor_name(&entry.name) else { continue };
+        let ty = match entry.shape.as_slice() {
+            [_, row] => {
+                let fits = |q: GgmlDType| row % q.block_size() == 0;
+                let chosen =
+                    [qtype, GgmlDType::Q8_0, GgmlDType::F16].into_iter().find(|q| fits(*q)).unwrap_or(GgmlDType::F32);
+                if chosen != qtype {
+                    fallbacks.push(format!(
+                        "{gname}: {chosen:?} (rows of {row} are not a multiple of {})",
+                        qtype.block_size()
+                    ));
+                }
+                chosen
+            }
+            _ => GgmlDType::F32,
+        };
+        plan.push(Planned { name: gname, source: Source::Merged(entry.name.clone()), shape: entry.shape.clone(), ty });
     }
-    tensors.sort_by_key(|(name, _)| tensor_order(name));
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut file =
-        std::fs::File::create(path).map_err(ModelError::io(format!("cannot create `{}`", path.display())))?;
-    candle_core::quantized::gguf_file::write(&mut file, &md_refs, &t_refs)
-        .map_err(ModelError::candle(format!("cannot write `{}`", path.display())))?;
-    Ok(GgufReport { tensors: tensors.len(), fallbacks })
+    if let Some(factors) = llama3_rope_factors(cfg) {
+        let shape = vec![factors.len()];
+        plan.push(Planned {
+            name: "rope_freqs.weight".into(),
+            source: Source::Values(factors),
+            shape,
+            ty: GgmlDType::F32,
+        });
+    }
+    plan.sort_by_key(|p| tensor_order(&p.name));
+    let err = |n: &str| ModelError::candle(format!("convert `{n}` for GGUF"));
+    let io = |e| ModelError::Io { context: format!("cannot write `{}`", path.display()), source: e };
+    let file = std::fs::File::create(path).map_err(io)?;
+    let mut w = Counted { inner: std::io::BufWriter::new(file), written: 0 };
+    write_header(&mut w, &md, &plan).map_err(io)?;
+    // One merged tensor at a time: computed, quantized, written, dropped.
+    for p in &plan {
+        let mut t = match &p.source {
+            Source::Merged(hf) => merged.tensor(hf)?,
+            Source::Values(v) => Tensor::new(v.as_slice(), &candle_core::Device::Cpu).map_err(err(&p.name))?,
+        };
+        if cfg.arch == Arch::Llama && p.name.ends_with("attn_q.weight") {
+            t = permute(&t, cfg.num_heads).map_err(err(&p.name))?;
+        } else if cfg.arch == Arch::Llama && p.name.ends_with("attn_k.weight") {
+            t = permute(&t, cfg.num_kv_heads).map_err(err(&p.name))?;
+        }
+        let q = QTensor::quantize(&t, p.ty).map_err(err(&p.name))?;
+        let data = q.data().map_err(err(&p.name))?;
+        if data.len() != p.bytes() {
+            return Err(ModelError::Unsupported {
+                what: format!("`{}` quantized to {} bytes, not the {} planned", p.name, data.len(), p.bytes()),
+            });
+        }
+        w.write_all(&data).map_err(io)?;
+        w.pad().map_err(io)?;
+    }
+    let file = w.inner.into_inner().map_err(|e| io(e.into_error()))?;
+    file.sync_all().map_err(io)?;
+    Ok(GgufReport { tensors: plan.len(), fallbacks })
+}
+
+/// A tensor of the GGUF to be written: its llama.cpp name, where its values come from, its
+/// shape (rows first, as candle's) and ggml type.
+struct Planned {
+    name: String,
+    source: Source,
+    shape: Vec<usize>,
+    ty: GgmlDType,
+}
+
+enum Source {
+    /// A merged model tensor, by its Hugging Face name.
+    Merged(String),
+    Values(Vec<f32>),
+}
+
+impl Planned {
+    /// The tensor's bytes in the file (before padding).
+    fn bytes(&self) -> usize {
+        self.shape.iter().product::<usize>() / self.ty.block_size() * self.ty.type_size()
+    }
+}
+
+/// GGUF aligns tensor data to 32 bytes.
+const ALIGNMENT: u64 = 32;
+
+/// A writer that counts its bytes, for GGUF's alignment padding.
+struct Counted<W> {
+    inner: W,
+    written: u64,
+}
+
+impl<W: std::io::Write> Counted<W> {
+    fn write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.written += b.len() as u64;
+        self.inner.write_all(b)
+    }
+
+    fn pad(&mut self) -> std::io::Result<()> {
+        let n = (ALIGNMENT - self.written % ALIGNMENT) % ALIGNMENT;
+        self.write_all(&vec![0u8; n as usize])
+    }
+
+    fn string(&mut self, s: &str) -> std::io::Result<()> {
+        self.write_all(&(s.len() as u64).to_le_bytes())?;
+        self.write_all(s.as_bytes())
+    }
+
+    fn value(&mut self, v: &Value) -> std::io::Result<()> {
+        match v {
+            Value::U8(x) => self.write_all(&x.to_le_bytes()),
+            Value::I8(x) => self.write_all(&x.to_le_bytes()),
+            Value::U16(x) => self.write_all(&x.to_le_bytes()),
+            Value::I16(x) => self.write_all(&x.to_le_bytes()),
+            Value::U32(x) => self.write_all(&x.to_le_bytes()),
+            Value::I32(x) => self.write_all(&x.to_le_bytes()),
+            Value::U64(x) => self.write_all(&x.to_le_bytes()),
+            Value::I64(x) => self.write_all(&x.to_le_bytes()),
+            Value::F32(x) => self.write_all(&x.to_le_bytes()),
+            Value::F64(x) => self.write_all(&x.to_le_bytes()),
+            Value::Bool(x) => self.write_all(&[u8::from(*x)]),
+            Value::String(x) => self.string(x),
+            Value::Array(items) => {
+                // Every element has the first's type (the arrays rtune writes are uniform).
+                self.write_all(&items.first().map_or(4, value_type).to_le_bytes())?;
+                self.write_all(&(items.len() as u64).to_le_bytes())?;
+                items.iter().try_for_each(|x| self.value(x))
+            }
+        }
+    }
+}
+
+/// GGUF's code of a metadata value's type.
+fn value_type(v: &Value) -> u32 {
+    match v {
+        Value::U8(_) => 0,
+        Value::I8(_) => 1,
+        Value::U16(_) => 2,
+        Value::I16(_) => 3,
+        Value::U32(_) => 4,
+        Value::I32(_) => 5,
+        Value::F32(_) => 6,
+        Value::Bool(_) => 7,
+        Value::String(_) => 8,
+        Value::Array(_) => 9,
+        Value::U64(_) => 10,
+        Value::I64(_) => 11,
+        Value::F64(_) => 12,
+    }
+}
+
+/// ggml's code of a tensor type.
+fn ggml_type(t: GgmlDType) -> u32 {
+    match t {
+        GgmlDType::F32 => 0,
+        GgmlDType::F16 => 1,
+        GgmlDType::Q4_0 => 2,
+        GgmlDType::Q4_1 => 3,
+        GgmlDType::Q5_0 => 6,
+        GgmlDType::Q5_1 => 7,
+        GgmlDType::Q8_0 => 8,
+        GgmlDType::Q8_1 => 9,
+        GgmlDType::Q2K => 10,
+        GgmlDType::Q3K => 11,
+        GgmlDType::Q4K => 12,
+        GgmlDType::Q5K => 13,
+        GgmlDType::Q6K => 14,
+        GgmlDType::Q8K => 15,
+        GgmlDType::BF16 => 30,
+    }
+}
+
+/// The GGUF v2 header: magic, version, counts, metadata, and each tensor's name, dimensions
+/// (innermost first), type and offset in the data section, which starts aligned.
+fn write_header<W: std::io::Write>(
+    w: &mut Counted<W>,
+    md: &[(String, Value)],
+    plan: &[Planned],
+) -> std::io::Result<()> {
+    w.write_all(&0x4655_4747u32.to_le_bytes())?;
+    w.write_all(&2u32.to_le_bytes())?;
+    w.write_all(&(plan.len() as u64).to_le_bytes())?;
+    w.write_all(&(md.len() as u64).to_le_bytes())?;
+    for (key, v) in md {
+        w.string(key)?;
+        w.write_all(&value_type(v).to_le_bytes())?;
+        w.value(v)?;
+    }
+    let mut offset = 0u64;
+    for p in plan {
+        w.string(&p.name)?;
+        w.write_all(&(p.shape.len() as u32).to_le_bytes())?;
+        for d in p.shape.iter().rev() {
+            w.write_all(&(*d as u64).to_le_bytes())?;
+        }
+        w.write_all(&ggml_type(p.ty).to_le_bytes())?;
+        w.write_all(&offset.to_le_bytes())?;
+        let n = p.bytes() as u64;
+        offset += n + (ALIGNMENT - n % ALIGNMENT) % ALIGNMENT;
+    }
+    w.pad()
 }
 
 /// llama.cpp's usual order: embeddings, blocks in order, output norm and head.
