@@ -1195,6 +1195,27 @@ fn an_adapter_and_base_weights_train_together() {
     assert!((end - tuned).abs() <= 1e-6 * end, "evaluate {tuned} vs train's last eval {end}");
     assert!(metrics["eval_loss_start"].as_f64().unwrap() - end > 0.05, "it trained: {metrics}");
     assert!(exports.join("merged/model.safetensors").is_file() && exports.join("gguf/model-q8_0.gguf").is_file());
+    // The trained norms and embedding are the merged folder's, as the adapter folder holds them.
+    let saved = rtune::model::peft::read_weights(&trained, &candle_core::Device::Cpu).unwrap();
+    let saved = saved.into_iter().filter(|(k, _)| !rtune::model::lora::is_adapter_param(k)).collect();
+    assert_merged_holds(&exports.join("merged"), &saved);
+}
+
+/// Every tensor of `want` that the merged folder `dir` has equals it bit for bit (the norms,
+/// embedding or whole model a stage trained), and there is at least one.
+fn assert_merged_holds(dir: &Path, want: &std::collections::BTreeMap<String, candle_core::Tensor>) {
+    let folder = rtune::model::ModelFolder::open(dir).unwrap();
+    let merged = folder.load_weights(&candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let bits = |t: &candle_core::Tensor| -> Vec<u32> {
+        let v = t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let mut compared = 0;
+    for (name, t) in want.iter().filter(|(n, _)| merged.contains_key(*n)) {
+        assert_eq!(bits(&merged[name]), bits(t), "{name} in the merged folder is not the trained value");
+        compared += 1;
+    }
+    assert!(compared > 0, "no trained tensor in the merged folder");
 }
 
 /// The default recipe's model as a Qwen3 (heads wider than hidden / heads, a query and key
@@ -1393,6 +1414,8 @@ fn base_weights_that_train_export_no_peft_adapter() {
     assert!(exports.join("merged/model.safetensors").is_file() && !exports.join("peft-adapter").exists());
     let trained = artifact(&report, "train");
     assert!(trained.join("weights.safetensors").is_file() && !trained.join("adapter_config.json").exists());
+    let weights = candle_core::safetensors::load(trained.join("weights.safetensors"), &candle_core::Device::Cpu);
+    assert_merged_holds(&exports.join("merged"), &weights.unwrap().into_iter().collect());
 }
 
 /// A full fine-tune of the default recipe's model on Vulkan (the GPU engine) against the same on

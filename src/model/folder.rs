@@ -106,22 +106,7 @@ impl ModelFolder {
 
     /// The checkpoint's tensors, mapped and read by name one at a time (see [`StoredWeights`]).
     pub fn stored(&self) -> Result<StoredWeights, ModelError> {
-        let mut maps = Vec::new();
-        let mut index = BTreeMap::new();
-        for (k, file) in self.weight_files()?.into_iter().enumerate() {
-            let handle =
-                std::fs::File::open(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
-            // SAFETY: the file is only read, and only while this map lives.
-            let bytes = unsafe { memmap2::Mmap::map(&handle) }
-                .map_err(ModelError::io(format!("cannot map `{}`", file.display())))?;
-            let st = safetensors::SafeTensors::deserialize(&bytes)
-                .map_err(|e| ModelError::BadFile { path: file.display().to_string(), source: Box::new(e) })?;
-            for (name, view) in st.tensors() {
-                index.insert(name, (k, view.shape().to_vec(), view.dtype()));
-            }
-            maps.push((file, bytes));
-        }
-        Ok(StoredWeights { maps, index })
+        StoredWeights::open(self.weight_files()?)
     }
 
     pub fn tokenizer(&self) -> Result<tokenizers::Tokenizer, ModelError> {
@@ -163,6 +148,31 @@ pub struct StoredWeights {
 }
 
 impl StoredWeights {
+    /// Map safetensors `files` (a tensor in two of them is the later file's).
+    pub fn open(files: Vec<PathBuf>) -> Result<StoredWeights, ModelError> {
+        let mut maps = Vec::new();
+        let mut index = BTreeMap::new();
+        for (k, file) in files.into_iter().enumerate() {
+            let handle =
+                std::fs::File::open(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
+            // SAFETY: the file is only read, and only while this map lives.
+            let bytes = unsafe { memmap2::Mmap::map(&handle) }
+                .map_err(ModelError::io(format!("cannot map `{}`", file.display())))?;
+            let st = safetensors::SafeTensors::deserialize(&bytes)
+                .map_err(|e| ModelError::BadFile { path: file.display().to_string(), source: Box::new(e) })?;
+            for (name, view) in st.tensors() {
+                index.insert(name, (k, view.shape().to_vec(), view.dtype()));
+            }
+            maps.push((file, bytes));
+        }
+        Ok(StoredWeights { maps, index })
+    }
+
+    /// Whether the files hold tensor `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
     /// How many tensors the checkpoint holds.
     pub fn len(&self) -> usize {
         self.index.len()

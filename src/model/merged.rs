@@ -31,9 +31,9 @@ pub struct Entry {
 pub struct Merged<'a> {
     folder: &'a ModelFolder,
     stored: StoredWeights,
-    /// Base weights the train stage replaced (f32, on the CPU): a full fine-tune's, or a PEFT
-    /// folder's `modules_to_save`.
-    trained: BTreeMap<String, Tensor>,
+    /// Base weights the train stage replaced: a full fine-tune's `weights.safetensors`, mapped
+    /// like the base, or a PEFT folder's `modules_to_save` (f32, on the CPU).
+    trained: Trained,
     /// The adapter's matrices (f32, on the CPU) under PEFT's names.
     adapters: BTreeMap<String, Tensor>,
     /// The adapter's shape; `None` without one.
@@ -45,6 +45,31 @@ pub struct Merged<'a> {
     layout: Vec<Entry>,
     /// Told the name of each tensor [`Merged::tensor`] computes (an export's progress).
     progress: std::cell::RefCell<Option<Progress<'a>>>,
+}
+
+/// The base weights a train stage replaced.
+enum Trained {
+    None,
+    Full(StoredWeights),
+    Modules(BTreeMap<String, Tensor>),
+}
+
+impl Trained {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        match self {
+            Trained::None => None,
+            Trained::Full(s) => s.shape(name).map(<[usize]>::to_vec),
+            Trained::Modules(m) => m.get(name).map(|t| t.dims().to_vec()),
+        }
+    }
+
+    fn get(&self, name: &str) -> Result<Option<Tensor>, ModelError> {
+        match self {
+            Trained::Full(s) if s.contains(name) => s.get(name).map(Some),
+            Trained::Modules(m) => Ok(m.get(name).cloned()),
+            _ => Ok(None),
+        }
+    }
 }
 
 /// What [`Merged::on_tensor`] calls with each tensor's name.
@@ -65,15 +90,18 @@ impl<'a> Merged<'a> {
     /// output must find its linear, and every weight its shape.
     pub fn open(folder: &'a ModelFolder, trained: Option<&Path>) -> Result<Merged<'a>, ModelError> {
         let stored = folder.stored()?;
-        let out = match trained {
-            Some(dir) => super::read_trained(dir, &Device::Cpu)?,
-            None => Default::default(),
+        // A full fine-tune's weights are mapped like the base's; a PEFT folder is small.
+        let (trained_base, lora, adapters) = match trained {
+            Some(dir) if dir.join("weights.safetensors").is_file() => {
+                (Trained::Full(StoredWeights::open(vec![dir.join("weights.safetensors")])?), None, BTreeMap::new())
+            }
+            Some(dir) if dir.join("adapter_config.json").is_file() => {
+                let (adapters, base): (BTreeMap<_, _>, BTreeMap<_, _>) =
+                    peft::read_weights(dir, &Device::Cpu)?.into_iter().partition(|(k, _)| lora::is_adapter_param(k));
+                (Trained::Modules(base), Some(peft::read_config(dir)?), adapters)
+            }
+            _ => (Trained::None, None, BTreeMap::new()),
         };
-        let lora = match trained {
-            Some(dir) if dir.join("adapter_config.json").is_file() => Some(peft::read_config(dir)?),
-            _ => None,
-        };
-        let adapters = out.adapters.unwrap_or_default();
         let cfg = &folder.config;
         let trainable = lora.clone().map(Trainable::lora).unwrap_or_default();
         let head_a = lora::param_name("lm_head", "lora_A");
@@ -83,7 +111,7 @@ impl<'a> Merged<'a> {
         let mut merged = Merged {
             folder,
             stored,
-            trained: out.base,
+            trained: trained_base,
             adapters,
             lora,
             merges: BTreeMap::new(),
@@ -96,8 +124,8 @@ impl<'a> Merged<'a> {
         let names: std::collections::BTreeSet<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
         for (name, shape) in tensors.iter().cloned() {
             let source = merged.source(&name);
-            let found = match merged.trained.get(source) {
-                Some(t) => t.dims().to_vec(),
+            let found = match merged.trained.shape(source) {
+                Some(s) => s,
                 None => merged
                     .stored
                     .shape(source)
@@ -192,8 +220,8 @@ impl<'a> Merged<'a> {
     /// the CPU.
     fn unmerged(&self, name: &str) -> Result<Tensor, ModelError> {
         let source = self.source(name);
-        let t = match self.trained.get(source) {
-            Some(t) => t.clone(),
+        let t = match self.trained.get(source)? {
+            Some(t) => t,
             None => self.stored.get(source)?,
         };
         t.to_dtype(DType::F32).map_err(ModelError::candle(format!("convert `{name}`")))

@@ -396,7 +396,9 @@ fn check_written(
 
 /// The merged model's logits against the adapter model's on a fixed batch (both computed in
 /// f32 one layer at a time on `device`): the largest absolute difference; and the same for the
-/// folder `written` as it reads back, where given.
+/// folder `written` as it reads back, where given. Both models read the train stage's output
+/// through [`Merged`]: this checks the merge and the folder, not that reading (the pipeline
+/// tests compare the merged folder with the trained values directly).
 fn check_merged(
     merged: &Merged<'_>,
     written: Option<&Merged<'_>>,
