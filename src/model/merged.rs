@@ -159,9 +159,7 @@ impl<'a> Merged<'a> {
                 .find(|k| !merged.merges.values().any(|(a, b, _)| a == *k || b == *k))
                 .cloned()
                 .unwrap_or_default();
-            return Err(ModelError::Unsupported {
-                what: format!("adapter tensor `{stray}`: the adapter's config targets no such linear of this model"),
-            });
+            return Err(ModelError::StrayAdapter { name: stray });
         }
         Ok(merged)
     }

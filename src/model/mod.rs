@@ -52,6 +52,14 @@ pub enum ModelError {
     #[error("{what} is not supported")]
     #[diagnostic(code(rtune::model::unsupported))]
     Unsupported { what: String },
+    #[error("the adapter holds `{name}`, but its config targets no such linear of this model")]
+    #[diagnostic(
+        code(rtune::model::stray_adapter),
+        help(
+            "the adapter model would ignore it and a merge would add it: the folder was edited or belongs to another model"
+        )
+    )]
+    StrayAdapter { name: String },
     #[error(
         "`{weight}` trains in full (`stages.train.trainable`) and also carries a LoRA adapter on `{linear}` \
          (`adapter.targets` has `{module}`)"
