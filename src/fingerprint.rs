@@ -56,7 +56,8 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // local base by its recipe path.
         // 5: merged folders keep the base's dtypes (a bf16 base: bf16 weights, not f32), merged
         // tensor by tensor from the mapped checkpoint; the GGUF self-check's reference loss is
-        // computed by the candle model one layer at a time (another summation order).
+        // computed by the candle model one layer at a time (another summation order), and on
+        // the CPU over as many eval rows as fit its budget.
         Quantize => 5,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so

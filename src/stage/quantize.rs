@@ -51,7 +51,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     let gguf_chat =
         chat.as_ref().map(|c| gguf::ChatMetadata { template: &c.source, turn_end: c.turn_end.as_ref().map(|t| t.1) });
     let mut report = serde_json::Map::new();
-    let mut self_check: Option<(TokenStore, f64)> = None;
+    let mut self_check: Option<(TokenStore, usize, f64)> = None;
     for format in &s.formats {
         match format {
             ExportFormat::PeftAdapter => {
@@ -123,16 +123,19 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let written = gguf::write(&path, &merged, &model_dir, name, *other, gguf_chat)?;
                 merged.on_tensor(None);
                 // The eval rows and the adapter model's loss on them, once for all GGUF formats.
-                let (eval, reference) = match &self_check {
+                let (eval, rows, reference) = match &self_check {
                     Some(c) => c,
                     None => {
                         let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
-                        let reference = adapter_eval_loss(&merged, &eval, &device)?;
-                        self_check.insert((eval, reference))
+                        let params = merged.layout().iter().map(|e| e.shape.iter().product::<usize>()).sum();
+                        let lens = (0..eval.len()).map(|r| eval.row(r).ids.len());
+                        let rows = check_rows(lens, params, device.is_cpu());
+                        let reference = adapter_eval_loss(&merged, &eval, rows, &device)?;
+                        self_check.insert((eval, rows, reference))
                     }
                 };
                 let reference = *reference;
-                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, &device)?;
+                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, *rows, &device)?;
                 let ratio = (loss - reference).exp();
                 ctx.ui.status(
                     "quantize",
@@ -206,13 +209,13 @@ fn dtype_name(d: DType) -> &'static str {
     }
 }
 
-/// The adapter model's mean next-token loss over the first [`SELF_CHECK_ROWS`] eval rows (one
-/// row a batch, as the evaluate stage batches them), computed one decoder layer at a time.
-fn adapter_eval_loss(merged: &Merged<'_>, eval: &TokenStore, device: &Device) -> Result<f64, StageError> {
+/// The adapter model's mean next-token loss over the first `rows` eval rows (one row a batch,
+/// as the evaluate stage batches them), computed one decoder layer at a time.
+fn adapter_eval_loss(merged: &Merged<'_>, eval: &TokenStore, rows: usize, device: &Device) -> Result<f64, StageError> {
     let err = |what: &str| StageError::candle(format!("GGUF self-check reference: {what}"));
     let mut batches = Vec::new();
     let mut picks = Vec::new();
-    for r in 0..eval.len().min(SELF_CHECK_ROWS) {
+    for r in 0..rows {
         let row = eval.row(r);
         let hb = HostBatch::new(&[(row.ids.as_slice(), row.seg.as_slice(), row.mask.as_slice())]);
         if hb.select.is_empty() {
@@ -237,16 +240,39 @@ fn adapter_eval_loss(merged: &Merged<'_>, eval: &TokenStore, device: &Device) ->
     Ok(if count > 0 { sum / count as f64 } else { f64::NAN })
 }
 
-/// Eval rows used by the GGUF self-check (token-by-token decoding is slow on big models).
+/// Eval rows the GGUF self-check reads at most.
 const SELF_CHECK_ROWS: usize = 64;
 
-/// Mean next-token loss of a GGUF file over the first eval rows, decoded token by token with
+/// What the GGUF self-check may spend on the CPU: about 2·10¹² multiply-adds (the reference
+/// pass, then as many again decoding), a minute or two on a desktop CPU whatever the model;
+/// on a GPU every row of [`SELF_CHECK_ROWS`].
+const CPU_CHECK_MACS: f64 = 2e12;
+
+/// How many of the eval rows (of token lengths `lens`) the GGUF self-check reads: the first
+/// [`SELF_CHECK_ROWS`], and on the CPU only as many whole rows as fit [`CPU_CHECK_MACS`] for a
+/// model of `params` weights (at least one): an 8B model's check decodes a few hundred tokens
+/// there, not the thousands that would take an hour.
+fn check_rows(lens: impl Iterator<Item = usize>, params: usize, cpu: bool) -> usize {
+    let budget = if cpu { CPU_CHECK_MACS / params.max(1) as f64 } else { f64::INFINITY };
+    let (mut rows, mut tokens) = (0, 0usize);
+    for len in lens.take(SELF_CHECK_ROWS) {
+        if rows > 0 && (tokens + len) as f64 > budget {
+            break;
+        }
+        rows += 1;
+        tokens += len;
+    }
+    rows
+}
+
+/// Mean next-token loss of a GGUF file over the first `rows` eval rows, decoded token by token with
 /// candle's quantized Llama/Qwen2/Qwen3 (llama.cpp's conventions: it is a check of names,
 /// layout and metadata as much as of quantization error).
 fn gguf_eval_loss(
     path: &Path,
     arch: crate::recipe::Arch,
     eval: &TokenStore,
+    rows: usize,
     device: &Device,
 ) -> Result<(f64, usize), StageError> {
     use candle_transformers::models::{quantized_llama, quantized_qwen2, quantized_qwen3};
@@ -270,7 +296,7 @@ fn gguf_eval_loss(
         }
     };
     let (mut sum, mut n) = (0f64, 0usize);
-    for r in 0..eval.len().min(SELF_CHECK_ROWS) {
+    for r in 0..rows {
         let row = eval.row(r);
         // Each row starts afresh: Llama's and Qwen2's caches restart at position 0 by
         // themselves, Qwen3's keeps appending until cleared.
@@ -423,4 +449,23 @@ fn check_merged(
     // The written folder is a plain model: its weights are what its "adapter model" holds.
     let as_written = written.map(|w| logits(w, Form::Adapter).and_then(&max_diff)).transpose()?;
     Ok((diff, as_written))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_rows;
+
+    /// The GGUF self-check reads at most 64 rows; on the CPU, whole rows within its budget and
+    /// at least one.
+    #[test]
+    fn the_self_check_reads_what_the_device_affords() {
+        let lens = || std::iter::repeat_n(200, 100);
+        assert_eq!(check_rows(lens(), 8_000_000_000, false), 64, "a GPU reads every row");
+        assert_eq!(check_rows(lens(), 100_000, true), 64, "a tiny model on the CPU too");
+        // 2e12 / 8e9 = 250 tokens: one row of 200 (a second would pass the budget).
+        assert_eq!(check_rows(lens(), 8_000_000_000, true), 1);
+        assert_eq!(check_rows(lens(), 1_100_000_000, true), 9, "1,818 tokens for 1.1B");
+        assert_eq!(check_rows(std::iter::once(5000), 8_000_000_000, true), 1, "at least one row");
+        assert_eq!(check_rows(std::iter::empty(), 100, true), 0);
+    }
 }
