@@ -262,11 +262,7 @@ impl Resolution {
     }
 
     pub fn candle_dtype(&self) -> candle_core::DType {
-        match self.dtype {
-            Dtype::F32 => candle_core::DType::F32,
-            Dtype::F16 => candle_core::DType::F16,
-            Dtype::Bf16 => candle_core::DType::BF16,
-        }
+        self.dtype.candle()
     }
 }
 

@@ -192,12 +192,7 @@ impl StoredWeights {
         let Some((_, _, dtype)) = self.index.get(name) else {
             return Err(ModelError::MissingTensor { name: name.into() });
         };
-        match dtype {
-            safetensors::Dtype::F32 => Ok(DType::F32),
-            safetensors::Dtype::F16 => Ok(DType::F16),
-            safetensors::Dtype::BF16 => Ok(DType::BF16),
-            other => Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
-        }
+        candle_dtype(name, *dtype)
     }
 
     /// The blake3 of tensor `name`'s bytes as stored.
@@ -233,16 +228,20 @@ fn tensor_from_view(
     view: &safetensors::tensor::TensorView<'_>,
     device: &Device,
 ) -> Result<Tensor, ModelError> {
-    use safetensors::Dtype as S;
-    let shape = view.shape().to_vec();
-    let data = view.data();
-    let t = match view.dtype() {
-        S::F32 => Tensor::from_raw_buffer(data, DType::F32, &shape, device),
-        S::F16 => Tensor::from_raw_buffer(data, DType::F16, &shape, device),
-        S::BF16 => Tensor::from_raw_buffer(data, DType::BF16, &shape, device),
-        other => return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
-    };
-    t.map_err(ModelError::candle(format!("load `{name}`")))
+    let dtype = candle_dtype(name, view.dtype())?;
+    Tensor::from_raw_buffer(view.data(), dtype, view.shape(), device)
+        .map_err(ModelError::candle(format!("load `{name}`")))
+}
+
+/// The candle dtype of a checkpoint's tensor `name` stored as `dtype` (f32, f16, bf16; others
+/// are an error).
+fn candle_dtype(name: &str, dtype: safetensors::Dtype) -> Result<DType, ModelError> {
+    match dtype {
+        safetensors::Dtype::F32 => Ok(DType::F32),
+        safetensors::Dtype::F16 => Ok(DType::F16),
+        safetensors::Dtype::BF16 => Ok(DType::BF16),
+        other => Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
+    }
 }
 
 /// Write tensors as one safetensors file with PEFT/transformers' `{"format": "pt"}` header,

@@ -119,7 +119,6 @@ impl<'a> Merged<'a> {
             layout: Vec::new(),
             progress: std::cell::RefCell::new(None),
         };
-        let mut used = 0;
         let tensors = merged.config.tensors();
         let names: std::collections::BTreeSet<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
         for (name, shape) in tensors.iter().cloned() {
@@ -147,19 +146,13 @@ impl<'a> Merged<'a> {
                         }
                     }
                     merged.merges.insert(name.clone(), (a, b, spec.scale()));
-                    used += 2;
                 }
             }
             merged.layout.push(Entry { name, shape, dtype });
         }
-        if used != merged.adapters.len() {
-            let stray = merged
-                .adapters
-                .keys()
-                .find(|k| !merged.merges.values().any(|(a, b, _)| a == *k || b == *k))
-                .cloned()
-                .unwrap_or_default();
-            return Err(ModelError::StrayAdapter { name: stray });
+        let merging = |k: &String| merged.merges.values().any(|(a, b, _)| a == k || b == k);
+        if let Some(stray) = merged.adapters.keys().find(|k| !merging(k)) {
+            return Err(ModelError::StrayAdapter { name: stray.clone() });
         }
         Ok(merged)
     }
@@ -167,6 +160,11 @@ impl<'a> Merged<'a> {
     /// The merged model's tensors in `state_dict` order.
     pub fn layout(&self) -> &[Entry] {
         &self.layout
+    }
+
+    /// How many values the merged model's tensors hold.
+    pub fn params(&self) -> usize {
+        self.layout.iter().map(|e| e.shape.iter().product::<usize>()).sum()
     }
 
     /// The merged model's config (an adapter on a tied LM head unties it).
@@ -296,9 +294,8 @@ impl Merged<'_> {
         dtype: Option<DType>,
         max_shard_bytes: u64,
     ) -> Result<Written, ModelError> {
-        let merged = self;
         let tensors: Vec<(String, DType, Vec<usize>)> =
-            merged.layout().iter().map(|e| (e.name.clone(), dtype.unwrap_or(e.dtype), e.shape.clone())).collect();
+            self.layout.iter().map(|e| (e.name.clone(), dtype.unwrap_or(e.dtype), e.shape.clone())).collect();
         let size_of = |t: &(String, DType, Vec<usize>)| t.2.iter().product::<usize>() as u64 * file_element_size(t.1);
         let mut shards: Vec<Vec<usize>> = vec![vec![]];
         let mut current = 0u64;
@@ -332,7 +329,7 @@ impl Merged<'_> {
             total += members.iter().map(|&i| size_of(&tensors[i])).sum::<u64>();
             write_safetensors(&dir.join(&file), &layout, |j| {
                 let (name, dtype, _) = &layout[j];
-                let t = merged.tensor(name)?;
+                let t = self.tensor(name)?;
                 let (_, bytes) = t
                     .to_dtype(*dtype)
                     .and_then(|t| tensor_bytes(&t))
@@ -373,10 +370,6 @@ impl Streamed<'_, '_> {
     /// The LM head over hidden states (f32 logits).
     pub fn logits(&self, h: &Tensor) -> Result<Tensor, ModelError> {
         self.head.head(h).map_err(ModelError::candle("LM head"))
-    }
-
-    pub fn device(&self) -> &Device {
-        &self.device
     }
 
     fn layer(&self, i: usize, trainable: &Trainable) -> Result<DecoderLayer, ModelError> {

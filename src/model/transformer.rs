@@ -304,10 +304,10 @@ impl Transformer {
         batches: &[Batch],
         mut layer: impl FnMut(usize) -> std::result::Result<DecoderLayer, super::ModelError>,
     ) -> std::result::Result<Vec<Tensor>, super::ModelError> {
-        let err = |what: String| super::ModelError::candle(what);
+        use super::ModelError as E;
         let mut states = Vec::with_capacity(batches.len());
         for batch in batches {
-            states.push(self.inputs(batch).map_err(err("embed a batch".into()))?);
+            states.push(self.inputs(batch).map_err(E::candle("embed a batch"))?);
         }
         for i in 0..self.cfg.num_layers {
             let DecoderLayer(l) = layer(i)?;
@@ -316,13 +316,13 @@ impl Transformer {
                 // alive through candle's graph once the layer is dropped.
                 *x = l
                     .forward(x, inputs, self.cfg.rms_norm_eps, None, None)
-                    .map_err(err(format!("layer {i}")))?
+                    .map_err(E::candle(format!("layer {i}")))?
                     .detach();
             }
         }
         states
             .into_iter()
-            .map(|(x, _)| rms_norm(&x, &self.norm, self.cfg.rms_norm_eps).map_err(err("final norm".into())))
+            .map(|(x, _)| rms_norm(&x, &self.norm, self.cfg.rms_norm_eps).map_err(E::candle("final norm")))
             .collect()
     }
 

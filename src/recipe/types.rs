@@ -403,6 +403,15 @@ impl Dtype {
             Dtype::Bf16 => "bf16",
         }
     }
+
+    /// The candle dtype.
+    pub fn candle(self) -> candle_core::DType {
+        match self {
+            Dtype::F32 => candle_core::DType::F32,
+            Dtype::F16 => candle_core::DType::F16,
+            Dtype::Bf16 => candle_core::DType::BF16,
+        }
+    }
 }
 
 /// One `[stages.<name>]` table: the common keys, then the settings of its kind.

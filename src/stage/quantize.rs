@@ -67,13 +67,14 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let dir = ctx.out.join("merged");
                 mkdir(&dir)?;
                 let shard = s.shard_bytes().map_err(StageError::Internal)?;
-                let dtype = s.merged_dtype.map(candle_dtype);
+                let dtype = s.merged_dtype.map(crate::recipe::Dtype::candle);
                 progress(ctx, &merged, "merge");
                 let written = merged.save_safetensors(&dir, dtype, shard)?;
                 merged.on_tensor(None);
                 write_tokenizer_files(&dir, &model_dir, chat.as_ref(), true)?;
                 write_json(&dir.join("config.json"), &merged.raw_config(dtype))?;
-                check_written(&merged, &dir, dtype, &written.digests)?;
+                let back = ModelFolder::open(&dir)?;
+                check_written(&merged, &back, dtype, &written.digests)?;
                 let files = written.files;
                 // Rounded to a narrower dtype, the folder as written computes a little off the
                 // f32 merge: how much is reported, not checked.
@@ -81,8 +82,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                     merged.layout().iter().map(|e| dtype_name(dtype.unwrap_or(e.dtype))).collect();
                 let narrow: Vec<&str> = dtypes.iter().copied().filter(|d| *d != "f32").collect();
                 let narrowed = !narrow.is_empty();
-                let back = narrowed.then(|| ModelFolder::open(&dir)).transpose()?;
-                let back = back.as_ref().map(|f| Merged::open(f, None)).transpose()?;
+                let back = narrowed.then(|| Merged::open(&back, None)).transpose()?;
                 let (diff, as_written) = check_merged(&merged, back.as_ref(), &device)?;
                 if diff > 1e-3 {
                     return Err(StageError::Internal(format!(
@@ -127,9 +127,8 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                     Some(c) => c,
                     None => {
                         let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
-                        let params = merged.layout().iter().map(|e| e.shape.iter().product::<usize>()).sum();
                         let lens = (0..eval.len()).map(|r| eval.row(r).ids.len());
-                        let rows = check_rows(lens, params, device.is_cpu());
+                        let rows = check_rows(lens, merged.params(), device.is_cpu());
                         let reference = adapter_eval_loss(&merged, &eval, rows, &device)?;
                         self_check.insert((eval, rows, reference))
                     }
@@ -180,8 +179,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
 /// Show the tensors `merged` computes from now on as progress of `what` — for a model whose
 /// exports take more than a moment (over 100M parameters).
 fn progress<'a>(ctx: &StageCtx<'_>, merged: &Merged<'a>, what: &str) {
-    let params: usize = merged.layout().iter().map(|e| e.shape.iter().product::<usize>()).sum();
-    if params < 100_000_000 {
+    if merged.params() < 100_000_000 {
         return;
     }
     let mut bar = ctx.ui.bar("quantize", merged.layout().len() as u64);
@@ -190,15 +188,6 @@ fn progress<'a>(ctx: &StageCtx<'_>, merged: &Merged<'a>, what: &str) {
         done += 1;
         bar.set(done, &format!("{what} {name}"));
     })));
-}
-
-/// The candle dtype of a recipe dtype.
-fn candle_dtype(d: crate::recipe::Dtype) -> DType {
-    match d {
-        crate::recipe::Dtype::F32 => DType::F32,
-        crate::recipe::Dtype::F16 => DType::F16,
-        crate::recipe::Dtype::Bf16 => DType::BF16,
-    }
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -385,16 +374,15 @@ fn mkdir(dir: &Path) -> Result<(), StageError> {
     std::fs::create_dir_all(dir).map_err(StageError::io(format!("cannot create `{}`", dir.display())))
 }
 
-/// The merged folder as written: its config.json reads back as the merged model's, and it holds
+/// The merged folder as written (`back`, opened again): its config.json reads back as the merged model's, and it holds
 /// exactly the merged model's tensors, each with its shape, its dtype and the bytes the writer
 /// computed (`digests`), bit for bit.
 fn check_written(
     merged: &Merged<'_>,
-    dir: &Path,
+    back: &ModelFolder,
     dtype: Option<DType>,
     digests: &std::collections::BTreeMap<String, blake3::Hash>,
 ) -> Result<(), StageError> {
-    let back = ModelFolder::open(dir)?;
     if back.config != *merged.config() {
         return Err(StageError::Internal("the merged folder's config.json reads back as another model".into()));
     }
