@@ -16,7 +16,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 Environment: RTUNE_CACHE_DIR (cache root), RTUNE_NO_PROGRESS (plain log lines), NO_COLOR,\n\
 RTUNE_<SECTION>__<KEY>=value (recipe settings, e.g. RTUNE_STAGES__TRAIN__EPOCHS=2),\n\
 RTUNE_ENGINE=candle|fused|gpu (ask for a training engine, to compare them; fingerprinted),\n\
-RTUNE_PROFILE=1 (print the host's share of a training step).")]
+RTUNE_PROFILE=1 (print the host's share of a training step),\n\
+RTUNE_VULKAN_LIBRARY (the Vulkan loader or driver library to open).")]
 pub struct Cli {
     #[command(flatten)]
     pub global: Global,

@@ -396,12 +396,13 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                 return Ok(0);
             }
             let mut out = format!(
-                "rtune {}\nbuild features: cuda={} metal={} vulkan={}\ncpu threads: {}\n\ndevices:\n",
+                "rtune {}\nbuild features: cuda={} metal={} vulkan={}\ncpu threads: {}\n{}\ndevices:\n",
                 env!("CARGO_PKG_VERSION"),
                 inv.cuda_feature,
                 inv.metal_feature,
                 inv.vulkan_feature,
-                inv.cpu_threads
+                inv.cpu_threads,
+                inv.vulkan_library.as_ref().map(|lib| format!("vulkan library: {lib}\n")).unwrap_or_default()
             );
             for d in &inv.devices {
                 let mut mem = d.memory_bytes.map(human_bytes).unwrap_or_else(|| "unknown".into());

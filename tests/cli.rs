@@ -119,6 +119,47 @@ fn cache_path_and_doctor() {
     }
 }
 
+/// `RTUNE_VULKAN_LIBRARY` names the one Vulkan library to open: one that is not there is a
+/// located reason in doctor (never a crash, nor a silent search elsewhere); the system's loader
+/// named so lists what it lists by default, and doctor says which library listed the devices.
+#[test]
+fn the_vulkan_library_can_be_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let doctor_with = |lib: Option<&str>, env: &[(&str, &str)]| -> serde_json::Value {
+        let mut cmd = rtune_cmd();
+        cmd.args(["doctor", "--json"]).current_dir(dir.path()).env("RTUNE_CACHE_DIR", dir.path());
+        cmd.envs(env.iter().copied());
+        match lib {
+            Some(l) => cmd.env("RTUNE_VULKAN_LIBRARY", l),
+            None => cmd.env_remove("RTUNE_VULKAN_LIBRARY"),
+        };
+        let o = cmd.output().expect("rtune runs");
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let doctor = |lib: Option<&str>| doctor_with(lib, &[]);
+    let vulkan =
+        |j: &serde_json::Value| j["devices"].as_array().unwrap().iter().filter(|d| d["class"] == "vulkan").count();
+    let missing = doctor(Some("/nonexistent/libvulkan.so.1"));
+    let note = missing["vulkan_note"].as_str().unwrap_or_default();
+    assert!(note.starts_with("no Vulkan loader (/nonexistent/libvulkan.so.1: "), "{missing}");
+    assert_eq!(vulkan(&missing), 0, "{missing}");
+    assert!(missing["vulkan_library"].is_null(), "{missing}");
+    if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() {
+        let default = doctor(None);
+        assert_eq!(default["vulkan_library"], "libvulkan.so.1", "{default}");
+        let named = doctor(Some("libvulkan.so.1"));
+        assert_eq!(vulkan(&named), vulkan(&default), "{named}");
+        assert!(vulkan(&named) > 0, "{named}");
+        assert_eq!(named["vulkan_library"], "libvulkan.so.1", "{named}");
+        // The loader opens but finds no driver: said so, not "no loader".
+        let no_driver =
+            doctor_with(None, &[("VK_ICD_FILENAMES", "/nonexistent.json"), ("VK_DRIVER_FILES", "/nonexistent.json")]);
+        let note = no_driver["vulkan_note"].as_str().unwrap_or_default();
+        assert!(note.starts_with("no usable Vulkan driver (libvulkan.so.1: vkCreateInstance failed: "), "{no_driver}");
+    }
+}
+
 #[test]
 fn explain_shows_fingerprint_inputs() {
     let p = Project::tiny_offline();

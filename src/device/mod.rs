@@ -100,6 +100,9 @@ pub struct Inventory {
     /// that Vulkan was not probed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vulkan_note: Option<String>,
+    /// The Vulkan library that listed the devices ([`vulkan::libraries`]), where one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vulkan_library: Option<String>,
     pub devices: Vec<DeviceInfo>,
     pub cpu_threads: usize,
 }
@@ -161,15 +164,18 @@ impl Inventory {
             }
         }
         #[allow(unused_mut)]
-        let mut vulkan_note = None;
+        let (mut vulkan_note, mut vulkan_library) = (None, None);
         #[cfg(feature = "vulkan")]
         if with_vulkan {
             match vulkan::devices() {
-                Ok(found) if found.is_empty() => vulkan_note = Some("the Vulkan loader lists no device".to_string()),
-                Ok(found) => {
+                Ok((found, library)) => {
+                    if found.is_empty() {
+                        vulkan_note = Some(format!("the Vulkan loader ({library}) lists no device"));
+                    }
                     for (i, d) in found.into_iter().enumerate() {
                         devices.push(vulkan_device(i, d));
                     }
+                    vulkan_library = Some(library);
                 }
                 Err(why) => vulkan_note = Some(why),
             }
@@ -183,6 +189,7 @@ impl Inventory {
             metal_feature: cfg!(feature = "metal"),
             vulkan_feature: cfg!(feature = "vulkan"),
             vulkan_note,
+            vulkan_library,
             devices,
             cpu_threads,
         }
@@ -195,6 +202,7 @@ impl Inventory {
             metal_feature: false,
             vulkan_feature: false,
             vulkan_note: None,
+            vulkan_library: None,
             devices: vec![DeviceInfo::cpu("cpu".into(), None)],
             cpu_threads: threads,
         }
@@ -331,11 +339,29 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
                 "no CUDA device found (driver missing or no GPU)".into()
             })
         }
+        // candle's Metal backend where the build has it and finds the GPU; else the Apple GPU
+        // as MoltenVK serves it through Vulkan, to the GPU engine (the policy says so). Only a
+        // Mac has one: elsewhere Vulkan is not asked ([`served_through_vulkan`]).
         "metal" => {
-            if !inv.metal_feature {
-                return Err("this build has no Metal support (build with `--features metal` on macOS)".into());
+            if let Some(d) = inv.devices.iter().find(|d| d.class == DeviceClass::Metal) {
+                return Ok(d);
             }
-            inv.devices.iter().find(|d| d.class == DeviceClass::Metal).ok_or_else(|| "no Metal device found".into())
+            let apple = inv
+                .devices
+                .iter()
+                .find(|d| d.class == DeviceClass::Vulkan && d.vendor_id == Some(VENDOR_APPLE) && d.gpu);
+            match apple {
+                Some(d) => usable(d).map_err(|why| {
+                    format!("metal resolves to vulkan:{} ({}) through Vulkan (MoltenVK), but {why}", d.ordinal, d.name)
+                }),
+                None if inv.metal_feature => Err("no Metal device found".into()),
+                None if !inv.vulkan_feature || !cfg!(target_os = "macos") => {
+                    Err("this build has no Metal support (build with `--features metal` on macOS)".into())
+                }
+                None => Err("this build has no Metal support (build with `--features metal` on macOS), and no \
+                             Apple GPU is visible through Vulkan (MoltenVK)"
+                    .into()),
+            }
         }
         "vulkan" => {
             if !inv.vulkan_feature {
@@ -382,9 +408,11 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
 }
 
 /// Whether a preference list names a device rtune reaches through Vulkan (so planning asks the
-/// Vulkan loader only then).
+/// Vulkan loader only then): `metal` too on a Mac, where MoltenVK may serve the Apple GPU.
 pub fn served_through_vulkan(prefer: &[String]) -> bool {
-    prefer.iter().any(|p| ["vulkan", "rocm", "directml"].contains(&p.split(':').next().unwrap_or_default()))
+    let through =
+        |base: &str| ["vulkan", "rocm", "directml"].contains(&base) || (base == "metal" && cfg!(target_os = "macos"));
+    prefer.iter().any(|p| through(p.split(':').next().unwrap_or_default()))
 }
 
 /// Device `ordinal` (default 0) of a numbered class (`cuda:N`, `vulkan:N`), or why not: `none`
@@ -418,6 +446,8 @@ fn plural(n: usize) -> &'static str {
 /// PCI vendor ids, as Vulkan reports them.
 pub const VENDOR_AMD: u32 = 0x1002;
 pub const VENDOR_INTEL: u32 = 0x8086;
+/// Apple's GPUs as MoltenVK lists them.
+pub const VENDOR_APPLE: u32 = 0x106b;
 pub const VENDOR_NVIDIA: u32 = 0x10de;
 
 #[cfg(feature = "vulkan")]
@@ -625,6 +655,43 @@ mod tests {
         let r = resolve(&s(&["rocm", "vulkan", "cpu"]), &[Dtype::F32], &inv).unwrap();
         assert_eq!(r.device_name(), "vulkan:0");
         assert!(r.skipped[0].reason.starts_with("no AMD GPU is visible through Vulkan"));
+    }
+
+    #[test]
+    fn metal_is_candles_metal_where_built_else_an_apple_gpu_through_vulkan() {
+        // A default build on a Mac with MoltenVK: `metal` becomes the Apple GPU's Vulkan device.
+        let inv = vulkan_box(&[(VENDOR_APPLE, true, None)]);
+        let r = resolve(&s(&["metal", "cpu"]), &[Dtype::Bf16, Dtype::F16], &inv).unwrap();
+        assert_eq!((r.device_name(), r.dtype), ("vulkan:0".to_string(), Dtype::F16));
+        assert_eq!(r.via.as_deref(), Some("metal"));
+        assert_eq!(r.override_names(), ["vulkan", "metal", "vulkan:0"]);
+        // One the engine cannot use says why; none at all says what would give one.
+        let inv = vulkan_box(&[(VENDOR_APPLE, true, Some("the GPU engine needs shaderInt64"))]);
+        let r = resolve(&s(&["metal", "cpu"]), &[Dtype::F32], &inv).unwrap();
+        assert_eq!(
+            r.skipped[0].reason,
+            "metal resolves to vulkan:0 (gpu0) through Vulkan (MoltenVK), but the GPU engine needs shaderInt64"
+        );
+        let r = resolve(&s(&["metal", "cpu"]), &[Dtype::F32], &vulkan_box(&[(VENDOR_AMD, true, None)])).unwrap();
+        let no_metal = "this build has no Metal support (build with `--features metal` on macOS)";
+        match cfg!(target_os = "macos") {
+            true => assert_eq!(
+                r.skipped[0].reason,
+                format!("{no_metal}, and no Apple GPU is visible through Vulkan (MoltenVK)")
+            ),
+            false => assert_eq!(r.skipped[0].reason, no_metal),
+        }
+        let r = resolve(&s(&["metal", "cpu"]), &[Dtype::F32], &Inventory::cpu_only(2)).unwrap();
+        assert_eq!(r.skipped[0].reason, "this build has no Metal support (build with `--features metal` on macOS)");
+        // A build with candle's Metal backend uses it when it finds the GPU.
+        let mut inv = vulkan_box(&[(VENDOR_APPLE, true, None)]);
+        inv.metal_feature = true;
+        let mut metal = DeviceInfo::cpu("metal".into(), None);
+        (metal.class, metal.gpu) = (DeviceClass::Metal, true);
+        inv.devices.push(metal);
+        let r = resolve(&s(&["metal"]), &[Dtype::F32], &inv).unwrap();
+        assert_eq!(r.device_name(), "metal");
+        assert_eq!(served_through_vulkan(&s(&["metal"])), cfg!(target_os = "macos"));
     }
 
     #[test]

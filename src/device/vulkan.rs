@@ -1,13 +1,14 @@
 //! Vulkan devices as the loader reports them: name, vendor, kind, driver, device-local memory
 //! and the compute features the GPU engine needs (buffer device addresses, 64-bit integers,
-//! 16-bit storage for bf16/f16) or could use (bfloat16, cooperative matrices). The loader (`libvulkan.so.1`, `vulkan-1.dll`) is opened at run time, so a build
-//! with this feature runs on machines without Vulkan and simply finds no devices there.
+//! 16-bit storage for bf16/f16) or could use (bfloat16, cooperative matrices). The loader
+//! (`libvulkan.so.1`, `vulkan-1.dll`, `libvulkan.dylib`; [`libraries`]) is opened at run time, so
+//! a build with this feature runs on machines without Vulkan and simply finds no devices there.
 
 use std::ffi::CStr;
 
 use ash::vk;
 
-use super::{VENDOR_AMD, VENDOR_INTEL, VENDOR_NVIDIA};
+use super::{VENDOR_AMD, VENDOR_APPLE, VENDOR_INTEL, VENDOR_NVIDIA};
 
 /// What `rtune doctor` shows of a Vulkan device, and what the policy matches on.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -52,7 +53,7 @@ impl VulkanInfo {
             VENDOR_AMD => "AMD",
             VENDOR_INTEL => "Intel",
             VENDOR_NVIDIA => "NVIDIA",
-            0x106b => "Apple",
+            VENDOR_APPLE => "Apple",
             0x13b5 => "ARM",
             0x5143 => "Qualcomm",
             0x10005 => "Mesa",
@@ -173,14 +174,95 @@ pub unsafe fn matrix_shapes(entry: &ash::Entry, instance: &ash::Instance, pd: vk
     shapes
 }
 
-/// Open the system's Vulkan loader and create an instance (no layers) that the caller destroys.
-/// Where the loader offers `VK_KHR_portability_enumeration`, it is enabled, so that drivers
-/// layered on another API — MoltenVK on Apple's Metal — are listed too (since loader 1.3.216
-/// they are hidden otherwise).
-pub fn instance() -> Result<(ash::Entry, ash::Instance), String> {
-    // SAFETY: opens the system's Vulkan loader library; its entry points are only called
-    // through `ash`'s typed wrappers.
-    let entry = unsafe { ash::Entry::load() }.map_err(|e| format!("no Vulkan loader ({e})"))?;
+/// The environment variable naming the Vulkan library to open, alone (a loader, or a driver
+/// such as MoltenVK that serves the API itself).
+pub const LIBRARY_VAR: &str = "RTUNE_VULKAN_LIBRARY";
+
+/// The libraries tried for Vulkan, in order: the one `explicit` names (`RTUNE_VULKAN_LIBRARY`),
+/// alone, where given; else the platform's loader by the name the system finds it under
+/// (`libvulkan.so.1`, `vulkan-1.dll`, `libvulkan.dylib`). On macOS also the places a Mac keeps
+/// Vulkan that the system's default search does not reach: the Vulkan SDK's loader
+/// (`$VULKAN_SDK/lib`, the variable its setup script exports) and Homebrew's
+/// (`/opt/homebrew/lib` on Apple silicon; `/usr/local/lib`, Homebrew's prefix on Intel Macs and
+/// the SDK's system-wide install, is searched by name); then MoltenVK itself, which serves
+/// the Vulkan API over Metal without a loader (Homebrew's `molten-vk` alone).
+pub fn libraries(os: &str, explicit: Option<&str>, sdk: Option<&str>) -> Vec<String> {
+    if let Some(lib) = explicit.filter(|l| !l.is_empty()) {
+        return vec![lib.to_string()];
+    }
+    match os {
+        "windows" => vec!["vulkan-1.dll".into()],
+        "macos" => {
+            let sdk = sdk.filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/'));
+            let mut libs = vec!["libvulkan.dylib".to_string()];
+            libs.extend(sdk.map(|s| format!("{s}/lib/libvulkan.1.dylib")));
+            libs.push("/opt/homebrew/lib/libvulkan.1.dylib".into());
+            libs.push("libMoltenVK.dylib".into());
+            libs.extend(sdk.map(|s| format!("{s}/lib/libMoltenVK.dylib")));
+            libs.push("/opt/homebrew/lib/libMoltenVK.dylib".into());
+            libs
+        }
+        _ => vec!["libvulkan.so.1".into()],
+    }
+}
+
+/// A Vulkan instance (no layers), the caller's to destroy, and the library it came from.
+pub struct Opened {
+    pub entry: ash::Entry,
+    pub instance: ash::Instance,
+    pub library: String,
+}
+
+/// Open Vulkan through the first of [`libraries`] that lists a device (or, where none does,
+/// the first that opens at all: it lists none); the error names each library tried and why it
+/// failed. Where a loader offers `VK_KHR_portability_enumeration`, it is enabled, so that
+/// drivers layered on another API — MoltenVK on Apple's Metal — are listed too (since loader
+/// 1.3.216 they are hidden otherwise).
+pub fn instance() -> Result<Opened, String> {
+    let explicit = std::env::var(LIBRARY_VAR).ok();
+    let sdk = std::env::var("VULKAN_SDK").ok();
+    let (mut tried, mut loaded) = (Vec::new(), false);
+    let mut empty: Option<Opened> = None;
+    for library in libraries(std::env::consts::OS, explicit.as_deref(), sdk.as_deref()) {
+        let opened = match open(&library) {
+            Ok(o) => o,
+            Err((opens, why)) => {
+                loaded |= opens;
+                tried.push(format!("{library}: {why}"));
+                continue;
+            }
+        };
+        // SAFETY: a query of the live instance.
+        let devices = unsafe { opened.instance.enumerate_physical_devices() }.map(|d| d.len()).unwrap_or(0);
+        if devices > 0 {
+            if let Some(e) = empty {
+                // SAFETY: nothing was created from the instance that listed no device.
+                unsafe { e.instance.destroy_instance(None) };
+            }
+            return Ok(opened);
+        }
+        match empty {
+            None => empty = Some(opened),
+            // SAFETY: nothing was created from this instance.
+            Some(_) => unsafe { opened.instance.destroy_instance(None) },
+        }
+    }
+    let what = if loaded { "no usable Vulkan driver" } else { "no Vulkan loader" };
+    empty.ok_or_else(|| format!("{what} ({})", tried.join("; ")))
+}
+
+/// Open `library` and create an instance from it; the error says whether the library opened.
+fn open(library: &str) -> Result<Opened, (bool, String)> {
+    // SAFETY: opens a Vulkan library (a loader, or an implementation exporting the API's entry
+    // points, as MoltenVK does); its entry points are only called through `ash`'s typed wrappers.
+    let entry = unsafe { ash::Entry::load_from(library) }.map_err(|e| match e {
+        // (The dynamic linker's message names the library on Linux and macOS; not again.)
+        ash::LoadingError::LibraryLoadFailure(e) => {
+            let text = e.to_string();
+            (false, text.strip_prefix(&format!("{library}: ")).unwrap_or(&text).to_string())
+        }
+        other => (false, other.to_string()),
+    })?;
     let portability = ash::khr::portability_enumeration::NAME;
     // SAFETY: a query of the loader with no layer named.
     let offered = unsafe { entry.enumerate_instance_extension_properties(None) }
@@ -194,9 +276,9 @@ pub fn instance() -> Result<(ash::Entry, ash::Instance), String> {
     let create =
         vk::InstanceCreateInfo::default().application_info(&app).enabled_extension_names(&extensions).flags(flags);
     // SAFETY: the create info and what it points to live across the call.
-    let instance = unsafe { entry.create_instance(&create, None) }
-        .map_err(|e| format!("the Vulkan loader found no usable driver ({e})"))?;
-    Ok((entry, instance))
+    let instance =
+        unsafe { entry.create_instance(&create, None) }.map_err(|e| (true, format!("vkCreateInstance failed: {e}")))?;
+    Ok(Opened { entry, instance, library: library.to_string() })
 }
 
 /// Whether device `pd` lists device extension `name`.
@@ -266,16 +348,17 @@ pub unsafe fn max_allocation(instance: &ash::Instance, pd: vk::PhysicalDevice) -
     m3.max_memory_allocation_size.min(buffer)
 }
 
-/// The Vulkan devices of this machine, or why there are none (no loader, no driver).
-pub fn devices() -> Result<Vec<VulkanInfo>, String> {
-    let (entry, instance) = instance()?;
+/// The Vulkan devices of this machine and the library that listed them ([`instance`]), or why
+/// there are none (no loader, no driver).
+pub fn devices() -> Result<(Vec<VulkanInfo>, String), String> {
+    let Opened { entry, instance, library } = instance()?;
     // SAFETY: `instance` is live until `destroy_instance`, and every handle used comes from it.
     let found = unsafe { instance.enumerate_physical_devices() }
         .map_err(|e| format!("cannot list Vulkan devices ({e})"))
         .map(|pds| pds.into_iter().map(|pd| unsafe { describe(&entry, &instance, pd) }).collect());
     // SAFETY: nothing created from the instance outlives this call.
     unsafe { instance.destroy_instance(None) };
-    found
+    found.map(|f| (f, library))
 }
 
 /// # Safety
@@ -512,6 +595,38 @@ mod tests {
         let unified = memory(&[(16 * GIB, true)], &[(0, dl), (0, dl | hv | hc), (0, dl | hv | hc | hk)]);
         assert_eq!(tensor_memory_bytes(&unified, true), 16 * GIB);
         assert_eq!(tensor_memory_types(&unified, 0b111, true), [0, 1, 2]);
+    }
+
+    #[test]
+    fn vulkan_is_looked_for_where_each_system_keeps_it() {
+        assert_eq!(libraries("linux", None, None), ["libvulkan.so.1"]);
+        assert_eq!(libraries("windows", None, Some(r"C:\VulkanSDK\1.4.309.0")), ["vulkan-1.dll"]);
+        // Named: that library alone, on every system; set but empty is unset.
+        assert_eq!(libraries("linux", Some("/opt/vk/libvulkan.so.1"), None), ["/opt/vk/libvulkan.so.1"]);
+        assert_eq!(libraries("macos", Some("/x/libMoltenVK.dylib"), Some("/sdk")), ["/x/libMoltenVK.dylib"]);
+        assert_eq!(libraries("linux", Some(""), None), ["libvulkan.so.1"]);
+        // A Mac: the loader by name (/usr/local/lib and DYLD paths), the SDK's and Homebrew's
+        // loaders by path, then MoltenVK without a loader, by name, in the SDK and in Homebrew.
+        assert_eq!(
+            libraries("macos", None, Some("/Users/me/VulkanSDK/1.4.309.0/macOS/")),
+            [
+                "libvulkan.dylib",
+                "/Users/me/VulkanSDK/1.4.309.0/macOS/lib/libvulkan.1.dylib",
+                "/opt/homebrew/lib/libvulkan.1.dylib",
+                "libMoltenVK.dylib",
+                "/Users/me/VulkanSDK/1.4.309.0/macOS/lib/libMoltenVK.dylib",
+                "/opt/homebrew/lib/libMoltenVK.dylib",
+            ]
+        );
+        assert_eq!(
+            libraries("macos", None, None),
+            [
+                "libvulkan.dylib",
+                "/opt/homebrew/lib/libvulkan.1.dylib",
+                "libMoltenVK.dylib",
+                "/opt/homebrew/lib/libMoltenVK.dylib"
+            ]
+        );
     }
 
     #[test]

@@ -282,7 +282,8 @@ impl VulkanGpu {
     /// Open Vulkan device `ordinal` (in the loader's order, as `rtune doctor` lists them).
     pub fn new(ordinal: usize) -> Result<VulkanGpu, GpuError> {
         // The instance is destroyed in `drop` (or below on failure).
-        let (entry, instance) = crate::device::vulkan::instance().map_err(GpuError::Device)?;
+        let crate::device::vulkan::Opened { entry, instance, .. } =
+            crate::device::vulkan::instance().map_err(GpuError::Device)?;
         // SAFETY: `instance` is live; on failure it is destroyed before returning.
         match unsafe { Self::open(entry, instance.clone(), ordinal) } {
             Ok(gpu) => Ok(gpu),
