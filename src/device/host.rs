@@ -1,7 +1,8 @@
 //! What the operating system tells about the machine rtune runs on: the CPU's name, the memory
 //! installed, and this process's peak resident memory. Linux reads `/proc`; Windows asks Win32
-//! (the registry's processor name, `GlobalMemoryStatusEx`, the peak working set); elsewhere each
-//! is unknown (`None`) — `doctor` says so and nothing else depends on them being known.
+//! (the registry's processor name, `GlobalMemoryStatusEx`, the peak working set); macOS asks
+//! `sysctl` (`machdep.cpu.brand_string`, `hw.memsize`) and `getrusage`; elsewhere each is unknown
+//! (`None`) — `doctor` says so and nothing else depends on them being known.
 
 /// The CPU's marketing name ("AMD EPYC 7B13"), if the OS tells it.
 pub fn cpu_name() -> Option<String> {
@@ -18,7 +19,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
     imp::peak_rss_bytes()
 }
 
-#[cfg(not(windows))]
+#[cfg(not(any(windows, target_os = "macos")))]
 mod imp {
     /// A `/proc` file's first line starting with `key`, the text after it.
     fn proc_value(file: &str, key: &str) -> Option<String> {
@@ -97,10 +98,48 @@ mod imp {
     }
 }
 
+#[cfg(target_os = "macos")]
+mod imp {
+    use std::ffi::CStr;
+
+    /// `sysctlbyname(name)` into `buf`; the bytes it wrote.
+    fn sysctl(name: &CStr, buf: &mut [u8]) -> Option<usize> {
+        let mut len = buf.len();
+        // SAFETY: a NUL-terminated name, and a buffer of `len` bytes the call writes at most
+        // `len` of (it fails with ENOMEM otherwise); no new value is set.
+        let rc =
+            unsafe { libc::sysctlbyname(name.as_ptr(), buf.as_mut_ptr().cast(), &mut len, std::ptr::null_mut(), 0) };
+        (rc == 0).then_some(len.min(buf.len()))
+    }
+
+    pub fn cpu_name() -> Option<String> {
+        // "Apple M2 Pro", or an Intel Mac's "Intel(R) Core(TM) i9-9880H CPU @ 2.30GHz".
+        let mut buf = [0u8; 256];
+        let n = sysctl(c"machdep.cpu.brand_string", &mut buf)?;
+        let text = CStr::from_bytes_until_nul(&buf[..n]).ok()?;
+        Some(text.to_string_lossy().into_owned())
+    }
+
+    pub fn total_memory() -> Option<u64> {
+        let mut buf = [0u8; 8];
+        (sysctl(c"hw.memsize", &mut buf)? == 8).then(|| u64::from_ne_bytes(buf))
+    }
+
+    pub fn peak_rss_bytes() -> Option<u64> {
+        // SAFETY: `getrusage` fills the zeroed struct it is given.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: RUSAGE_SELF and a valid out-pointer.
+        let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+        // macOS reports the maximum resident set in bytes (Linux in kilobytes).
+        (rc == 0).then_some(usage.ru_maxrss as u64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    /// On the systems rtune's CI runs (Linux, and Windows under Wine) the OS tells all three.
-    #[cfg(any(target_os = "linux", windows))]
+    /// On the systems rtune's CI runs (Linux, and Windows under Wine) the OS tells all three;
+    /// so does macOS, which CI type-checks but cannot run.
+    #[cfg(any(target_os = "linux", windows, target_os = "macos"))]
     #[test]
     fn the_os_tells_the_cpu_the_memory_and_the_peak_rss() {
         let name = super::cpu_name().expect("a CPU name");

@@ -335,6 +335,18 @@ fn check_tree(tree: &Node, problems: &mut Vec<Problem>) -> Option<Stages> {
 }
 
 /// `cpu`, `cuda`, `cuda:N`, `vulkan:N`, `metal`, … (names rtune knows, available or not).
+/// What rtune calls the device PyTorch calls `name` (`torch.device`'s names for GPUs rtune
+/// names otherwise), as a hint.
+fn torch_device(name: &str) -> Option<&'static str> {
+    Some(match name.split(':').next().unwrap_or_default() {
+        "mps" => "`mps` is PyTorch's name for Apple GPUs; rtune's is `metal`",
+        "xpu" => "`xpu` is PyTorch's name for Intel GPUs; rtune reaches them through Vulkan: `vulkan` or `directml`",
+        "hip" => "PyTorch's ROCm build calls AMD GPUs `cuda`; rtune's name is `rocm` (reached through Vulkan)",
+        "dml" | "privateuseone" => "torch-directml's device is rtune's `directml` (reached through Vulkan)",
+        _ => return None,
+    })
+}
+
 pub fn is_device_name(s: &str) -> bool {
     let base = s.split(':').next().unwrap_or_default();
     let index_ok = match s.split_once(':') {
@@ -454,9 +466,10 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
             {
                 let mut p = Problem::new("rtune::recipe::unknown_device", format!("unknown device `{name}`"))
                     .at(item.origin.as_ref(), "not a device rtune knows");
-                p = match diag::did_you_mean(name, DEVICE_NAMES) {
-                    Some(m) => p.help(format!("did you mean `{m}`?")),
-                    None => p.help(format!(
+                p = match (torch_device(name), diag::did_you_mean(name, DEVICE_NAMES)) {
+                    (Some(help), _) => p.help(help),
+                    (None, Some(m)) => p.help(format!("did you mean `{m}`?")),
+                    (None, None) => p.help(format!(
                         "known devices: {} (and `cuda:N`, `vulkan:N` for the N-th CUDA or Vulkan device)",
                         DEVICE_NAMES.map(|d| format!("`{d}`")).join(", ")
                     )),
