@@ -158,12 +158,11 @@ impl Flat {
         self.parts[p].at(off - self.bounds[p])
     }
 
-    fn to_vec(&self) -> Result<Vec<f32>, GpuError> {
-        let mut all = Vec::with_capacity(self.len());
-        for p in &self.parts {
-            all.extend(p.to_vec()?);
-        }
-        Ok(all)
+    /// Values `off .. off + len`, which lie in one part (a slot's: slots never straddle two).
+    fn read(&self, off: usize, len: usize) -> Result<Vec<f32>, GpuError> {
+        let p = self.bounds.partition_point(|&b| b <= off) - 1;
+        debug_assert!(off + len <= self.bounds[p + 1], "a read across two parts");
+        self.parts[p].read(off - self.bounds[p], len)
     }
 
     fn write(&self, all: &[f32]) -> Result<(), GpuError> {
@@ -176,9 +175,11 @@ impl Flat {
 }
 
 /// Where to cut `slots` (laid out in order, `len` values in all) so that each part's f32 values
-/// fit in one allocation of `max_bytes`; `Err` names a slot too large for one.
+/// fit in one allocation of `max_bytes` and number at most 2³¹ − 1 (the kernels that sweep a
+/// part — AdamW, EMA, norms, casts — count its elements in 32-bit integers); `Err` names a slot
+/// too large for one part.
 fn cut(slots: &[Slot], len: usize, max_bytes: u64) -> Result<Vec<usize>, &Slot> {
-    let cap = (max_bytes / 4).min(usize::MAX as u64) as usize;
+    let cap = (max_bytes / 4).min(i32::MAX as u64) as usize;
     let mut bounds = vec![0];
     for s in slots {
         if s.len > cap {
@@ -462,13 +463,6 @@ impl GpuEngine {
             if let Some(saved) = &trained.adapters {
                 fill_slots(&slots[first..], saved, &mut values, |name| ModelError::MissingTensor { name }.into())?;
             }
-        }
-        if i32::try_from(values.len()).is_err() {
-            return Err(EngineError::Unsupported(format!(
-                "the GPU engine trains at most 2³¹ − 1 parameters at once, and `stages.train.trainable` names {}: \
-                 train fewer weights or a LoRA adapter",
-                values.len()
-            )));
         }
         let trained = match trainable.is_nothing() {
             true => None,
@@ -1147,13 +1141,14 @@ impl Trained {
         ema: Option<f64>,
     ) -> Result<Trained, EngineError> {
         let bounds = cut(&slots, values.len(), gpu.max_alloc()).map_err(|s| {
+            let limit = gpu.max_alloc().min(i32::MAX as u64 * 4);
             EngineError::Unsupported(format!(
                 "`{}` ({} in f32) does not fit in one buffer of {}, which allows at most {}: train fewer weights \
                  or a LoRA adapter",
                 s.name,
                 crate::ui::human_bytes(s.len as u64 * 4),
                 gpu.name(),
-                crate::ui::human_bytes(gpu.max_alloc())
+                crate::ui::human_bytes(limit)
             ))
         })?;
         let alloc = || -> Result<Trained, GpuError> {
@@ -1187,13 +1182,14 @@ impl Trained {
         self.params.len()
     }
 
-    /// A flat array as named CPU tensors.
+    /// A flat array as named CPU tensors, read one weight at a time (the host never holds the
+    /// array twice: a full fine-tune's is the model's size).
     fn named(&self, flat: &Flat) -> Result<BTreeMap<String, Tensor>, EngineError> {
-        let all = flat.to_vec().map_err(gerr("read parameters"))?;
         self.slots
             .iter()
             .map(|s| {
-                let t = Tensor::from_slice(&all[s.off..s.off + s.len], s.shape.as_slice(), &candle_core::Device::Cpu)
+                let v = flat.read(s.off, s.len).map_err(gerr("read parameters"))?;
+                let t = Tensor::from_vec(v, s.shape.as_slice(), &candle_core::Device::Cpu)
                     .map_err(EngineError::candle(format!("read `{}`", s.name)))?;
                 Ok((s.name.clone(), t))
             })
@@ -1355,5 +1351,54 @@ impl Engine for GpuEngine {
 
     fn checkpointing(&self) -> bool {
         self.checkpointing
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Slot, cut};
+
+    fn slots(lens: &[usize]) -> Vec<Slot> {
+        let mut off = 0;
+        lens.iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let s = Slot { name: format!("w{i}"), shape: vec![len], off, len };
+                off += len;
+                s
+            })
+            .collect()
+    }
+
+    /// Every part holds whole weights, fits the allocation limit and counts its values in 32
+    /// bits: a 3B model's full fine-tune (3.1 billion values) on CUDA, which caps no allocation,
+    /// is two parts, not refused.
+    #[test]
+    fn trained_values_are_cut_at_weights_into_parts_the_kernels_can_count() {
+        let check = |lens: &[usize], max_bytes: u64, cap: usize| -> Vec<usize> {
+            let s = slots(lens);
+            let total = lens.iter().sum();
+            let bounds = cut(&s, total, max_bytes).unwrap();
+            assert_eq!((bounds[0], *bounds.last().unwrap()), (0, total));
+            for w in bounds.windows(2) {
+                assert!(w[0] < w[1] && w[1] - w[0] <= cap, "{bounds:?}");
+            }
+            for slot in &s {
+                let p = bounds.partition_point(|&b| b <= slot.off) - 1;
+                assert!(slot.off + slot.len <= bounds[p + 1], "`{}` straddles two parts: {bounds:?}", slot.name);
+            }
+            bounds
+        };
+        // Qwen2.5-3B's shapes: embedding, then 36 layers of ~77M values each.
+        let mut qwen3b = vec![151_936 * 2048];
+        qwen3b.extend(std::iter::repeat_n(77_070_336, 36));
+        assert_eq!(check(&qwen3b, u64::MAX, i32::MAX as usize).len(), 3, "two parts");
+        // A driver with a 4 GiB cap: a billion f32 values a part.
+        assert_eq!(check(&qwen3b, 4 << 30, 1 << 30).len(), 5, "four parts");
+        // Small enough for one: one part.
+        assert_eq!(check(&[1000, 2000], u64::MAX, i32::MAX as usize), [0, 3000]);
+        // A single weight past 2³¹ − 1 values cannot be one part.
+        let s = slots(&[10, 1 << 31]);
+        assert_eq!(cut(&s, 10 + (1 << 31), u64::MAX).err().map(|s| s.name.as_str()), Some("w1"));
     }
 }
