@@ -35,6 +35,9 @@ struct EmuGpu {
     limit: Cell<Option<u64>>,
     /// The largest allocation it allows (unlimited when None).
     max_alloc: Cell<Option<u64>>,
+    /// Kernel launches left before the device is lost, as a driver reset loses it (never when
+    /// None).
+    launches_left: Cell<Option<usize>>,
 }
 
 fn load(dt: Dt, p: u64, i: usize) -> f32 {
@@ -118,6 +121,12 @@ impl Gpu for EmuGpu {
     }
 
     fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        if let Some(left) = self.launches_left.get() {
+            if left == 0 {
+                return Err(GpuError::Lost("the emulated device was lost".into()));
+            }
+            self.launches_left.set(Some(left - 1));
+        }
         let mut values: Vec<u64> = args
             .iter()
             .map(|a| match *a {
@@ -1668,6 +1677,14 @@ fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
     s.checkpointing = Checkpointing::On;
     let mut engine = GpuEngine::new(gpu, &s).unwrap();
     engine.accumulate(&batch, 1.0, 1.0, None).unwrap();
+    // A device lost mid-step (a driver reset) is its own error, which says what to do.
+    emu.launches_left.set(Some(10));
+    let lost = engine.accumulate(&batch, 1.0, 1.0, None).unwrap_err();
+    let e = rtune::train::out_of_memory(lost, &settings, Some(&engine), None);
+    assert_eq!(e.code().map(|c| c.to_string()).as_deref(), Some("rtune::engine::device_lost"), "{e}");
+    assert!(e.to_string().ends_with(": the emulated device was lost"), "{e}");
+    let help = e.help().map(|h| h.to_string()).unwrap_or_default();
+    assert!(help.contains("watchdog") && help.contains("run the same command again to resume"), "{help}");
 }
 
 /// Product and attention timings on every device this build and machine have (CUDA through

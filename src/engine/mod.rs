@@ -203,6 +203,18 @@ pub enum EngineError {
         #[source]
         source: gpu::GpuError,
     },
+    #[error("{context}: {why}")]
+    #[diagnostic(
+        code(rtune::engine::device_lost),
+        help(
+            "the driver reset the GPU, or it went away. The usual cause is a kernel running longer than \
+             the driver's watchdog allows on a GPU that also drives a display (about 2 seconds on Windows): \
+             a smaller `stages.train.batch_size` (with more `grad_accum`) or `dataset.max_seq_len` makes each \
+             kernel shorter. Cached stages and training checkpoints are kept: run the same command again to \
+             resume"
+        )
+    )]
+    DeviceLost { context: String, why: String },
     #[error("the GPU ran out of memory while {context} (batch {batch} × {seq} tokens)")]
     #[diagnostic(code(rtune::engine::out_of_memory))]
     OutOfMemory { context: String, batch: usize, seq: usize, requested: u64, free: u64, total: u64 },
@@ -215,6 +227,14 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// A GPU engine's error in `context`: a lost device is its own error (it says what to do).
+    pub fn gpu(context: impl Into<String>, source: gpu::GpuError) -> EngineError {
+        match source {
+            gpu::GpuError::Lost(why) => EngineError::DeviceLost { context: context.into(), why },
+            source => EngineError::Gpu { context: context.into(), source },
+        }
+    }
+
     pub fn candle(context: impl Into<String>) -> impl FnOnce(candle_core::Error) -> EngineError {
         let context = context.into();
         move |source| EngineError::Candle { context, source }

@@ -39,7 +39,11 @@ pub struct CudaGpu {
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 fn derr(context: &str) -> impl FnOnce(drv::DriverError) -> GpuError + '_ {
-    move |e| GpuError::Device(format!("{context}: {e}"))
+    move |e| match e.0 {
+        // The display driver's watchdog stopped a kernel (a GPU that also drives a screen).
+        sys::cudaError_enum::CUDA_ERROR_LAUNCH_TIMEOUT => GpuError::Lost(format!("{context}: {e}")),
+        _ => GpuError::Device(format!("{context}: {e}")),
+    }
 }
 
 impl CudaGpu {

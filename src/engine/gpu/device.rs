@@ -108,6 +108,10 @@ pub enum GpuError {
     OutOfMemory { requested: u64, free: u64, total: u64 },
     #[error("{0}")]
     Device(String),
+    /// The device stopped: the driver reset it (a watchdog timeout, a fault) or it was removed.
+    /// Nothing more runs on it in this process.
+    #[error("{0}")]
+    Lost(String),
 }
 
 pub trait Gpu {

@@ -284,7 +284,7 @@ pub struct GpuEngine {
 }
 
 fn gerr(context: &str) -> impl FnOnce(GpuError) -> EngineError + '_ {
-    move |source| EngineError::Gpu { context: context.to_string(), source }
+    move |source| EngineError::gpu(context, source)
 }
 
 /// The buffer dtype of a recipe's compute dtype.
@@ -1127,7 +1127,7 @@ fn oom_or(e: GpuError, context: &str, batch: usize, seq: usize) -> EngineError {
         GpuError::OutOfMemory { requested, free, total } => {
             EngineError::OutOfMemory { context: context.to_string(), batch, seq, requested, free, total }
         }
-        source => EngineError::Gpu { context: context.to_string(), source },
+        source => EngineError::gpu(context, source),
     }
 }
 

@@ -62,7 +62,7 @@ pub fn model_unsupported(cfg: &ModelConfig) -> Option<String> {
 pub fn build(setup: &super::Setup<'_>) -> Result<Box<dyn super::Engine>, super::EngineError> {
     let open = |what: &str| {
         let context = format!("cannot open the {what} device {}", setup.device.device_name());
-        move |source| super::EngineError::Gpu { context, source }
+        move |source| super::EngineError::gpu(context, source)
     };
     let gpu: std::rc::Rc<dyn Gpu> = match setup.device.class {
         #[cfg(feature = "cuda")]

@@ -251,7 +251,7 @@ fn matrix_slot(dt: Dt) -> Option<usize> {
 
 fn verr(context: &str) -> impl FnOnce(vk::Result) -> GpuError + '_ {
     move |e| match e {
-        vk::Result::ERROR_DEVICE_LOST => GpuError::Device(format!("the Vulkan device was lost ({context})")),
+        vk::Result::ERROR_DEVICE_LOST => GpuError::Lost(format!("the Vulkan device was lost ({context})")),
         e => GpuError::Device(format!("{context}: {e}")),
     }
 }
@@ -677,7 +677,7 @@ impl VulkanGpu {
 
     fn check(&self, st: &State) -> Result<(), GpuError> {
         match &st.lost {
-            Some(why) => Err(GpuError::Device(why.clone())),
+            Some(why) => Err(GpuError::Lost(why.clone())),
             None => Ok(()),
         }
     }
@@ -887,7 +887,7 @@ impl VulkanGpu {
     /// The error of a failed submission or wait; a lost device fails every later call.
     fn fail(st: &mut State, e: vk::Result, context: &str) -> GpuError {
         let err = verr(context)(e);
-        if let (vk::Result::ERROR_DEVICE_LOST, GpuError::Device(why)) = (e, &err) {
+        if let GpuError::Lost(why) = &err {
             st.lost = Some(why.clone());
         }
         err
