@@ -74,7 +74,7 @@ pub struct DeviceInfo {
 impl DeviceInfo {
     /// The CPU: bf16/f16 matmuls on the CPU go through slow conversion paths in candle, so f32
     /// is its one training dtype (see docs/devices.md).
-    fn cpu(name: String, memory_bytes: Option<u64>) -> DeviceInfo {
+    pub(crate) fn cpu(name: String, memory_bytes: Option<u64>) -> DeviceInfo {
         DeviceInfo {
             class: DeviceClass::Cpu,
             ordinal: 0,

@@ -12,6 +12,11 @@ pub fn render_text(plan: &Plan) -> String {
     for s in &d.skipped {
         let _ = writeln!(out, "  skipped {}: {}", s.device, s.reason);
     }
+    // `rocm`, `directml` (and on a Mac `metal`) name GPUs rtune reaches through Vulkan.
+    if let Some(want) = &d.via {
+        let name = plan.device_info(d.class, d.ordinal).map_or("?", |i| i.name.as_str());
+        let _ = writeln!(out, "  {want} resolves to {} ({name}) through Vulkan", d.device_name());
+    }
     for n in &d.dtype_notes {
         let _ = writeln!(out, "  dtype {n}");
     }
@@ -100,4 +105,40 @@ pub fn render_dot(plan: &Plan) -> String {
     }
     out.push_str("}\n");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::device::{DeviceClass, DeviceInfo, Inventory, resolve};
+    use crate::recipe::Dtype;
+
+    /// A preference that names a GPU by its vendor's API says which Vulkan device it became.
+    #[test]
+    fn the_plan_says_what_rocm_became() {
+        let mut inv = Inventory::cpu_only(2);
+        inv.vulkan_feature = true;
+        let mut gpu = DeviceInfo::cpu("AMD Radeon RX 7900 XTX (RADV NAVI31)".into(), None);
+        (gpu.class, gpu.gpu, gpu.vendor_id) = (DeviceClass::Vulkan, true, Some(crate::device::VENDOR_AMD));
+        inv.devices.push(gpu.clone());
+        let plan = |prefer: &str| {
+            let device = resolve(&[prefer.to_string()], &[Dtype::F32], &inv).unwrap();
+            let p = super::Plan {
+                recipe: "r".into(),
+                device,
+                threads: 2,
+                offline: false,
+                stages: vec![],
+                devices: vec![gpu.clone()],
+            };
+            super::render_text(&p)
+        };
+        let text = plan("rocm");
+        assert!(
+            text.starts_with(
+                "plan for recipe `r` on vulkan:0 (f32)\n  rocm resolves to vulkan:0 (AMD Radeon RX 7900 XTX (RADV NAVI31)) through Vulkan\n"
+            ),
+            "{text}"
+        );
+        assert!(!plan("vulkan").contains("resolves to"), "a device named as itself needs no note");
+    }
 }
