@@ -148,15 +148,18 @@ impl Inventory {
         }
         #[cfg(feature = "metal")]
         {
-            if candle_core::Device::new_metal(0).is_ok() {
+            if let Ok(candle_core::Device::Metal(m)) = candle_core::Device::new_metal(0) {
+                // Apple GPUs share the machine's memory; Metal recommends how much of it one
+                // process's GPU work should take.
+                let d = m.device();
                 devices.push(DeviceInfo {
                     class: DeviceClass::Metal,
                     ordinal: 0,
-                    name: "metal".into(),
+                    name: format!("Apple GPU ({})", d.architecture_name()),
                     dtypes: vec![Dtype::Bf16, Dtype::F16, Dtype::F32],
-                    memory_bytes: None,
+                    memory_bytes: Some(d.recommended_max_working_set_size() as u64),
                     memory_free_bytes: None,
-                    details: None,
+                    details: Some("candle's Metal backend; memory: Metal's recommended working set".into()),
                     unusable: None,
                     vendor_id: None,
                     gpu: true,
