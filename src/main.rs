@@ -396,8 +396,10 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                 return Ok(0);
             }
             let mut out = format!(
-                "rtune {}\nbuild features: cuda={} metal={} vulkan={}\ncpu threads: {}\n{}\ndevices:\n",
+                "rtune {} on {} {}\nbuild features: cuda={} metal={} vulkan={}\ncpu threads: {}\n{}\ndevices:\n",
                 env!("CARGO_PKG_VERSION"),
+                std::env::consts::OS,
+                std::env::consts::ARCH,
                 inv.cuda_feature,
                 inv.metal_feature,
                 inv.vulkan_feature,

@@ -92,6 +92,9 @@ fn cache_path_and_doctor() {
     assert!(cache.join("CACHEDIR.TAG").is_file());
     let doc = stdout(&rtune(dir.path(), &cache, &["doctor"]));
     assert!(doc.contains("build features: cuda=false metal=false vulkan=true"), "{doc}");
+    // The system, for bug reports.
+    let first = format!("rtune {} on {} {}\n", env!("CARGO_PKG_VERSION"), std::env::consts::OS, std::env::consts::ARCH);
+    assert!(doc.starts_with(&first), "{doc}");
     assert!(doc.contains("rocm     unavailable: no AMD GPU is visible through Vulkan"), "{doc}");
     // A Vulkan driver (CI installs Mesa's lavapipe and sets RTUNE_REQUIRE_VULKAN) is listed
     // with what it supports; lavapipe has every feature the GPU engine needs, so it is usable.
