@@ -231,7 +231,7 @@ impl<W: std::io::Write> Counted<W> {
     }
 
     fn pad(&mut self) -> std::io::Result<()> {
-        let n = (ALIGNMENT - self.written % ALIGNMENT) % ALIGNMENT;
+        let n = self.written.next_multiple_of(ALIGNMENT) - self.written;
         self.write_all(&vec![0u8; n as usize])
     }
 
@@ -329,8 +329,7 @@ fn write_header<W: std::io::Write>(
         }
         w.write_all(&ggml_type(p.ty).to_le_bytes())?;
         w.write_all(&offset.to_le_bytes())?;
-        let n = p.bytes() as u64;
-        offset += n + (ALIGNMENT - n % ALIGNMENT) % ALIGNMENT;
+        offset += (p.bytes() as u64).next_multiple_of(ALIGNMENT);
     }
     w.pad()
 }

@@ -179,7 +179,7 @@ impl Flat {
 /// part — AdamW, EMA, norms, casts — count its elements in 32-bit integers); `Err` names a slot
 /// too large for one part.
 fn cut(slots: &[Slot], len: usize, max_bytes: u64) -> Result<Vec<usize>, &Slot> {
-    let cap = (max_bytes / 4).min(i32::MAX as u64) as usize;
+    let cap = part_values(max_bytes);
     let mut bounds = vec![0];
     for s in slots {
         if s.len > cap {
@@ -191,6 +191,11 @@ fn cut(slots: &[Slot], len: usize, max_bytes: u64) -> Result<Vec<usize>, &Slot> 
     }
     bounds.push(len);
     Ok(bounds)
+}
+
+/// The most values one part of a flat array holds, where one allocation may take `max_bytes`.
+fn part_values(max_bytes: u64) -> usize {
+    (max_bytes / 4).min(i32::MAX as u64) as usize
 }
 
 /// A batch on the device.
@@ -1141,7 +1146,7 @@ impl Trained {
         ema: Option<f64>,
     ) -> Result<Trained, EngineError> {
         let bounds = cut(&slots, values.len(), gpu.max_alloc()).map_err(|s| {
-            let limit = gpu.max_alloc().min(i32::MAX as u64 * 4);
+            let limit = part_values(gpu.max_alloc()) as u64 * 4;
             EngineError::Unsupported(format!(
                 "`{}` ({} in f32) does not fit in one buffer of {}, which allows at most {}: train fewer weights \
                  or a LoRA adapter",
