@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use super::folder::{StoredWeights, file_element_size, tensor_bytes, write_safetensors};
 use super::lora::{self, LoraSpec};
 use super::transformer::DecoderLayer;
-use super::{Batch, ModelConfig, ModelError, ModelFolder, Trainable, Transformer, peft};
+use super::{Batch, ModelConfig, ModelError, ModelFolder, Trainable, TrainedForm, Transformer, peft};
 
 /// One tensor of the merged model: its Hugging Face name, shape, and the dtype the base folder
 /// stores it in (an export writes it so, unless told otherwise).
@@ -91,13 +91,12 @@ impl<'a> Merged<'a> {
     pub fn open(folder: &'a ModelFolder, trained: Option<&Path>) -> Result<Merged<'a>, ModelError> {
         let stored = folder.stored()?;
         // A full fine-tune's weights are mapped like the base's; a PEFT folder is small.
-        let (trained_base, lora, adapters) = match trained {
-            Some(dir) if dir.join("weights.safetensors").is_file() => {
-                (Trained::Full(StoredWeights::open(vec![dir.join("weights.safetensors")])?), None, BTreeMap::new())
+        let (trained_base, lora, adapters) = match trained.map(|dir| (dir, TrainedForm::of(dir))) {
+            Some((_, TrainedForm::Full(file))) => {
+                (Trained::Full(StoredWeights::open(vec![file])?), None, BTreeMap::new())
             }
-            Some(dir) if dir.join("adapter_config.json").is_file() => {
-                let (adapters, base): (BTreeMap<_, _>, BTreeMap<_, _>) =
-                    peft::read_weights(dir, &Device::Cpu)?.into_iter().partition(|(k, _)| lora::is_adapter_param(k));
+            Some((dir, TrainedForm::Peft)) => {
+                let (adapters, base) = super::read_peft_parts(dir, &Device::Cpu)?;
                 (Trained::Modules(base), Some(peft::read_config(dir)?), adapters)
             }
             _ => (Trained::None, None, BTreeMap::new()),

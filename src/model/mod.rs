@@ -135,22 +135,54 @@ pub struct TrainedOutput {
     pub adapters: Option<BTreeMap<String, Tensor>>,
 }
 
+/// What a train stage's output folder holds.
+pub enum TrainedForm {
+    /// Base weights trained in full: this `weights.safetensors`.
+    Full(std::path::PathBuf),
+    /// A PEFT folder (an adapter, and any `modules_to_save`).
+    Peft,
+    /// Neither.
+    Nothing,
+}
+
+impl TrainedForm {
+    pub fn of(dir: &Path) -> TrainedForm {
+        let full = dir.join("weights.safetensors");
+        if full.is_file() {
+            TrainedForm::Full(full)
+        } else if dir.join("adapter_config.json").is_file() {
+            TrainedForm::Peft
+        } else {
+            TrainedForm::Nothing
+        }
+    }
+}
+
+/// A PEFT folder's tensors on `device`: the adapter's matrices, and the base weights it saves
+/// (`modules_to_save`), each under its name.
+pub type PeftParts = (BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
+
+/// Read and split the PEFT folder `dir` ([`PeftParts`]).
+pub fn read_peft_parts(dir: &Path, device: &Device) -> Result<PeftParts, ModelError> {
+    Ok(peft::read_weights(dir, device)?.into_iter().partition(|(k, _)| lora::is_adapter_param(k)))
+}
+
 /// Read the train stage's output `dir` onto `device`.
 pub fn read_trained(dir: &Path, device: &Device) -> Result<TrainedOutput, ModelError> {
-    let full = dir.join("weights.safetensors");
-    if full.is_file() {
-        let t = candle_core::safetensors::load(&full, device)
-            .map_err(ModelError::candle(format!("cannot read `{}`", full.display())))?;
-        let base = t
-            .into_iter()
-            .map(|(k, v)| Ok((k, v.to_dtype(DType::F32).map_err(ModelError::candle("convert trained weights"))?)))
-            .collect::<Result<_, ModelError>>()?;
-        return Ok(TrainedOutput { base, adapters: None });
+    match TrainedForm::of(dir) {
+        TrainedForm::Full(full) => {
+            let t = candle_core::safetensors::load(&full, device)
+                .map_err(ModelError::candle(format!("cannot read `{}`", full.display())))?;
+            let base = t
+                .into_iter()
+                .map(|(k, v)| Ok((k, v.to_dtype(DType::F32).map_err(ModelError::candle("convert trained weights"))?)))
+                .collect::<Result<_, ModelError>>()?;
+            Ok(TrainedOutput { base, adapters: None })
+        }
+        TrainedForm::Peft => {
+            let (adapters, base) = read_peft_parts(dir, device)?;
+            Ok(TrainedOutput { base, adapters: Some(adapters) })
+        }
+        TrainedForm::Nothing => Ok(TrainedOutput::default()),
     }
-    if dir.join("adapter_config.json").is_file() {
-        let (adapters, base) =
-            peft::read_weights(dir, device)?.into_iter().partition(|(k, _)| lora::is_adapter_param(k));
-        return Ok(TrainedOutput { base, adapters: Some(adapters) });
-    }
-    Ok(TrainedOutput::default())
 }
