@@ -202,8 +202,8 @@ impl ReadmeTour {
 }
 
 /// `(7.3s, 69688 tok/s)` → `(…)`, as the floating-point noise figures of the quantize lines (the
-/// logit difference, the GGUF's perplexity and its ratio); artifact paths cut to their 8-digit prefix and `…`, as the
-/// README shows them; trailing spaces dropped.
+/// logit difference, the GGUF's perplexity and its ratio); artifact paths cut to their 8-digit
+/// prefix and `…`, as the README shows them; trailing spaces dropped.
 fn normalise(line: &str) -> String {
     let mut out = line.trim_end().to_string();
     if let Some(i) = out.find(" steps (") {

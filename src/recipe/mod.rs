@@ -334,7 +334,6 @@ fn check_tree(tree: &Node, problems: &mut Vec<Problem>) -> Option<Stages> {
     stages::build(tree, &schema, problems)
 }
 
-/// `cpu`, `cuda`, `cuda:N`, `vulkan:N`, `metal`, … (names rtune knows, available or not).
 /// What rtune calls the device PyTorch calls `name` (`torch.device`'s names for GPUs rtune
 /// names otherwise), as a hint.
 fn torch_device(name: &str) -> Option<&'static str> {
@@ -347,6 +346,7 @@ fn torch_device(name: &str) -> Option<&'static str> {
     })
 }
 
+/// `cpu`, `cuda`, `cuda:N`, `vulkan:N`, `metal`, … (names rtune knows, available or not).
 pub fn is_device_name(s: &str) -> bool {
     let base = s.split(':').next().unwrap_or_default();
     let index_ok = match s.split_once(':') {

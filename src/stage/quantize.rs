@@ -254,8 +254,8 @@ fn check_rows(lens: impl Iterator<Item = usize>, params: usize, cpu: bool) -> us
     rows
 }
 
-/// Mean next-token loss of a GGUF file over the first `rows` eval rows, decoded token by token with
-/// candle's quantized Llama/Qwen2/Qwen3 (llama.cpp's conventions: it is a check of names,
+/// Mean next-token loss of a GGUF file over the first `rows` eval rows, decoded token by token
+/// with candle's quantized Llama/Qwen2/Qwen3 (llama.cpp's conventions: it is a check of names,
 /// layout and metadata as much as of quantization error).
 fn gguf_eval_loss(
     path: &Path,
@@ -374,9 +374,9 @@ fn mkdir(dir: &Path) -> Result<(), StageError> {
     std::fs::create_dir_all(dir).map_err(StageError::io(format!("cannot create `{}`", dir.display())))
 }
 
-/// The merged folder as written (`back`, opened again): its config.json reads back as the merged model's, and it holds
-/// exactly the merged model's tensors, each with its shape, its dtype and the bytes the writer
-/// computed (`digests`), bit for bit.
+/// The merged folder as written (`back`, opened again): its config.json reads back as the
+/// merged model's, and it holds exactly the merged model's tensors, each with its shape, its
+/// dtype and the bytes the writer computed (`digests`), bit for bit.
 fn check_written(
     merged: &Merged<'_>,
     back: &ModelFolder,
