@@ -111,7 +111,12 @@ fn type_of(root: &J, p: &J) -> String {
         })
         .collect();
     if !consts.is_empty() {
-        return consts.iter().map(|c| format!("`\"{c}\"`")).collect::<Vec<_>>().join(" \\| ");
+        // Words, and the other types a branch takes (`boolean \| "auto"`, `integer \| "all"`).
+        let others = branches.iter().filter(|b| {
+            b.get("const").is_none() && b.get("enum").is_none() && b.get("type").and_then(J::as_str) != Some("null")
+        });
+        let words = consts.iter().map(|c| format!("`\"{c}\"`"));
+        return others.map(|b| type_of(root, b)).chain(words).collect::<Vec<_>>().join(" \\| ");
     }
     if let Some(real) = branches.iter().find(|b| b.get("type").and_then(J::as_str) != Some("null")) {
         return type_of(root, real);
