@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use rtune::device::{DeviceClass, Resolution};
 use rtune::engine::candle::CandleEngine;
 use rtune::engine::gpu::ops::{AttnShape, Ops};
-use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, Gpu, GpuEngine, GpuError, Memory};
+use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, Gpu, GpuEngine, GpuError, Memory, Replicas};
 use rtune::engine::optim::AdamWConfig;
 use rtune::engine::{Checkpointing, Engine, HostBatch, Setup};
 use rtune::model::{LoraSpec, ModelFolder, Trainable, peft};
@@ -1547,6 +1547,84 @@ fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
         let a = train_steps(&mut engine, &batches, 2).0;
         let b = train_steps(&mut resumed, &batches, 2).0;
         assert_eq!(a, b, "{}: resumed training differs", gpu.name());
+    }
+}
+
+/// Pairs of devices for data parallel training: two emulators; with CUDA its first two GPUs (or
+/// GPU 0 twice, two streams on one context); with Vulkan the device under test opened twice (two
+/// logical devices, each with its own queue, as two GPUs would be).
+fn device_pairs() -> Vec<[Rc<dyn Gpu>; 2]> {
+    #[allow(unused_mut)]
+    let mut v: Vec<[Rc<dyn Gpu>; 2]> = vec![[Rc::new(EmuGpu::default()), Rc::new(EmuGpu::default())]];
+    #[cfg(feature = "cuda")]
+    if let Ok(a) = rtune::engine::gpu::cuda::CudaGpu::new(0, false) {
+        let b = rtune::engine::gpu::cuda::CudaGpu::new(1, false)
+            .or_else(|_| rtune::engine::gpu::cuda::CudaGpu::new(0, false));
+        v.push([Rc::new(a), Rc::new(b.unwrap())]);
+    }
+    #[cfg(feature = "vulkan")]
+    if let (Ok(a), Ok(b)) = (
+        rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()),
+        rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()),
+    ) {
+        v.push([Rc::new(a), Rc::new(b)]);
+    }
+    v
+}
+
+/// Data parallel (`device.gpus`): two replicas that share each micro-batch's rows compute one
+/// device's gradients (dropout on every linear and the LM head, so each part's masks must be
+/// counted from where its rows start), train as it does step by step, stay equal to each
+/// other, and evaluate the same loss.
+#[test]
+fn data_parallel_replicas_train_as_one_device() {
+    let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+    let adapter = all_targets_adapter(&folder, 0.1, false);
+    let spec = peft::read_config(adapter.path()).unwrap();
+    // Three rows (an uneven split), then four.
+    let batches = vec![packed_batch(), golden_batch("tiny-qwen2")];
+    let dev = resolution(Dtype::F32, DeviceClass::Cuda);
+    let s = setup(&folder, Trainable::lora(spec), &dev, Some(adapter.path()));
+    for [a, b] in device_pairs() {
+        let on = format!("{} + {}", a.name(), b.name());
+        let mut one = GpuEngine::new(a.clone(), &s).unwrap();
+        let mut two =
+            Replicas::new(vec![GpuEngine::new(a.clone(), &s).unwrap(), GpuEngine::new(b.clone(), &s).unwrap()]);
+        // One micro-batch: gradients before and after they are summed across the replicas.
+        for e in [&mut one as &mut dyn Engine, &mut two] {
+            e.accumulate(&batches[0], 0.75, 1.0, Some(42)).unwrap();
+        }
+        let want = one.gradient_values().unwrap();
+        assert_named_close(&format!("{on}: gradients"), &two.gradient_values().unwrap(), &want, 1e-5);
+        let (loss1, norm1) = one.gradients().unwrap();
+        let (loss2, norm2) = two.gradients().unwrap();
+        assert!((loss1 - loss2).abs() <= 1e-6 * loss1, "{on}: loss {loss2} vs one device's {loss1}");
+        assert!((norm1 - norm2).abs() <= 1e-5 * norm1, "{on}: gradient norm {norm2} vs one device's {norm1}");
+        for r in two.replicas() {
+            assert_named_close(&format!("{on}: summed gradients"), &r.gradient_values().unwrap(), &want, 1e-5);
+        }
+        for e in [&mut one as &mut dyn Engine, &mut two] {
+            e.discard().unwrap();
+        }
+        // Steps with two micro-batches each and clipping.
+        let (want_losses, want) = train_steps(&mut one, &batches, 4);
+        let (losses, got) = train_steps(&mut two, &batches, 4);
+        for (i, (x, y)) in losses.iter().zip(&want_losses).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{on}: step {i} loss {x} vs one device's {y}");
+        }
+        assert_named_close(&format!("{on}: trained"), &got, &want, 1e-4);
+        let states: Vec<_> = two.replicas().iter().map(|r| r.state().unwrap()).collect();
+        for (name, t) in &states[0].params {
+            let (x, y): (Vec<f32>, Vec<f32>) = (
+                t.flatten_all().unwrap().to_vec1().unwrap(),
+                states[1].params[name].flatten_all().unwrap().to_vec1().unwrap(),
+            );
+            assert_eq!(x, y, "{on}: the replicas' {name} differ");
+        }
+        for b in &batches {
+            let (x, y) = (two.loss(b).unwrap(), one.loss(b).unwrap());
+            assert!((x - y).abs() <= 1e-5 * y, "{on}: evaluation loss {x} vs one device's {y}");
+        }
     }
 }
 

@@ -18,6 +18,10 @@ const NO_EFFECT: &[(&str, &str)] = &[
         "the dtype it resolves to is fingerprinted, not the list (tested: device_overrides_and_plan_explanation)",
     ),
     ("device.tf32", "fingerprinted only where it applies (on CUDA); on the CPU it changes nothing"),
+    (
+        "device.gpus",
+        "GPUs that train together sum one device's gradients (tested: data_parallel_on_two_vulkan_devices_trains_as_one)",
+    ),
     ("stages.train.keep_checkpoints", "how many resumable checkpoints stay in the work folder"),
     ("stages.train.checkpoint_every", "resumable state only; a resumed run equals an uninterrupted one"),
     ("stages.*.needs", "ordering; the inputs a stage reads are fingerprinted themselves"),

@@ -13,7 +13,7 @@ pub mod vulkan;
 
 use serde::Serialize;
 
-use crate::recipe::Dtype;
+use crate::recipe::{Dtype, Gpus};
 
 /// What a device can be, as far as the policy is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -225,6 +225,13 @@ pub struct Resolution {
     /// The preference that named the device, where it is another name for it (`rocm` or
     /// `directml` resolved to a Vulkan GPU): its `[device.<name>]` table applies too.
     pub via: Option<String>,
+    /// Further devices of the same kind that train alongside this one (data parallel,
+    /// `device.gpus`), by ordinal.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<usize>,
+    /// Why fewer devices train than `device.gpus` asks for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peers_note: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -243,12 +250,67 @@ impl Resolution {
             skipped: Vec::new(),
             dtype_notes: Vec::new(),
             via: None,
+            peers: Vec::new(),
+            peers_note: None,
         }
     }
 
     /// `cpu`, `cuda:1`, `metal`, `vulkan:0`.
     pub fn device_name(&self) -> String {
         self.class.device_name(self.ordinal)
+    }
+
+    /// The devices that train, the chosen one first: `cuda:0`, or `cuda:0+1` with a peer.
+    pub fn devices_name(&self) -> String {
+        let mut s = self.device_name();
+        for p in &self.peers {
+            s.push_str(&format!("+{p}"));
+        }
+        s
+    }
+
+    /// Take up to `gpus` devices like the chosen one (its class, vendor and kind of driver —
+    /// a GPU or a software one — usable and supporting its dtype), in ordinal order after it;
+    /// a note when that is fewer than asked, or the device cannot share its work.
+    pub fn with_peers(mut self, gpus: Gpus, inv: &Inventory) -> Resolution {
+        let most = gpus.most();
+        if most <= 1 {
+            return self;
+        }
+        if !matches!(self.class, DeviceClass::Cuda | DeviceClass::Vulkan) {
+            self.peers_note = Some(format!(
+                "gpus = {}: data parallel training runs on CUDA and Vulkan GPUs; {} trains alone",
+                gpus_str(gpus),
+                self.device_name()
+            ));
+            return self;
+        }
+        let chosen = inv.devices.iter().find(|d| d.class == self.class && d.ordinal == self.ordinal);
+        let like = |d: &DeviceInfo| {
+            d.class == self.class
+                && d.ordinal != self.ordinal
+                && d.unusable.is_none()
+                && d.dtypes.contains(&self.dtype)
+                && chosen.is_some_and(|c| c.vendor_id == d.vendor_id && c.gpu == d.gpu)
+        };
+        let mut found: Vec<usize> = inv.devices.iter().filter(|d| like(d)).map(|d| d.ordinal).collect();
+        found.sort_unstable();
+        found.truncate(most - 1);
+        if let Gpus::Count(n) = gpus
+            && found.len() + 1 < n as usize
+        {
+            self.peers_note = Some(format!(
+                "gpus = {n}: only {} usable {} device{} like {} (same vendor, {}): training on {}",
+                found.len() + 1,
+                self.class.as_str(),
+                if found.is_empty() { "" } else { "s" },
+                self.device_name(),
+                self.dtype.as_str(),
+                found.len() + 1
+            ));
+        }
+        self.peers = found;
+        self
     }
 
     /// The override tables that apply, in the order they are merged (a later one wins): the
@@ -274,6 +336,13 @@ impl Resolution {
 
     pub fn candle_dtype(&self) -> candle_core::DType {
         self.dtype.candle()
+    }
+}
+
+fn gpus_str(g: Gpus) -> String {
+    match g {
+        Gpus::Count(n) => n.to_string(),
+        Gpus::All(_) => "\"all\"".into(),
     }
 }
 
@@ -311,6 +380,8 @@ pub fn resolve_with(
                             dtype_notes: notes,
                             via: (dev.class.as_str() != want.split(':').next().unwrap_or_default())
                                 .then(|| want.clone()),
+                            peers: Vec::new(),
+                            peers_note: None,
                         });
                     }
                     notes.push(format!("{}: {} does not train in {}", d.as_str(), dev.class.as_str(), d.as_str()));
@@ -573,6 +644,43 @@ mod tests {
         assert_eq!(r.device_name(), "cuda:0");
         assert_eq!(r.skipped[0].reason, "only 1 CUDA device present");
         assert_eq!(r.override_names(), ["cuda", "cuda:0"]);
+    }
+
+    #[test]
+    fn more_gpus_train_alongside_the_chosen_one_where_they_are_like_it() {
+        use crate::recipe::AllWord;
+        let inv = gpu_box(3);
+        let on = |prefer: &[&str], gpus, inv: &Inventory| {
+            let r = resolve(&s(prefer), &[Dtype::Bf16, Dtype::F32], inv).unwrap().with_peers(gpus, inv);
+            (r.devices_name(), r.peers_note)
+        };
+        assert_eq!(on(&["cuda"], Gpus::Count(1), &inv), ("cuda:0".into(), None));
+        assert_eq!(on(&["cuda"], Gpus::Count(2), &inv), ("cuda:0+1".into(), None));
+        assert_eq!(on(&["cuda"], Gpus::All(AllWord::All), &inv), ("cuda:0+1+2".into(), None));
+        // The named device first, then the others in order.
+        assert_eq!(on(&["cuda:2"], Gpus::Count(2), &inv), ("cuda:2+0".into(), None));
+        let (name, note) = on(&["cuda"], Gpus::Count(5), &inv);
+        assert_eq!(name, "cuda:0+1+2");
+        assert_eq!(
+            note.unwrap(),
+            "gpus = 5: only 3 usable cuda devices like cuda:0 (same vendor, bf16): training on 3"
+        );
+        // Through Vulkan, only GPUs of the chosen one's vendor and kind join it: not lavapipe,
+        // not the Intel GPU, not an AMD GPU the engine cannot use.
+        let inv = vulkan_box(&[
+            (0x10005, false, None),
+            (VENDOR_AMD, true, None),
+            (VENDOR_INTEL, true, None),
+            (VENDOR_AMD, true, Some("lacks bufferDeviceAddress")),
+            (VENDOR_AMD, true, None),
+        ]);
+        assert_eq!(on(&["rocm"], Gpus::All(AllWord::All), &inv), ("vulkan:1+4".into(), None));
+        // lavapipe pairs with lavapipe only (CI's two software devices).
+        assert_eq!(on(&["vulkan:0"], Gpus::All(AllWord::All), &inv).0, "vulkan:0");
+        // The CPU trains alone, and the plan says why.
+        let (name, note) = on(&["cpu"], Gpus::Count(2), &Inventory::cpu_only(2));
+        assert_eq!(name, "cpu");
+        assert!(note.unwrap().contains("data parallel training runs on CUDA and Vulkan GPUs; cpu trains alone"));
     }
 
     #[test]

@@ -102,10 +102,45 @@ impl HostBatch {
         HostBatch { b, t, ids, lens: lens.to_vec(), layout, select, targets, tokens: lens.iter().sum() }
     }
 
+    /// Rows `rows` as a batch of their own, padded to the same length, and where they start in
+    /// this one (data parallel: each device takes some of a micro-batch's rows, and counts its
+    /// dropout masks from there, so the masks are the whole micro-batch's).
+    pub fn part(&self, rows: std::ops::Range<usize>) -> (HostBatch, Origin) {
+        assert!(rows.start <= rows.end && rows.end <= self.b, "rows {rows:?} of a batch of {}", self.b);
+        let t = self.t;
+        let (first, last) = (rows.start * t, rows.end * t);
+        let from = self.select.partition_point(|&s| (s as usize) < first);
+        let to = self.select.partition_point(|&s| (s as usize) < last);
+        let lens = self.lens[rows.clone()].to_vec();
+        let part = HostBatch {
+            b: rows.len(),
+            t,
+            ids: self.ids[first..last].to_vec(),
+            layout: AttentionLayout {
+                positions: self.layout.positions[first..last].to_vec(),
+                lo: self.layout.lo[first..last].to_vec(),
+                hi: self.layout.hi[first..last].to_vec(),
+            },
+            select: self.select[from..to].iter().map(|&s| s - first as u32).collect(),
+            targets: self.targets[from..to].to_vec(),
+            tokens: lens.iter().sum(),
+            lens,
+        };
+        (part, Origin { token: first, select: from })
+    }
+
     /// The rows as candle's [`crate::model::Batch`] expects them (unpadded ids per row).
     pub fn rows(&self) -> Vec<Vec<u32>> {
         (0..self.b).map(|r| self.ids[r * self.t..r * self.t + self.lens[r].min(self.t)].to_vec()).collect()
     }
+}
+
+/// Where a [`HostBatch::part`] starts in its micro-batch: its first token (row × `t`) and its
+/// first selected position.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Origin {
+    pub token: usize,
+    pub select: usize,
 }
 
 /// Trained parameters and optimizer state, on the host, by parameter name (checkpoints).
@@ -375,6 +410,11 @@ pub fn choose(cfg: &ModelConfig, device: &Resolution, requested: Option<&str>) -
 pub fn build(setup: &Setup<'_>) -> Result<Box<dyn Engine>, EngineError> {
     match choose(&setup.folder.config, setup.device, setup.engine)? {
         EngineKind::Gpu => gpu::build(setup),
+        _ if !setup.device.peers.is_empty() => Err(EngineError::Unsupported(format!(
+            "data parallel training (`device.gpus`) runs on the GPU engine, which cannot train this model: {}",
+            gpu::unsupported(&setup.folder.config, setup.device)
+                .unwrap_or_else(|| "RTUNE_ENGINE asks for another".into())
+        ))),
         kind => Ok(Box::new(candle::CandleEngine::build(setup, kind == EngineKind::Fused)?)),
     }
 }
@@ -405,4 +445,40 @@ pub fn evaluate(
         n += batch.select.len();
     }
     Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostBatch;
+
+    /// A part of a batch is its rows, padded as they were, with the selected positions counted
+    /// from the part's start, and its origin says where that is.
+    #[test]
+    fn a_batch_part_is_its_rows_with_where_they_start() {
+        let rows: [(&[u32], &[u16], &[u8]); 3] = [
+            (&[1, 2, 3, 4, 5], &[0, 0, 0, 1, 1], &[1, 1, 1, 1, 1]),
+            (&[6, 7], &[0, 0], &[0, 1]),
+            (&[8, 9, 10, 11], &[0, 0, 0, 0], &[1, 1, 0, 1]),
+        ];
+        let whole = HostBatch::new(&rows);
+        assert_eq!(whole.t, 5);
+        for (from, to) in [(0, 1), (1, 3), (0, 3), (2, 3), (1, 1)] {
+            let (part, origin) = whole.part(from..to);
+            let alone = HostBatch::new(&rows[from..to]);
+            assert_eq!((part.b, part.t, origin.token), (to - from, 5, from * 5));
+            assert_eq!(part.ids, whole.ids[from * 5..to * 5]);
+            assert_eq!(part.lens, alone.lens);
+            assert_eq!(part.tokens, alone.tokens);
+            // The same positions and targets as the rows alone (padded to the whole batch's
+            // length), and they are the whole batch's from `origin.select` on.
+            let n = part.select.len();
+            assert_eq!(part.targets, alone.targets);
+            assert_eq!(
+                part.select.iter().map(|&s| s as usize + origin.token).collect::<Vec<_>>(),
+                whole.select[origin.select..origin.select + n].iter().map(|&s| s as usize).collect::<Vec<_>>()
+            );
+            assert_eq!(part.layout.positions, whole.layout.positions[from * 5..to * 5]);
+            assert_eq!(part.layout.hi, whole.layout.hi[from * 5..to * 5]);
+        }
+    }
 }

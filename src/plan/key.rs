@@ -204,6 +204,10 @@ pub struct DeviceKey {
     /// Which device of the class (`cuda:1`): not hashed, identical devices compute the same.
     #[serde(skip)]
     pub ordinal: usize,
+    /// Devices that train alongside it (data parallel; train stages only): not hashed either,
+    /// the sum of their gradients is one device's to the order of float sums.
+    #[serde(skip)]
+    pub peers: Vec<usize>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -213,7 +217,13 @@ fn is_false(b: &bool) -> bool {
 impl DeviceKey {
     /// The device to build an engine on.
     pub fn resolution(&self) -> Resolution {
-        Resolution { class: self.class, ordinal: self.ordinal, dtype: self.dtype, ..Resolution::cpu() }
+        Resolution {
+            class: self.class,
+            ordinal: self.ordinal,
+            dtype: self.dtype,
+            peers: self.peers.clone(),
+            ..Resolution::cpu()
+        }
     }
 }
 
@@ -359,7 +369,14 @@ mod tests {
     use crate::hub::{RepoKind, RepoRef, Wanted};
 
     fn device() -> DeviceKey {
-        DeviceKey { class: DeviceClass::Cuda, dtype: Dtype::Bf16, tf32: false, engine: None, ordinal: 1 }
+        DeviceKey {
+            class: DeviceClass::Cuda,
+            dtype: Dtype::Bf16,
+            tf32: false,
+            engine: None,
+            ordinal: 1,
+            peers: vec![2],
+        }
     }
 
     fn rendering() -> Rendering {

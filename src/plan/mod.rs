@@ -146,11 +146,13 @@ pub fn make(
             return Err(p);
         }
     }
-    let device = device::resolve_with(&recipe.device.prefer, |d| recipe.device.dtypes_for(d), inv).map_err(|e| {
-        Problem::new("rtune::device::none", e.to_string())
-            .at(loaded.origin(&["device", "prefer"]), "none of these is usable")
-            .help("add `\"cpu\"` at the end of `device.prefer` as a last resort")
-    })?;
+    let device = device::resolve_with(&recipe.device.prefer, |d| recipe.device.dtypes_for(d), inv)
+        .map_err(|e| {
+            Problem::new("rtune::device::none", e.to_string())
+                .at(loaded.origin(&["device", "prefer"]), "none of these is usable")
+                .help("add `\"cpu\"` at the end of `device.prefer` as a last resort")
+        })?
+        .with_peers(recipe.device.gpus, inv);
     let threads = recipe.device.threads.unwrap_or(inv.cpu_threads);
     let forced: BTreeSet<String> = match &sel.from {
         Some(f) => loaded.stages.downstream(f),
@@ -396,6 +398,19 @@ mod support {
             StageKey::Evaluate(k) => &k.device,
             _ => return Ok(()),
         };
+        if !dev.peers.is_empty()
+            && let Some(engine) = dev.engine.as_deref().filter(|e| !["auto", "gpu"].contains(e))
+        {
+            return Err(Problem::new(
+                "rtune::plan::engine_unavailable",
+                format!(
+                    "RTUNE_ENGINE={engine} trains on one device, and `device.gpus` asks for {} at once",
+                    dev.peers.len() + 1
+                ),
+            )
+            .at(loaded.origin(&["device", "gpus"]), "data parallel: the GPU engine only")
+            .help("unset RTUNE_ENGINE (or set it to `gpu`), or remove `device.gpus`"));
+        }
         if dev.class != device::DeviceClass::Vulkan {
             return Ok(());
         }

@@ -20,6 +20,14 @@ pub fn render_text(plan: &Plan) -> String {
     for n in &d.dtype_notes {
         let _ = writeln!(out, "  dtype {n}");
     }
+    if !d.peers.is_empty() {
+        let all: Vec<String> =
+            std::iter::once(d.ordinal).chain(d.peers.iter().copied()).map(|o| d.class.device_name(o)).collect();
+        let _ = writeln!(out, "  data parallel: training runs on {} GPUs at once ({})", all.len(), all.join(", "));
+    }
+    if let Some(n) = &d.peers_note {
+        let _ = writeln!(out, "  note: {n}");
+    }
     // lavapipe and SwiftShader are Vulkan on the CPU: a correctness device, far slower than the
     // CPU engine, which `prefer = ["vulkan", "cpu"]` on a machine whose GPU driver is missing
     // would otherwise choose silently.
@@ -46,7 +54,7 @@ pub fn render_text(plan: &Plan) -> String {
                 // The device the stage computes on (quantize merges in f32, on the CPU after a
                 // Vulkan run), which its key holds.
                 match s.key.device() {
-                    Some(k) => format!("{}/{}", k.class.device_name(k.ordinal), k.dtype.as_str()),
+                    Some(k) => format!("{}/{}", k.resolution().devices_name(), k.dtype.as_str()),
                     None => "-".into(),
                 },
                 s.short().to_string(),

@@ -54,6 +54,7 @@ pub(super) fn resolve_key(
         tf32: recipe.device.tf32 && device.class == crate::device::DeviceClass::Cuda,
         engine: if engine_matters { crate::engine::requested() } else { None },
         ordinal: device.ordinal,
+        peers: Vec::new(),
     };
     Ok(match spec.kind {
         StageKind::Download => {
@@ -100,7 +101,8 @@ pub(super) fn resolve_key(
         }),
         StageKind::Train => StageKey::Train(TrainKey {
             settings: TrainKeySettings { train: typed(table, spec, loaded)?, adapter: recipe.adapter.clone(), seed },
-            device: on_device(true),
+            // Only training shares its work between GPUs (`device.gpus`).
+            device: DeviceKey { peers: device.peers.clone(), ..on_device(true) },
         }),
         StageKind::Evaluate => {
             let evaluate: EvaluateSettings = typed(table, spec, loaded)?;

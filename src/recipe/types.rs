@@ -347,6 +347,15 @@ pub struct DevicePolicy {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     #[schemars(extend("default" = false))]
     pub tf32: bool,
+    /// How many GPUs train together (data parallel): a number, or `"all"` for every GPU of the
+    /// chosen one's kind (same API and vendor, supporting the chosen dtype). Each holds a copy
+    /// of the model and takes a share of the rows of every micro-batch; their gradients are
+    /// summed before each optimizer step, so the run trains as one device would (to the order
+    /// of float sums) and its fingerprint does not depend on it. GPU engine only (CUDA,
+    /// Vulkan); with fewer such GPUs than asked, the plan says so and uses those there are.
+    #[serde(default, skip_serializing_if = "Gpus::is_one")]
+    #[schemars(extend("default" = 1))]
+    pub gpus: Gpus,
     /// Per-device stage overrides (`[device.<name>.<stage>]`), checked against each stage.
     #[serde(flatten, default)]
     #[schemars(skip)]
@@ -375,6 +384,7 @@ impl Default for DevicePolicy {
             dtype: default_dtypes(),
             threads: None,
             tf32: false,
+            gpus: Gpus::default(),
             overrides: BTreeMap::new(),
         }
     }
@@ -590,6 +600,41 @@ pub struct TrainSettings {
     /// engine implements it.
     #[serde(default, skip_serializing_if = "GradientCheckpointing::is_auto")]
     pub gradient_checkpointing: GradientCheckpointing,
+}
+
+/// A number of GPUs (1 or more) or `"all"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum Gpus {
+    Count(#[schemars(range(min = 1, max = 64))] u32),
+    All(AllWord),
+}
+
+/// The word `all`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum AllWord {
+    All,
+}
+
+impl Default for Gpus {
+    fn default() -> Self {
+        Gpus::Count(1)
+    }
+}
+
+impl Gpus {
+    pub fn is_one(&self) -> bool {
+        *self == Gpus::Count(1)
+    }
+
+    /// The most devices this asks for.
+    pub fn most(&self) -> usize {
+        match self {
+            Gpus::Count(n) => *n as usize,
+            Gpus::All(_) => usize::MAX,
+        }
+    }
 }
 
 /// `true`, `false` or `"auto"`.

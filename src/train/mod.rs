@@ -4,9 +4,11 @@
 //! and resumable checkpoints.
 //!
 //! The engine ([`crate::engine`]) computes losses and gradients and owns the trained parameters;
-//! this loop decides what each step does. Multi-device data parallelism would all-reduce the
-//! gradients between "gradients are ready" and the optimizer step in `Trainer::step`; nothing
-//! else assumes a single device.
+//! this loop decides what each step does. Data parallel training (`device.gpus`) lives behind
+//! the same interface ([`crate::engine::gpu::Replicas`]): its `accumulate` shares each
+//! micro-batch's rows among the devices and its `gradients` sums theirs, at the seam between
+//! "gradients are ready" and the optimizer step in `Trainer::step`; nothing here assumes a
+//! single device.
 
 mod checkpoint;
 mod curve;
@@ -588,7 +590,7 @@ impl Trainer<'_> {
                 .map_err(|e| out_of_memory(e, s, Some(&*self.engine), self.quantizable))?;
         }
         self.last_issue = issue.elapsed().as_secs_f64();
-        // Gradients are ready: a data-parallel run would all-reduce them here.
+        // Gradients are ready (a data-parallel engine sums its devices' here).
         let (loss_sum, scaled_norm) = self.engine.gradients()?;
         let norm = scaled_norm / scale;
         self.state.micro += n_micro;

@@ -21,6 +21,11 @@ pub fn rtune_cmd() -> Command {
 
 /// Run `rtune` in `cwd` with its own cache, no colour and no progress bars.
 pub fn rtune(cwd: &Path, cache: &Path, args: &[&str]) -> Output {
+    rtune_with(cwd, cache, args, &[])
+}
+
+/// [`rtune`] with more environment variables.
+pub fn rtune_with(cwd: &Path, cache: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     rtune_cmd()
         .args(args)
         .current_dir(cwd)
@@ -28,6 +33,7 @@ pub fn rtune(cwd: &Path, cache: &Path, args: &[&str]) -> Output {
         .env("NO_COLOR", "1")
         .env("RTUNE_NO_PROGRESS", "1")
         .env_remove("HF_HUB_OFFLINE")
+        .envs(env.iter().copied())
         .output()
         .expect("rtune runs")
 }
@@ -100,10 +106,15 @@ impl Project {
 
     /// `rtune run … --json`, returning stage name → outcome, asserting success.
     pub fn run_json(&self, args: &[&str]) -> serde_json::Value {
+        self.run_json_with(args, &[])
+    }
+
+    /// [`Self::run_json`] with more environment variables.
+    pub fn run_json_with(&self, args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
         let mut all = vec!["run"];
         all.extend_from_slice(args);
         all.push("--json");
-        let o = self.run(&all);
+        let o = rtune_with(self.path(), &self.cache(), &all, env);
         assert!(o.status.success(), "rtune {all:?} failed:\n{}", stderr(&o));
         serde_json::from_slice(&o.stdout).unwrap()
     }

@@ -138,6 +138,13 @@ impl CudaGpu {
         let _ = unsafe { sys::cuMemPoolTrimTo(self.pool, 0) }.result();
     }
 
+    /// Make this device's context current on the calling thread: with several GPUs in one
+    /// process (data parallel) the driver calls below act on whichever context is current.
+    /// Cheap when it already is (one query).
+    fn bind(&self) -> Result<(), GpuError> {
+        self.ctx.bind_to_thread().map_err(derr("cannot use the CUDA device"))
+    }
+
     fn driver_alloc(&self, bytes: usize) -> Result<u64, drv::DriverError> {
         // SAFETY: the stream is live; the memory is freed on the same stream.
         unsafe { drv::malloc_async(self.stream.cu_stream(), bytes) }
@@ -159,6 +166,7 @@ impl Gpu for CudaGpu {
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
+        self.bind()?;
         let class = size_class(bytes);
         let cached = self.cache.borrow_mut().get_mut(&class).and_then(Vec::pop);
         let ptr = match cached {
@@ -190,12 +198,14 @@ impl Gpu for CudaGpu {
     }
 
     fn upload(&self, dst: u64, src: &[u8]) -> Result<(), GpuError> {
+        self.bind()?;
         // SAFETY: `dst` holds at least `src.len()` bytes; a pageable source is staged before the
         // call returns.
         unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }.map_err(derr("copy to the GPU"))
     }
 
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+        self.bind()?;
         // SAFETY: `src` holds at least `dst.len()` bytes; the stream is synchronised before `dst`
         // is read.
         unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }.map_err(derr("copy from the GPU"))?;
@@ -203,16 +213,19 @@ impl Gpu for CudaGpu {
     }
 
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError> {
+        self.bind()?;
         // SAFETY: both ranges are live device allocations of at least `bytes`.
         unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(derr("copy on the GPU"))
     }
 
     fn zero(&self, dst: u64, bytes: usize) -> Result<(), GpuError> {
+        self.bind()?;
         // SAFETY: `dst` holds at least `bytes`.
         unsafe { drv::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }.map_err(derr("clear GPU memory"))
     }
 
     fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        self.bind()?;
         let f = self.function(kernel)?;
         let mut values: Vec<u64> = args
             .iter()
@@ -234,6 +247,7 @@ impl Gpu for CudaGpu {
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), GpuError> {
+        self.bind()?;
         // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: swap the operands.
         let op = |t: bool| {
             if t { blas_sys::cublasOperation_t::CUBLAS_OP_T } else { blas_sys::cublasOperation_t::CUBLAS_OP_N }
@@ -273,6 +287,7 @@ impl Gpu for CudaGpu {
     }
 
     fn synchronize(&self) -> Result<(), GpuError> {
+        self.bind()?;
         self.stream.synchronize().map_err(|e| {
             if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
                 let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
@@ -284,6 +299,7 @@ impl Gpu for CudaGpu {
     }
 
     fn memory(&self) -> Memory {
+        let _ = self.bind();
         let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
         // Free memory counts what the cache and the pool hold for reuse.
         let cached = self
@@ -299,6 +315,7 @@ impl Gpu for CudaGpu {
 
 impl Drop for CudaGpu {
     fn drop(&mut self) {
+        let _ = self.bind();
         self.release_cache();
         // SAFETY: nothing uses the workspace once the stream is idle.
         let _ = unsafe { drv::free_async(self.workspace, self.stream.cu_stream()) };

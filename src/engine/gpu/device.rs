@@ -129,6 +129,11 @@ pub trait Gpu {
     fn gemm(&self, g: &Gemm) -> Result<(), GpuError>;
     /// Wait for all queued work; errors of earlier asynchronous work surface here.
     fn synchronize(&self) -> Result<(), GpuError>;
+    /// Start the queued work without waiting for it, where the device holds work back until
+    /// asked (Vulkan records commands into batches).
+    fn flush(&self) -> Result<(), GpuError> {
+        Ok(())
+    }
     fn memory(&self) -> Memory;
     fn reset_peak(&self);
     /// `Some(n)` where the device runs `n` invocations as one SIMD vector on a CPU and a memory

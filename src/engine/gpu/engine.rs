@@ -12,7 +12,7 @@ use candle_core::Tensor;
 use super::device::{Buf, Dt, Gpu, GpuError};
 use super::ops::{AdamWCoefficients, AttnShape, Ops};
 use crate::engine::optim::AdamWConfig;
-use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Setup};
+use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Origin, Setup};
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
@@ -169,6 +169,13 @@ impl Flat {
         self.parts.iter().zip(self.bounds.windows(2)).try_for_each(|(p, w)| p.write(0, &all[w[0]..w[1]]))
     }
 
+    /// Overwrite values `off .. off + v.len()`, which lie in one part.
+    fn write_at(&self, off: usize, v: &[f32]) -> Result<(), GpuError> {
+        let p = self.bounds.partition_point(|&b| b <= off) - 1;
+        debug_assert!(off + v.len() <= self.bounds[p + 1], "a write across two parts");
+        self.parts[p].write(off - self.bounds[p], v)
+    }
+
     fn zero(&self, gpu: &dyn Gpu) -> Result<(), GpuError> {
         self.parts.iter().try_for_each(|p| gpu.zero(p.ptr(), p.len * p.dt.size()))
     }
@@ -212,6 +219,9 @@ struct DevBatch {
     select: usize,
     /// Each distinct token's rows, when the embedding table trains (see [`token_rows`]).
     token_rows: Option<TokenRows>,
+    /// Where these rows start in the micro-batch they were cut from (data parallel), so that
+    /// dropout masks are the whole micro-batch's.
+    origin: Origin,
 }
 
 /// The rows of a batch grouped by token, for a trained embedding table's gradient: `rows`
@@ -729,6 +739,7 @@ impl GpuEngine {
             tgt: Buf::from_u32(g, &b.targets).map_err(ctx)?,
             select: b.select.len(),
             token_rows,
+            origin: Origin::default(),
         })
     }
 
@@ -857,6 +868,8 @@ impl GpuEngine {
     ) -> Result<(Buf, Option<Saved>), GpuError> {
         let c = &self.cfg;
         let (n, h, inter) = (bt.n, c.hidden_size, c.intermediate_size);
+        // The first row of these rows in their micro-batch (dropout masks count from there).
+        let row0 = bt.origin.token;
         let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
         let (cos, sin, _) = self.rope.as_ref().expect("rope tables before a forward pass");
@@ -865,9 +878,9 @@ impl GpuEngine {
         o.rmsnorm_fwd(x.ptr(), self.w(l.input_norm), xn.ptr(), inv1.ptr(), n, h, c.rms_norm_eps as f32)?;
         let mut u: [Option<Buf>; 7] = Default::default();
         let (mut q, mut k, v) = (self.buf(n * qd, dt)?, self.buf(n * kvd, dt)?, self.buf(n * kvd, dt)?);
-        u[Q] = self.lin_fwd(&l.lin[Q], xn.ptr(), n, q.ptr(), false, dropout, 0)?;
-        u[K] = self.lin_fwd(&l.lin[K], xn.ptr(), n, k.ptr(), false, dropout, 0)?;
-        u[V] = self.lin_fwd(&l.lin[V], xn.ptr(), n, v.ptr(), false, dropout, 0)?;
+        u[Q] = self.lin_fwd(&l.lin[Q], xn.ptr(), n, q.ptr(), false, dropout, row0)?;
+        u[K] = self.lin_fwd(&l.lin[K], xn.ptr(), n, k.ptr(), false, dropout, row0)?;
+        u[V] = self.lin_fwd(&l.lin[V], xn.ptr(), n, v.ptr(), false, dropout, row0)?;
         drop(xn);
         // Qwen3: each query and key head RMS-normalised before the rotary embedding.
         let qk = match l.qk_norm {
@@ -891,18 +904,18 @@ impl GpuEngine {
         o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), attn.ptr(), lse.ptr(), bt.lo.ptr(), bt.hi.ptr())?;
         // The residual: o_proj accumulates into a copy of the layer's input.
         let hid = self.copy(x)?;
-        u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, hid.ptr(), true, dropout, 0)?;
+        u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, hid.ptr(), true, dropout, row0)?;
         let hn = self.buf(n * h, dt)?;
         let inv2 = self.buf(n, Dt::F32)?;
         o.rmsnorm_fwd(hid.ptr(), self.w(l.post_norm), hn.ptr(), inv2.ptr(), n, h, c.rms_norm_eps as f32)?;
         let (gate, up) = (self.buf(n * inter, dt)?, self.buf(n * inter, dt)?);
-        u[GATE] = self.lin_fwd(&l.lin[GATE], hn.ptr(), n, gate.ptr(), false, dropout, 0)?;
-        u[UP] = self.lin_fwd(&l.lin[UP], hn.ptr(), n, up.ptr(), false, dropout, 0)?;
+        u[GATE] = self.lin_fwd(&l.lin[GATE], hn.ptr(), n, gate.ptr(), false, dropout, row0)?;
+        u[UP] = self.lin_fwd(&l.lin[UP], hn.ptr(), n, up.ptr(), false, dropout, row0)?;
         drop(hn);
         let act = self.buf(n * inter, dt)?;
         o.swiglu(gate.ptr(), up.ptr(), act.ptr(), n * inter)?;
         let next = self.copy(&hid)?;
-        u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, next.ptr(), true, dropout, 0)?;
+        u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, next.ptr(), true, dropout, row0)?;
         let saved = save.then_some(Saved { inv1, q, k, v, attn, lse, h: hid, inv2, gate, up, u, qk });
         Ok((next, saved))
     }
@@ -922,6 +935,8 @@ impl GpuEngine {
     ) -> Result<(), GpuError> {
         let c = &self.cfg;
         let (n, h, inter) = (bt.n, c.hidden_size, c.intermediate_size);
+        // The first row of these rows in their micro-batch (dropout masks count from there).
+        let row0 = bt.origin.token;
         let qd = c.num_heads * c.head_dim;
         let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
         let (cos, sin, _) = self.rope.as_ref().expect("rope tables");
@@ -936,7 +951,7 @@ impl GpuEngine {
         };
         let dact = self.buf(n * inter, dt)?;
         let act_ptr = act.as_ref().map_or(0, Buf::ptr);
-        self.lin_bwd(&l.lin[DOWN], s.u[DOWN].as_ref(), act_ptr, n, dx.ptr(), Some((dact.ptr(), false)), dropout, 0)?;
+        self.lin_bwd(&l.lin[DOWN], s.u[DOWN].as_ref(), act_ptr, n, dx.ptr(), Some((dact.ptr(), false)), dropout, row0)?;
         drop(act);
         // Gate and up gradients replace the saved activations.
         o.swiglu_bwd(s.gate.ptr(), s.up.ptr(), dact.ptr(), s.gate.ptr(), s.up.ptr(), n * inter)?;
@@ -951,14 +966,23 @@ impl GpuEngine {
         };
         let hn_ptr = hn.as_ref().map_or(0, Buf::ptr);
         let dhn = self.buf(n * h, dt)?;
-        self.lin_bwd(&l.lin[GATE], s.u[GATE].as_ref(), hn_ptr, n, s.gate.ptr(), Some((dhn.ptr(), false)), dropout, 0)?;
-        self.lin_bwd(&l.lin[UP], s.u[UP].as_ref(), hn_ptr, n, s.up.ptr(), Some((dhn.ptr(), true)), dropout, 0)?;
+        self.lin_bwd(
+            &l.lin[GATE],
+            s.u[GATE].as_ref(),
+            hn_ptr,
+            n,
+            s.gate.ptr(),
+            Some((dhn.ptr(), false)),
+            dropout,
+            row0,
+        )?;
+        self.lin_bwd(&l.lin[UP], s.u[UP].as_ref(), hn_ptr, n, s.up.ptr(), Some((dhn.ptr(), true)), dropout, row0)?;
         drop(hn);
         self.norm_bwd(l.post_norm, s.h.ptr(), s.inv2.ptr(), dhn.ptr(), Some((dx.ptr(), true)), n, h)?;
         drop(dhn);
         // Attention; dx is now the gradient of the attention block's output too.
         let dattn = self.buf(n * qd, dt)?;
-        self.lin_bwd(&l.lin[O], s.u[O].as_ref(), s.attn.ptr(), n, dx.ptr(), Some((dattn.ptr(), false)), dropout, 0)?;
+        self.lin_bwd(&l.lin[O], s.u[O].as_ref(), s.attn.ptr(), n, dx.ptr(), Some((dattn.ptr(), false)), dropout, row0)?;
         let (mut dq, mut dk, dv) = (self.buf(s.q.len, dt)?, self.buf(s.k.len, dt)?, self.buf(s.v.len, dt)?);
         let delta = self.buf(s.lse.len, Dt::F32)?;
         let shape = self.attn_shape(bt);
@@ -1003,14 +1027,14 @@ impl GpuEngine {
         let xn_ptr = xn.as_ref().map_or(0, Buf::ptr);
         if need_input_grad || self.wgrad(l.input_norm).is_some() {
             let dxn = self.buf(n * h, dt)?;
-            self.lin_bwd(&l.lin[Q], s.u[Q].as_ref(), xn_ptr, n, dq.ptr(), Some((dxn.ptr(), false)), dropout, 0)?;
-            self.lin_bwd(&l.lin[K], s.u[K].as_ref(), xn_ptr, n, dk.ptr(), Some((dxn.ptr(), true)), dropout, 0)?;
-            self.lin_bwd(&l.lin[V], s.u[V].as_ref(), xn_ptr, n, dv.ptr(), Some((dxn.ptr(), true)), dropout, 0)?;
+            self.lin_bwd(&l.lin[Q], s.u[Q].as_ref(), xn_ptr, n, dq.ptr(), Some((dxn.ptr(), false)), dropout, row0)?;
+            self.lin_bwd(&l.lin[K], s.u[K].as_ref(), xn_ptr, n, dk.ptr(), Some((dxn.ptr(), true)), dropout, row0)?;
+            self.lin_bwd(&l.lin[V], s.u[V].as_ref(), xn_ptr, n, dv.ptr(), Some((dxn.ptr(), true)), dropout, row0)?;
             let dx = need_input_grad.then_some((dx.ptr(), true));
             self.norm_bwd(l.input_norm, x.ptr(), s.inv1.ptr(), dxn.ptr(), dx, n, h)?;
         } else {
             for (i, dy) in [(Q, &dq), (K, &dk), (V, &dv)] {
-                self.lin_bwd(&l.lin[i], s.u[i].as_ref(), xn_ptr, n, dy.ptr(), None, dropout, 0)?;
+                self.lin_bwd(&l.lin[i], s.u[i].as_ref(), xn_ptr, n, dy.ptr(), None, dropout, row0)?;
             }
         }
         Ok(())
@@ -1052,7 +1076,8 @@ impl GpuEngine {
             let hs = self.buf(rows * h, dt)?;
             o.gather_rows(hn.ptr(), bt.sel.at(first), hs.ptr(), rows, h)?;
             let logits = self.buf(rows * vocab, dt)?;
-            let u = self.lin_fwd(&self.lm_head, hs.ptr(), rows, logits.ptr(), false, dropout, first)?;
+            let u =
+                self.lin_fwd(&self.lm_head, hs.ptr(), rows, logits.ptr(), false, dropout, bt.origin.select + first)?;
             o.cross_entropy(logits.ptr(), bt.tgt.at(first), loss_rows.at(first), rows, vocab, grad_scale)?;
             if let Some(dhn) = &dhn {
                 let dhs = self.buf(rows * h, dt)?;
@@ -1064,7 +1089,7 @@ impl GpuEngine {
                     logits.ptr(),
                     Some((dhs.ptr(), false)),
                     dropout,
-                    first,
+                    bt.origin.select + first,
                 )?;
                 o.scatter_add_rows(dhs.ptr(), bt.sel.at(first), dhn.ptr(), rows, h)?;
             }
@@ -1089,6 +1114,61 @@ impl GpuEngine {
             o.embed_bwd(dx.ptr(), tr.rows.ptr(), tr.starts.ptr(), tr.tokens.ptr(), g, tr.uniq, h)?;
         }
         Ok(())
+    }
+
+    /// [`Engine::accumulate`] of a part of a micro-batch that starts at `origin` in it (data
+    /// parallel, [`super::parallel`]): queued, not waited for.
+    pub(super) fn accumulate_part(
+        &mut self,
+        batch: &HostBatch,
+        origin: Origin,
+        weight: f64,
+        loss_scale: f64,
+        dropout: Option<u64>,
+    ) -> Result<(), EngineError> {
+        if self.trained.as_ref().and_then(|t| t.grads.as_ref()).is_none() {
+            return Err(EngineError::Unsupported("this engine was built for evaluation".into()));
+        }
+        let bt = DevBatch { origin, ..self.upload(batch)? };
+        self.pass(&bt, Some(Train { weight, loss_scale, dropout })).map_err(|e| oom_or(e, "training", bt.b, bt.t))
+    }
+
+    /// Queue the loss of `batch` ([`Engine::loss`] without waiting); [`Self::take_loss`] reads it.
+    pub(super) fn queue_loss(&mut self, batch: &HostBatch) -> Result<(), EngineError> {
+        let bt = self.upload(batch)?;
+        self.gpu.zero(self.acc.ptr(), 16).map_err(gerr("evaluate"))?;
+        self.pass(&bt, None).map_err(|e| oom_or(e, "evaluating", bt.b, bt.t))
+    }
+
+    /// The mean loss [`Self::queue_loss`] queued, once the device has computed it.
+    pub(super) fn take_loss(&mut self) -> Result<f64, EngineError> {
+        Ok(self.take_acc().map_err(gerr("evaluate"))?.0)
+    }
+
+    /// Start the work queued so far without waiting for it (Vulkan records commands until a
+    /// batch fills; data parallel devices should all be busy while the host waits on one).
+    pub(super) fn flush(&self) -> Result<(), EngineError> {
+        self.gpu.flush().map_err(gerr("submitting work"))
+    }
+
+    /// Where the flat gradients are cut into device buffers (`[0, …, len]`); a range of them
+    /// read or written at once lies between two consecutive bounds.
+    pub(super) fn gradient_bounds(&self) -> Result<&[usize], EngineError> {
+        let grads = self.trained.as_ref().and_then(|t| t.grads.as_ref());
+        let grads = grads.ok_or_else(|| EngineError::Unsupported("this engine was built for evaluation".into()))?;
+        Ok(&grads.bounds)
+    }
+
+    /// The flat gradients `off .. off + len` (within one buffer, see [`Self::gradient_bounds`]).
+    pub(super) fn read_gradients(&self, off: usize, len: usize) -> Result<Vec<f32>, EngineError> {
+        let grads = self.trained.as_ref().and_then(|t| t.grads.as_ref()).expect("checked by gradient_bounds");
+        grads.read(off, len).map_err(gerr("reading gradients"))
+    }
+
+    /// Overwrite the flat gradients from `off` (within one buffer).
+    pub(super) fn write_gradients(&self, off: usize, values: &[f32]) -> Result<(), EngineError> {
+        let grads = self.trained.as_ref().and_then(|t| t.grads.as_ref()).expect("checked by gradient_bounds");
+        grads.write_at(off, values).map_err(gerr("writing gradients"))
     }
 
     /// The accumulators `[loss, squared gradient norm]`, then zeroed.
@@ -1227,11 +1307,7 @@ impl Engine for GpuEngine {
         loss_scale: f64,
         dropout: Option<u64>,
     ) -> Result<(), EngineError> {
-        if self.trained.as_ref().and_then(|t| t.grads.as_ref()).is_none() {
-            return Err(EngineError::Unsupported("this engine was built for evaluation".into()));
-        }
-        let bt = self.upload(batch)?;
-        self.pass(&bt, Some(Train { weight, loss_scale, dropout })).map_err(|e| oom_or(e, "training", bt.b, bt.t))
+        self.accumulate_part(batch, Origin::default(), weight, loss_scale, dropout)
     }
 
     fn gradients(&mut self) -> Result<(f64, f64), EngineError> {
@@ -1285,10 +1361,8 @@ impl Engine for GpuEngine {
     }
 
     fn loss(&mut self, batch: &HostBatch) -> Result<f64, EngineError> {
-        let bt = self.upload(batch)?;
-        self.take_acc().map_err(gerr("evaluate"))?;
-        self.pass(&bt, None).map_err(|e| oom_or(e, "evaluating", bt.b, bt.t))?;
-        Ok(self.take_acc().map_err(gerr("evaluate"))?.0)
+        self.queue_loss(batch)?;
+        self.take_loss()
     }
 
     fn next_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {

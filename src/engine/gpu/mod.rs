@@ -23,6 +23,7 @@
 pub mod device;
 mod engine;
 pub mod ops;
+mod parallel;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -31,6 +32,7 @@ pub mod vulkan;
 
 pub use device::{Arg, Buf, Dt, Gemm, Gpu, GpuError, Memory};
 pub use engine::GpuEngine;
+pub use parallel::Replicas;
 
 use crate::device::{DeviceClass, Resolution};
 use crate::model::ModelConfig;
@@ -58,20 +60,35 @@ pub fn model_unsupported(cfg: &ModelConfig) -> Option<String> {
     None
 }
 
-/// The GPU engine on the device `setup` names.
+/// The GPU engine on the device `setup` names, or on it and its peers in data parallel.
 pub fn build(setup: &super::Setup<'_>) -> Result<Box<dyn super::Engine>, super::EngineError> {
+    if setup.device.peers.is_empty() {
+        return Ok(Box::new(GpuEngine::new(open(setup, setup.device.ordinal)?, setup)?));
+    }
+    // Each device takes its share of a micro-batch's rows (memory planning).
+    let n = 1 + setup.device.peers.len();
+    let share = super::Setup {
+        max_batch: (setup.max_batch.0.div_ceil(n), setup.max_batch.1),
+        trainable: setup.trainable.clone(),
+        ..*setup
+    };
+    let ordinals = std::iter::once(setup.device.ordinal).chain(setup.device.peers.iter().copied());
+    let engines = ordinals.map(|o| GpuEngine::new(open(setup, o)?, &share)).collect::<Result<_, _>>()?;
+    Ok(Box::new(Replicas::new(engines)))
+}
+
+/// Device `ordinal` of the class `setup` names.
+fn open(setup: &super::Setup<'_>, ordinal: usize) -> Result<std::rc::Rc<dyn Gpu>, super::EngineError> {
     let open = |what: &str| {
-        let context = format!("cannot open the {what} device {}", setup.device.device_name());
+        let context = format!("cannot open the {what} device {}", setup.device.class.device_name(ordinal));
         move |source| super::EngineError::gpu(context, source)
     };
-    let gpu: std::rc::Rc<dyn Gpu> = match setup.device.class {
+    Ok(match setup.device.class {
         #[cfg(feature = "cuda")]
-        DeviceClass::Cuda => {
-            std::rc::Rc::new(cuda::CudaGpu::new(setup.device.ordinal, setup.tf32).map_err(open("CUDA"))?)
-        }
+        DeviceClass::Cuda => std::rc::Rc::new(cuda::CudaGpu::new(ordinal, setup.tf32).map_err(open("CUDA"))?),
         #[cfg(feature = "vulkan")]
         DeviceClass::Vulkan => {
-            let gpu = vulkan::VulkanGpu::new(setup.device.ordinal).map_err(open("Vulkan"))?;
+            let gpu = vulkan::VulkanGpu::new(ordinal).map_err(open("Vulkan"))?;
             let dt = engine::compute_dtype(setup.device.dtype);
             if !gpu.supports(dt) {
                 return Err(super::EngineError::Unsupported(format!(
@@ -88,6 +105,5 @@ pub fn build(setup: &super::Setup<'_>) -> Result<Box<dyn super::Engine>, super::
                 other.as_str()
             )));
         }
-    };
-    Ok(Box::new(GpuEngine::new(gpu, setup)?))
+    })
 }

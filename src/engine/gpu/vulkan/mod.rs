@@ -1223,6 +1223,12 @@ impl Gpu for VulkanGpu {
         self.sync(&mut self.state.borrow_mut())
     }
 
+    fn flush(&self) -> Result<(), GpuError> {
+        let st = &mut *self.state.borrow_mut();
+        self.check(st)?;
+        self.submit(st)
+    }
+
     fn memory(&self) -> Memory {
         let st = self.state.borrow();
         Memory { peak_used: st.peak, free: self.free(&st), total: self.memory.total }
