@@ -1151,6 +1151,15 @@ fn data_parallel_on_two_vulkan_devices_trains_as_one() {
     let fp = stage(&two, "train")["fingerprint"].as_str().unwrap().to_string();
     let run_info = read_json(&two_dir.cache().join("store-v1/manifests").join(format!("{fp}.json")))["run"].clone();
     assert_eq!(run_info["data_parallel"], serde_json::json!(["vulkan:0", "vulkan:1"]), "{run_info}");
+    assert_eq!(run_info["peers_info"][0]["ordinal"], 1, "{run_info}");
+    // A step of one row keeps one GPU busy, and the plan says so.
+    let set = [r#"device.prefer=["vulkan:0"]"#, "device.gpus=2", "stages.train.batch_size=1"];
+    let args: Vec<&str> = ["plan", "tiny.toml"].into_iter().chain(set.iter().flat_map(|s| ["--set", *s])).collect();
+    let plan = stdout(&rtune_with(two_dir.path(), &two_dir.cache(), &args, &env));
+    assert!(
+        plan.contains("stage `train` trains on 1 row a step (batch_size 1 × grad_accum 1): 1 of the 2 GPUs"),
+        "{plan}"
+    );
     let metrics = &stage(&two, "train")["metrics"];
     assert!(metrics["engine"].as_str().unwrap().starts_with("data parallel on 2 GPUs: GPU engine ("), "{metrics}");
 }

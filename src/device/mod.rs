@@ -229,9 +229,9 @@ pub struct Resolution {
     /// `device.gpus`), by ordinal.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<usize>,
-    /// Why fewer devices train than `device.gpus` asks for.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub peers_note: Option<String>,
+    /// Why fewer devices train than `device.gpus` asks for, or share less work than they could.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peers_notes: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -251,7 +251,7 @@ impl Resolution {
             dtype_notes: Vec::new(),
             via: None,
             peers: Vec::new(),
-            peers_note: None,
+            peers_notes: Vec::new(),
         }
     }
 
@@ -278,7 +278,7 @@ impl Resolution {
             return self;
         }
         if !matches!(self.class, DeviceClass::Cuda | DeviceClass::Vulkan) {
-            self.peers_note = Some(format!(
+            self.peers_notes.push(format!(
                 "gpus = {}: data parallel training runs on CUDA and Vulkan GPUs; {} trains alone",
                 gpus_str(gpus),
                 self.device_name()
@@ -299,7 +299,7 @@ impl Resolution {
         if let Gpus::Count(n) = gpus
             && found.len() + 1 < n as usize
         {
-            self.peers_note = Some(format!(
+            self.peers_notes.push(format!(
                 "gpus = {n}: only {} usable {} device{} like {} (same vendor, {}): training on {}",
                 found.len() + 1,
                 self.class.as_str(),
@@ -381,7 +381,7 @@ pub fn resolve_with(
                             via: (dev.class.as_str() != want.split(':').next().unwrap_or_default())
                                 .then(|| want.clone()),
                             peers: Vec::new(),
-                            peers_note: None,
+                            peers_notes: Vec::new(),
                         });
                     }
                     notes.push(format!("{}: {} does not train in {}", d.as_str(), dev.class.as_str(), d.as_str()));
@@ -652,7 +652,7 @@ mod tests {
         let inv = gpu_box(3);
         let on = |prefer: &[&str], gpus, inv: &Inventory| {
             let r = resolve(&s(prefer), &[Dtype::Bf16, Dtype::F32], inv).unwrap().with_peers(gpus, inv);
-            (r.devices_name(), r.peers_note)
+            (r.devices_name(), r.peers_notes.first().cloned())
         };
         assert_eq!(on(&["cuda"], Gpus::Count(1), &inv), ("cuda:0".into(), None));
         assert_eq!(on(&["cuda"], Gpus::Count(2), &inv), ("cuda:0+1".into(), None));

@@ -259,9 +259,33 @@ pub fn make(
     let devices = inv
         .devices
         .iter()
-        .filter(|d| planned.iter().filter_map(|p| p.key.device()).any(|k| k.class == d.class && k.ordinal == d.ordinal))
+        .filter(|d| {
+            let mut keys = planned.iter().filter_map(|p| p.key.device());
+            keys.any(|k| k.class == d.class && (k.ordinal == d.ordinal || k.peers.contains(&d.ordinal)))
+        })
         .cloned()
         .collect();
+    let mut device = device;
+    // A step of fewer rows than GPUs leaves some idle (rows are what they share).
+    for p in &planned {
+        if let StageKey::Train(k) = &p.key
+            && !k.device.peers.is_empty()
+        {
+            let (gpus, t) = (k.device.peers.len() + 1, &k.settings.train);
+            let rows = t.batch_size as usize * t.grad_accum as usize;
+            if rows < gpus {
+                device.peers_notes.push(format!(
+                    "stage `{}` trains on {rows} row{} a step (batch_size {} × grad_accum {}): {} of the {gpus} GPUs \
+                     work at a time; raise batch_size or grad_accum to keep them all busy",
+                    p.name,
+                    if rows == 1 { "" } else { "s" },
+                    t.batch_size,
+                    t.grad_accum,
+                    rows
+                ));
+            }
+        }
+    }
     Ok(Plan { recipe: recipe.recipe.name.clone(), device, threads, offline: hub.offline, stages: planned, devices })
 }
 

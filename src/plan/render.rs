@@ -25,7 +25,7 @@ pub fn render_text(plan: &Plan) -> String {
             std::iter::once(d.ordinal).chain(d.peers.iter().copied()).map(|o| d.class.device_name(o)).collect();
         let _ = writeln!(out, "  data parallel: training runs on {} GPUs at once ({})", all.len(), all.join(", "));
     }
-    if let Some(n) = &d.peers_note {
+    for n in &d.peers_notes {
         let _ = writeln!(out, "  note: {n}");
     }
     // lavapipe and SwiftShader are Vulkan on the CPU: a correctness device, far slower than the
