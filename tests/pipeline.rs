@@ -1098,10 +1098,11 @@ fn two_lavapipes(dir: &Path) -> Option<String> {
     found
 }
 
-/// `device.gpus = 2` on two Vulkan devices (lavapipe twice) trains as one device does: the plan
-/// names both, the train stage's manifest records both, and the eval losses of the short default
-/// recipe agree with one device's within 1e-5 relative (the gradients are summed in another
-/// order, nothing else differs). The same artifact fingerprint: `gpus` is not part of it.
+/// `device.gpus = 2` on two Vulkan devices (lavapipe twice) trains and evaluates as one device
+/// does: the plan names both, the train and evaluate stages' manifests record both, and the step
+/// losses, gradient norms and eval losses of the short default recipe agree with one device's
+/// within 1e-5 relative (the gradients are summed in another order, nothing else differs). The
+/// same artifact fingerprints: `gpus` is not part of them.
 #[test]
 fn data_parallel_on_two_vulkan_devices_trains_as_one() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1127,11 +1128,13 @@ fn data_parallel_on_two_vulkan_devices_trains_as_one() {
         r["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap().clone()
     };
     assert_eq!(stage(&one, "train")["fingerprint"], stage(&two, "train")["fingerprint"]);
-    let (a, b) = (
-        stage(&one, "evaluate")["metrics"]["eval_loss"].as_f64().unwrap(),
-        stage(&two, "evaluate")["metrics"]["eval_loss"].as_f64().unwrap(),
-    );
-    assert!((a - b).abs() <= 1e-5 * a, "tuned model's eval loss {b} trained on two devices vs {a} on one");
+    for name in ["eval_base", "evaluate"] {
+        let (a, b) = (
+            stage(&one, name)["metrics"]["eval_loss"].as_f64().unwrap(),
+            stage(&two, name)["metrics"]["eval_loss"].as_f64().unwrap(),
+        );
+        assert!((a - b).abs() <= 1e-5 * a, "{name}: eval loss {b} on two devices vs {a} on one");
+    }
     // Step by step, the loss each step trained on (each device's share weighted by its tokens)
     // and the norm of the summed gradients.
     let losses = |r: &serde_json::Value| -> Vec<f64> {
@@ -1152,6 +1155,13 @@ fn data_parallel_on_two_vulkan_devices_trains_as_one() {
     let run_info = read_json(&two_dir.cache().join("store-v1/manifests").join(format!("{fp}.json")))["run"].clone();
     assert_eq!(run_info["data_parallel"], serde_json::json!(["vulkan:0", "vulkan:1"]), "{run_info}");
     assert_eq!(run_info["peers_info"][0]["ordinal"], 1, "{run_info}");
+    // The evaluate stages share their batches too (and measure what one device does).
+    for name in ["eval_base", "evaluate"] {
+        let fp = stage(&two, name)["fingerprint"].as_str().unwrap().to_string();
+        let manifest = read_json(&two_dir.cache().join("store-v1/manifests").join(format!("{fp}.json")));
+        assert_eq!(manifest["run"]["data_parallel"], serde_json::json!(["vulkan:0", "vulkan:1"]), "{name}");
+        assert_eq!(stage(&one, name)["fingerprint"], stage(&two, name)["fingerprint"]);
+    }
     // A step of one row keeps one GPU busy, and the plan says so.
     let set = [r#"device.prefer=["vulkan:0"]"#, "device.gpus=2", "stages.train.batch_size=1"];
     let args: Vec<&str> = ["plan", "tiny.toml"].into_iter().chain(set.iter().flat_map(|s| ["--set", *s])).collect();

@@ -204,8 +204,8 @@ pub struct DeviceKey {
     /// Which device of the class (`cuda:1`): not hashed, identical devices compute the same.
     #[serde(skip)]
     pub ordinal: usize,
-    /// Devices that train alongside it (data parallel; train stages only): not hashed either,
-    /// the sum of their gradients is one device's to the order of float sums.
+    /// Devices that work alongside it (data parallel; train and evaluate stages): not hashed
+    /// either, the sum of their gradients is one device's to the order of float sums.
     #[serde(skip)]
     pub peers: Vec<usize>,
 }

@@ -101,7 +101,7 @@ pub(super) fn resolve_key(
         }),
         StageKind::Train => StageKey::Train(TrainKey {
             settings: TrainKeySettings { train: typed(table, spec, loaded)?, adapter: recipe.adapter.clone(), seed },
-            // Only training shares its work between GPUs (`device.gpus`).
+            // Training and evaluation share their batches between GPUs (`device.gpus`).
             device: DeviceKey { peers: device.peers.clone(), ..on_device(true) },
         }),
         StageKind::Evaluate => {
@@ -126,7 +126,7 @@ pub(super) fn resolve_key(
                     base_quant: recipe.adapter.quantize_base,
                     seed,
                 },
-                device: on_device(true),
+                device: DeviceKey { peers: device.peers.clone(), ..on_device(true) },
                 sources,
             })
         }

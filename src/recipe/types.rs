@@ -347,11 +347,11 @@ pub struct DevicePolicy {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     #[schemars(extend("default" = false))]
     pub tf32: bool,
-    /// How many GPUs train together (data parallel): a number, or `"all"` for every GPU of the
-    /// chosen one's kind (same API and vendor, supporting the chosen dtype). Each holds a copy
-    /// of the model and takes a share of the rows of every micro-batch; their gradients are
-    /// summed before each optimizer step, so the run trains as one device would (to the order
-    /// of float sums) and its fingerprint does not depend on it. GPU engine only (CUDA,
+    /// How many GPUs train (and evaluate) together, data parallel: a number, or `"all"` for
+    /// every GPU of the chosen one's kind (same API and vendor, supporting the chosen dtype).
+    /// Each holds a copy of the model and takes a share of the rows of every micro-batch; their
+    /// gradients are summed before each optimizer step, so the run trains as one device would
+    /// (to the order of float sums) and no fingerprint depends on it. GPU engine only (CUDA,
     /// Vulkan); with fewer such GPUs than asked, the plan says so and uses those there are.
     #[serde(default, skip_serializing_if = "Gpus::is_one")]
     #[schemars(extend("default" = 1))]

@@ -1,7 +1,8 @@
-//! Data parallel training on several GPUs in one process (`device.gpus`): each device holds a
-//! copy of the model ([`GpuEngine`]) and takes a share of the rows of every micro-batch; before
-//! each optimizer step their gradients are summed through the host and written back to every
-//! device, which then takes the same AdamW step, so the copies stay equal.
+//! Data parallel training (and evaluation) on several GPUs in one process (`device.gpus`): each
+//! device holds a copy of the model ([`GpuEngine`]) and takes a share of the rows of every
+//! micro-batch (and evaluation batch); before each optimizer step their gradients are summed
+//! through the host and written back to every device, which then takes the same AdamW step, so
+//! the copies stay equal.
 //!
 //! One thread drives every device: work is queued (CUDA streams, Vulkan command batches) and
 //! started on each device before the host waits on any, so the devices compute at once. The
