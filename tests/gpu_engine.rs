@@ -1625,6 +1625,12 @@ fn data_parallel_replicas_train_as_one_device() {
             let (x, y) = (two.loss(b).unwrap(), one.loss(b).unwrap());
             assert!((x - y).abs() <= 1e-5 * y, "{on}: evaluation loss {x} vs one device's {y}");
         }
+        // Resuming: fresh replicas restored from the state continue exactly as these do.
+        let mut resumed =
+            Replicas::new(vec![GpuEngine::new(a.clone(), &s).unwrap(), GpuEngine::new(b.clone(), &s).unwrap()]);
+        resumed.restore(&two.state().unwrap()).unwrap();
+        let (x, y) = (train_steps(&mut two, &batches, 2).0, train_steps(&mut resumed, &batches, 2).0);
+        assert_eq!(x, y, "{on}: resumed training differs");
     }
 }
 

@@ -25,8 +25,9 @@ const CHUNK: usize = 16 << 20;
 
 pub struct Replicas {
     engines: Vec<GpuEngine>,
-    /// The replica that takes the first of a micro-batch's leftover rows (rows that do not
-    /// divide evenly go round the devices in turn).
+    /// The replica that takes the first of a micro-batch's leftover rows: rows that do not
+    /// divide evenly go round the devices in turn within a step, from replica 0 at each step
+    /// (so a run resumed from a checkpoint sums as the uninterrupted one did).
     next: usize,
     /// Gradients accumulated since the last sum.
     pending: bool,
@@ -42,10 +43,6 @@ impl Replicas {
     /// The copies, the first one's device first (tests, diagnostics).
     pub fn replicas(&self) -> &[GpuEngine] {
         &self.engines
-    }
-
-    fn shares(&mut self, b: usize) -> Vec<(usize, Range<usize>)> {
-        shares(self.engines.len(), b, &mut self.next)
     }
 
     /// Sum the replicas' gradients into every replica, a chunk at a time, in replica order.
@@ -118,7 +115,7 @@ impl Engine for Replicas {
         dropout: Option<u64>,
     ) -> Result<(), EngineError> {
         let selected = batch.select.len().max(1) as f64;
-        for (r, rows) in self.shares(batch.b) {
+        for (r, rows) in shares(self.engines.len(), batch.b, &mut self.next) {
             let (part, origin) = batch.part(rows);
             if part.select.is_empty() {
                 continue;
@@ -135,6 +132,7 @@ impl Engine for Replicas {
 
     fn gradients(&mut self) -> Result<(f64, f64), EngineError> {
         self.reduce()?;
+        self.next = 0;
         let mut loss = 0.0;
         let mut norm = 0.0;
         for (i, e) in self.engines.iter_mut().enumerate() {
@@ -154,6 +152,7 @@ impl Engine for Replicas {
 
     fn discard(&mut self) -> Result<(), EngineError> {
         self.pending = false;
+        self.next = 0;
         self.engines.iter_mut().try_for_each(|e| e.discard())
     }
 
@@ -162,7 +161,7 @@ impl Engine for Replicas {
             return self.engines[0].loss(batch);
         }
         let mut queued = Vec::new();
-        for (r, rows) in self.shares(batch.b) {
+        for (r, rows) in shares(self.engines.len(), batch.b, &mut 0) {
             let (part, _) = batch.part(rows);
             if part.select.is_empty() {
                 continue;
