@@ -421,9 +421,22 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                     out.push_str(&format!("           unusable: {why}\n"));
                 }
             }
+            let all = rtune::recipe::Gpus::All(rtune::recipe::AllWord::All);
             for want in ["cuda", "metal", "vulkan", "rocm"] {
-                if let Err(e) = rtune::device::resolve(&[want.to_string()], &[rtune::recipe::Dtype::F32], &inv) {
-                    out.push_str(&format!("  {want:<8} unavailable: {}\n", e.tried[0].reason));
+                match rtune::device::resolve(&[want.to_string()], &[rtune::recipe::Dtype::F32], &inv) {
+                    Err(e) => out.push_str(&format!("  {want:<8} unavailable: {}\n", e.tried[0].reason)),
+                    // Several GPUs of one kind can share a run (`device.gpus`).
+                    Ok(r) if want != "rocm" => {
+                        let r = r.with_peers(all, &inv);
+                        if !r.peers.is_empty() {
+                            out.push_str(&format!(
+                                "  {want:<8} {} GPUs can train together: `[device] gpus = {}` (or \"all\") with `prefer = [\"{want}\"]`\n",
+                                r.peers.len() + 1,
+                                r.peers.len() + 1
+                            ));
+                        }
+                    }
+                    Ok(_) => {}
                 }
             }
             ui.out(out);

@@ -1108,6 +1108,8 @@ fn data_parallel_on_two_vulkan_devices_trains_as_one() {
     let tmp = tempfile::tempdir().unwrap();
     let Some(icds) = two_lavapipes(tmp.path()) else { return };
     let env = [("VK_ICD_FILENAMES", icds.as_str())];
+    let doctor = stdout(&rtune_with(tmp.path(), &tmp.path().join("cache"), &["doctor"], &env));
+    assert!(doctor.contains("vulkan   2 GPUs can train together: `[device] gpus = 2`"), "{doctor}");
     let run = |gpus: &str| {
         let p = Project::tiny_offline();
         let set = [r#"device.prefer=["vulkan:0"]"#, gpus];
