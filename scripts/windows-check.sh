@@ -8,7 +8,8 @@
 #      damaged artifact is found by `cache verify` and rebuilt by the next run, `cache gc` runs,
 #      and the store's objects are read-only again;
 #   4. training through Vulkan: `vulkan-1.dll` is Wine's winevulkan, which hands the calls to the
-#      host's Vulkan (Mesa's lavapipe) under a virtual X server.
+#      host's Vulkan (Mesa's lavapipe) under a virtual X server;
+#   5. data parallel training through Vulkan on two devices (lavapipe listed twice) against 4.
 # Wine is not Windows: it shows the build works against the Win32 API's documented behaviour
 # (it found that FlushFileBuffers refuses read-only handles), not that every Windows version,
 # file system or GPU driver behaves so.
@@ -16,7 +17,7 @@
 #   scripts/windows-check.sh
 #
 # Installs what is missing: rustup's x86_64-pc-windows-gnu target, and from Debian MinGW-w64,
-# wine64 and xvfb. Builds in the dev profile (dependencies optimised, as `cargo test` does).
+# wine64 and xvfb (Xvfb). Builds in the dev profile (dependencies optimised, as `cargo test` does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=x86_64-pc-windows-gnu
@@ -24,7 +25,7 @@ rustup target list --installed | grep -qx "$target" || rustup target add "$targe
 need=()
 command -v x86_64-w64-mingw32-gcc >/dev/null 2>&1 || need+=(gcc-mingw-w64-x86-64 g++-mingw-w64-x86-64)
 command -v wine >/dev/null 2>&1 || need+=(wine64)
-command -v xvfb-run >/dev/null 2>&1 || need+=(xvfb xauth)
+command -v Xvfb >/dev/null 2>&1 || need+=(xvfb)
 ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || need+=(mesa-vulkan-drivers libvulkan1)
 if [ ${#need[@]} -gt 0 ]; then
   (apt-get install -y "${need[@]}" || (apt-get update && apt-get install -y "${need[@]}")) >/dev/null
@@ -113,10 +114,17 @@ writable=$(find "$work/wcache" -path '*/objects/*' -type f -perm -u+w | wc -l)
 
 echo "== 4. training through Vulkan (winevulkan → lavapipe)"
 # Wine picks its display driver when a session's first program starts: end the session that
-# started without a display, so that the next one starts under the virtual X server.
+# started without a display, and run the rest under one virtual X server (a session does not
+# follow its programs to another one: under a second xvfb-run, winevulkan finds no driver).
+display=$(for n in $(seq 90 199); do [ -e "/tmp/.X$n-lock" ] || { echo "$n"; break; }; done)
+Xvfb ":$display" -nolisten tcp >/dev/null 2>&1 &
+xvfb=$!
+trap 'wineserver -k >/dev/null 2>&1 || true; kill "$xvfb" 2>/dev/null || true; rm -rf "$work"' EXIT
+for _ in $(seq 100); do [ -e "/tmp/.X11-unix/X$display" ] && break; sleep 0.1; done
+export DISPLAY=":$display"
 wineserver -k >/dev/null 2>&1 || true
 wineserver -w >/dev/null 2>&1 || true
-RTUNE_CACHE_DIR="$wcache" xvfb-run -a wine "$win" run "$wrecipe" --set 'device.prefer=["vulkan"]' \
+RTUNE_CACHE_DIR="$wcache" wine "$win" run "$wrecipe" --set 'device.prefer=["vulkan"]' \
   --set stages.train.max_steps=4 >"$work/vk.out" 2>"$work/vk.err" || { tail -20 "$work/vk.err"; exit 1; }
 grep -E "GPU engine \(|eval loss .* → " "$work/vk.err"
 grep -q "GPU engine (llvmpipe" "$work/vk.err" || { echo "training did not run on the Vulkan device"; exit 1; }
@@ -125,4 +133,22 @@ run_linux run "$recipe" --set 'device.prefer=["vulkan"]' --set stages.train.max_
 losses() { grep -E "^ +train +([0-9]+/4 loss|eval loss)" "$1" | sed -E 's/ [0-9.]+ tok\/s//; s/ in 4 steps \(.*//' | tr -d '\r'; }
 [ "$(losses "$work/vk-linux.err" | wc -l)" = 5 ] || { echo "the Linux run logged no losses"; exit 1; }
 diff <(losses "$work/vk-linux.err") <(losses "$work/vk.err") || { echo "Vulkan training differs between Windows and Linux"; exit 1; }
+
+echo "== 5. data parallel through Vulkan: two lavapipe devices train as one (device.gpus = 2)"
+# A second device: lavapipe's library copied under another name (the loader opens each library
+# once, so the copy is a second driver), named beside the first in VK_ICD_FILENAMES.
+icd=$(ls /usr/share/vulkan/icd.d/lvp_icd*.json | head -1)
+lib=$(sed -n 's/.*"library_path": *"\([^"]*\)".*/\1/p' "$icd")
+cp "$lib" "$work/libvulkan_lvp_copy.so"
+sed "s#\"$lib\"#\"$work/libvulkan_lvp_copy.so\"#" "$icd" >"$work/lvp_copy.json"
+VK_ICD_FILENAMES="$icd:$work/lvp_copy.json" RTUNE_CACHE_DIR="$(wine_path "$work/wcache-dp")" \
+  wine "$win" run "$wrecipe" --set 'device.prefer=["vulkan:0"]' --set device.gpus=2 \
+  --set stages.train.max_steps=4 >"$work/dp.out" 2>"$work/dp.err" || { tail -20 "$work/dp.err"; exit 1; }
+grep -E "data parallel|eval loss .* → " "$work/dp.err"
+grep -q "data parallel on 2 GPUs: GPU engine (llvmpipe" "$work/dp.err" ||
+  { echo "training did not run on two Vulkan devices"; exit 1; }
+# The tuned model's eval loss is one device's (step 4), to the last printed digit's rounding.
+tuned() { grep -E "^ +train +eval loss" "$1" | sed -E 's/.*→ ([0-9.]+).*/\1/' | tr -d '\r'; }
+awk -v a="$(tuned "$work/vk.err")" -v b="$(tuned "$work/dp.err")" 'BEGIN {
+  d = a - b; if (a == "" || b == "" || d > 2e-4 || d < -2e-4) { print "eval loss " b " on two devices vs " a " on one"; exit 1 } }'
 echo "windows-check: ok"
