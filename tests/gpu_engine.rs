@@ -1746,6 +1746,26 @@ fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
     assert!(message.starts_with("the GPU ran out of memory while training (batch 4 × 32 tokens)"), "{message}");
     assert!(help.contains("`stages.train.gradient_checkpointing = true`"), "{help}");
     assert!(help.contains("checkpoints and cached stages are kept"), "{help}");
+    // Data parallel on two such GPUs, each taking 4 of 8 rows: the error names the GPU and the
+    // whole batch (the recipe's `batch_size`), and the advice counts each GPU's share.
+    let two_emus = [Rc::new(EmuGpu::default()), Rc::new(EmuGpu::default())];
+    let mut two = Replicas::new(two_emus.iter().map(|g| GpuEngine::new(g.clone(), &s).unwrap()).collect());
+    for g in &two_emus {
+        g.limit.set(emu.limit.get());
+    }
+    let rows8: Vec<Vec<u32>> = rows.iter().chain(&rows).cloned().collect();
+    let select8: Vec<u32> = (0..(2 * b * t) as u32).filter(|i| i % t as u32 != t as u32 - 1).collect();
+    let targets8 = select8.iter().map(|&i| rows8[i as usize / t][i as usize % t + 1]).collect();
+    let batch8 = HostBatch::from_parts(&rows8, &vec![t; 2 * b], None, select8, targets8);
+    let err = two.accumulate(&batch8, 1.0, 1.0, None).unwrap_err();
+    let settings8: rtune::recipe::TrainSettings = toml::from_str("batch_size = 8\ngrad_accum = 2").unwrap();
+    let e = rtune::train::out_of_memory(err, &settings8, Some(&two), None);
+    let (message, help) = (e.to_string(), e.help().map(|h| h.to_string()).unwrap_or_default());
+    assert!(
+        message.starts_with("the GPU ran out of memory while training on CPU emulator (batch 8 × 32 tokens)"),
+        "{message}"
+    );
+    assert!(help.contains("`stages.train.gradient_checkpointing = true`"), "{help}");
     // Weights that do not fit: a 4-bit base is the first suggestion, with what it saves.
     let (dense, packed) = rtune::model::nf4::linear_bytes(&folder.config, 4);
     assert_eq!(dense, 8 * 4 * (4 * 32 * 32 + 3 * 32 * 64));

@@ -1145,6 +1145,11 @@ impl GpuEngine {
         Ok(self.take_acc().map_err(gerr("evaluate"))?.0)
     }
 
+    /// The device's name, `NVIDIA GeForce RTX 4090 (cuda:1)`.
+    pub(super) fn device_name(&self) -> String {
+        self.gpu.name()
+    }
+
     /// Start the work queued so far without waiting for it (Vulkan records commands until a
     /// batch fills; data parallel devices should all be busy while the host waits on one).
     pub(super) fn flush(&self) -> Result<(), EngineError> {

@@ -51,7 +51,7 @@ impl Replicas {
             return Ok(());
         }
         for e in &self.engines {
-            e.flush()?;
+            e.flush().map_err(on_device(e.device_name(), 0))?;
         }
         // Cut where any replica cuts its buffers (drivers differ in their allocation caps).
         let mut bounds: Vec<usize> = Vec::new();
@@ -63,19 +63,42 @@ impl Replicas {
         for w in bounds.windows(2) {
             for off in (w[0]..w[1]).step_by(CHUNK) {
                 let len = CHUNK.min(w[1] - off);
-                let mut sum = self.engines[0].read_gradients(off, len)?;
+                let read = |e: &GpuEngine| e.read_gradients(off, len).map_err(on_device(e.device_name(), 0));
+                let mut sum = read(&self.engines[0])?;
                 for e in &self.engines[1..] {
-                    for (s, v) in sum.iter_mut().zip(e.read_gradients(off, len)?) {
+                    for (s, v) in sum.iter_mut().zip(read(e)?) {
                         *s += v;
                     }
                 }
                 for e in &self.engines {
-                    e.write_gradients(off, &sum)?;
+                    e.write_gradients(off, &sum).map_err(on_device(e.device_name(), 0))?;
                 }
             }
         }
         self.pending = false;
         Ok(())
+    }
+}
+
+/// An error of the replica on `device` while it worked on its rows of a batch of `rows` (0: no
+/// batch): says which GPU, and counts an out-of-memory error's batch as the whole one (what the
+/// recipe sets, and what the trainer's advice on what fits is about: the engine's memory model
+/// takes each GPU's share of it).
+fn on_device(device: String, rows: usize) -> impl FnOnce(EngineError) -> EngineError {
+    move |e| match e {
+        EngineError::OutOfMemory { context, seq, requested, free, total, .. } => EngineError::OutOfMemory {
+            context: format!("{context} on {device}"),
+            batch: rows,
+            seq,
+            requested,
+            free,
+            total,
+        },
+        EngineError::Gpu { context, source } => EngineError::Gpu { context: format!("{device}: {context}"), source },
+        EngineError::DeviceLost { context, why } => {
+            EngineError::DeviceLost { context: format!("{device}: {context}"), why }
+        }
+        other => other,
     }
 }
 
@@ -123,8 +146,9 @@ impl Engine for Replicas {
             // The batch's loss is the mean over its selected positions: each part's mean
             // counts by its share of them.
             let w = weight * part.select.len() as f64 / selected;
-            self.engines[r].accumulate_part(&part, origin, w, loss_scale, dropout)?;
-            self.engines[r].flush()?;
+            let e = &mut self.engines[r];
+            let on = on_device(e.device_name(), batch.b);
+            e.accumulate_part(&part, origin, w, loss_scale, dropout).and_then(|_| e.flush()).map_err(on)?;
             self.pending = true;
         }
         Ok(())
@@ -136,7 +160,7 @@ impl Engine for Replicas {
         let mut loss = 0.0;
         let mut norm = 0.0;
         for (i, e) in self.engines.iter_mut().enumerate() {
-            let (l, n) = e.gradients()?;
+            let (l, n) = e.gradients().map_err(on_device(e.device_name(), 0))?;
             loss += l;
             if i == 0 {
                 norm = n;
@@ -147,7 +171,7 @@ impl Engine for Replicas {
 
     fn apply(&mut self, lr: f64, grad_scale: f64) -> Result<(), EngineError> {
         self.reduce()?;
-        self.engines.iter_mut().try_for_each(|e| e.apply(lr, grad_scale))
+        self.engines.iter_mut().try_for_each(|e| e.apply(lr, grad_scale).map_err(on_device(e.device_name(), 0)))
     }
 
     fn discard(&mut self) -> Result<(), EngineError> {
@@ -166,13 +190,14 @@ impl Engine for Replicas {
             if part.select.is_empty() {
                 continue;
             }
-            self.engines[r].queue_loss(&part)?;
-            self.engines[r].flush()?;
+            let e = &mut self.engines[r];
+            e.queue_loss(&part).and_then(|_| e.flush()).map_err(on_device(e.device_name(), batch.b))?;
             queued.push((r, part.select.len()));
         }
         let mut sum = 0.0;
         for (r, selected) in queued {
-            sum += self.engines[r].take_loss()? * selected as f64;
+            let e = &mut self.engines[r];
+            sum += e.take_loss().map_err(on_device(e.device_name(), batch.b))? * selected as f64;
         }
         Ok(sum / batch.select.len() as f64)
     }
