@@ -480,6 +480,14 @@ fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems
                 continue;
             }
             match specs.iter().find(|s| &s.name == stage) {
+                // A setting of the whole policy, written in one device's table.
+                None if ["prefer", "gpus", "threads", "tf32"].contains(&stage.as_str()) => problems.push(
+                    unknown_key(stage, &format!("device.{dev}"), st.key.as_ref(), std::iter::empty())
+                        .with_message(format!("`{stage}` is not set per device: `device.{dev}.{stage}`"))
+                        .help(format!(
+                            "set `{stage}` in `[device]` itself; `[device.{dev}]` holds `dtype` and stage overrides"
+                        )),
+                ),
                 None => problems.push(
                     unknown_key(
                         stage,
