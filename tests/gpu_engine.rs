@@ -1634,6 +1634,19 @@ fn data_parallel_replicas_train_as_one_device() {
     }
 }
 
+/// Data parallel needs the GPU engine: where another engine would run the model (here a build
+/// without CUDA, whose CUDA device candle would drive), building it is an error that says so.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn data_parallel_without_the_gpu_engine_is_an_error() {
+    let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
+    let dev = Resolution { peers: vec![1], ..resolution(Dtype::F32, DeviceClass::Cuda) };
+    let e =
+        rtune::engine::build(&setup(&folder, Trainable::nothing(), &dev, None)).err().expect("an error").to_string();
+    assert!(e.starts_with("data parallel training (`device.gpus`) runs on the GPU engine"), "{e}");
+    assert!(e.contains("this build has no CUDA support") && e.contains("without `device.gpus`"), "{e}");
+}
+
 /// A full fine-tune trains like autograd's (AdamW on every weight through the f32 master copies),
 /// with and without activation checkpointing (the same gradients bit for bit), and what it trains
 /// is what a fresh engine evaluates when it starts from the trained weights.

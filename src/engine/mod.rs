@@ -411,7 +411,8 @@ pub fn build(setup: &Setup<'_>) -> Result<Box<dyn Engine>, EngineError> {
     match choose(&setup.folder.config, setup.device, setup.engine)? {
         EngineKind::Gpu => gpu::build(setup),
         _ if !setup.device.peers.is_empty() => Err(EngineError::Unsupported(format!(
-            "data parallel training (`device.gpus`) runs on the GPU engine, which cannot train this model: {}",
+            "data parallel training (`device.gpus`) runs on the GPU engine, which cannot run this model ({}): \
+             without `device.gpus`, candle's engine runs it on one GPU",
             gpu::unsupported(&setup.folder.config, setup.device)
                 .unwrap_or_else(|| "RTUNE_ENGINE asks for another".into())
         ))),
