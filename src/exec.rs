@@ -214,8 +214,8 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
             }
             // Data parallel: every device that trained, and what discovery said of the others.
             if !d.peers.is_empty() {
-                let all = std::iter::once(d.ordinal).chain(d.peers.iter().copied());
-                manifest.run["data_parallel"] = json!(all.map(|o| d.class.device_name(o)).collect::<Vec<_>>());
+                let all: Vec<String> = d.resolution().ordinals().map(|o| d.class.device_name(o)).collect();
+                manifest.run["data_parallel"] = json!(all);
                 let peers: Vec<_> = d.peers.iter().filter_map(|&o| plan.device_info(d.class, o)).collect();
                 manifest.run["peers_info"] = json!(peers);
             }

@@ -260,6 +260,11 @@ impl Resolution {
         self.class.device_name(self.ordinal)
     }
 
+    /// The ordinals of the devices that work, the chosen one first, then its peers.
+    pub fn ordinals(&self) -> impl Iterator<Item = usize> + '_ {
+        std::iter::once(self.ordinal).chain(self.peers.iter().copied())
+    }
+
     /// The devices that train, the chosen one first: `cuda:0`, or `cuda:0+1` with a peer.
     pub fn devices_name(&self) -> String {
         let mut s = self.device_name();

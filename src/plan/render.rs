@@ -21,8 +21,7 @@ pub fn render_text(plan: &Plan) -> String {
         let _ = writeln!(out, "  dtype {n}");
     }
     if !d.peers.is_empty() {
-        let all: Vec<String> =
-            std::iter::once(d.ordinal).chain(d.peers.iter().copied()).map(|o| d.class.device_name(o)).collect();
+        let all: Vec<String> = d.ordinals().map(|o| d.class.device_name(o)).collect();
         let _ = writeln!(out, "  data parallel: training runs on {} GPUs at once ({})", all.len(), all.join(", "));
     }
     for n in &d.peers_notes {

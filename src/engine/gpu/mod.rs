@@ -72,8 +72,7 @@ pub fn build(setup: &super::Setup<'_>) -> Result<Box<dyn super::Engine>, super::
         trainable: setup.trainable.clone(),
         ..*setup
     };
-    let ordinals = std::iter::once(setup.device.ordinal).chain(setup.device.peers.iter().copied());
-    let engines = ordinals.map(|o| GpuEngine::new(open(setup, o)?, &share)).collect::<Result<_, _>>()?;
+    let engines = setup.device.ordinals().map(|o| GpuEngine::new(open(setup, o)?, &share)).collect::<Result<_, _>>()?;
     Ok(Box::new(Replicas::new(engines)))
 }
 
