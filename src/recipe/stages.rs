@@ -460,6 +460,8 @@ fn topo_order(specs: Vec<StageSpec>) -> Vec<StageSpec> {
 /// `[device.<name>] dtype`, the device's own dtype preference.
 fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems: &mut Vec<Problem>) {
     let Some(device) = tree.get(&["device"]).and_then(Node::as_table) else { return };
+    // The policy's own settings (`prefer`, `dtype`, `gpus`, …), as the schema lists them.
+    let policy = &Checker::new(schema).resolve(&schema["properties"]["device"])["properties"];
     for (dev, entry) in device.iter().filter(|(k, _)| super::is_device_name(k)) {
         let Some(stages) = entry.node.as_table() else {
             problems.push(
@@ -474,14 +476,13 @@ fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems
             if stage == DEVICE_DTYPE_KEY {
                 // This device's own dtype preference, checked as `device.dtype` is.
                 let mut checker = Checker::new(schema);
-                let device = checker.resolve(&schema["properties"]["device"]);
-                checker.check(&st.node, &device["properties"]["dtype"], &path);
+                checker.check(&st.node, &policy["dtype"], &path);
                 problems.append(&mut checker.problems);
                 continue;
             }
             match specs.iter().find(|s| &s.name == stage) {
                 // A setting of the whole policy, written in one device's table.
-                None if ["prefer", "gpus", "threads", "tf32"].contains(&stage.as_str()) => problems.push(
+                None if policy.get(stage).is_some() => problems.push(
                     unknown_key(stage, &format!("device.{dev}"), st.key.as_ref(), std::iter::empty())
                         .with_message(format!("`{stage}` is not set per device: `device.{dev}.{stage}`"))
                         .help(format!(
