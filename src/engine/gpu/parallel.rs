@@ -18,7 +18,7 @@ use std::ops::Range;
 use candle_core::Tensor;
 
 use super::GpuEngine;
-use crate::engine::{Engine, EngineError, EngineState, HostBatch};
+use crate::engine::{Engine, EngineError, EngineState, HostBatch, Origin};
 
 /// Gradient values summed per host round trip (64 MiB of f32).
 const CHUNK: usize = 16 << 20;
@@ -120,6 +120,16 @@ fn shares(n: usize, b: usize, next: &mut usize) -> Vec<(usize, Range<usize>)> {
     out
 }
 
+/// Each replica's part of `batch` ([`shares`]) that has selected positions, with where it
+/// starts in the batch.
+fn parts(n: usize, batch: &HostBatch, next: &mut usize) -> Vec<(usize, HostBatch, Origin)> {
+    let parts = shares(n, batch.b, next).into_iter().map(|(r, rows)| {
+        let (part, origin) = batch.part(rows);
+        (r, part, origin)
+    });
+    parts.filter(|(_, part, _)| !part.select.is_empty()).collect()
+}
+
 impl Engine for Replicas {
     fn describe(&self) -> String {
         let each: Vec<String> = self.engines.iter().map(|e| e.describe()).collect();
@@ -138,11 +148,7 @@ impl Engine for Replicas {
         dropout: Option<u64>,
     ) -> Result<(), EngineError> {
         let selected = batch.select.len().max(1) as f64;
-        for (r, rows) in shares(self.engines.len(), batch.b, &mut self.next) {
-            let (part, origin) = batch.part(rows);
-            if part.select.is_empty() {
-                continue;
-            }
+        for (r, part, origin) in parts(self.engines.len(), batch, &mut self.next) {
             // The batch's loss is the mean over its selected positions: each part's mean
             // counts by its share of them.
             let w = weight * part.select.len() as f64 / selected;
@@ -185,11 +191,7 @@ impl Engine for Replicas {
             return self.engines[0].loss(batch);
         }
         let mut queued = Vec::new();
-        for (r, rows) in shares(self.engines.len(), batch.b, &mut 0) {
-            let (part, _) = batch.part(rows);
-            if part.select.is_empty() {
-                continue;
-            }
+        for (r, part, _) in parts(self.engines.len(), batch, &mut 0) {
             let e = &mut self.engines[r];
             e.queue_loss(&part).and_then(|_| e.flush()).map_err(on_device(e.device_name(), batch.b))?;
             queued.push((r, part.select.len()));
