@@ -5,7 +5,7 @@
 //!
 //! - evaluate: mean loss over 4 × 128-token batches, no gradients — rtune's fused engine and
 //!   candle's ops (median of 5 batches, tokens/s);
-//! - export: the merged model as safetensors and as GGUF f16, q8_0 and q4_k (each merged tensor
+//! - export: the merged model as safetensors and as GGUF f16, q8_0 and q4_k_m (each merged tensor
 //!   computed, converted and written one at a time, as the quantize stage does), wall time and
 //!   file size.
 
@@ -103,7 +103,7 @@ fn main() {
     let files = merged.save_safetensors(&out, None, 5_000_000_000).unwrap().files;
     let size: u64 = files.iter().map(|f| std::fs::metadata(out.join(f)).unwrap().len()).sum();
     println!("  export safetensors-merged {:>6.2} s  {}", start.elapsed().as_secs_f64(), rtune::ui::human_bytes(size));
-    for format in [ExportFormat::GgufF16, ExportFormat::GgufQ8_0, ExportFormat::GgufQ4K] {
+    for format in [ExportFormat::GgufF16, ExportFormat::GgufQ8_0, ExportFormat::GgufQ4KM] {
         let path = out.join(format!("{format:?}.gguf"));
         let start = Instant::now();
         rtune::model::gguf::write(&path, &merged, &model_dir, "bench", format, None).unwrap();

@@ -5,6 +5,8 @@
 #
 #   scripts/bench_export_memory.sh SHAPE RTUNE [OLD_RTUNE]
 #
+# FORMATS='["gguf-q4_k"]' exports those formats instead (a TOML list).
+#
 # SHAPE: `1b` (TinyLlama-1.1B's shape: hidden 2048, 22 layers, MLP 5632, vocab 32000, 4.4 GB in
 # f32) or `tiny`. The model is a scratch model (random weights, f32); the adapter is LoRA r=8 on
 # every projection, trained 2 steps so that its B matrices are not zero; the eval split is small
@@ -48,7 +50,7 @@ max_steps = 2
 batch_size = 1
 learning_rate = 1e-3
 [stages.quantize]
-formats = ["safetensors-merged", "gguf-q8_0"]
+formats = ${FORMATS:-["safetensors-merged", "gguf-q8_0"]}
 TOML
 export RTUNE_CACHE_DIR="$work/cache" RTUNE_NO_PROGRESS=1
 # The model, tokens and adapter: built once (their stages are the same in every binary compared).

@@ -29,7 +29,8 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// evaluate, quantize 2 — fused cross-entropy; 3 — the fused CPU engine; train 4 —
 /// counter-based LoRA dropout masks; train 5 — base weights train on the fused CPU engine;
 /// tokenize 2, evaluate 4 — rows and prompts start with BOS only where the tokenizer adds one;
-/// quantize 5 — merged folders in the base's dtypes.
+/// quantize 5 — merged folders in the base's dtypes; quantize 6 — GGUFs as llama-quantize
+/// writes them.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -58,7 +59,12 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // tensor by tensor from the mapped checkpoint; the GGUF self-check's reference loss is
         // computed by the candle model one layer at a time (another summation order), and on
         // the CPU over as many eval rows as fit its budget.
-        Quantize => 5,
+        // 6: GGUF tensors are quantized as llama.cpp's `llama-quantize` quantizes them — its
+        // reference quantizers (Q4_K/Q5_K search their scales differently from candle's, which
+        // wrote them before) and its per-tensor types (the output layer in Q6_K, the `_M`
+        // mixes, Q5_0/Q5_1 where rows are not whole K-quant blocks, not Q8_0); `gguf-q4_k` is
+        // `gguf-q4_k_m` and its file `model-q4_k_m.gguf` (was `model-q4k.gguf`).
+        Quantize => 6,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
         // `plan` can check the destination and `run` restore it.

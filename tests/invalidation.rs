@@ -204,3 +204,20 @@ fn every_recipe_key_changes_a_fingerprint_or_is_listed_as_not_affecting_outputs(
     }
     assert!(silent.is_empty(), "changing these changes no stage's fingerprint: {silent:?}");
 }
+
+/// `gguf-q4_k`, `gguf-q4_k_m`'s older name, exports (and hashes as) `gguf-q4_k_m`, once even
+/// when both are named; another format hashes differently. (The upload's model card quotes
+/// the recipe as written, so only its fingerprint follows the spelling.)
+#[test]
+fn an_older_format_name_is_the_format_it_stands_for() {
+    let p = Project::tiny_offline();
+    let with = |formats: &str| {
+        let mut fps = fingerprints(&p, &["--set", &format!("stages.quantize.formats={formats}")]).unwrap();
+        fps.remove("upload");
+        fps
+    };
+    let new = with(r#"["peft-adapter", "gguf-q4_k_m"]"#);
+    assert_eq!(with(r#"["peft-adapter", "gguf-q4_k"]"#), new);
+    assert_eq!(with(r#"["peft-adapter", "gguf-q4_k", "gguf-q4_k_m"]"#), new);
+    assert_ne!(with(r#"["peft-adapter", "gguf-q4_k_s"]"#)["quantize"], new["quantize"]);
+}

@@ -798,7 +798,7 @@ fn streamed_gguf_is_byte_identical_to_candles_writer() {
     let dir = qwen2_folder_for_gguf();
     let folder = ModelFolder::open(dir.path()).unwrap();
     let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
-    for format in [rtune::recipe::ExportFormat::GgufQ8_0, rtune::recipe::ExportFormat::GgufQ4K] {
+    for format in [rtune::recipe::ExportFormat::GgufQ8_0, rtune::recipe::ExportFormat::GgufQ4KM] {
         let path = dir.path().join("m.gguf");
         rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None).unwrap();
         let ours = std::fs::read(&path).unwrap();
@@ -822,33 +822,49 @@ fn streamed_gguf_is_byte_identical_to_candles_writer() {
 
 /// Every GGUF type round-trips: written, read back by candle's llama.cpp reader with the
 /// declared tensor types and `general.file_type`, and its logits follow the f32 model's (as
-/// closely as the type allows).
+/// closely as the type allows). The model is a Qwen2 (biases, tied embeddings) 64 wide with an
+/// MLP of 256, so that K-quant files hold both K-quant blocks (the down projections) and
+/// llama.cpp's fallbacks (rows of 64: Q5_0, Q5_1, Q8_0).
 #[test]
 fn every_gguf_type_round_trips() {
     use candle_core::quantized::GgmlDType;
     use candle_transformers::models::quantized_qwen2;
     use rtune::recipe::ExportFormat as F;
-    let dir = qwen2_folder_for_gguf();
-    let model = load("tiny-qwen2", &Trainable::nothing());
+    let dir = tempfile::tempdir().unwrap();
+    let spec: rtune::recipe::ScratchModel = toml::from_str(
+        "arch = \"qwen2\"\nhidden_size = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nintermediate_size = 256\nvocab_size = 300\ntie_word_embeddings = true",
+    )
+    .unwrap();
+    let texts: Vec<String> = (0..200).map(|i| format!("sample {i}: some words to train a tokenizer on")).collect();
+    rtune::model::scratch::create(dir.path(), &spec, texts.iter(), 0).unwrap();
     let folder = ModelFolder::open(dir.path()).unwrap();
+    let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let model = Transformer::new(&folder.config, &weights, &Trainable::nothing(), &mut Rng::new(0)).unwrap();
     let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
     let ids = [1u32, 17, 45, 99, 3, 64];
     let full = full_forward(&model, &ids);
-    // (format, ggml type, llama.cpp file type, smallest cosine similarity of logits)
+    // (format, ggml type of the last layer's down projection — Q6_K in the `_M` mixes —,
+    // llama.cpp file type, smallest cosine similarity of logits)
     for (format, ty, file_type, min_cos) in [
         (F::GgufF16, GgmlDType::F16, 1, 0.9999),
         (F::GgufQ8_0, GgmlDType::Q8_0, 7, 0.999),
+        (F::GgufQ6K, GgmlDType::Q6K, 18, 0.999),
+        (F::GgufQ5KM, GgmlDType::Q6K, 17, 0.99),
+        (F::GgufQ5KS, GgmlDType::Q5K, 16, 0.99),
+        (F::GgufQ4KM, GgmlDType::Q6K, 15, 0.95),
+        (F::GgufQ4KS, GgmlDType::Q4K, 14, 0.95),
         (F::GgufQ4_0, GgmlDType::Q4_0, 2, 0.95),
-        (F::GgufQ4K, GgmlDType::Q4K, 15, 0.95),
     ] {
         let path = dir.path().join(format!("{format:?}.gguf"));
         let report = rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None).unwrap();
         let mut f = std::fs::File::open(&path).unwrap();
         let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
         assert_eq!(content.metadata["general.file_type"].to_u32().unwrap(), file_type, "{format:?}");
-        let q_type = content.tensor_infos["blk.0.attn_q.weight"].ggml_dtype;
+        let down = content.tensor_infos["blk.1.ffn_down.weight"].ggml_dtype;
+        assert_eq!(down, ty, "{format:?}: ffn_down, fallbacks {:?}", report.fallbacks);
         let fell_back = report.fallbacks.iter().any(|s| s.contains("blk.0.attn_q.weight"));
-        assert!(q_type == ty || fell_back, "{format:?}: attn_q is {q_type:?}, fallbacks {:?}", report.fallbacks);
+        let k_quant = matches!(ty, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K);
+        assert_eq!(fell_back, k_quant, "{format:?}: rows of 64 fall back from K-quants only: {:?}", report.fallbacks);
         assert_eq!(content.tensor_infos["blk.0.attn_norm.weight"].ggml_dtype, GgmlDType::F32, "norms stay f32");
         let mut q = quantized_qwen2::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
         for (j, id) in ids.iter().enumerate() {
@@ -860,6 +876,107 @@ fn every_gguf_type_round_trips() {
             assert!(cos >= min_cos, "{format:?} position {j}: cosine {cos} < {min_cos}");
         }
     }
+}
+
+fn quant_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant").join(name)
+}
+
+/// rtune's quantizers write llama.cpp's bytes: rows that reach every branch of ggml's reference
+/// quantizers (all zero, constant, one-signed, below ggml's zero threshold, rounding ties,
+/// outliers, huge ranges, bf16-rounded and Gaussian weights), quantized to every type rtune
+/// writes, equal what llama.cpp's `ggml_quantize_chunk` wrote for them
+/// (scripts/make_quant_fixtures.py), byte for byte.
+#[test]
+fn quantizers_write_llama_cpps_bytes() {
+    use candle_core::quantized::{GgmlDType, gguf_file};
+    use rtune::model::gguf::quants;
+    let path = quant_fixture("blocks.gguf");
+    let mut f = std::fs::File::open(&path).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let input = content.tensor(&mut f, "input", &Device::Cpu).unwrap();
+    let (rows, row) = input.shape().dims2().unwrap();
+    let x: Vec<f32> = input.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let types = [
+        ("F16", GgmlDType::F16),
+        ("Q8_0", GgmlDType::Q8_0),
+        ("Q4_0", GgmlDType::Q4_0),
+        ("Q5_0", GgmlDType::Q5_0),
+        ("Q5_1", GgmlDType::Q5_1),
+        ("Q4_K", GgmlDType::Q4K),
+        ("Q5_K", GgmlDType::Q5K),
+        ("Q6_K", GgmlDType::Q6K),
+    ];
+    assert_eq!(content.tensor_infos.len(), types.len() + 1, "a type in the fixture is not checked");
+    for (name, ty) in types {
+        let theirs = content.tensor(&mut f, name, &Device::Cpu).unwrap();
+        assert_eq!(theirs.dtype(), ty, "{name}");
+        let theirs = theirs.data().unwrap();
+        let ours = quants::quantize(ty, &x).unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{name}: size");
+        let per_row = ours.len() / rows;
+        for r in 0..rows {
+            let (a, b) = (&ours[r * per_row..(r + 1) * per_row], &theirs[r * per_row..(r + 1) * per_row]);
+            if let Some(i) = a.iter().zip(b).position(|(a, b)| a != b) {
+                let block = i / ty.type_size();
+                panic!(
+                    "{name}: row {r} of {row} values differs from llama.cpp's at byte {i} (block {block}): {:?} vs {:?}",
+                    &a[block * ty.type_size()..(block + 1) * ty.type_size()],
+                    &b[block * ty.type_size()..(block + 1) * ty.type_size()]
+                );
+            }
+        }
+    }
+    // The F32 "quantizer" is the values themselves; a row that is not whole blocks is refused.
+    assert_eq!(
+        quants::quantize(GgmlDType::F32, &x[..4]).unwrap(),
+        [&x[0].to_le_bytes()[..], &x[1].to_le_bytes(), &x[2].to_le_bytes(), &x[3].to_le_bytes()].concat()
+    );
+    assert!(quants::quantize(GgmlDType::Q4K, &x[..128]).unwrap_err().contains("blocks of 256"));
+    assert!(quants::quantize(GgmlDType::Q2K, &x[..256]).unwrap_err().contains("does not write"));
+}
+
+/// Each GGUF file type gives every matrix the type llama.cpp's `llama-quantize` gives it, on
+/// model shapes that reach its rules (scripts/make_quant_fixtures.py): Q6_K output layers and
+/// tied embeddings, the `_M` mixes' value and down projections, `q4_k_s`'s first layers, the
+/// "70B" value projections, and the fallbacks of rows that are not whole blocks.
+#[test]
+fn gguf_types_follow_llama_quantize() {
+    use rtune::model::gguf::{target, tensor_types};
+    use rtune::recipe::ExportFormat as F;
+    let mixes: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(quant_fixture("mixes.json")).unwrap()).unwrap();
+    let formats =
+        [F::GgufF16, F::GgufQ8_0, F::GgufQ6K, F::GgufQ5KM, F::GgufQ5KS, F::GgufQ4KM, F::GgufQ4KS, F::GgufQ4_0];
+    let mut checked = 0;
+    for (model, m) in mixes["models"].as_object().unwrap() {
+        let raw: rtune::model::config::RawConfig = serde_json::from_value(m["config"].clone()).unwrap();
+        let cfg = rtune::model::config::ModelConfig::from_raw(&raw).unwrap();
+        let weights = cfg.tensors();
+        assert_eq!(m["types"].as_object().unwrap().len(), formats.len(), "{model}: a file type is not checked");
+        for format in formats {
+            let t = target(format).unwrap();
+            let expected = &m["types"][t.tag];
+            let ours = tensor_types(&cfg, &weights, t);
+            let matrices: Vec<_> = ours.iter().filter(|x| weights[x.index].1.len() == 2).collect();
+            assert_eq!(matrices.len() as u64, expected["matrices"].as_u64().unwrap(), "{model} {}", t.tag);
+            for x in matrices {
+                let want = expected["others"][&x.name].as_str().unwrap_or(expected["usual"].as_str().unwrap());
+                let got = match x.ty {
+                    candle_core::quantized::GgmlDType::Q4K => "Q4_K".to_string(),
+                    candle_core::quantized::GgmlDType::Q5K => "Q5_K".to_string(),
+                    candle_core::quantized::GgmlDType::Q6K => "Q6_K".to_string(),
+                    other => format!("{other:?}"),
+                };
+                assert_eq!(got, want, "{model} {}: {}", t.tag, x.name);
+                if let Some(why) = &x.fallback {
+                    assert!(why.starts_with(&format!("{}: ", x.name)) && why.contains("not a multiple"), "{why}");
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 5000, "{checked} tensors checked");
 }
 
 /// The fused CPU cross-entropy gives the composed version's loss and logits gradient.

@@ -119,8 +119,8 @@ fn golden_fingerprints() {
         ("train", "c593fdd0e111503718403820ef74eb221d8ae7a4eaaa818bc30e5b234c678290"),
         ("eval_base", "9cc937914960b544e7182b775fe727492834afaa0467f1440c4d8bd0194dac05"),
         ("evaluate", "2cba0362533ce380bd75918041c63681f77c2938144afb82e778ac7ceaf27bfa"),
-        ("quantize", "15c86c5ca02bcd861d613c6460a3b9156357908ee20feb55fc9ca92282084cad"),
-        ("upload", "8e10870724839e8201366d6bcf64e42e00248f51fc160dc5ef5ce1d862e43e84"),
+        ("quantize", "39f0fbd203703e3c222430507dd9ba22cb23e83c7a5c8c29ba61fe05685ee78d"),
+        ("upload", "a8548e4b4544d2396513124b302262cca8f9dec9d14743c305a25fb2eca1a87a"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);

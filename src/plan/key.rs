@@ -473,7 +473,7 @@ mod tests {
                     device: DeviceKey { dtype: Dtype::F32, ..device() },
                 }),
                 inputs(&["model", "tokens", "weights"]),
-                r#"{"device":{"class":"cuda","dtype":"f32"},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens","weights":"fp-weights"},"kind":"quantize","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"base_name":"owner/model","name":"r","quantize":{"formats":["gguf-q8_0"]},"template":{"chat_template":"chatml","format":"chat"}},"stage_version":5}"#,
+                r#"{"device":{"class":"cuda","dtype":"f32"},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens","weights":"fp-weights"},"kind":"quantize","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"base_name":"owner/model","name":"r","quantize":{"formats":["gguf-q8_0"]},"template":{"chat_template":"chatml","format":"chat"}},"stage_version":6}"#,
             ),
             (
                 StageKey::Upload(UploadKey {

@@ -138,6 +138,9 @@ pub(super) fn resolve_key(
             if !explicit && super::trained_from(spec, loaded, &overrides).is_some_and(|t| !t.adapter) {
                 quantize.formats.retain(|f| *f != ExportFormat::PeftAdapter);
             }
+            // Older names export (and hash) as the format they stand for, once.
+            let mut seen = std::collections::BTreeSet::new();
+            quantize.formats = quantize.formats.iter().map(|f| f.canonical()).filter(|f| seen.insert(*f)).collect();
             StageKey::Quantize(QuantizeKey {
                 settings: QuantizeKeySettings {
                     quantize,

@@ -832,9 +832,12 @@ pub enum EvalModel {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct QuantizeSettings {
-    /// What to export: `peft-adapter`, `safetensors-merged`, `gguf-f32`, `gguf-f16`, `gguf-q8_0`,
-    /// `gguf-q4_0`, `gguf-q4_k` (GGUFs are checked by reading them back: perplexity against the
-    /// unquantized model) [default without a LoRA adapter: the list without `peft-adapter`].
+    /// What to export: `peft-adapter`, `safetensors-merged`, and GGUF files for llama.cpp and
+    /// Ollama: `gguf-f32`, `gguf-f16`, `gguf-q8_0`, `gguf-q6_k`, `gguf-q5_k_m`, `gguf-q5_k_s`,
+    /// `gguf-q4_k_m` (or its older name `gguf-q4_k`), `gguf-q4_k_s`, `gguf-q4_0` — each tensor in the type
+    /// llama.cpp's `llama-quantize` gives it for that file type, with its bytes (GGUFs are checked
+    /// by reading them back: perplexity against the unquantized model) [default without a LoRA
+    /// adapter: the list without `peft-adapter`].
     #[serde(default = "default_formats")]
     #[schemars(length(min = 1))]
     pub formats: Vec<ExportFormat>,
@@ -900,10 +903,31 @@ pub enum ExportFormat {
     GgufF16,
     #[serde(rename = "gguf-q8_0")]
     GgufQ8_0,
+    #[serde(rename = "gguf-q6_k")]
+    GgufQ6K,
+    #[serde(rename = "gguf-q5_k_m")]
+    GgufQ5KM,
+    #[serde(rename = "gguf-q5_k_s")]
+    GgufQ5KS,
+    #[serde(rename = "gguf-q4_k_m")]
+    GgufQ4KM,
+    #[serde(rename = "gguf-q4_k_s")]
+    GgufQ4KS,
     #[serde(rename = "gguf-q4_0")]
     GgufQ4_0,
+    /// `gguf-q4_k_m`'s older name: a recipe that names it exports `gguf-q4_k_m`.
     #[serde(rename = "gguf-q4_k")]
     GgufQ4K,
+}
+
+impl ExportFormat {
+    /// The format an older name stands for (`gguf-q4_k` → `gguf-q4_k_m`), else itself.
+    pub fn canonical(self) -> ExportFormat {
+        match self {
+            ExportFormat::GgufQ4K => ExportFormat::GgufQ4KM,
+            other => other,
+        }
+    }
 }
 
 /// `upload`: publish the exported artifacts.

@@ -111,15 +111,15 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 );
             }
             other => {
-                let Some((qtype, _)) = gguf::target(*other) else {
+                let Some(target) = gguf::target(*other) else {
                     return Err(StageError::Internal(format!("export format {other:?} is not a GGUF format")));
                 };
-                let tag = format!("{qtype:?}").to_lowercase();
+                let tag = target.tag;
                 let file = format!("model-{tag}.gguf");
                 mkdir(&ctx.out.join("gguf"))?;
                 let path = ctx.out.join("gguf").join(&file);
                 let name = &key.settings.name;
-                progress(ctx, &merged, &tag);
+                progress(ctx, &merged, tag);
                 let written = gguf::write(&path, &merged, &model_dir, name, *other, gguf_chat)?;
                 merged.on_tensor(None);
                 // The eval rows and the adapter model's loss on them, once for all GGUF formats.
@@ -136,10 +136,19 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let reference = *reference;
                 let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, *rows, &device)?;
                 let ratio = (loss - reference).exp();
+                // As llama-quantize does, matrices whose rows are not whole blocks of the type
+                // take another: say how many, which a 4-bit file of a small model may surprise.
+                let fell_back = match written.fallbacks.len() {
+                    0 => String::new(),
+                    k => format!(
+                        "; {k} of {} matrices in a wider type (rows not whole blocks, as in llama.cpp)",
+                        written.matrices
+                    ),
+                };
                 ctx.ui.status(
                     "quantize",
                     format!(
-                        "{file}: perplexity {:.3} vs {:.3} unquantized ({:+.2}%) over {n} tokens",
+                        "{file}: perplexity {:.3} vs {:.3} unquantized ({:+.2}%) over {n} tokens{fell_back}",
                         loss.exp(),
                         reference.exp(),
                         (ratio - 1.0) * 100.0

@@ -8,10 +8,12 @@
 use std::path::Path;
 
 use candle_core::Tensor;
-use candle_core::quantized::{GgmlDType, QTensor, gguf_file::Value};
+use candle_core::quantized::{GgmlDType, gguf_file::Value};
 
 use super::{ModelConfig, ModelError};
 use crate::recipe::{Arch, ExportFormat};
+
+pub mod quants;
 
 /// llama.cpp token types.
 const NORMAL: i32 = 1;
@@ -19,22 +21,153 @@ const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
 const UNUSED: i32 = 5;
 
-/// The ggml type and llama.cpp `general.file_type` of an export format.
-pub fn target(format: ExportFormat) -> Option<(GgmlDType, u32)> {
-    Some(match format {
-        ExportFormat::GgufF32 => (GgmlDType::F32, 0),
-        ExportFormat::GgufF16 => (GgmlDType::F16, 1),
-        ExportFormat::GgufQ4_0 => (GgmlDType::Q4_0, 2),
-        ExportFormat::GgufQ8_0 => (GgmlDType::Q8_0, 7),
-        ExportFormat::GgufQ4K => (GgmlDType::Q4K, 15),
-        _ => return None,
-    })
+/// One tensor of a GGUF export: which of the model's weights, its llama.cpp name and ggml type,
+/// and why it is not in the type it would have had (a row that is not whole blocks).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Typed {
+    pub index: usize,
+    pub name: String,
+    pub ty: GgmlDType,
+    pub fallback: Option<String>,
+}
+
+/// The tensors of a GGUF export of `cfg` in `target`: each of `weights` (Hugging Face names
+/// and shapes) that llama.cpp reads, named as llama.cpp names it, matrices in the type
+/// [`tensor_type`] chooses and vectors (norms, biases) in f32.
+pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target: Target) -> Vec<Typed> {
+    // `lm_head.weight` is among the weights only when the head is untied or carries a merged
+    // adapter; llama.cpp then reads `output.weight`, otherwise it reuses `token_embd.weight`.
+    let tied = !weights.iter().any(|(n, _)| n == "lm_head.weight");
+    // llama.cpp's model size "70B": Llama with 80 layers and grouped-query attention (with as
+    // many key/value heads as query heads it is "65B"), Qwen2 with 80.
+    let is_70b = cfg.num_layers == 80
+        && match cfg.arch {
+            Arch::Llama => cfg.num_kv_heads != cfg.num_heads,
+            Arch::Qwen2 => true,
+            Arch::Qwen3 => false,
+        };
+    let mut out = Vec::new();
+    for (index, (hf, shape)) in weights.iter().enumerate() {
+        let Some(name) = tensor_name(hf) else { continue };
+        let (ty, fallback) = match shape.as_slice() {
+            [_, row] => tensor_type(target, &Site { name: &name, row: *row, layers: cfg.num_layers, tied, is_70b }),
+            _ => (GgmlDType::F32, None),
+        };
+        out.push(Typed { index, name, ty, fallback });
+    }
+    out
+}
+
+/// A GGUF export format: the ggml type most tensors take, llama.cpp's `general.file_type`
+/// (`llama_ftype`) and the name in the file (`model-<tag>.gguf`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    pub format: ExportFormat,
+    pub ty: GgmlDType,
+    pub file_type: u32,
+    pub tag: &'static str,
+}
+
+/// The GGUF target of an export format (`None` for the folders).
+pub fn target(format: ExportFormat) -> Option<Target> {
+    use ExportFormat as F;
+    let (ty, file_type, tag) = match format {
+        F::GgufF32 => (GgmlDType::F32, 0, "f32"),
+        F::GgufF16 => (GgmlDType::F16, 1, "f16"),
+        F::GgufQ8_0 => (GgmlDType::Q8_0, 7, "q8_0"),
+        F::GgufQ6K => (GgmlDType::Q6K, 18, "q6_k"),
+        F::GgufQ5KM => (GgmlDType::Q5K, 17, "q5_k_m"),
+        F::GgufQ5KS => (GgmlDType::Q5K, 16, "q5_k_s"),
+        F::GgufQ4KM | F::GgufQ4K => (GgmlDType::Q4K, 15, "q4_k_m"),
+        F::GgufQ4KS => (GgmlDType::Q4K, 14, "q4_k_s"),
+        F::GgufQ4_0 => (GgmlDType::Q4_0, 2, "q4_0"),
+        F::PeftAdapter | F::SafetensorsMerged => return None,
+    };
+    Some(Target { format: format.canonical(), ty, file_type, tag })
+}
+
+/// Where a weight sits, for [`tensor_type`]: what llama.cpp's choice of type looks at.
+#[derive(Debug, Clone, Copy)]
+pub struct Site<'a> {
+    /// llama.cpp's name of the tensor.
+    pub name: &'a str,
+    /// Values per row (GGUF's `ne[0]`).
+    pub row: usize,
+    pub layers: usize,
+    /// The token embeddings are also the output layer (no `output.weight` in the file).
+    pub tied: bool,
+    /// llama.cpp takes the model for a 70B (80 layers, grouped-query attention) and gives its
+    /// small value projections more bits.
+    pub is_70b: bool,
+}
+
+/// The ggml type of a 2-D weight in `target`, as llama.cpp's `llama-quantize` chooses it
+/// (`llama_tensor_get_type` for these architectures, without an importance matrix or
+/// overrides): the output layer (or tied embeddings) in Q6_K; for `_M` mixes the value
+/// projections and MLP down projections of the first and last eighths of the layers and every
+/// third between in Q6_K, for `q4_k_s` those of the first layers in Q5_K; then, where a row is
+/// not whole blocks, llama.cpp's fallback (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, else F16).
+/// Returns the type and, when the row forced a fallback, why.
+pub fn tensor_type(target: Target, site: &Site<'_>) -> (GgmlDType, Option<String>) {
+    use ExportFormat as F;
+    let mut ty = target.ty;
+    if matches!(ty, GgmlDType::F32 | GgmlDType::F16) {
+        return (ty, None);
+    }
+    let layer = || {
+        let rest = site.name.strip_prefix("blk.")?;
+        rest.split_once('.')?.0.parse::<usize>().ok()
+    };
+    // llama.cpp's `use_more_bits`.
+    let more_bits = |i: usize, n: usize| i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64) % 3 == 2;
+    let (n, part) = (site.layers, site.name.rsplit('.').nth(1).unwrap_or(""));
+    if site.name == "output.weight" || (site.tied && site.name == "token_embd.weight") {
+        ty = if !site.row.is_multiple_of(target.ty.block_size()) {
+            GgmlDType::Q8_0
+        } else if ty != GgmlDType::Q8_0 {
+            GgmlDType::Q6K
+        } else {
+            ty
+        };
+    } else if let Some(i) = layer() {
+        match (part, target.format) {
+            ("attn_v", F::GgufQ4KM | F::GgufQ5KM) if more_bits(i, n) => ty = GgmlDType::Q6K,
+            ("attn_v", F::GgufQ4KS) if i < 4 => ty = GgmlDType::Q5K,
+            ("ffn_down", F::GgufQ4KM | F::GgufQ5KM) if more_bits(i, n) => ty = GgmlDType::Q6K,
+            ("ffn_down", F::GgufQ4KS) if i < n / 8 => ty = GgmlDType::Q5K,
+            _ => {}
+        }
+        if part == "attn_v" && site.is_70b && ty == GgmlDType::Q4K {
+            ty = GgmlDType::Q5K;
+        }
+    }
+    if site.row.is_multiple_of(ty.block_size()) {
+        return (ty, None);
+    }
+    let mut fallback = match ty {
+        GgmlDType::Q4K => GgmlDType::Q5_0,
+        GgmlDType::Q5K => GgmlDType::Q5_1,
+        GgmlDType::Q6K => GgmlDType::Q8_0,
+        other => other,
+    };
+    if !site.row.is_multiple_of(fallback.block_size()) {
+        fallback = GgmlDType::F16;
+    }
+    let why = format!(
+        "{}: {fallback:?} (rows of {} are not a multiple of {ty:?}'s {})",
+        site.name,
+        site.row,
+        ty.block_size()
+    );
+    (fallback, Some(why))
 }
 
 /// What was written.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct GgufReport {
     pub tensors: usize,
+    /// Of which two-dimensional (the quantized ones).
+    pub matrices: usize,
     /// Tensors stored in another type than asked (rows not a multiple of the block size).
     pub fallbacks: Vec<String>,
 }
@@ -94,8 +227,7 @@ pub fn write(
     chat: Option<ChatMetadata<'_>>,
 ) -> Result<GgufReport, ModelError> {
     let cfg = merged.config();
-    let (qtype, file_type) =
-        target(format).ok_or_else(|| ModelError::Unsupported { what: format!("{format:?} as GGUF") })?;
+    let target = target(format).ok_or_else(|| ModelError::Unsupported { what: format!("{format:?} as GGUF") })?;
     let arch = match cfg.arch {
         Arch::Llama => "llama",
         Arch::Qwen2 => "qwen2",
@@ -104,7 +236,7 @@ pub fn write(
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         ("general.name".into(), Value::String(name.into())),
-        ("general.file_type".into(), Value::U32(file_type)),
+        ("general.file_type".into(), Value::U32(target.file_type)),
         ("general.quantization_version".into(), Value::U32(2)),
     ];
     let a = |k: &str| format!("{arch}.{k}");
@@ -127,31 +259,19 @@ pub fn write(
     }
     md.extend(tokenizer_metadata(cfg, model_dir, chat)?);
 
-    // What each tensor will be — its ggml type follows from its shape — so that the header,
-    // with every tensor's offset, is written before any tensor is computed.
-    let mut plan: Vec<Planned> = Vec::new();
+    // What each tensor will be — its ggml type follows from its shape and place — so that the
+    // header, with every tensor's offset, is written before any tensor is computed.
+    let weights: Vec<(String, Vec<usize>)> =
+        merged.layout().iter().map(|e| (e.name.clone(), e.shape.clone())).collect();
     let mut fallbacks = Vec::new();
-    // `lm_head.weight` is among the weights only when the head is untied or carries a merged
-    // adapter; llama.cpp then reads `output.weight`, otherwise it reuses `token_embd.weight`.
-    for entry in merged.layout() {
-        let Some(gname) = tensor_name(&entry.name) else { continue };
-        let ty = match entry.shape.as_slice() {
-            [_, row] => {
-                let fits = |q: GgmlDType| row % q.block_size() == 0;
-                let chosen =
-                    [qtype, GgmlDType::Q8_0, GgmlDType::F16].into_iter().find(|q| fits(*q)).unwrap_or(GgmlDType::F32);
-                if chosen != qtype {
-                    fallbacks.push(format!(
-                        "{gname}: {chosen:?} (rows of {row} are not a multiple of {})",
-                        qtype.block_size()
-                    ));
-                }
-                chosen
-            }
-            _ => GgmlDType::F32,
-        };
-        plan.push(Planned { name: gname, source: Source::Merged(entry.name.clone()), shape: entry.shape.clone(), ty });
-    }
+    let mut plan: Vec<Planned> = tensor_types(cfg, &weights, target)
+        .into_iter()
+        .map(|t| {
+            fallbacks.extend(t.fallback);
+            let (hf, shape) = &weights[t.index];
+            Planned { name: t.name, source: Source::Merged(hf.clone()), shape: shape.clone(), ty: t.ty }
+        })
+        .collect();
     if let Some(factors) = llama3_rope_factors(cfg) {
         let shape = vec![factors.len()];
         plan.push(Planned {
@@ -178,8 +298,10 @@ pub fn write(
         } else if cfg.arch == Arch::Llama && p.name.ends_with("attn_k.weight") {
             t = permute(&t, cfg.num_kv_heads).map_err(err(&p.name))?;
         }
-        let q = QTensor::quantize(&t, p.ty).map_err(err(&p.name))?;
-        let data = q.data().map_err(err(&p.name))?;
+        let values = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(err(&p.name))?;
+        drop(t);
+        let data = quants::quantize(p.ty, &values)
+            .map_err(|e| ModelError::Unsupported { what: format!("`{}` as GGUF: {e}", p.name) })?;
         if data.len() != p.bytes() {
             return Err(ModelError::Unsupported {
                 what: format!("`{}` quantized to {} bytes, not the {} planned", p.name, data.len(), p.bytes()),
@@ -190,7 +312,8 @@ pub fn write(
     }
     let file = w.inner.into_inner().map_err(|e| io(e.into_error()))?;
     file.sync_all().map_err(io)?;
-    Ok(GgufReport { tensors: plan.len(), fallbacks })
+    let matrices = plan.iter().filter(|p| p.shape.len() == 2).count();
+    Ok(GgufReport { tensors: plan.len(), matrices, fallbacks })
 }
 
 /// A tensor of the GGUF to be written: its llama.cpp name, where its values come from, its

@@ -1,0 +1,419 @@
+//! ggml's block quantizers, as llama.cpp's `llama-quantize` runs them without an importance
+//! matrix: the reference functions of ggml-quants.c (`quantize_row_q4_K_ref` and its siblings),
+//! step for step — the same float operations in the same order, the same rounding
+//! (`nearest_int`'s magic-number trick, `roundf`, truncating casts, round-to-nearest-even f16) —
+//! so that a tensor rtune writes holds the bytes llama.cpp would write for it.
+//! `tests/model.rs::quantizers_write_llama_cpps_bytes` compares them with llama.cpp's on rows
+//! that reach every branch (fixture made by `scripts/make_quant_fixtures.py`).
+//!
+//! candle's quantizers are not used for writing: its Q4_K and Q5_K search scales with the
+//! older `make_qkx1_quants` (unweighted, five rounds), which llama.cpp replaced with the
+//! weighted grid search of `make_qkx2_quants` — a file from candle's Q4_K is a little further
+//! from the model than llama.cpp's. candle still reads every file back in the export's check.
+
+use candle_core::quantized::GgmlDType;
+use half::f16;
+use rayon::prelude::*;
+
+/// The types [`quantize`] writes.
+pub const WRITTEN: [GgmlDType; 9] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4_0,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Values per K-quant super-block.
+const QK_K: usize = 256;
+/// ggml's threshold below which a group counts as all zero.
+const GROUP_MAX_EPS: f32 = 1e-15;
+
+/// The bytes of `rows` rows of `x` (each `x.len() / rows` values, a multiple of the type's block
+/// size) in ggml type `ty`, as llama.cpp writes them. `F32` and `F16` are plain conversions.
+pub fn quantize(ty: GgmlDType, x: &[f32]) -> Result<Vec<u8>, String> {
+    let block = ty.block_size();
+    if !x.len().is_multiple_of(block) {
+        return Err(format!("{} values do not fill blocks of {block} for {ty:?}", x.len()));
+    }
+    if !WRITTEN.contains(&ty) {
+        return Err(format!("rtune does not write {ty:?}"));
+    }
+    // Blocks are independent: a few hundred at a time on each thread, joined in order.
+    let parts: Vec<Vec<u8>> = x.par_chunks(block * 256).map(|part| blocks(ty, part)).collect();
+    Ok(parts.concat())
+}
+
+/// `x` (whole blocks) in ggml type `ty`.
+fn blocks(ty: GgmlDType, x: &[f32]) -> Vec<u8> {
+    let block = ty.block_size();
+    let mut out = Vec::with_capacity(x.len() / block * ty.type_size());
+    let blocks = x.chunks_exact(block);
+    match ty {
+        GgmlDType::F32 => x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        GgmlDType::F16 => x.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        GgmlDType::Q8_0 => blocks.for_each(|b| q8_0(b, &mut out)),
+        GgmlDType::Q4_0 => blocks.for_each(|b| q4_0(b, &mut out)),
+        GgmlDType::Q5_0 => blocks.for_each(|b| q5_0(b, &mut out)),
+        GgmlDType::Q5_1 => blocks.for_each(|b| q5_1(b, &mut out)),
+        GgmlDType::Q4K => blocks.for_each(|b| q4_k(b, &mut out)),
+        GgmlDType::Q5K => blocks.for_each(|b| q5_k(b, &mut out)),
+        GgmlDType::Q6K => blocks.for_each(|b| q6_k(b, &mut out)),
+        _ => unreachable!("checked by quantize"),
+    }
+    out
+}
+
+/// ggml's `nearest_int`: rounds half to even through the float adder (|v| ≤ 2²² − 1).
+#[inline]
+fn nearest_int(v: f32) -> i32 {
+    ((v + 12_582_912.0f32).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+fn half(v: f32) -> [u8; 2] {
+    f16::from_f32(v).to_le_bytes()
+}
+
+fn unhalf(b: [u8; 2]) -> f32 {
+    f16::from_le_bytes(b).to_f32()
+}
+
+/// The value of largest magnitude (the first of equal magnitudes) and that magnitude.
+fn signed_max(x: &[f32]) -> (f32, f32) {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    (max, amax)
+}
+
+/// The smallest and largest value (ggml starts both from the extremes of f32).
+fn min_max(x: &[f32]) -> (f32, f32) {
+    let (mut min, mut max) = (f32::MAX, -f32::MAX);
+    for &v in x {
+        if v < min {
+            min = v;
+        }
+        if v > max {
+            max = v;
+        }
+    }
+    (min, max)
+}
+
+fn q8_0(x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend_from_slice(&half(d));
+    out.extend(x.iter().map(|v| (v * id).round() as i8 as u8));
+}
+
+fn q4_0(x: &[f32], out: &mut Vec<u8>) {
+    let (max, _) = signed_max(x);
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend_from_slice(&half(d));
+    let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+}
+
+fn q5_0(x: &[f32], out: &mut Vec<u8>) {
+    let (max, _) = signed_max(x);
+    let d = max / -16.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let q = |v: f32| ((v * id + 16.5) as i8).min(31) as u8;
+    five_bits(&half(d), None, |j| q(x[j]), out);
+}
+
+fn q5_1(x: &[f32], out: &mut Vec<u8>) {
+    let (min, max) = min_max(x);
+    let d = (max - min) / 31.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let q = |v: f32| ((v - min) * id + 0.5) as u8;
+    five_bits(&half(d), Some(&half(min)), |j| q(x[j]), out);
+}
+
+/// A Q5_0 / Q5_1 block: the scale (and minimum), the fifth bits of its 32 quants as one
+/// little-endian word, then the low four bits, pairs `j` and `j + 16` sharing a byte.
+fn five_bits(d: &[u8; 2], m: Option<&[u8; 2]>, q: impl Fn(usize) -> u8, out: &mut Vec<u8>) {
+    let l: Vec<u8> = (0..32).map(q).collect();
+    let qh = (0..32).fold(0u32, |h, j| h | (u32::from(l[j] & 0x10) >> 4) << j);
+    out.extend_from_slice(d);
+    if let Some(m) = m {
+        out.extend_from_slice(m);
+    }
+    out.extend_from_slice(&qh.to_le_bytes());
+    out.extend((0..16).map(|j| (l[j] & 0x0f) | ((l[j + 16] & 0x0f) << 4)));
+}
+
+/// ggml's `make_qkx2_quants`: a scale and minimum for `x` in levels `0..=nmax`, searched over
+/// `nstep + 1` candidate scales around the range's, minimising the `weights`-weighted squared
+/// error. Writes the levels to `l`; returns `(scale, -min)`.
+fn make_qkx2_quants(
+    nmax: i32,
+    x: &[f32],
+    weights: &[f32],
+    l: &mut [u8],
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+) -> (f32, f32) {
+    let n = x.len();
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = weights[0];
+    let mut sum_x = sum_w * x[0];
+    for i in 1..n {
+        if x[i] < min {
+            min = x[i];
+        }
+        if x[i] > max {
+            max = x[i];
+        }
+        let w = weights[i];
+        sum_w += w;
+        sum_x += w * x[i];
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max == min {
+        l.fill(0);
+        return (0.0, -min);
+    }
+    let level = |iscale: f32, v: f32, min: f32| nearest_int(iscale * (v - min)).clamp(0, nmax);
+    let mut iscale = nmax as f32 / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best_error = 0f32;
+    for i in 0..n {
+        l[i] = level(iscale, x[i], min) as u8;
+        let diff = scale * l[i] as f32 + min - x[i];
+        best_error += weights[i] * (diff * diff);
+    }
+    let mut aux = [0u8; 32];
+    for is in 0..=nstep {
+        iscale = (rmin + rdelta * is as f32 + nmax as f32) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for i in 0..n {
+            let q = level(iscale, x[i], min);
+            aux[i] = q as u8;
+            let (w, q) = (weights[i], q as f32);
+            sum_l += w * q;
+            sum_l2 += w * q * q;
+            sum_xl += w * q * x[i];
+        }
+        let d = sum_w * sum_l2 - sum_l * sum_l;
+        if d > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / d;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let mut cur_error = 0f32;
+            for i in 0..n {
+                let diff = this_scale * aux[i] as f32 + this_min - x[i];
+                cur_error += weights[i] * (diff * diff);
+            }
+            if cur_error < best_error {
+                l[..n].copy_from_slice(&aux[..n]);
+                best_error = cur_error;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// ggml's `make_qx_quants` with `rmse_type` 1 and no importance weights: a signed scale for `x`
+/// in levels `-nmax..nmax`, searched over 18 candidates around `nmax / max`, weighting each
+/// value by its square. Writes the levels (offset by `nmax`) to `l`.
+fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
+    let (max, amax) = signed_max(x);
+    if amax < GROUP_MAX_EPS {
+        l.fill(0);
+        return 0.0;
+    }
+    let level = |iscale: f32, v: f32| nearest_int(iscale * v).clamp(-nmax, nmax - 1);
+    let sums = |iscale: f32| {
+        let (mut sumlx, mut suml2) = (0f32, 0f32);
+        for &v in x {
+            let q = level(iscale, v) as f32;
+            let w = v * v;
+            sumlx += w * v * q;
+            suml2 += w * q * q;
+        }
+        (sumlx, suml2)
+    };
+    let mut iscale = -(nmax as f32) / max;
+    for (i, &v) in x.iter().enumerate() {
+        l[i] = (level(iscale, v) + nmax) as i8;
+    }
+    let (sumlx, suml2) = sums(iscale);
+    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
+    let mut best = scale * sumlx;
+    for is in -9..=9 {
+        if is == 0 {
+            continue;
+        }
+        iscale = -(nmax as f32 + 0.1 * is as f32) / max;
+        let (sumlx, suml2) = sums(iscale);
+        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
+            for (i, &v) in x.iter().enumerate() {
+                l[i] = (level(iscale, v) + nmax) as i8;
+            }
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+        }
+    }
+    scale
+}
+
+/// Q4_K and Q5_K share their scales: eight groups of 32, each with a scale and a minimum from
+/// `make_qkx2_quants` (values weighted by the group's RMS plus their magnitude), both stored in
+/// six bits against the block's largest (packed into 12 bytes), then every value re-levelled
+/// against the stored scales. Returns `(d, dmin, scales, levels)`.
+fn k_scales(x: &[f32], nmax: i32, rmin: f32, nstep: i32) -> ([u8; 2], [u8; 2], [u8; 12], [u8; QK_K]) {
+    let mut l = [0u8; QK_K];
+    let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for j in 0..8 {
+        let g = &x[32 * j..32 * j + 32];
+        let sum_x2 = g.iter().fold(0f32, |s, v| s + v * v);
+        let av_x = (sum_x2 / 32.0).sqrt();
+        let weights: Vec<f32> = g.iter().map(|v| av_x + v.abs()).collect();
+        (scales[j], mins[j]) = make_qkx2_quants(nmax, g, &weights, &mut l[32 * j..32 * j + 32], rmin, 0.1, nstep);
+        if scales[j] > max_scale {
+            max_scale = scales[j];
+        }
+        if mins[j] > max_min {
+            max_min = mins[j];
+        }
+    }
+    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    let mut packed = [0u8; 12];
+    for j in 0..8 {
+        let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+        let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+        if j < 4 {
+            packed[j] = ls;
+            packed[j + 4] = lm;
+        } else {
+            packed[j + 4] = (ls & 0xf) | ((lm & 0xf) << 4);
+            packed[j - 4] |= (ls >> 4) << 6;
+            packed[j] |= (lm >> 4) << 6;
+        }
+    }
+    let (d, dmin) = (half(max_scale / 63.0), half(max_min / 63.0));
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, &packed);
+        let d = unhalf(d) * sc as f32;
+        if d == 0.0 {
+            continue;
+        }
+        let dm = unhalf(dmin) * m as f32;
+        for i in 32 * j..32 * j + 32 {
+            l[i] = nearest_int((x[i] + dm) / d).clamp(0, nmax) as u8;
+        }
+    }
+    (d, dmin, packed, l)
+}
+
+/// ggml's `get_scale_min_k4`: group `j`'s six-bit scale and minimum.
+fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+fn q4_k(x: &[f32], out: &mut Vec<u8>) {
+    let (d, dmin, scales, l) = k_scales(x, 15, -1.0, 20);
+    out.extend_from_slice(&d);
+    out.extend_from_slice(&dmin);
+    out.extend_from_slice(&scales);
+    for j in (0..QK_K).step_by(64) {
+        out.extend((0..32).map(|i| l[j + i] | (l[j + i + 32] << 4)));
+    }
+}
+
+fn q5_k(x: &[f32], out: &mut Vec<u8>) {
+    let (d, dmin, scales, l) = k_scales(x, 31, -0.5, 15);
+    let mut qh = [0u8; QK_K / 8];
+    let mut qs = [0u8; QK_K / 2];
+    let (mut m1, mut m2) = (1u8, 2u8);
+    for (k, n) in (0..QK_K).step_by(64).enumerate() {
+        for j in 0..32 {
+            let (mut l1, mut l2) = (l[n + j], l[n + j + 32]);
+            if l1 > 15 {
+                l1 -= 16;
+                qh[j] |= m1;
+            }
+            if l2 > 15 {
+                l2 -= 16;
+                qh[j] |= m2;
+            }
+            qs[32 * k + j] = l1 | (l2 << 4);
+        }
+        m1 <<= 2;
+        m2 <<= 2;
+    }
+    out.extend_from_slice(&d);
+    out.extend_from_slice(&dmin);
+    out.extend_from_slice(&scales);
+    out.extend_from_slice(&qh);
+    out.extend_from_slice(&qs);
+}
+
+fn q6_k(x: &[f32], out: &mut Vec<u8>) {
+    let mut l = [0i8; QK_K];
+    let mut scales = [0f32; QK_K / 16];
+    let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
+    for (ib, s) in scales.iter_mut().enumerate() {
+        *s = make_qx_quants(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16]);
+        if s.abs() > max_abs_scale {
+            max_abs_scale = s.abs();
+            max_scale = *s;
+        }
+    }
+    if max_abs_scale < GROUP_MAX_EPS {
+        out.extend_from_slice(&[0u8; 210]);
+        return;
+    }
+    let iscale = -128.0 / max_scale;
+    let d = half(1.0 / iscale);
+    let sc: Vec<i8> = scales.iter().map(|s| nearest_int(iscale * s).min(127) as i8).collect();
+    for (j, &s) in sc.iter().enumerate() {
+        let d = unhalf(d) * s as f32;
+        if d == 0.0 {
+            continue;
+        }
+        for i in 16 * j..16 * j + 16 {
+            l[i] = (nearest_int(x[i] / d).clamp(-32, 31) + 32) as i8;
+        }
+    }
+    let l: Vec<u8> = l.iter().map(|&v| v as u8).collect();
+    let (mut ql, mut qh) = ([0u8; QK_K / 2], [0u8; QK_K / 4]);
+    for (k, j) in (0..QK_K).step_by(128).enumerate() {
+        for i in 0..32 {
+            let (q1, q2, q3, q4) = (l[j + i], l[j + i + 32], l[j + i + 64], l[j + i + 96]);
+            ql[64 * k + i] = (q1 & 0xf) | ((q3 & 0xf) << 4);
+            ql[64 * k + i + 32] = (q2 & 0xf) | ((q4 & 0xf) << 4);
+            qh[32 * k + i] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6);
+        }
+    }
+    out.extend_from_slice(&ql);
+    out.extend_from_slice(&qh);
+    out.extend(sc.iter().map(|&s| s as u8));
+    out.extend_from_slice(&d);
+}
