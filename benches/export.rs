@@ -106,7 +106,7 @@ fn main() {
     for format in [ExportFormat::GgufF16, ExportFormat::GgufQ8_0, ExportFormat::GgufQ4KM] {
         let path = out.join(format!("{format:?}.gguf"));
         let start = Instant::now();
-        rtune::model::gguf::write(&path, &merged, &model_dir, "bench", format, None).unwrap();
+        rtune::model::gguf::write(&path, &merged, &model_dir, "bench", format, None, None).unwrap();
         let size = std::fs::metadata(&path).unwrap().len();
         println!(
             "  export {:<18} {:>6.2} s  {}",

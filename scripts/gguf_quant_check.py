@@ -6,7 +6,8 @@
     python3 scripts/gguf_quant_check.py OUT_DIR/gguf
 
 For every `model-<type>.gguf` beside `model-f32.gguf`, llama.cpp quantizes the f32 file to the
-same file type; the script compares `general.file_type`, every tensor's ggml type and bytes,
+same file type (with rtune's `imatrix.gguf` where rtune's file names it, as
+`llama-quantize --imatrix` reads it); the script compares `general.file_type`, every tensor's ggml type and bytes,
 then loads rtune's file in llama.cpp and compares its logits on a prompt with those of
 llama.cpp's own file. Exit status 1 on any difference. Never run in CI (no Python there).
 """
@@ -23,10 +24,33 @@ import numpy as np
 FTYPES = {"f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q5_k_s": 16, "q4_k_m": 15, "q4_k_s": 14, "q4_0": 2}
 
 
-def quantize(src: str, dst: str, ftype: int) -> None:
+def read_imatrix(path: str) -> dict:
+    """An imatrix GGUF as llama-quantize's load_imatrix turns it into importance vectors: each
+    matrix's f32 sums over its f32 count (rounded to whole tokens)."""
+    r = gguf.GGUFReader(path)
+    assert bytes(r.fields["general.type"].parts[-1]).decode() == "imatrix", path
+    t = {x.name: np.asarray(x.data, dtype=np.float32).reshape(-1) for x in r.tensors}
+    out = {}
+    for name, sums in t.items():
+        if name.endswith(".in_sum2"):
+            base = name[: -len(".in_sum2")]
+            count = np.float32(round(float(t[base + ".counts"][0])))
+            out[base] = (sums / count).astype(np.float32) if count > 0 else np.ones_like(sums)
+    return out
+
+
+def quantize(src: str, dst: str, ftype: int, imatrix=None) -> None:
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype = ftype
     p.nthread = os.cpu_count() or 1
+    if imatrix is not None:
+        keep = [(k.encode(), np.ascontiguousarray(v, dtype=np.float32)) for k, v in imatrix.items()]
+        arr = (llama_cpp.llama_model_imatrix_data * (len(keep) + 1))()
+        for i, (name, v) in enumerate(keep):
+            arr[i].name = name
+            arr[i].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = v.size
+        p.imatrix = arr
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p))
     assert rc == 0, f"llama_model_quantize → {ftype}: {rc}"
 
@@ -47,8 +71,12 @@ def main() -> int:
             if not os.path.exists(ours):
                 continue
             theirs = os.path.join(tmp, f"{tag}.gguf")
-            quantize(f32, theirs, ftype)
-            a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+            a = gguf.GGUFReader(ours)
+            # A file rtune calibrated names its importance matrix: llama.cpp quantizes with it.
+            im = a.fields.get("quantize.imatrix.file")
+            im = read_imatrix(os.path.join(folder, bytes(im.parts[-1]).decode())) if im else None
+            quantize(f32, theirs, ftype, im)
+            b = gguf.GGUFReader(theirs)
             ft = [int(r.fields["general.file_type"].parts[-1][0]) for r in (a, b)]
             tb = {t.name: t for t in b.tensors}
             types, differ = {}, []
@@ -65,7 +93,8 @@ def main() -> int:
             ok = ft[0] == ft[1] == ftype and not differ and len(tb) == len(a.tensors) and d == 0.0
             bad += not ok
             print(
-                f"{tag:7} file_type {ft[0]} (llama.cpp {ft[1]}); {len(a.tensors)} tensors {types}; "
+                f"{tag:7} file_type {ft[0]} (llama.cpp {ft[1]}){' with imatrix' if im else ''}; "
+                f"{len(a.tensors)} tensors {types}; "
                 f"{len(differ)} differ from llama-quantize's{': ' + ', '.join(differ[:4]) if differ else ''}; "
                 f"max |logit difference| in llama.cpp {d:.3g} — {'same' if ok else 'DIFFERENT'}"
             )

@@ -10,12 +10,15 @@ Writes two files that `cargo test --test model` reads (CI needs no Python):
   zero, constant, one-signed, below ggml's zero threshold, integer ties, outliers, huge
   dynamic range, bf16-rounded weights, Gaussian weights of several scales) as tensor `input`,
   and the same rows quantized by llama.cpp's `ggml_quantize_chunk` (what `llama-quantize` calls
-  without an importance matrix) to each type rtune writes, as tensors named after the type.
+  without an importance matrix) to each type rtune writes, as tensors named after the type;
+  then an importance vector over the row's columns (`importance`: spread over six orders of
+  magnitude, with zeros and outliers) and the rows quantized with it (`<type>.imatrix`, what
+  `llama-quantize --imatrix` calls) for each type that uses one.
 - `mixes.json`: for small models of each architecture and shape that matter (untied and tied
   heads, rows that are not whole K-quant blocks or not even whole 32-blocks, an 80-layer
   grouped-query Llama, which llama.cpp takes for a 70B), the ggml type `llama-quantize` gives
   every 2-D weight for each file type rtune exports: the file type's usual type and the tensors
-  that differ from it.
+  that differ from it (`types`), and the same with an importance matrix (`types_imatrix`).
 """
 
 import ctypes
@@ -30,7 +33,9 @@ import numpy as np
 
 Q = gguf.GGMLQuantizationType
 # The types rtune writes (quantizers) and the file types it exports (llama_ftype, name).
-TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# The types whose quantizers use an importance matrix.
+WEIGHTED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # (`gguf-f32` is left out: every tensor stays f32, and llama_model_quantize from an f32 file to
 # LLAMA_FTYPE_ALL_F32 dies of a bus error in this llama.cpp.)
 # llama_ftype → (rtune's name, the type most matrices take).
@@ -100,6 +105,17 @@ def rows() -> np.ndarray:
     return np.stack(out).astype(np.float32)
 
 
+def importance() -> np.ndarray:
+    """Mean squared activations of a row's columns, as an imatrix holds them: log-normal over six
+    orders of magnitude, a few dead (zero) columns and a few outliers."""
+    rng = np.random.default_rng(20261127)
+    w = np.exp(rng.normal(0, 2.5, ROW))
+    w[rng.choice(ROW, 8, replace=False)] = 0
+    w[rng.choice(ROW, 4, replace=False)] *= 1e4
+    w[64:96] = 0  # a whole group dead
+    return w.astype(np.float32)
+
+
 def ggml_base():
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
@@ -128,6 +144,14 @@ def blocks(path: str) -> None:
         n = lib.ggml_quantize_chunk(int(ty), x.ctypes.data, buf.ctypes.data, 0, x.shape[0], ROW, None)
         assert n == buf.size, (ty, n, buf.size)
         w.add_tensor(ty.name, buf, raw_dtype=ty)
+    imp = np.ascontiguousarray(importance())
+    w.add_tensor("importance", imp)
+    for ty in WEIGHTED:
+        size = lib.ggml_row_size(int(ty), ROW)
+        buf = np.zeros((x.shape[0], size), dtype=np.uint8)
+        n = lib.ggml_quantize_chunk(int(ty), x.ctypes.data, buf.ctypes.data, 0, x.shape[0], ROW, imp.ctypes.data)
+        assert n == buf.size, (ty, n, buf.size)
+        w.add_tensor(f"{ty.name}.imatrix", buf, raw_dtype=ty)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -220,10 +244,19 @@ def f32_model(path: str, c: dict) -> None:
     w.close()
 
 
-def quantize(src: str, dst: str, ftype: int) -> None:
+def quantize(src: str, dst: str, ftype: int, imatrix=None) -> None:
+    """llama-quantize `src` to `dst`; `imatrix`: {tensor name: importance vector}."""
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype = ftype
     p.nthread = os.cpu_count() or 1
+    if imatrix is not None:
+        keep = [(k.encode(), np.ascontiguousarray(v, dtype=np.float32)) for k, v in imatrix.items()]
+        arr = (llama_cpp.llama_model_imatrix_data * (len(keep) + 1))()
+        for i, (name, v) in enumerate(keep):
+            arr[i].name = name
+            arr[i].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = v.size
+        p.imatrix = arr
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p))
     assert rc == 0, f"llama_model_quantize {src} → {ftype}: {rc}"
 
@@ -234,22 +267,27 @@ def mixes(path: str) -> None:
         for name, c in CONFIGS.items():
             src = os.path.join(tmp, f"{name}-f32.gguf")
             f32_model(src, c)
-            by_ftype = {}
-            for ftype, (tag, usual) in FTYPES.items():
-                dst = os.path.join(tmp, f"{name}-{tag}.gguf")
-                quantize(src, dst, ftype)
-                r = gguf.GGUFReader(dst)
-                assert int(r.fields["general.file_type"].parts[-1][0]) == ftype
-                types = {t.name: Q(t.tensor_type).name for t in r.tensors if len(t.shape) == 2}
-                by_ftype[tag] = {
-                    "usual": usual,
-                    "others": {n: t for n, t in types.items() if t != usual},
-                    "matrices": len(types),
-                }
-                os.remove(dst)
-            out["models"][name] = {"config": hf_config(c), "types": by_ftype}
+            # An importance matrix as llama-imatrix collects it: every decoder matrix.
+            imatrix = {n: np.ones(shape[1]) for n, shape in tensors(c) if n.startswith("blk.") and len(shape) == 2}
+            entry = {"config": hf_config(c)}
+            for key, im in [("types", None), ("types_imatrix", imatrix)]:
+                by_ftype = {}
+                for ftype, (tag, usual) in FTYPES.items():
+                    dst = os.path.join(tmp, f"{name}-{tag}.gguf")
+                    quantize(src, dst, ftype, im)
+                    r = gguf.GGUFReader(dst)
+                    assert int(r.fields["general.file_type"].parts[-1][0]) == ftype
+                    types = {t.name: Q(t.tensor_type).name for t in r.tensors if len(t.shape) == 2}
+                    by_ftype[tag] = {
+                        "usual": usual,
+                        "others": {n: t for n, t in types.items() if t != usual},
+                        "matrices": len(types),
+                    }
+                    os.remove(dst)
+                entry[key] = by_ftype
+                print(name, key, {t: (v["usual"], len(v["others"])) for t, v in by_ftype.items()}, flush=True)
+            out["models"][name] = entry
             os.remove(src)
-            print(name, {t: (v["usual"], len(v["others"])) for t, v in by_ftype.items()}, flush=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1, sort_keys=True)
         f.write("\n")

@@ -30,7 +30,7 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// counter-based LoRA dropout masks; train 5 — base weights train on the fused CPU engine;
 /// tokenize 2, evaluate 4 — rows and prompts start with BOS only where the tokenizer adds one;
 /// quantize 5 — merged folders in the base's dtypes; quantize 6 — GGUFs as llama-quantize
-/// writes them.
+/// writes them, calibrated by an importance matrix; upload 4 — GGUFs in the model card.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -63,7 +63,9 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // reference quantizers (Q4_K/Q5_K search their scales differently from candle's, which
         // wrote them before) and its per-tensor types (the output layer in Q6_K, the `_M`
         // mixes, Q5_0/Q5_1 where rows are not whole K-quant blocks, not Q8_0); `gguf-q4_k` is
-        // `gguf-q4_k_m` and its file `model-q4_k_m.gguf` (was `model-q4k.gguf`).
+        // `gguf-q4_k_m` and its file `model-q4_k_m.gguf` (was `model-q4k.gguf`); and, unless
+        // `imatrix = false`, those from q6_k down calibrated by an importance matrix of the
+        // train split (`gguf/imatrix.gguf`), as `llama-quantize --imatrix` quantizes them.
         Quantize => 6,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
@@ -71,7 +73,9 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // (Still 3, with new inputs: the card's sources are declared ports — `card:train` for
         // the training section and loss curve, `card:eval:<stage>` for each evaluation — so
         // fingerprints changed without a version bump.)
-        Upload => 3,
+        // 4: the model card lists the GGUF files with their measured perplexity and the
+        // importance matrix that calibrated them.
+        Upload => 4,
     }
 }
 

@@ -126,7 +126,8 @@ fn damaged_gguf_files_are_errors() {
     let path = dir.path().join("m.gguf");
     let copy = ModelFolder::open(dir.path()).unwrap();
     let merged = rtune::model::merged::Merged::open(&copy, None).unwrap();
-    rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufQ8_0, None).unwrap();
+    rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufQ8_0, None, None)
+        .unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let mut refused = 0;
     for cut in [0usize, 3, 8, 24, 100, 1000, bytes.len() / 2] {

@@ -103,6 +103,8 @@ const CHANGES: &[(&str, &str)] = &[
     ("stages.quantize.formats", "[\"gguf-f16\"]"),
     ("stages.quantize.max_shard_size", "\"1MB\""),
     ("stages.quantize.merged_dtype", "\"bf16\""),
+    ("stages.quantize.imatrix", "false"),
+    ("stages.quantize.imatrix_tokens", "1000"),
     ("stages.upload.to", "\"dir://out/elsewhere\""),
     ("stages.upload.message", "\"a message\""),
     ("stages.upload.create", "true"),
@@ -189,6 +191,9 @@ fn every_recipe_key_changes_a_fingerprint_or_is_listed_as_not_affecting_outputs(
 
     let p = Project::tiny_offline();
     let base = fingerprints(&p, &[]).unwrap();
+    // The importance matrix's settings apply to the GGUF types that use one.
+    let calibrated = ["--set", "stages.quantize.formats=[\"gguf-q4_k_m\"]"];
+    let base_calibrated = fingerprints(&p, &calibrated).unwrap();
     let mut silent = Vec::new();
     for (key, value) in CHANGES {
         let set = format!("{key}={value}");
@@ -196,6 +201,11 @@ fn every_recipe_key_changes_a_fingerprint_or_is_listed_as_not_affecting_outputs(
         // Base weights that train have no adapter to export.
         if *key == "adapter.kind" || *key == "stages.train.trainable" {
             args.extend(["--set", "stages.quantize.formats=[\"safetensors-merged\"]"]);
+        }
+        let mut base = &base;
+        if key.starts_with("stages.quantize.imatrix") {
+            args.extend(calibrated);
+            base = &base_calibrated;
         }
         let changed = fingerprints(&p, &args).unwrap_or_else(|e| panic!("--set {set}: {e}"));
         if changed.iter().all(|(stage, fp)| base.get(stage) == Some(fp)) {

@@ -740,7 +740,8 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
     let folder = ModelFolder::open(dir.path()).unwrap();
     let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
     let report =
-        rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufF32, None).unwrap();
+        rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufF32, None, None)
+            .unwrap();
     let mut f = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
     assert_eq!(content.metadata["general.architecture"].to_string().unwrap(), "qwen2");
@@ -800,7 +801,7 @@ fn streamed_gguf_is_byte_identical_to_candles_writer() {
     let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
     for format in [rtune::recipe::ExportFormat::GgufQ8_0, rtune::recipe::ExportFormat::GgufQ4KM] {
         let path = dir.path().join("m.gguf");
-        rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None).unwrap();
+        rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None, None).unwrap();
         let ours = std::fs::read(&path).unwrap();
         let mut f = std::io::Cursor::new(ours.clone());
         let content = gguf_file::Content::read(&mut f).unwrap();
@@ -856,7 +857,7 @@ fn every_gguf_type_round_trips() {
         (F::GgufQ4_0, GgmlDType::Q4_0, 2, 0.95),
     ] {
         let path = dir.path().join(format!("{format:?}.gguf"));
-        let report = rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None).unwrap();
+        let report = rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None, None).unwrap();
         let mut f = std::fs::File::open(&path).unwrap();
         let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
         assert_eq!(content.metadata["general.file_type"].to_u32().unwrap(), file_type, "{format:?}");
@@ -897,22 +898,38 @@ fn quantizers_write_llama_cpps_bytes() {
     let input = content.tensor(&mut f, "input", &Device::Cpu).unwrap();
     let (rows, row) = input.shape().dims2().unwrap();
     let x: Vec<f32> = input.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let importance: Vec<f32> = content
+        .tensor(&mut f, "importance", &Device::Cpu)
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(importance.len(), row);
     let types = [
         ("F16", GgmlDType::F16),
         ("Q8_0", GgmlDType::Q8_0),
         ("Q4_0", GgmlDType::Q4_0),
+        ("Q4_1", GgmlDType::Q4_1),
         ("Q5_0", GgmlDType::Q5_0),
         ("Q5_1", GgmlDType::Q5_1),
         ("Q4_K", GgmlDType::Q4K),
         ("Q5_K", GgmlDType::Q5K),
         ("Q6_K", GgmlDType::Q6K),
     ];
-    assert_eq!(content.tensor_infos.len(), types.len() + 1, "a type in the fixture is not checked");
-    for (name, ty) in types {
+    // Without an importance matrix, every type; with one, those that use it.
+    let mut cases: Vec<(String, GgmlDType, Option<&[f32]>)> =
+        types.iter().map(|(n, ty)| (n.to_string(), *ty, None)).collect();
+    for (n, ty) in &types[2..] {
+        cases.push((format!("{n}.imatrix"), *ty, Some(&importance)));
+    }
+    assert_eq!(content.tensor_infos.len(), cases.len() + 2, "a type in the fixture is not checked");
+    for (name, ty, importance) in cases {
+        let name = name.as_str();
         let theirs = content.tensor(&mut f, name, &Device::Cpu).unwrap();
         assert_eq!(theirs.dtype(), ty, "{name}");
         let theirs = theirs.data().unwrap();
-        let ours = quants::quantize(ty, &x).unwrap();
+        let ours = quants::quantize(ty, &x, importance).unwrap();
         assert_eq!(ours.len(), theirs.len(), "{name}: size");
         let per_row = ours.len() / rows;
         for r in 0..rows {
@@ -929,11 +946,19 @@ fn quantizers_write_llama_cpps_bytes() {
     }
     // The F32 "quantizer" is the values themselves; a row that is not whole blocks is refused.
     assert_eq!(
-        quants::quantize(GgmlDType::F32, &x[..4]).unwrap(),
+        quants::quantize(GgmlDType::F32, &x[..4], None).unwrap(),
         [&x[0].to_le_bytes()[..], &x[1].to_le_bytes(), &x[2].to_le_bytes(), &x[3].to_le_bytes()].concat()
     );
-    assert!(quants::quantize(GgmlDType::Q4K, &x[..128]).unwrap_err().contains("blocks of 256"));
-    assert!(quants::quantize(GgmlDType::Q2K, &x[..256]).unwrap_err().contains("does not write"));
+    assert!(quants::quantize(GgmlDType::Q4K, &x[..128], None).unwrap_err().contains("blocks of 256"));
+    assert!(quants::quantize(GgmlDType::Q2K, &x[..256], None).unwrap_err().contains("does not write"));
+    // Q8_0 ignores an importance matrix, as llama.cpp's does; one that is not whole rows of
+    // whole blocks is refused.
+    assert_eq!(
+        quants::quantize(GgmlDType::Q8_0, &x, Some(&importance)).unwrap(),
+        quants::quantize(GgmlDType::Q8_0, &x, None).unwrap()
+    );
+    assert!(quants::quantize(GgmlDType::Q4K, &x, Some(&importance[..128])).unwrap_err().contains("rows of whole"));
+    assert!(quants::quantize(GgmlDType::Q4_0, &x[..96], Some(&importance[..64])).unwrap_err().contains("rows"));
 }
 
 /// Each GGUF file type gives every matrix the type llama.cpp's `llama-quantize` gives it, on
@@ -949,15 +974,18 @@ fn gguf_types_follow_llama_quantize() {
     let formats =
         [F::GgufF16, F::GgufQ8_0, F::GgufQ6K, F::GgufQ5KM, F::GgufQ5KS, F::GgufQ4KM, F::GgufQ4KS, F::GgufQ4_0];
     let mut checked = 0;
-    for (model, m) in mixes["models"].as_object().unwrap() {
+    let cases = mixes["models"].as_object().unwrap().iter().flat_map(|(model, m)| {
+        [("types", false), ("types_imatrix", true)].map(|(key, imatrix)| (model, m, key, imatrix))
+    });
+    for (model, m, key, imatrix) in cases {
         let raw: rtune::model::config::RawConfig = serde_json::from_value(m["config"].clone()).unwrap();
         let cfg = rtune::model::config::ModelConfig::from_raw(&raw).unwrap();
         let weights = cfg.tensors();
-        assert_eq!(m["types"].as_object().unwrap().len(), formats.len(), "{model}: a file type is not checked");
+        assert_eq!(m[key].as_object().unwrap().len(), formats.len(), "{model}: a file type is not checked");
         for format in formats {
             let t = target(format).unwrap();
-            let expected = &m["types"][t.tag];
-            let ours = tensor_types(&cfg, &weights, t);
+            let expected = &m[key][t.tag];
+            let ours = tensor_types(&cfg, &weights, t, imatrix);
             let matrices: Vec<_> = ours.iter().filter(|x| weights[x.index].1.len() == 2).collect();
             assert_eq!(matrices.len() as u64, expected["matrices"].as_u64().unwrap(), "{model} {}", t.tag);
             for x in matrices {
@@ -968,7 +996,7 @@ fn gguf_types_follow_llama_quantize() {
                     candle_core::quantized::GgmlDType::Q6K => "Q6_K".to_string(),
                     other => format!("{other:?}"),
                 };
-                assert_eq!(got, want, "{model} {}: {}", t.tag, x.name);
+                assert_eq!(got, want, "{model} {key} {}: {}", t.tag, x.name);
                 if let Some(why) = &x.fallback {
                     assert!(why.starts_with(&format!("{}: ", x.name)) && why.contains("not a multiple"), "{why}");
                 }
@@ -976,7 +1004,82 @@ fn gguf_types_follow_llama_quantize() {
             }
         }
     }
-    assert!(checked > 5000, "{checked} tensors checked");
+    assert!(checked > 10000, "{checked} tensors checked");
+}
+
+/// An importance matrix counts what every decoder linear reads, as transformers' forward of
+/// the same LoRA model gives it (forward pre-hooks on the base layers,
+/// `tests/fixtures/make_golden.py --imatrix`): q, k and v the normed input, o the attention's
+/// output, gate and up the normed residual, down the gated product — on Llama, Qwen2 (biases)
+/// and Qwen3 (q/k norms, wide heads), each row run alone over its real tokens.
+#[test]
+fn imatrix_counts_what_each_linear_reads() {
+    use rtune::model::gguf::{Imatrix, tensor_name};
+    use rtune::model::merged::{Form, Merged};
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+        let dir = fixture(name);
+        let expected: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("imatrix.json")).unwrap()).unwrap();
+        let folder = ModelFolder::open(&dir.join("model")).unwrap();
+        let merged = Merged::open(&folder, Some(&dir.join("adapter"))).unwrap();
+        let rows: Vec<Vec<u32>> = serde_json::from_value(expected["rows"].clone()).unwrap();
+        let batches: Vec<Batch> =
+            rows.iter().map(|r| Batch::new(std::slice::from_ref(r), &[r.len()], None, &Device::Cpu).unwrap()).collect();
+        let mut im = Imatrix::new("golden batch");
+        let model = merged.streamed(Form::Adapter, &Device::Cpu).unwrap();
+        model.observe(&batches, &mut |layer, linears, x| im.add(layer, linears, x)).unwrap();
+        let sums = expected["sums"].as_object().unwrap();
+        assert_eq!(im.len(), sums.len(), "{name}: every decoder linear, nothing else");
+        assert_eq!(im.tokens(), rows.iter().map(Vec::len).sum::<usize>() as u64);
+        for (hf, want) in sums {
+            let gguf = tensor_name(&format!("{hf}.weight")).unwrap();
+            let tokens = expected["tokens"][hf].as_f64().unwrap();
+            let ours = im.importance(&gguf).unwrap();
+            let want: Vec<f64> = want.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() / tokens).collect();
+            assert_eq!(ours.len(), want.len(), "{name} {hf}");
+            for (j, (a, b)) in ours.iter().zip(&want).enumerate() {
+                let err = (*a as f64 - b).abs() / b.abs().max(1e-6);
+                assert!(err < 1e-4, "{name} {hf} column {j}: {a} vs transformers' {b}");
+            }
+        }
+    }
+}
+
+/// An importance matrix file is llama.cpp's (read back by rtune here; by llama.cpp's
+/// llama-quantize in `scripts/gguf_quant_check.py`): the metadata llama-imatrix writes, and each
+/// matrix's sums and count.
+#[test]
+fn imatrix_file_reads_back() {
+    use rtune::model::gguf::Imatrix;
+    let dev = Device::Cpu;
+    let mut im = Imatrix::new("some text");
+    let a = Tensor::new(&[[[1f32, -2., 3.], [0.5, 0., -1.]]], &dev).unwrap();
+    im.add(0, &[0, 1, 2], &a).unwrap();
+    im.add(0, &[0, 1, 2], &a.affine(2.0, 0.0).unwrap()).unwrap();
+    let b = Tensor::new(&[[4f32, 4.], [0., 2.], [1., 1.]], &dev).unwrap();
+    im.add(1, &[6], &b).unwrap();
+    assert_eq!(im.len(), 4);
+    assert_eq!(im.tokens(), 4, "q/k/v read 4 tokens (2 rows twice), down 3");
+    // (1 + 4) + (0.25 + 1) over 4 tokens for column 0.
+    assert_eq!(im.importance("blk.0.attn_q.weight").unwrap(), [6.25 / 4.0, 20.0 / 4.0, 50.0 / 4.0]);
+    assert_eq!(im.importance("blk.1.ffn_down.weight").unwrap(), [17.0 / 3.0, 21.0 / 3.0]);
+    assert!(im.importance("blk.0.ffn_down.weight").is_none());
+    // Columns that change between calls are an error, not a silent mix.
+    assert!(im.add(1, &[6], &a).is_err());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("imatrix.gguf");
+    im.write(&path).unwrap();
+    let back = Imatrix::read(&path).unwrap();
+    assert_eq!(back, im);
+    let mut f = std::fs::File::open(&path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    assert_eq!(content.metadata["general.type"].to_string().unwrap(), "imatrix");
+    assert_eq!(content.metadata["imatrix.chunk_size"].to_u32().unwrap(), 512);
+    let shape = content.tensor_infos["blk.0.attn_v.weight.in_sum2"].shape.dims().to_vec();
+    assert_eq!(shape, [1, 3], "GGUF dims (3, 1): the sums of one matrix");
+    // A GGUF that is not an importance matrix is refused.
+    let err = Imatrix::read(&quant_fixture("blocks.gguf")).unwrap_err().to_string();
+    assert!(err.contains("blocks.gguf"), "{err}");
 }
 
 /// The fused CPU cross-entropy gives the composed version's loss and logits gradient.

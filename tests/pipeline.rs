@@ -1601,3 +1601,55 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
     assert!(run_of("download").get("device").is_none());
     (cpu, vk)
 }
+
+/// A calibrated GGUF export: the quantize stage makes an importance matrix of `imatrix_tokens`
+/// train tokens, writes it beside the files as llama.cpp's imatrix GGUF, and quantizes the
+/// K-quant file with it (its metadata names it; its bytes differ from the plain file's); q8_0,
+/// which an importance matrix does not change, is the same either way; `imatrix = false` makes
+/// none.
+#[test]
+fn calibrated_gguf_exports_carry_their_importance_matrix() {
+    use candle_core::quantized::gguf_file::Content;
+    let p = Project::tiny_offline();
+    let formats = "stages.quantize.formats=[\"gguf-q4_k_m\", \"gguf-q8_0\"]";
+    let set = args(FAST, &["--set", formats, "--set", "stages.quantize.imatrix_tokens=500"]);
+    let run = |extra: &[&str]| {
+        let report = p.run_json(&args(&["tiny.toml"], &args(&set, extra)));
+        artifact(&report, "quantize")
+    };
+    let metadata = |path: &Path| Content::read(&mut std::fs::File::open(path).unwrap()).unwrap().metadata;
+    let on = run(&[]);
+    let exports: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(on.join("exports.json")).unwrap()).unwrap();
+    let f = &exports["formats"];
+    assert_eq!(f["imatrix"]["tokens"], 500, "{f}");
+    assert_eq!(f["imatrix"]["matrices"], 14, "two layers of seven linears: {f}");
+    assert_eq!((&f["gguf-q4_k_m"]["imatrix"], &f["gguf-q8_0"]["imatrix"]), (&true.into(), &false.into()));
+    let im = rtune::model::gguf::Imatrix::read(&on.join("gguf/imatrix.gguf")).unwrap();
+    assert_eq!((im.tokens(), im.len()), (500, 14));
+    assert!(im.importance("blk.1.ffn_down.weight").unwrap().iter().all(|v| v.is_finite() && *v >= 0.0));
+    let md = metadata(&on.join("gguf/model-q4_k_m.gguf"));
+    assert_eq!(md["quantize.imatrix.file"].to_string().unwrap(), "imatrix.gguf");
+    assert_eq!(md["quantize.imatrix.entries_count"].to_u32().unwrap(), 14);
+    assert!(!metadata(&on.join("gguf/model-q8_0.gguf")).contains_key("quantize.imatrix.file"));
+    // The upload carries the matrix, and the model card says which file it calibrated.
+    let out = p.path().join("out/tiny-offline");
+    assert_eq!(
+        std::fs::read(out.join("gguf/imatrix.gguf")).unwrap(),
+        std::fs::read(on.join("gguf/imatrix.gguf")).unwrap()
+    );
+    let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+    let gguf = card.split("\n## GGUF\n").nth(1).unwrap_or_else(|| panic!("no GGUF section: {card}"));
+    let row =
+        |f: &str| gguf.lines().find(|l| l.starts_with(&format!("| `gguf/{f}` | "))).unwrap_or_else(|| panic!("{card}"));
+    assert!(row("model-q4_k_m.gguf").ends_with("% | `gguf/imatrix.gguf` (500 train tokens) |"), "{card}");
+    assert!(row("model-q8_0.gguf").ends_with("% | – |"), "{card}");
+
+    let off = run(&["--set", "stages.quantize.imatrix=false"]);
+    assert_ne!(off, on, "another fingerprint");
+    assert!(!off.join("gguf/imatrix.gguf").exists());
+    assert!(!metadata(&off.join("gguf/model-q4_k_m.gguf")).contains_key("quantize.imatrix.file"));
+    let bytes = |dir: &Path, f: &str| std::fs::read(dir.join("gguf").join(f)).unwrap();
+    assert_ne!(bytes(&on, "model-q4_k_m.gguf"), bytes(&off, "model-q4_k_m.gguf"), "calibration changes the blocks");
+    assert_eq!(bytes(&on, "model-q8_0.gguf"), bytes(&off, "model-q8_0.gguf"));
+}

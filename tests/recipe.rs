@@ -120,7 +120,7 @@ fn golden_fingerprints() {
         ("eval_base", "9cc937914960b544e7182b775fe727492834afaa0467f1440c4d8bd0194dac05"),
         ("evaluate", "2cba0362533ce380bd75918041c63681f77c2938144afb82e778ac7ceaf27bfa"),
         ("quantize", "39f0fbd203703e3c222430507dd9ba22cb23e83c7a5c8c29ba61fe05685ee78d"),
-        ("upload", "a8548e4b4544d2396513124b302262cca8f9dec9d14743c305a25fb2eca1a87a"),
+        ("upload", "b61c422aa1bf2973cfc1a4bfb4ec2d4b3043838546f2d7cd40484df6defd5bfb"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);

@@ -363,7 +363,14 @@ impl Streamed<'_, '_> {
     /// Final hidden states of `batches` (see [`Transformer::hidden_streamed`]).
     pub fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, ModelError> {
         let (_, trainable) = self.merged.form(self.form);
-        self.head.hidden_streamed(batches, |i| self.layer(i, &trainable))
+        self.head.hidden_streamed(batches, |i| self.layer(i, &trainable), None)
+    }
+
+    /// Runs `batches` through the decoder layers for what their linears read: `observe` sees
+    /// each linear's input ([`super::Observer`]).
+    pub fn observe(&self, batches: &[Batch], observe: super::Observer<'_>) -> Result<(), ModelError> {
+        let (_, trainable) = self.merged.form(self.form);
+        self.head.hidden_streamed(batches, |i| self.layer(i, &trainable), Some(observe)).map(drop)
     }
 
     /// The LM head over hidden states (f32 logits).

@@ -22,7 +22,7 @@ pub use batch::Batch;
 pub use config::{ModelConfig, RawConfig};
 pub use folder::ModelFolder;
 pub use lora::{Linear, LoraSpec, Param};
-pub use transformer::{KvCache, LAYER_LINEARS, QK_NORMS, Trainable, Transformer};
+pub use transformer::{KvCache, LAYER_LINEARS, Observer, QK_NORMS, Trainable, Transformer};
 
 /// Why a model could not be loaded, built or saved.
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]

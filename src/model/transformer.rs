@@ -32,6 +32,15 @@ pub const LAYER_LINEARS: [&str; 7] = [
     "mlp.down_proj",
 ];
 
+/// Sees what a decoder layer's linears read while a forward runs: `(layer, linears, x)`, where
+/// `linears` index [`LAYER_LINEARS`] (the linears that all read `x`, `[b, t, in]`: q, k and v
+/// share theirs, as gate and up do). An importance matrix is made of these
+/// ([`super::gguf::imatrix`]).
+pub type Observer<'o> = &'o mut dyn FnMut(usize, &[usize], &Tensor) -> Result<()>;
+
+/// An [`Observer`] inside one decoder layer: `(linears, x)`.
+type LayerObserver<'a, 'o> = &'a mut (dyn FnMut(&[usize], &Tensor) -> Result<()> + 'o);
+
 /// The per-head query and key RMSNorms of a layer with `qk_norm` (Qwen3), as their names
 /// continue `model.layers.<i>.` (each with a `.weight` of `head_dim` values).
 pub const QK_NORMS: [&str; 2] = ["self_attn.q_norm", "self_attn.k_norm"];
@@ -290,7 +299,7 @@ impl Transformer {
         }
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(&x, &inputs, self.cfg.rms_norm_eps, dropout, slot)?;
+            x = layer.forward(&x, &inputs, self.cfg.rms_norm_eps, dropout, slot, None)?;
         }
         rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
     }
@@ -299,10 +308,12 @@ impl Transformer {
     /// a time by `layer(i)` ([`Self::layer`]) and dropped once every batch has passed through:
     /// the model's layers are never in memory together. `self` is built
     /// [`Self::without_layers`].
+    /// `observe`, where given, sees every linear's input ([`Observer`]).
     pub fn hidden_streamed(
         &self,
         batches: &[Batch],
         mut layer: impl FnMut(usize) -> std::result::Result<DecoderLayer, super::ModelError>,
+        mut observe: Option<Observer<'_>>,
     ) -> std::result::Result<Vec<Tensor>, super::ModelError> {
         use super::ModelError as E;
         let mut states = Vec::with_capacity(batches.len());
@@ -312,10 +323,12 @@ impl Transformer {
         for i in 0..self.cfg.num_layers {
             let DecoderLayer(l) = layer(i)?;
             for (x, inputs) in states.iter_mut() {
+                let mut seen = observe.as_mut().map(|o| move |lin: &[usize], t: &Tensor| o(i, lin, t));
+                let seen = seen.as_mut().map(|f| f as &mut dyn FnMut(&[usize], &Tensor) -> Result<()>);
                 // Detached: the result must not keep the layer (its adapters are variables)
                 // alive through candle's graph once the layer is dropped.
                 *x = l
-                    .forward(x, inputs, self.cfg.rms_norm_eps, None, None)
+                    .forward(x, inputs, self.cfg.rms_norm_eps, None, None, seen)
                     .map_err(E::candle(format!("layer {i}")))?
                     .detach();
             }
@@ -411,19 +424,36 @@ impl Layer {
         eps: f64,
         dropout: Option<u64>,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
+        mut observe: Option<LayerObserver<'_, '_>>,
     ) -> Result<Tensor> {
         let LayerInputs { cos, sin, mask } = inputs;
         let h = rms_norm(x, &self.input_norm, eps)?;
-        let x = (x + self.attn.forward(&h, cos, sin, mask, dropout, cache)?)?;
+        if let Some(o) = observe.as_mut() {
+            o(&[0, 1, 2], &h)?;
+        }
+        let mixed = self.attn.mix(&h, cos, sin, mask, dropout, cache)?;
+        if let Some(o) = observe.as_mut() {
+            o(&[3], &mixed)?;
+        }
+        let x = (x + self.attn.o.forward_t(&mixed, dropout)?)?;
         let h = rms_norm(&x, &self.post_norm, eps)?;
+        if let Some(o) = observe.as_mut() {
+            o(&[4, 5], &h)?;
+        }
         let gate = self.mlp.gate.forward_t(&h, dropout)?.silu()?;
         let up = self.mlp.up.forward_t(&h, dropout)?;
-        x + self.mlp.down.forward_t(&(gate * up)?, dropout)?
+        let act = (gate * up)?;
+        if let Some(o) = observe.as_mut() {
+            o(&[6], &act)?;
+        }
+        x + self.mlp.down.forward_t(&act, dropout)?
     }
 }
 
 impl Attention {
-    fn forward(
+    /// The heads' attention-weighted values, `[b, t, heads·d]`: what the output projection
+    /// (`o`) reads.
+    fn mix(
         &self,
         x: &Tensor,
         cos: &Tensor,
@@ -459,8 +489,7 @@ impl Attention {
         let scores = scores.broadcast_add(mask)?;
         let probs = softmax_last(&scores)?;
         // [b, heads, t, d] → [b, t, heads*d]
-        let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, self.heads * d))?;
-        self.o.forward_t(&out, dropout)
+        probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, self.heads * d))
     }
 }
 

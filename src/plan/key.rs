@@ -495,7 +495,7 @@ mod tests {
                     dir: Some(PathBuf::from("/not/hashed")),
                 }),
                 inputs(&["card:eval:evaluate", "card:train", "exports"]),
-                r#"{"fingerprint_version":3,"inputs":{"card:eval:evaluate":"fp-card:eval:evaluate","card:train":"fp-card:train","exports":"fp-exports"},"kind":"upload","settings":{"card":{"base":"a scratch model","dataset_repo":"owner/data","description":null,"lora":true,"name":"r","recipe_file":"r.toml","recipe_text":"988a6e910b06428699de6ae11ce030a0f4da9c5486c43810270b8fb4f85a1bf3"},"upload":{"create":false,"private":true,"to":"dir://out"}},"stage_version":3}"#,
+                r#"{"fingerprint_version":3,"inputs":{"card:eval:evaluate":"fp-card:eval:evaluate","card:train":"fp-card:train","exports":"fp-exports"},"kind":"upload","settings":{"card":{"base":"a scratch model","dataset_repo":"owner/data","description":null,"lora":true,"name":"r","recipe_file":"r.toml","recipe_text":"988a6e910b06428699de6ae11ce030a0f4da9c5486c43810270b8fb4f85a1bf3"},"upload":{"create":false,"private":true,"to":"dir://out"}},"stage_version":4}"#,
             ),
         ];
         for (key, inputs, want) in cases {

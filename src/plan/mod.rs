@@ -584,6 +584,23 @@ mod support {
                     .at(at(key), "applies to no export")
                     .help("add \"safetensors-merged\" to `formats`, or drop the key"));
                 }
+                // Likewise the importance matrix beside formats that quantize without one.
+                let calibrated = |f: &serde_json::Value| {
+                    serde_json::from_value::<crate::recipe::ExportFormat>(f.clone()).is_ok_and(|f| f.calibrated())
+                };
+                if !listed.is_some_and(|f| f.iter().any(calibrated))
+                    && let Some(key) = ["imatrix", "imatrix_tokens"].into_iter().find(|k| table.get(*k).is_some())
+                {
+                    return Err(Problem::new(
+                        "rtune::plan::unused_setting",
+                        format!("`{key}` calibrates GGUF quantization, which none of `formats` uses"),
+                    )
+                    .at(at(key), "applies to no export")
+                    .help(
+                        "an importance matrix calibrates `gguf-q6_k` and below (`gguf-q4_k_m`, …); \
+                         f32, f16 and q8_0 ignore it: add such a format, or drop the key",
+                    ));
+                }
                 // With the default list (no `formats`), base weights that train get no PEFT
                 // export (resolve drops it); asked for explicitly, it is an error.
                 let formats = listed.cloned().unwrap_or_default();

@@ -852,10 +852,34 @@ pub struct QuantizeSettings {
     /// base model stores it, as PEFT's `merge_and_unload` leaves a model loaded in its own dtype].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merged_dtype: Option<Dtype>,
+    /// GGUF: calibrate the quantization with an importance matrix of the exported model on the
+    /// train split (llama.cpp's `llama-imatrix`, then `llama-quantize --imatrix`): the types that
+    /// search their scales (`q6_k` and below) weigh each weight by how strongly the model reads
+    /// its input column, and the matrix is written beside the files as `gguf/imatrix.gguf` for
+    /// llama.cpp's other types; `false` quantizes as plain `llama-quantize` [default: true;
+    /// computed only when a listed format uses it].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imatrix: Option<bool>,
+    /// GGUF: calibration tokens for the importance matrix, from train rows in a fixed shuffled
+    /// order (the last one cut) [default: 16384, llama-imatrix's 32 chunks of 512; on the CPU no
+    /// more than about 4·10¹² multiply-adds allow for the model's size, at least 512].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub imatrix_tokens: Option<u64>,
 }
 
 impl QuantizeSettings {
     pub const DEFAULT_SHARD: u64 = 5_000_000_000;
+    pub const DEFAULT_IMATRIX_TOKENS: u64 = 16_384;
+
+    /// Whether GGUF exports are calibrated with an importance matrix (the default).
+    pub fn uses_imatrix(&self) -> bool {
+        self.imatrix.unwrap_or(true)
+    }
+
+    pub fn imatrix_tokens(&self) -> u64 {
+        self.imatrix_tokens.unwrap_or(Self::DEFAULT_IMATRIX_TOKENS)
+    }
 
     pub fn shard_bytes(&self) -> Result<u64, String> {
         self.max_shard_size.as_deref().map_or(Ok(Self::DEFAULT_SHARD), parse_size)
@@ -921,6 +945,13 @@ pub enum ExportFormat {
 }
 
 impl ExportFormat {
+    /// A GGUF whose quantizers search their scales and so use an importance matrix (`q6_k` and
+    /// below; not f32, f16 or q8_0, which llama.cpp quantizes the same with or without one).
+    pub fn calibrated(self) -> bool {
+        use ExportFormat as F;
+        matches!(self, F::GgufQ6K | F::GgufQ5KM | F::GgufQ5KS | F::GgufQ4KM | F::GgufQ4KS | F::GgufQ4_0 | F::GgufQ4K)
+    }
+
     /// The format an older name stands for (`gguf-q4_k` → `gguf-q4_k_m`), else itself.
     pub fn canonical(self) -> ExportFormat {
         match self {

@@ -4,8 +4,9 @@
 //! `merged_dtype`), reads it back against the digests written, and checks that the merged model
 //! computes what the adapter model computes. `gguf-*` writes llama.cpp's GGUF (see
 //! [`crate::model::gguf`]) and loads it back with candle's quantized Llama/Qwen2/Qwen3 code to
-//! compare its eval-split perplexity with the adapter model's. The checks' models run one
-//! decoder layer at a time: an export never holds the whole model.
+//! compare its eval-split perplexity with the adapter model's; the GGUF types that search their
+//! scales are first calibrated by an importance matrix over train rows (`gguf/imatrix.gguf`).
+//! The checks' models run one decoder layer at a time: an export never holds the whole model.
 
 use std::path::Path;
 
@@ -51,6 +52,31 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     let gguf_chat =
         chat.as_ref().map(|c| gguf::ChatMetadata { template: &c.source, turn_end: c.turn_end.as_ref().map(|t| t.1) });
     let mut report = serde_json::Map::new();
+    // The importance matrix, once for every GGUF format that uses one.
+    let imatrix = if s.uses_imatrix() && s.formats.iter().any(|f| f.calibrated()) {
+        let train = TokenStore::open(&ctx.input("tokens")?, "train")?;
+        let budget = imatrix_budget(s.imatrix_tokens, merged.params(), device.is_cpu());
+        let start = std::time::Instant::now();
+        let im = importance_matrix(ctx, &merged, &train, budget, &device, &key.settings.name)?;
+        mkdir(&ctx.out.join("gguf"))?;
+        im.write(&ctx.out.join("gguf").join("imatrix.gguf"))?;
+        ctx.ui.status(
+            "quantize",
+            format!(
+                "imatrix.gguf: importance of {} matrices' input columns over {} train tokens ({:.1}s)",
+                im.len(),
+                im.tokens(),
+                start.elapsed().as_secs_f64()
+            ),
+        );
+        report.insert(
+            "imatrix".into(),
+            json!({ "file": "gguf/imatrix.gguf", "matrices": im.len(), "tokens": im.tokens(), "dataset": im.datasets }),
+        );
+        Some(im)
+    } else {
+        None
+    };
     let mut self_check: Option<(TokenStore, usize, f64)> = None;
     for format in &s.formats {
         match format {
@@ -120,7 +146,8 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let path = ctx.out.join("gguf").join(&file);
                 let name = &key.settings.name;
                 progress(ctx, &merged, tag);
-                let written = gguf::write(&path, &merged, &model_dir, name, *other, gguf_chat)?;
+                let calibration = imatrix.as_ref().filter(|_| other.calibrated());
+                let written = gguf::write(&path, &merged, &model_dir, name, *other, gguf_chat, calibration)?;
                 merged.on_tensor(None);
                 // The eval rows and the adapter model's loss on them, once for all GGUF formats.
                 let (eval, rows, reference) = match &self_check {
@@ -165,6 +192,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                     format!("gguf-{tag}"),
                     json!({
                         "file": format!("gguf/{file}"),
+                        "imatrix": calibration.is_some(),
                         "tensors": written.tensors,
                         "fallback_types": written.fallbacks,
                         "eval_loss": loss,
@@ -236,6 +264,85 @@ fn adapter_eval_loss(merged: &Merged<'_>, eval: &TokenStore, rows: usize, device
         count += n;
     }
     Ok(if count > 0 { sum / count as f64 } else { f64::NAN })
+}
+
+/// What the importance matrix's pass may spend on the CPU by default: about 4·10¹² multiply-adds
+/// (a couple of minutes on a desktop CPU), at least one llama-imatrix chunk.
+const CPU_IMATRIX_MACS: f64 = 4e12;
+
+/// Calibration tokens: `asked` where the recipe sets `imatrix_tokens`; else the default
+/// (16,384), and on the CPU no more than [`CPU_IMATRIX_MACS`] allow for a model of `params`
+/// weights, at least 512 — an 8B model calibrates on 512 tokens there, not for an hour.
+fn imatrix_budget(asked: Option<u64>, params: usize, cpu: bool) -> usize {
+    let tokens = asked.unwrap_or(crate::recipe::QuantizeSettings::DEFAULT_IMATRIX_TOKENS);
+    let tokens = usize::try_from(tokens).unwrap_or(usize::MAX);
+    match (asked, cpu) {
+        (None, true) => tokens.min(((CPU_IMATRIX_MACS / params.max(1) as f64) as usize).max(gguf::imatrix::CHUNK)),
+        _ => tokens,
+    }
+}
+
+/// Seed of the order in which train rows calibrate the importance matrix.
+const IMATRIX_SEED: u64 = 0x1a7_e1c5;
+
+/// Hidden states the importance matrix's pass keeps at once (its rows go through the layers in
+/// groups of about this size, each group streaming the layers again).
+const IMATRIX_GROUP_BYTES: usize = 256 << 20;
+
+/// The importance matrix of the model `merged` exports (the adapter model, computed in f32 one
+/// layer at a time on `device`): the mean square of each decoder matrix's input columns over
+/// `budget` tokens of `train`'s rows, taken in a fixed shuffled order (the last one cut to fit;
+/// every row whole when the split is smaller).
+fn importance_matrix(
+    ctx: &StageCtx<'_>,
+    merged: &Merged<'_>,
+    train: &TokenStore,
+    budget: usize,
+    device: &Device,
+    recipe: &str,
+) -> Result<gguf::Imatrix, StageError> {
+    let err = |what: &str| StageError::candle(format!("importance matrix: {what}"));
+    let mut order: Vec<usize> = (0..train.len()).collect();
+    Rng::new(IMATRIX_SEED).shuffle(&mut order);
+    let group_tokens = (IMATRIX_GROUP_BYTES / (4 * merged.config().hidden_size)).max(1);
+    let mut groups: Vec<Vec<Batch>> = vec![Vec::new()];
+    let (mut tokens, mut in_group) = (0, 0);
+    for r in order {
+        if tokens >= budget {
+            break;
+        }
+        let row = train.row(r);
+        let n = row.ids.len().min(budget - tokens);
+        if n == 0 {
+            continue;
+        }
+        let hb = HostBatch::new(&[(&row.ids[..n], &row.seg[..n], &row.mask[..n])]);
+        if in_group > 0 && in_group + n > group_tokens {
+            groups.push(Vec::new());
+            in_group = 0;
+        }
+        let batch = Batch::from_layout(&hb.ids, hb.b, hb.t, &hb.layout, device).map_err(err("batch"))?;
+        groups.last_mut().expect("one group at least").push(batch);
+        tokens += n;
+        in_group += n;
+    }
+    let mut im = gguf::Imatrix::new(format!("{recipe}: the train split, {tokens} tokens"));
+    let model = merged.streamed(Form::Adapter, device)?;
+    let groups: Vec<&Vec<Batch>> = groups.iter().filter(|g| !g.is_empty()).collect();
+    // A model of more than a moment's work shows its layers go by.
+    let layers = merged.config().num_layers;
+    let mut bar = (merged.params() >= 100_000_000).then(|| ctx.ui.bar("quantize", (groups.len() * layers) as u64));
+    for (g, batches) in groups.iter().enumerate() {
+        let mut last = None;
+        model.observe(batches, &mut |layer, linears, x| {
+            if let Some(bar) = bar.as_mut().filter(|_| last != Some(layer)) {
+                bar.set((g * layers + layer + 1) as u64, &format!("imatrix: layer {layer}"));
+            }
+            last = Some(layer);
+            im.add(layer, linears, x)
+        })?;
+    }
+    Ok(im)
 }
 
 /// Eval rows the GGUF self-check reads at most.
@@ -454,6 +561,18 @@ mod tests {
 
     /// The GGUF self-check reads at most 64 rows; on the CPU, whole rows within its budget and
     /// at least one.
+    /// The importance matrix's default calibration fits the CPU's budget (at least a chunk);
+    /// a GPU, or a recipe that says how many, gets them all.
+    #[test]
+    fn the_imatrix_default_fits_the_cpu() {
+        use super::imatrix_budget;
+        assert_eq!(imatrix_budget(None, 135_000_000, true), 16_384, "4e12 / 135M = 29,629: all");
+        assert_eq!(imatrix_budget(None, 360_000_000, true), 11_111);
+        assert_eq!(imatrix_budget(None, 8_000_000_000, true), 512, "at least one chunk");
+        assert_eq!(imatrix_budget(None, 8_000_000_000, false), 16_384);
+        assert_eq!(imatrix_budget(Some(100_000), 8_000_000_000, true), 100_000, "as the recipe says");
+    }
+
     #[test]
     fn the_self_check_reads_what_the_device_affords() {
         let lens = || std::iter::repeat_n(200, 100);

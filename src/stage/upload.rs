@@ -179,14 +179,15 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
             s.push_str("\n![loss curve](loss_curve.svg)\n");
         }
     }
-    if let Some(chat) = ctx
+    let exports = ctx
         .input("exports")
         .ok()
         .and_then(|d| std::fs::read_to_string(d.join("exports.json")).ok())
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .map(|e| e["chat_template"].clone())
-        .filter(|c| c.is_object())
-    {
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    if let Some(formats) = exports.as_ref().and_then(|e| e["formats"].as_object()) {
+        gguf_section(&mut s, formats);
+    }
+    if let Some(chat) = exports.as_ref().map(|e| e["chat_template"].clone()).filter(|c| c.is_object()) {
         s.push_str("\n## Chat template\n\n");
         let _ = writeln!(
             s,
@@ -208,6 +209,32 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
         }
     }
     s
+}
+
+/// The GGUF files, each with the perplexity the quantize stage measured against the unquantized
+/// model and whether an importance matrix calibrated it (and over how many tokens).
+fn gguf_section(s: &mut String, formats: &serde_json::Map<String, serde_json::Value>) {
+    let ggufs: Vec<&serde_json::Value> =
+        formats.iter().filter(|(k, _)| k.starts_with("gguf-")).map(|(_, v)| v).collect();
+    if ggufs.is_empty() {
+        return;
+    }
+    s.push_str("\n## GGUF\n\nFor llama.cpp and Ollama; perplexity on the eval split as read back by rtune.\n\n");
+    s.push_str("| file | perplexity vs unquantized | importance matrix |\n|---|---|---|\n");
+    let imatrix = formats.get("imatrix").and_then(|i| i["tokens"].as_u64());
+    for g in ggufs {
+        let ratio = g["perplexity_ratio"].as_f64().map(|r| format!("{:+.2}%", (r - 1.0) * 100.0));
+        let calibrated = match (g["imatrix"].as_bool(), imatrix) {
+            (Some(true), Some(t)) => format!("`gguf/imatrix.gguf` ({t} train tokens)"),
+            _ => "–".to_string(),
+        };
+        let _ = writeln!(
+            s,
+            "| `{}` | {} | {calibrated} |",
+            g["file"].as_str().unwrap_or("?"),
+            ratio.as_deref().unwrap_or("–")
+        );
+    }
 }
 
 /// The command that ran the recipe, overrides included, as one line for a POSIX shell.

@@ -13,7 +13,10 @@ use candle_core::quantized::{GgmlDType, gguf_file::Value};
 use super::{ModelConfig, ModelError};
 use crate::recipe::{Arch, ExportFormat};
 
+pub mod imatrix;
 pub mod quants;
+
+pub use imatrix::Imatrix;
 
 /// llama.cpp token types.
 const NORMAL: i32 = 1;
@@ -34,7 +37,9 @@ pub struct Typed {
 /// The tensors of a GGUF export of `cfg` in `target`: each of `weights` (Hugging Face names
 /// and shapes) that llama.cpp reads, named as llama.cpp names it, matrices in the type
 /// [`tensor_type`] chooses and vectors (norms, biases) in f32.
-pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target: Target) -> Vec<Typed> {
+/// `imatrix`: whether the export has an importance matrix (llama.cpp then gives `q4_0`'s first
+/// MLP down projections Q4_1).
+pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target: Target, imatrix: bool) -> Vec<Typed> {
     // `lm_head.weight` is among the weights only when the head is untied or carries a merged
     // adapter; llama.cpp then reads `output.weight`, otherwise it reuses `token_embd.weight`.
     let tied = !weights.iter().any(|(n, _)| n == "lm_head.weight");
@@ -50,7 +55,9 @@ pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target:
     for (index, (hf, shape)) in weights.iter().enumerate() {
         let Some(name) = tensor_name(hf) else { continue };
         let (ty, fallback) = match shape.as_slice() {
-            [_, row] => tensor_type(target, &Site { name: &name, row: *row, layers: cfg.num_layers, tied, is_70b }),
+            [_, row] => {
+                tensor_type(target, &Site { name: &name, row: *row, layers: cfg.num_layers, tied, is_70b, imatrix })
+            }
             _ => (GgmlDType::F32, None),
         };
         out.push(Typed { index, name, ty, fallback });
@@ -99,6 +106,8 @@ pub struct Site<'a> {
     /// llama.cpp takes the model for a 70B (80 layers, grouped-query attention) and gives its
     /// small value projections more bits.
     pub is_70b: bool,
+    /// The export has an importance matrix.
+    pub imatrix: bool,
 }
 
 /// The ggml type of a 2-D weight in `target`, as llama.cpp's `llama-quantize` chooses it
@@ -107,6 +116,7 @@ pub struct Site<'a> {
 /// projections and MLP down projections of the first and last eighths of the layers and every
 /// third between in Q6_K, for `q4_k_s` those of the first layers in Q5_K; then, where a row is
 /// not whole blocks, llama.cpp's fallback (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, else F16).
+/// With an importance matrix, `q4_0` stores the first eighth's MLP down projections in Q4_1.
 /// Returns the type and, when the row forced a fallback, why.
 pub fn tensor_type(target: Target, site: &Site<'_>) -> (GgmlDType, Option<String>) {
     use ExportFormat as F;
@@ -135,6 +145,9 @@ pub fn tensor_type(target: Target, site: &Site<'_>) -> (GgmlDType, Option<String
             ("attn_v", F::GgufQ4KS) if i < 4 => ty = GgmlDType::Q5K,
             ("ffn_down", F::GgufQ4KM | F::GgufQ5KM) if more_bits(i, n) => ty = GgmlDType::Q6K,
             ("ffn_down", F::GgufQ4KS) if i < n / 8 => ty = GgmlDType::Q5K,
+            // "Guard against craziness in the first few ffn_down layers" (llama.cpp), only
+            // with an importance matrix, so that a file without one stays as it was.
+            ("ffn_down", F::GgufQ4_0) if site.imatrix && i < n / 8 => ty = GgmlDType::Q4_1,
             _ => {}
         }
         if part == "attn_v" && site.is_70b && ty == GgmlDType::Q4K {
@@ -217,7 +230,9 @@ pub struct ChatMetadata<'a> {
 }
 
 /// Write the merged model (its tensors computed, quantized and dropped one by one) and the
-/// tokenizer of `model_dir` as GGUF.
+/// tokenizer of `model_dir` as GGUF; with `imatrix`, each decoder matrix quantized as
+/// `llama-quantize --imatrix` would with that importance matrix (written beside it as
+/// `imatrix.gguf`, which the metadata names).
 pub fn write(
     path: &Path,
     merged: &crate::model::merged::Merged<'_>,
@@ -225,6 +240,7 @@ pub fn write(
     name: &str,
     format: ExportFormat,
     chat: Option<ChatMetadata<'_>>,
+    imatrix: Option<&Imatrix>,
 ) -> Result<GgufReport, ModelError> {
     let cfg = merged.config();
     let target = target(format).ok_or_else(|| ModelError::Unsupported { what: format!("{format:?} as GGUF") })?;
@@ -258,13 +274,24 @@ pub fn write(
         md.push((a("attention.value_length"), Value::U32(cfg.head_dim as u32)));
     }
     md.extend(tokenizer_metadata(cfg, model_dir, chat)?);
+    // What llama-quantize records of an importance matrix.
+    if let Some(im) = imatrix.filter(|_| target.ty != GgmlDType::F32 && target.ty != GgmlDType::F16) {
+        md.push(("quantize.imatrix.file".into(), Value::String("imatrix.gguf".into())));
+        if let Some(d) = im.datasets.first() {
+            md.push(("quantize.imatrix.dataset".into(), Value::String(d.clone())));
+        }
+        md.push(("quantize.imatrix.entries_count".into(), Value::U32(im.len() as u32)));
+        if im.chunks() > 0 {
+            md.push(("quantize.imatrix.chunks_count".into(), Value::U32(im.chunks())));
+        }
+    }
 
     // What each tensor will be — its ggml type follows from its shape and place — so that the
     // header, with every tensor's offset, is written before any tensor is computed.
     let weights: Vec<(String, Vec<usize>)> =
         merged.layout().iter().map(|e| (e.name.clone(), e.shape.clone())).collect();
     let mut fallbacks = Vec::new();
-    let mut plan: Vec<Planned> = tensor_types(cfg, &weights, target)
+    let mut plan: Vec<Planned> = tensor_types(cfg, &weights, target, imatrix.is_some())
         .into_iter()
         .map(|t| {
             fallbacks.extend(t.fallback);
@@ -283,12 +310,8 @@ pub fn write(
     }
     plan.sort_by_key(|p| tensor_order(&p.name));
     let err = |n: &str| ModelError::candle(format!("convert `{n}` for GGUF"));
-    let io = |e| ModelError::Io { context: format!("cannot write `{}`", path.display()), source: e };
-    let file = std::fs::File::create(path).map_err(io)?;
-    let mut w = Counted { inner: std::io::BufWriter::new(file), written: 0 };
-    write_header(&mut w, &md, &plan).map_err(io)?;
     // One merged tensor at a time: computed, quantized, written, dropped.
-    for p in &plan {
+    write_file(path, &md, &plan, |p| {
         let mut t = match &p.source {
             Source::Merged(hf) => merged.tensor(hf)?,
             Source::Values(v) => Tensor::new(v.as_slice(), &candle_core::Device::Cpu).map_err(err(&p.name))?,
@@ -300,20 +323,40 @@ pub fn write(
         }
         let values = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(err(&p.name))?;
         drop(t);
-        let data = quants::quantize(p.ty, &values)
-            .map_err(|e| ModelError::Unsupported { what: format!("`{}` as GGUF: {e}", p.name) })?;
-        if data.len() != p.bytes() {
+        // The importance is per input column: the same for Llama's permuted q/k rows.
+        let importance = imatrix.and_then(|im| im.importance(&p.name));
+        quants::quantize(p.ty, &values, importance.as_deref())
+            .map_err(|e| ModelError::Unsupported { what: format!("`{}` as GGUF: {e}", p.name) })
+    })?;
+    let matrices = plan.iter().filter(|p| p.shape.len() == 2).count();
+    Ok(GgufReport { tensors: plan.len(), matrices, fallbacks })
+}
+
+/// Writes a GGUF v2 file of metadata `md` and the tensors `plan`: the header first (every
+/// tensor's offset follows from its shape and type), then each tensor's bytes from `data` in
+/// turn, checked against the size planned, and synced.
+fn write_file(
+    path: &Path,
+    md: &[(String, Value)],
+    plan: &[Planned],
+    mut data: impl FnMut(&Planned) -> Result<Vec<u8>, ModelError>,
+) -> Result<(), ModelError> {
+    let io = |e| ModelError::Io { context: format!("cannot write `{}`", path.display()), source: e };
+    let file = std::fs::File::create(path).map_err(io)?;
+    let mut w = Counted { inner: std::io::BufWriter::new(file), written: 0 };
+    write_header(&mut w, md, plan).map_err(io)?;
+    for p in plan {
+        let bytes = data(p)?;
+        if bytes.len() != p.bytes() {
             return Err(ModelError::Unsupported {
-                what: format!("`{}` quantized to {} bytes, not the {} planned", p.name, data.len(), p.bytes()),
+                what: format!("`{}` quantized to {} bytes, not the {} planned", p.name, bytes.len(), p.bytes()),
             });
         }
-        w.write_all(&data).map_err(io)?;
+        w.write_all(&bytes).map_err(io)?;
         w.pad().map_err(io)?;
     }
     let file = w.inner.into_inner().map_err(|e| io(e.into_error()))?;
-    file.sync_all().map_err(io)?;
-    let matrices = plan.iter().filter(|p| p.shape.len() == 2).count();
-    Ok(GgufReport { tensors: plan.len(), matrices, fallbacks })
+    file.sync_all().map_err(io)
 }
 
 /// A tensor of the GGUF to be written: its llama.cpp name, where its values come from, its

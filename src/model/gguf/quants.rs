@@ -3,7 +3,10 @@
 //! step for step — the same float operations in the same order, the same rounding
 //! (`nearest_int`'s magic-number trick, `roundf`, truncating casts, round-to-nearest-even f16) —
 //! so that a tensor rtune writes holds the bytes llama.cpp would write for it.
-//! `tests/model.rs::quantizers_write_llama_cpps_bytes` compares them with llama.cpp's on rows
+//! With an importance matrix (the mean square of each input column's activations, [`super::imatrix`])
+//! the quantizers are ggml's weighted ones (`quantize_row_q4_K_impl` and siblings, what
+//! `llama-quantize --imatrix` runs): the search weights each value by its column's importance.
+//! `tests/model.rs::quantizers_write_llama_cpps_bytes` compares both with llama.cpp's on rows
 //! that reach every branch (fixture made by `scripts/make_quant_fixtures.py`).
 //!
 //! candle's quantizers are not used for writing: its Q4_K and Q5_K search scales with the
@@ -16,11 +19,12 @@ use half::f16;
 use rayon::prelude::*;
 
 /// The types [`quantize`] writes.
-pub const WRITTEN: [GgmlDType; 9] = [
+pub const WRITTEN: [GgmlDType; 10] = [
     GgmlDType::F32,
     GgmlDType::F16,
     GgmlDType::Q8_0,
     GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
     GgmlDType::Q5_0,
     GgmlDType::Q5_1,
     GgmlDType::Q4K,
@@ -33,9 +37,12 @@ const QK_K: usize = 256;
 /// ggml's threshold below which a group counts as all zero.
 const GROUP_MAX_EPS: f32 = 1e-15;
 
-/// The bytes of `rows` rows of `x` (each `x.len() / rows` values, a multiple of the type's block
-/// size) in ggml type `ty`, as llama.cpp writes them. `F32` and `F16` are plain conversions.
-pub fn quantize(ty: GgmlDType, x: &[f32]) -> Result<Vec<u8>, String> {
+/// The bytes of `x` in ggml type `ty`, as llama.cpp writes them. Without `importance`, `x` is
+/// any number of whole blocks (ggml's reference quantizers, block by block). With it, `x` is
+/// rows of `importance.len()` values (a multiple of the block size) and `importance[j]` weighs
+/// column `j` in the types that search their scales (all but F32, F16 and Q8_0, which ignore
+/// it, as llama.cpp does).
+pub fn quantize(ty: GgmlDType, x: &[f32], importance: Option<&[f32]>) -> Result<Vec<u8>, String> {
     let block = ty.block_size();
     if !x.len().is_multiple_of(block) {
         return Err(format!("{} values do not fill blocks of {block} for {ty:?}", x.len()));
@@ -43,9 +50,75 @@ pub fn quantize(ty: GgmlDType, x: &[f32]) -> Result<Vec<u8>, String> {
     if !WRITTEN.contains(&ty) {
         return Err(format!("rtune does not write {ty:?}"));
     }
+    let weighted = !matches!(ty, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::Q8_0);
+    if let (Some(w), true) = (importance, weighted) {
+        let row = w.len();
+        if row == 0 || !row.is_multiple_of(block) || !x.len().is_multiple_of(row) {
+            return Err(format!(
+                "an importance vector of {row} values does not fit {} values in rows of whole blocks of {block}",
+                x.len()
+            ));
+        }
+        // ggml's weighted quantizers read the whole row (Q4_0 to Q5_1 weigh by its mean square).
+        let rows: Vec<Vec<u8>> = x.par_chunks(row).map(|r| weighted_row(ty, r, w)).collect();
+        return Ok(rows.concat());
+    }
     // Blocks are independent: a few hundred at a time on each thread, joined in order.
     let parts: Vec<Vec<u8>> = x.par_chunks(block * 256).map(|part| blocks(ty, part)).collect();
     Ok(parts.concat())
+}
+
+/// One row `x` in ggml type `ty`, its columns weighted by `qw` (ggml's `quantize_<type>` with
+/// `quant_weights`).
+fn weighted_row(ty: GgmlDType, x: &[f32], qw: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(x.len() / ty.block_size() * ty.type_size());
+    match ty {
+        GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => {
+            for (b, w) in x.chunks_exact(QK_K).zip(qw.chunks_exact(QK_K)) {
+                match ty {
+                    GgmlDType::Q4K => q4_k_weighted(b, w, &mut out),
+                    GgmlDType::Q5K => q5_k_weighted(b, w, &mut out),
+                    _ => q6_k_weighted(b, w, &mut out),
+                }
+            }
+        }
+        _ => {
+            // Q4_0, Q4_1, Q5_0, Q5_1: each value weighted by its column's importance times its
+            // distance from zero against the row's mean square.
+            let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+            let sigma2 = sum_x2 / x.len() as f32;
+            for (b, w) in x.chunks_exact(32).zip(qw.chunks_exact(32)) {
+                let weight: Vec<f32> = b.iter().zip(w).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
+                match ty {
+                    GgmlDType::Q4_0 => {
+                        let mut l = [0i8; 32];
+                        let d = make_qx_quants(8, b, &mut l, Some(&weight));
+                        out.extend_from_slice(&half(d));
+                        out.extend((0..16).map(|j| (l[j] as u8) | ((l[j + 16] as u8) << 4)));
+                    }
+                    GgmlDType::Q5_0 => {
+                        let mut l = [0i8; 32];
+                        let d = make_qx_quants(16, b, &mut l, Some(&weight));
+                        five_bits(&half(d), None, |j| l[j] as u8, &mut out);
+                    }
+                    GgmlDType::Q4_1 => {
+                        let mut l = [0u8; 32];
+                        let (d, min) = make_qkx3_quants(15, b, &weight, &mut l);
+                        out.extend_from_slice(&half(d));
+                        out.extend_from_slice(&half(-min));
+                        out.extend((0..16).map(|j| l[j] | (l[j + 16] << 4)));
+                    }
+                    GgmlDType::Q5_1 => {
+                        let mut l = [0u8; 32];
+                        let (d, min) = make_qkx3_quants(31, b, &weight, &mut l);
+                        five_bits(&half(d), Some(&half(-min)), |j| l[j], &mut out);
+                    }
+                    _ => unreachable!("checked by quantize"),
+                }
+            }
+        }
+    }
+    out
 }
 
 /// `x` (whole blocks) in ggml type `ty`.
@@ -58,6 +131,7 @@ fn blocks(ty: GgmlDType, x: &[f32]) -> Vec<u8> {
         GgmlDType::F16 => x.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
         GgmlDType::Q8_0 => blocks.for_each(|b| q8_0(b, &mut out)),
         GgmlDType::Q4_0 => blocks.for_each(|b| q4_0(b, &mut out)),
+        GgmlDType::Q4_1 => blocks.for_each(|b| q4_1(b, &mut out)),
         GgmlDType::Q5_0 => blocks.for_each(|b| q5_0(b, &mut out)),
         GgmlDType::Q5_1 => blocks.for_each(|b| q5_1(b, &mut out)),
         GgmlDType::Q4K => blocks.for_each(|b| q4_k(b, &mut out)),
@@ -122,6 +196,16 @@ fn q4_0(x: &[f32], out: &mut Vec<u8>) {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend_from_slice(&half(d));
     let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+}
+
+fn q4_1(x: &[f32], out: &mut Vec<u8>) {
+    let (min, max) = min_max(x);
+    let d = (max - min) / 15.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend_from_slice(&half(d));
+    out.extend_from_slice(&half(min));
+    let q = |v: f32| (((v - min) * id + 0.5) as i8).min(15) as u8;
     out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
 }
 
@@ -233,21 +317,22 @@ fn make_qkx2_quants(
     (scale, -min)
 }
 
-/// ggml's `make_qx_quants` with `rmse_type` 1 and no importance weights: a signed scale for `x`
-/// in levels `-nmax..nmax`, searched over 18 candidates around `nmax / max`, weighting each
-/// value by its square. Writes the levels (offset by `nmax`) to `l`.
-fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
+/// ggml's `make_qx_quants` with `rmse_type` 1: a signed scale for `x` in levels `-nmax..nmax`,
+/// searched over 18 candidates around `nmax / max`, weighting each value by `qw` where given,
+/// else by its square. Writes the levels (offset by `nmax`) to `l`.
+fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8], qw: Option<&[f32]>) -> f32 {
     let (max, amax) = signed_max(x);
     if amax < GROUP_MAX_EPS {
         l.fill(0);
         return 0.0;
     }
     let level = |iscale: f32, v: f32| nearest_int(iscale * v).clamp(-nmax, nmax - 1);
+    let weight = |i: usize| qw.map_or(x[i] * x[i], |w| w[i]);
     let sums = |iscale: f32| {
         let (mut sumlx, mut suml2) = (0f32, 0f32);
-        for &v in x {
+        for (i, &v) in x.iter().enumerate() {
             let q = level(iscale, v) as f32;
-            let w = v * v;
+            let w = weight(i);
             sumlx += w * v * q;
             suml2 += w * q * q;
         }
@@ -275,6 +360,152 @@ fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
         }
     }
     scale
+}
+
+/// ggml's `make_qkx3_quants` as its weighted quantizers call it (`rmin` −0.9, `rdelta` 0.05,
+/// 36 steps, squared error): like [`make_qkx2_quants`] with the importance `weights` and a finer
+/// grid. Writes the levels to `l`; returns `(scale, -min)`.
+fn make_qkx3_quants(nmax: i32, x: &[f32], weights: &[f32], l: &mut [u8]) -> (f32, f32) {
+    const RMIN: f32 = -0.9;
+    const RDELTA: f32 = 0.05;
+    const NSTEP: i32 = 36;
+    let n = x.len();
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = weights[0];
+    let mut sum_x = sum_w * x[0];
+    for i in 1..n {
+        if x[i] < min {
+            min = x[i];
+        }
+        if x[i] > max {
+            max = x[i];
+        }
+        let w = weights[i];
+        sum_w += w;
+        sum_x += w * x[i];
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max <= min {
+        l.fill(0);
+        return (0.0, -min);
+    }
+    let level = |iscale: f32, v: f32, min: f32| nearest_int(iscale * (v - min)).clamp(0, nmax);
+    let mut iscale = nmax as f32 / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best = 0f32;
+    for i in 0..n {
+        l[i] = level(iscale, x[i], min) as u8;
+        let diff = scale * l[i] as f32 + min - x[i];
+        best += weights[i] * (diff * diff);
+    }
+    let mut aux = [0u8; 32];
+    for is in 0..=NSTEP {
+        iscale = (RMIN + RDELTA * is as f32 + nmax as f32) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for i in 0..n {
+            let q = level(iscale, x[i], min);
+            aux[i] = q as u8;
+            let (w, q) = (weights[i], q as f32);
+            sum_l += w * q;
+            sum_l2 += w * q * q;
+            sum_xl += w * q * x[i];
+        }
+        let d = sum_w * sum_l2 - sum_l * sum_l;
+        if d > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / d;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let mut cur = 0f32;
+            for i in 0..n {
+                let diff = this_scale * aux[i] as f32 + this_min - x[i];
+                cur += weights[i] * (diff * diff);
+            }
+            if cur < best {
+                l[..n].copy_from_slice(&aux[..n]);
+                best = cur;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// ggml's `make_qp_quants`: one non-negative scale for the values `x` (a super-block's eight
+/// group scales or minimums) in levels `0..=nmax`, chosen among nine candidates by weighted
+/// squared error (`qw`: the groups' summed weights), then refined a level at a time. Writes the
+/// levels to `l` (as ggml's `uint8_t`s: a negative level wraps, as there).
+fn make_qp_quants(nmax: i32, x: &[f32], l: &mut [u8], qw: &[f32]) -> f32 {
+    let max = x.iter().fold(0f32, |m, &v| if m > v { m } else { v });
+    if max < GROUP_MAX_EPS {
+        l.fill(0);
+        return 0.0;
+    }
+    let mut iscale = nmax as f32 / max;
+    for (l, &v) in l.iter_mut().zip(x) {
+        *l = nearest_int(iscale * v) as u8;
+    }
+    let scale = 1.0 / iscale;
+    let mut best = 0f32;
+    for i in 0..x.len() {
+        let diff = x[i] - scale * l[i] as f32;
+        best += qw[i] * diff * diff;
+    }
+    for is in -4..=4 {
+        if is == 0 {
+            continue;
+        }
+        let iscale_is = (0.1 * is as f32 + nmax as f32) / max;
+        let scale_is = 1.0 / iscale_is;
+        let mut mse = 0f32;
+        for i in 0..x.len() {
+            let q = nearest_int(iscale_is * x[i]).min(nmax);
+            let diff = x[i] - scale_is * q as f32;
+            mse += qw[i] * diff * diff;
+        }
+        if mse < best {
+            best = mse;
+            iscale = iscale_is;
+        }
+    }
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    for i in 0..x.len() {
+        let q = nearest_int(iscale * x[i]).min(nmax);
+        l[i] = q as u8;
+        let w = qw[i];
+        sumlx += w * x[i] * q as f32;
+        suml2 += w * q as f32 * q as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = 0;
+        for i in 0..x.len() {
+            let (w, li) = (qw[i], l[i] as f32);
+            let mut slx = sumlx - w * x[i] * li;
+            let mut sl2 = suml2 - w * li * li;
+            if slx > 0.0 && sl2 > 0.0 {
+                let new_l = nearest_int(x[i] * sl2 / slx).min(nmax);
+                if new_l != l[i] as i32 {
+                    slx += w * x[i] * new_l as f32;
+                    sl2 += w * new_l as f32 * new_l as f32;
+                    if slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        l[i] = new_l as u8;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed += 1;
+                    }
+                }
+            }
+        }
+        if changed == 0 {
+            break;
+        }
+    }
+    if suml2 > 0.0 { sumlx / suml2 } else { 0.0 }
 }
 
 /// Q4_K and Q5_K share their scales: eight groups of 32, each with a scale and a minimum from
@@ -314,8 +545,51 @@ fn k_scales(x: &[f32], nmax: i32, rmin: f32, nstep: i32) -> ([u8; 2], [u8; 2], [
         }
     }
     let (d, dmin) = (half(max_scale / 63.0), half(max_min / 63.0));
+    relevel(x, nmax, d, dmin, &packed, &mut l);
+    (d, dmin, packed, l)
+}
+
+/// The weighted form of [`k_scales`] (ggml's `quantize_row_q4_K_impl` / `q5_K_impl`): each
+/// group's scale and minimum from `make_qkx3_quants` with the weights `qw · √(σ² + x²)`, both
+/// sets stored through `make_qp_quants` weighted by the groups' summed weights; `clamp` caps
+/// the stored six-bit levels at 63 (Q5_K does, Q4_K does not).
+fn k_scales_weighted(x: &[f32], qw: &[f32], nmax: i32, clamp: bool) -> ([u8; 2], [u8; 2], [u8; 12], [u8; QK_K]) {
+    let mut l = [0u8; QK_K];
+    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sigma2 = 2.0 * sum_x2 / QK_K as f32;
+    let (mut scales, mut mins, mut sw) = ([0f32; 8], [0f32; 8], [0f32; 8]);
     for j in 0..8 {
-        let (sc, m) = scale_min_k4(j, &packed);
+        let g = &x[32 * j..32 * j + 32];
+        let weights: Vec<f32> =
+            g.iter().zip(&qw[32 * j..32 * j + 32]).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
+        sw[j] = weights.iter().fold(0f32, |s, w| s + w);
+        (scales[j], mins[j]) = make_qkx3_quants(nmax, g, &weights, &mut l[32 * j..32 * j + 32]);
+    }
+    let (mut ls, mut lm) = ([0u8; 8], [0u8; 8]);
+    let d_block = make_qp_quants(63, &scales, &mut ls, &sw);
+    let m_block = make_qp_quants(63, &mins, &mut lm, &sw);
+    let mut packed = [0u8; 12];
+    for j in 0..8 {
+        let (ls, lm) = if clamp { (ls[j].min(63), lm[j].min(63)) } else { (ls[j], lm[j]) };
+        if j < 4 {
+            packed[j] = ls;
+            packed[j + 4] = lm;
+        } else {
+            packed[j + 4] = (ls & 0xf) | ((lm & 0xf) << 4);
+            packed[j - 4] |= (ls >> 4) << 6;
+            packed[j] |= (lm >> 4) << 6;
+        }
+    }
+    let (d, dmin) = (half(d_block), half(m_block));
+    relevel(x, nmax, d, dmin, &packed, &mut l);
+    (d, dmin, packed, l)
+}
+
+/// Every value of a Q4_K/Q5_K super-block levelled against its group's stored scale and
+/// minimum (a group whose scale rounds to zero keeps the levels it has).
+fn relevel(x: &[f32], nmax: i32, d: [u8; 2], dmin: [u8; 2], packed: &[u8; 12], l: &mut [u8; QK_K]) {
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, packed);
         let d = unhalf(d) * sc as f32;
         if d == 0.0 {
             continue;
@@ -325,7 +599,6 @@ fn k_scales(x: &[f32], nmax: i32, rmin: f32, nstep: i32) -> ([u8; 2], [u8; 2], [
             l[i] = nearest_int((x[i] + dm) / d).clamp(0, nmax) as u8;
         }
     }
-    (d, dmin, packed, l)
 }
 
 /// ggml's `get_scale_min_k4`: group `j`'s six-bit scale and minimum.
@@ -338,7 +611,15 @@ fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
 }
 
 fn q4_k(x: &[f32], out: &mut Vec<u8>) {
-    let (d, dmin, scales, l) = k_scales(x, 15, -1.0, 20);
+    q4_k_block(k_scales(x, 15, -1.0, 20), out);
+}
+
+fn q4_k_weighted(x: &[f32], qw: &[f32], out: &mut Vec<u8>) {
+    q4_k_block(k_scales_weighted(x, qw, 15, false), out);
+}
+
+/// A Q4_K block: the super-scales, the packed group scales, the levels two to a byte.
+fn q4_k_block((d, dmin, scales, l): ([u8; 2], [u8; 2], [u8; 12], [u8; QK_K]), out: &mut Vec<u8>) {
     out.extend_from_slice(&d);
     out.extend_from_slice(&dmin);
     out.extend_from_slice(&scales);
@@ -348,7 +629,15 @@ fn q4_k(x: &[f32], out: &mut Vec<u8>) {
 }
 
 fn q5_k(x: &[f32], out: &mut Vec<u8>) {
-    let (d, dmin, scales, l) = k_scales(x, 31, -0.5, 15);
+    q5_k_block(k_scales(x, 31, -0.5, 15), out);
+}
+
+fn q5_k_weighted(x: &[f32], qw: &[f32], out: &mut Vec<u8>) {
+    q5_k_block(k_scales_weighted(x, qw, 31, true), out);
+}
+
+/// A Q5_K block: the super-scales, the packed group scales, the fifth bits, the low nibbles.
+fn q5_k_block((d, dmin, scales, l): ([u8; 2], [u8; 2], [u8; 12], [u8; QK_K]), out: &mut Vec<u8>) {
     let mut qh = [0u8; QK_K / 8];
     let mut qs = [0u8; QK_K / 2];
     let (mut m1, mut m2) = (1u8, 2u8);
@@ -376,11 +665,23 @@ fn q5_k(x: &[f32], out: &mut Vec<u8>) {
 }
 
 fn q6_k(x: &[f32], out: &mut Vec<u8>) {
+    q6_k_with(x, None, out);
+}
+
+fn q6_k_weighted(x: &[f32], qw: &[f32], out: &mut Vec<u8>) {
+    q6_k_with(x, Some(qw), out);
+}
+
+/// ggml's Q6_K (`quantize_row_q6_K_ref`, or `_impl` with importance weights `qw`, which it
+/// uses as they are): sixteen groups of 16 with signed scales, stored in eight bits against
+/// the largest.
+fn q6_k_with(x: &[f32], qw: Option<&[f32]>, out: &mut Vec<u8>) {
     let mut l = [0i8; QK_K];
     let mut scales = [0f32; QK_K / 16];
     let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
     for (ib, s) in scales.iter_mut().enumerate() {
-        *s = make_qx_quants(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16]);
+        let group = 16 * ib..16 * ib + 16;
+        *s = make_qx_quants(32, &x[group.clone()], &mut l[group.clone()], qw.map(|w| &w[group]));
         if s.abs() > max_abs_scale {
             max_abs_scale = s.abs();
             max_scale = *s;

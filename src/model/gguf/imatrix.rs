@@ -1,0 +1,158 @@
+//! Importance matrices, as llama.cpp's `llama-imatrix` makes them and `llama-quantize --imatrix`
+//! reads them: for each matrix of the decoder layers, the mean over calibration tokens of each
+//! input column's squared activation. A column the model reads strongly is quantized more
+//! carefully ([`super::quants`]' weighted quantizers); the token embeddings and the output
+//! layer have none (llama-imatrix skips them by default).
+//!
+//! The file is llama.cpp's GGUF form of it (`general.type = "imatrix"`, each matrix's
+//! `<name>.in_sum2` and `<name>.counts`), so that llama.cpp makes its other types — the IQ
+//! types need one — from the same calibration.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::quantized::gguf_file::Value;
+use candle_core::{DType, Tensor};
+
+use super::{Planned, Source};
+use crate::model::{LAYER_LINEARS, ModelError};
+
+/// The calibration tokens a chunk of llama-imatrix holds (its default context): what the
+/// file's `imatrix.chunk_size` says, and how its chunks are counted.
+pub const CHUNK: usize = 512;
+
+/// Sums of squared activations per input column of each decoder matrix, under llama.cpp's
+/// tensor names, and the tokens they came from.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Imatrix {
+    entries: BTreeMap<String, Entry>,
+    /// What the calibration text was (`imatrix.datasets`).
+    pub datasets: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Entry {
+    sums: Vec<f64>,
+    tokens: u64,
+}
+
+impl Imatrix {
+    pub fn new(dataset: impl Into<String>) -> Imatrix {
+        Imatrix { entries: BTreeMap::new(), datasets: vec![dataset.into()] }
+    }
+
+    /// Counts the activations `x` (`[..., in]`, every position a token) that the linears
+    /// `linears` (indices into [`LAYER_LINEARS`]) of decoder layer `layer` read.
+    pub fn add(&mut self, layer: usize, linears: &[usize], x: &Tensor) -> candle_core::Result<()> {
+        let cols = x.dim(candle_core::D::Minus1)?;
+        let x = x.to_dtype(DType::F32)?.reshape(((), cols))?;
+        let tokens = x.dim(0)? as u64;
+        let sums: Vec<f32> = x.sqr()?.sum(0)?.to_vec1()?;
+        for &k in linears {
+            let name = super::tensor_name(&format!("model.layers.{layer}.{}.weight", LAYER_LINEARS[k]))
+                .expect("every decoder linear has a llama.cpp name");
+            let e = self.entries.entry(name).or_insert_with(|| Entry { sums: vec![0.0; cols], tokens: 0 });
+            if e.sums.len() != cols {
+                candle_core::bail!("layer {layer}: {} columns read where {} were before", cols, e.sums.len());
+            }
+            e.sums.iter_mut().zip(&sums).for_each(|(a, s)| *a += f64::from(*s));
+            e.tokens += tokens;
+        }
+        Ok(())
+    }
+
+    /// The importance of each input column of matrix `name` (llama.cpp's name): the mean
+    /// square, computed as llama-quantize computes it from the file (the f32 sum over the f32
+    /// count), so that both quantize with the same weights.
+    pub fn importance(&self, name: &str) -> Option<Vec<f32>> {
+        let e = self.entries.get(name)?;
+        let count = e.tokens as f32;
+        Some(e.sums.iter().map(|s| if count > 0.0 { *s as f32 / count } else { 1.0 }).collect())
+    }
+
+    /// Matrices with an importance.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Calibration tokens (those the first matrix read: every matrix reads every token).
+    pub fn tokens(&self) -> u64 {
+        self.entries.values().map(|e| e.tokens).max().unwrap_or(0)
+    }
+
+    /// Whole chunks of [`CHUNK`] tokens, as llama.cpp counts them (`imatrix.chunk_count`).
+    pub fn chunks(&self) -> u32 {
+        (self.tokens() / CHUNK as u64) as u32
+    }
+
+    /// Writes llama.cpp's imatrix GGUF: the metadata llama-imatrix writes and, for each matrix
+    /// in name order, `<name>.in_sum2` (the sums, f32) and `<name>.counts` (the tokens, f32).
+    pub fn write(&self, path: &Path) -> Result<(), ModelError> {
+        let md = vec![
+            ("general.type".to_string(), Value::String("imatrix".into())),
+            (
+                "imatrix.datasets".to_string(),
+                Value::Array(self.datasets.iter().map(|d| Value::String(d.clone())).collect()),
+            ),
+            ("imatrix.chunk_count".to_string(), Value::U32(self.chunks())),
+            ("imatrix.chunk_size".to_string(), Value::U32(CHUNK as u32)),
+        ];
+        let mut plan = Vec::new();
+        for (name, e) in &self.entries {
+            let sums = e.sums.iter().map(|s| *s as f32).collect::<Vec<f32>>();
+            let n = sums.len();
+            let tensor = |name: String, values: Vec<f32>, shape: Vec<usize>| Planned {
+                name,
+                source: Source::Values(values),
+                shape,
+                ty: GgmlDType::F32,
+            };
+            plan.push(tensor(format!("{name}.in_sum2"), sums, vec![1, n]));
+            plan.push(tensor(format!("{name}.counts"), vec![e.tokens as f32], vec![1, 1]));
+        }
+        super::write_file(path, &md, &plan, |p| match &p.source {
+            Source::Values(v) => Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Source::Merged(_) => unreachable!("an imatrix holds values only"),
+        })
+    }
+
+    /// Reads an imatrix GGUF (llama.cpp's or rtune's).
+    pub fn read(path: &Path) -> Result<Imatrix, ModelError> {
+        use candle_core::quantized::gguf_file::Content;
+        let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
+        let mut f = std::fs::File::open(path).map_err(ModelError::io(format!("cannot open `{}`", path.display())))?;
+        let content = Content::read(&mut f).map_err(|e| bad(e.to_string()))?;
+        if content.metadata.get("general.type").and_then(|v| v.to_string().ok()).map(String::as_str) != Some("imatrix")
+        {
+            return Err(bad("not an importance matrix (`general.type` is not `imatrix`)".into()));
+        }
+        let datasets = match content.metadata.get("imatrix.datasets") {
+            Some(Value::Array(a)) => a.iter().filter_map(|v| v.to_string().ok().cloned()).collect(),
+            _ => Vec::new(),
+        };
+        let mut entries = BTreeMap::new();
+        for name in content.tensor_infos.keys() {
+            let Some(base) = name.strip_suffix(".in_sum2") else { continue };
+            let mut values = |n: &str| -> Result<Vec<f32>, ModelError> {
+                let t = content.tensor(&mut f, n, &candle_core::Device::Cpu).map_err(|e| bad(format!("`{n}`: {e}")))?;
+                t.dequantize(&candle_core::Device::Cpu)
+                    .and_then(|t| t.flatten_all())
+                    .and_then(|t| t.to_vec1())
+                    .map_err(|e| bad(format!("`{n}`: {e}")))
+            };
+            let sums = values(name)?;
+            let counts = values(&format!("{base}.counts"))?;
+            let [tokens] = counts[..] else {
+                return Err(bad(format!("`{base}`: {} counts (rtune reads dense matrices only)", counts.len())));
+            };
+            let sums = sums.into_iter().map(f64::from).collect();
+            entries.insert(base.to_string(), Entry { sums, tokens: tokens.round() as u64 });
+        }
+        Ok(Imatrix { entries, datasets })
+    }
+}
