@@ -33,9 +33,9 @@ import numpy as np
 
 Q = gguf.GGMLQuantizationType
 # The types rtune writes (quantizers) and the file types it exports (llama_ftype, name).
-TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # The types whose quantizers use an importance matrix.
-WEIGHTED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+WEIGHTED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # (`gguf-f32` is left out: every tensor stays f32, and llama_model_quantize from an f32 file to
 # LLAMA_FTYPE_ALL_F32 dies of a bus error in this llama.cpp.)
 # llama_ftype → (rtune's name, the type most matrices take).
@@ -48,6 +48,10 @@ FTYPES = {
     15: ("q4_k_m", "Q4_K"),
     14: ("q4_k_s", "Q4_K"),
     2: ("q4_0", "Q4_0"),
+    13: ("q3_k_l", "Q3_K"),
+    12: ("q3_k_m", "Q3_K"),
+    11: ("q3_k_s", "Q3_K"),
+    10: ("q2_k", "Q2_K"),
 }
 ROW = 512
 

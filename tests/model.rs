@@ -855,6 +855,10 @@ fn every_gguf_type_round_trips() {
         (F::GgufQ4KM, GgmlDType::Q6K, 15, 0.95),
         (F::GgufQ4KS, GgmlDType::Q4K, 14, 0.95),
         (F::GgufQ4_0, GgmlDType::Q4_0, 2, 0.95),
+        (F::GgufQ3KL, GgmlDType::Q5K, 13, 0.95),
+        (F::GgufQ3KM, GgmlDType::Q4K, 12, 0.9),
+        (F::GgufQ3KS, GgmlDType::Q3K, 11, 0.9),
+        (F::GgufQ2K, GgmlDType::Q3K, 10, 0.8),
     ] {
         let path = dir.path().join(format!("{format:?}.gguf"));
         let report = rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None, None).unwrap();
@@ -864,7 +868,7 @@ fn every_gguf_type_round_trips() {
         let down = content.tensor_infos["blk.1.ffn_down.weight"].ggml_dtype;
         assert_eq!(down, ty, "{format:?}: ffn_down, fallbacks {:?}", report.fallbacks);
         let fell_back = report.fallbacks.iter().any(|s| s.contains("blk.0.attn_q.weight"));
-        let k_quant = matches!(ty, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K);
+        let k_quant = matches!(ty, GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K);
         assert_eq!(fell_back, k_quant, "{format:?}: rows of 64 fall back from K-quants only: {:?}", report.fallbacks);
         assert_eq!(content.tensor_infos["blk.0.attn_norm.weight"].ggml_dtype, GgmlDType::F32, "norms stay f32");
         let mut q = quantized_qwen2::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
@@ -913,6 +917,8 @@ fn quantizers_write_llama_cpps_bytes() {
         ("Q4_1", GgmlDType::Q4_1),
         ("Q5_0", GgmlDType::Q5_0),
         ("Q5_1", GgmlDType::Q5_1),
+        ("Q2_K", GgmlDType::Q2K),
+        ("Q3_K", GgmlDType::Q3K),
         ("Q4_K", GgmlDType::Q4K),
         ("Q5_K", GgmlDType::Q5K),
         ("Q6_K", GgmlDType::Q6K),
@@ -950,7 +956,7 @@ fn quantizers_write_llama_cpps_bytes() {
         [&x[0].to_le_bytes()[..], &x[1].to_le_bytes(), &x[2].to_le_bytes(), &x[3].to_le_bytes()].concat()
     );
     assert!(quants::quantize(GgmlDType::Q4K, &x[..128], None).unwrap_err().contains("blocks of 256"));
-    assert!(quants::quantize(GgmlDType::Q2K, &x[..256], None).unwrap_err().contains("does not write"));
+    assert!(quants::quantize(GgmlDType::Q8K, &x[..256], None).unwrap_err().contains("does not write"));
     // Q8_0 ignores an importance matrix, as llama.cpp's does; one that is not whole rows of
     // whole blocks is refused.
     assert_eq!(
@@ -971,8 +977,20 @@ fn gguf_types_follow_llama_quantize() {
     use rtune::recipe::ExportFormat as F;
     let mixes: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(quant_fixture("mixes.json")).unwrap()).unwrap();
-    let formats =
-        [F::GgufF16, F::GgufQ8_0, F::GgufQ6K, F::GgufQ5KM, F::GgufQ5KS, F::GgufQ4KM, F::GgufQ4KS, F::GgufQ4_0];
+    let formats = [
+        F::GgufF16,
+        F::GgufQ8_0,
+        F::GgufQ6K,
+        F::GgufQ5KM,
+        F::GgufQ5KS,
+        F::GgufQ4KM,
+        F::GgufQ4KS,
+        F::GgufQ4_0,
+        F::GgufQ3KL,
+        F::GgufQ3KM,
+        F::GgufQ3KS,
+        F::GgufQ2K,
+    ];
     let mut checked = 0;
     let cases = mixes["models"].as_object().unwrap().iter().flat_map(|(model, m)| {
         [("types", false), ("types_imatrix", true)].map(|(key, imatrix)| (model, m, key, imatrix))
@@ -990,11 +1008,9 @@ fn gguf_types_follow_llama_quantize() {
             assert_eq!(matrices.len() as u64, expected["matrices"].as_u64().unwrap(), "{model} {}", t.tag);
             for x in matrices {
                 let want = expected["others"][&x.name].as_str().unwrap_or(expected["usual"].as_str().unwrap());
-                let got = match x.ty {
-                    candle_core::quantized::GgmlDType::Q4K => "Q4_K".to_string(),
-                    candle_core::quantized::GgmlDType::Q5K => "Q5_K".to_string(),
-                    candle_core::quantized::GgmlDType::Q6K => "Q6_K".to_string(),
-                    other => format!("{other:?}"),
+                let got = match format!("{:?}", x.ty) {
+                    k if k.len() == 3 && k.ends_with('K') => format!("{}_K", &k[..2]),
+                    other => other,
                 };
                 assert_eq!(got, want, "{model} {key} {}: {}", t.tag, x.name);
                 if let Some(why) = &x.fallback {

@@ -834,7 +834,8 @@ pub enum EvalModel {
 pub struct QuantizeSettings {
     /// What to export: `peft-adapter`, `safetensors-merged`, and GGUF files for llama.cpp and
     /// Ollama: `gguf-f32`, `gguf-f16`, `gguf-q8_0`, `gguf-q6_k`, `gguf-q5_k_m`, `gguf-q5_k_s`,
-    /// `gguf-q4_k_m` (or its older name `gguf-q4_k`), `gguf-q4_k_s`, `gguf-q4_0` — each tensor in the type
+    /// `gguf-q4_k_m` (or its older name `gguf-q4_k`), `gguf-q4_k_s`, `gguf-q4_0`, `gguf-q3_k_l`,
+    /// `gguf-q3_k_m`, `gguf-q3_k_s`, `gguf-q2_k` — each tensor in the type
     /// llama.cpp's `llama-quantize` gives it for that file type, with its bytes (GGUFs are checked
     /// by reading them back: perplexity against the unquantized model) [default without a LoRA
     /// adapter: the list without `peft-adapter`].
@@ -939,6 +940,14 @@ pub enum ExportFormat {
     GgufQ4KS,
     #[serde(rename = "gguf-q4_0")]
     GgufQ4_0,
+    #[serde(rename = "gguf-q3_k_l")]
+    GgufQ3KL,
+    #[serde(rename = "gguf-q3_k_m")]
+    GgufQ3KM,
+    #[serde(rename = "gguf-q3_k_s")]
+    GgufQ3KS,
+    #[serde(rename = "gguf-q2_k")]
+    GgufQ2K,
     /// `gguf-q4_k_m`'s older name: a recipe that names it exports `gguf-q4_k_m`.
     #[serde(rename = "gguf-q4_k")]
     GgufQ4K,
@@ -949,7 +958,7 @@ impl ExportFormat {
     /// below; not f32, f16 or q8_0, which llama.cpp quantizes the same with or without one).
     pub fn calibrated(self) -> bool {
         use ExportFormat as F;
-        matches!(self, F::GgufQ6K | F::GgufQ5KM | F::GgufQ5KS | F::GgufQ4KM | F::GgufQ4KS | F::GgufQ4_0 | F::GgufQ4K)
+        !matches!(self, F::PeftAdapter | F::SafetensorsMerged | F::GgufF32 | F::GgufF16 | F::GgufQ8_0)
     }
 
     /// The format an older name stands for (`gguf-q4_k` → `gguf-q4_k_m`), else itself.

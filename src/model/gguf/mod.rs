@@ -51,12 +51,14 @@ pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target:
             Arch::Qwen2 => true,
             Arch::Qwen3 => false,
         };
+    let gqa = cfg.num_heads / cfg.num_kv_heads.max(1);
     let mut out = Vec::new();
     for (index, (hf, shape)) in weights.iter().enumerate() {
         let Some(name) = tensor_name(hf) else { continue };
         let (ty, fallback) = match shape.as_slice() {
             [_, row] => {
-                tensor_type(target, &Site { name: &name, row: *row, layers: cfg.num_layers, tied, is_70b, imatrix })
+                let site = Site { name: &name, row: *row, layers: cfg.num_layers, tied, is_70b, gqa, imatrix };
+                tensor_type(target, &site)
             }
             _ => (GgmlDType::F32, None),
         };
@@ -88,6 +90,10 @@ pub fn target(format: ExportFormat) -> Option<Target> {
         F::GgufQ4KM | F::GgufQ4K => (GgmlDType::Q4K, 15, "q4_k_m"),
         F::GgufQ4KS => (GgmlDType::Q4K, 14, "q4_k_s"),
         F::GgufQ4_0 => (GgmlDType::Q4_0, 2, "q4_0"),
+        F::GgufQ3KL => (GgmlDType::Q3K, 13, "q3_k_l"),
+        F::GgufQ3KM => (GgmlDType::Q3K, 12, "q3_k_m"),
+        F::GgufQ3KS => (GgmlDType::Q3K, 11, "q3_k_s"),
+        F::GgufQ2K => (GgmlDType::Q2K, 10, "q2_k"),
         F::PeftAdapter | F::SafetensorsMerged => return None,
     };
     Some(Target { format: format.canonical(), ty, file_type, tag })
@@ -106,16 +112,20 @@ pub struct Site<'a> {
     /// llama.cpp takes the model for a 70B (80 layers, grouped-query attention) and gives its
     /// small value projections more bits.
     pub is_70b: bool,
+    /// Query heads per key/value head (llama.cpp's `n_gqa`).
+    pub gqa: usize,
     /// The export has an importance matrix.
     pub imatrix: bool,
 }
 
 /// The ggml type of a 2-D weight in `target`, as llama.cpp's `llama-quantize` chooses it
-/// (`llama_tensor_get_type` for these architectures, without an importance matrix or
-/// overrides): the output layer (or tied embeddings) in Q6_K; for `_M` mixes the value
-/// projections and MLP down projections of the first and last eighths of the layers and every
-/// third between in Q6_K, for `q4_k_s` those of the first layers in Q5_K; then, where a row is
-/// not whole blocks, llama.cpp's fallback (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, else F16).
+/// (`llama_tensor_get_type` for these architectures, without overrides): the output layer (or
+/// tied embeddings) in Q6_K; for `q4_k_m`/`q5_k_m` the value projections and MLP down
+/// projections of the first and last eighths of the layers and every third between in Q6_K, for
+/// `q4_k_s` those of the first layers in Q5_K; the 3- and 2-bit mixes' wider value, output and
+/// down projections (Q3_K to Q5_K by layer, head grouping and mix); then, where a row is not
+/// whole blocks, llama.cpp's fallback (Q2_K/Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0,
+/// else F16).
 /// With an importance matrix, `q4_0` stores the first eighth's MLP down projections in Q4_1.
 /// Returns the type and, when the row forced a fallback, why.
 pub fn tensor_type(target: Target, site: &Site<'_>) -> (GgmlDType, Option<String>) {
@@ -141,16 +151,25 @@ pub fn tensor_type(target: Target, site: &Site<'_>) -> (GgmlDType, Option<String
         };
     } else if let Some(i) = layer() {
         match (part, target.format) {
+            ("attn_v", F::GgufQ2K) => ty = if site.gqa >= 4 { GgmlDType::Q4K } else { GgmlDType::Q3K },
+            ("attn_v", F::GgufQ3KM) => ty = if i < 2 { GgmlDType::Q5K } else { GgmlDType::Q4K },
+            ("attn_v", F::GgufQ3KL) => ty = GgmlDType::Q5K,
             ("attn_v", F::GgufQ4KM | F::GgufQ5KM) if more_bits(i, n) => ty = GgmlDType::Q6K,
             ("attn_v", F::GgufQ4KS) if i < 4 => ty = GgmlDType::Q5K,
+            ("ffn_down", F::GgufQ2K) => ty = GgmlDType::Q3K,
+            ("ffn_down", F::GgufQ3KM) => ty = if i < n / 16 { GgmlDType::Q5K } else { GgmlDType::Q4K },
+            ("ffn_down", F::GgufQ3KL) => ty = GgmlDType::Q5K,
             ("ffn_down", F::GgufQ4KM | F::GgufQ5KM) if more_bits(i, n) => ty = GgmlDType::Q6K,
             ("ffn_down", F::GgufQ4KS) if i < n / 8 => ty = GgmlDType::Q5K,
+            ("attn_output", F::GgufQ2K) => ty = GgmlDType::Q3K,
+            ("attn_output", F::GgufQ3KM) => ty = GgmlDType::Q4K,
+            ("attn_output", F::GgufQ3KL) => ty = GgmlDType::Q5K,
             // "Guard against craziness in the first few ffn_down layers" (llama.cpp), only
             // with an importance matrix, so that a file without one stays as it was.
             ("ffn_down", F::GgufQ4_0) if site.imatrix && i < n / 8 => ty = GgmlDType::Q4_1,
             _ => {}
         }
-        if part == "attn_v" && site.is_70b && ty == GgmlDType::Q4K {
+        if part == "attn_v" && site.is_70b && matches!(ty, GgmlDType::Q3K | GgmlDType::Q4K) {
             ty = GgmlDType::Q5K;
         }
     }
@@ -158,6 +177,7 @@ pub fn tensor_type(target: Target, site: &Site<'_>) -> (GgmlDType, Option<String
         return (ty, None);
     }
     let mut fallback = match ty {
+        GgmlDType::Q2K | GgmlDType::Q3K => GgmlDType::Q4_0,
         GgmlDType::Q4K => GgmlDType::Q5_0,
         GgmlDType::Q5K => GgmlDType::Q5_1,
         GgmlDType::Q6K => GgmlDType::Q8_0,

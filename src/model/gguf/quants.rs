@@ -19,7 +19,7 @@ use half::f16;
 use rayon::prelude::*;
 
 /// The types [`quantize`] writes.
-pub const WRITTEN: [GgmlDType; 10] = [
+pub const WRITTEN: [GgmlDType; 12] = [
     GgmlDType::F32,
     GgmlDType::F16,
     GgmlDType::Q8_0,
@@ -27,6 +27,8 @@ pub const WRITTEN: [GgmlDType; 10] = [
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
     GgmlDType::Q5_1,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
     GgmlDType::Q4K,
     GgmlDType::Q5K,
     GgmlDType::Q6K,
@@ -73,9 +75,11 @@ pub fn quantize(ty: GgmlDType, x: &[f32], importance: Option<&[f32]>) -> Result<
 fn weighted_row(ty: GgmlDType, x: &[f32], qw: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(x.len() / ty.block_size() * ty.type_size());
     match ty {
-        GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => {
+        GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => {
             for (b, w) in x.chunks_exact(QK_K).zip(qw.chunks_exact(QK_K)) {
                 match ty {
+                    GgmlDType::Q2K => q2_k_weighted(b, w, &mut out),
+                    GgmlDType::Q3K => q3_k_weighted(b, w, &mut out),
                     GgmlDType::Q4K => q4_k_weighted(b, w, &mut out),
                     GgmlDType::Q5K => q5_k_weighted(b, w, &mut out),
                     _ => q6_k_weighted(b, w, &mut out),
@@ -137,6 +141,8 @@ fn blocks(ty: GgmlDType, x: &[f32]) -> Vec<u8> {
         GgmlDType::Q4K => blocks.for_each(|b| q4_k(b, &mut out)),
         GgmlDType::Q5K => blocks.for_each(|b| q5_k(b, &mut out)),
         GgmlDType::Q6K => blocks.for_each(|b| q6_k(b, &mut out)),
+        GgmlDType::Q2K => blocks.for_each(|b| q2_k(b, &mut out)),
+        GgmlDType::Q3K => blocks.for_each(|b| q3_k(b, &mut out)),
         _ => unreachable!("checked by quantize"),
     }
     out
@@ -239,8 +245,10 @@ fn five_bits(d: &[u8; 2], m: Option<&[u8; 2]>, q: impl Fn(usize) -> u8, out: &mu
 }
 
 /// ggml's `make_qkx2_quants`: a scale and minimum for `x` in levels `0..=nmax`, searched over
-/// `nstep + 1` candidate scales around the range's, minimising the `weights`-weighted squared
-/// error. Writes the levels to `l`; returns `(scale, -min)`.
+/// `nstep + 1` candidate scales around the range's (`rmin + rdelta · step`), minimising the
+/// `weights`-weighted squared error, or absolute error with `mad`. Writes the levels to `l`;
+/// returns `(scale, -min)`.
+#[allow(clippy::too_many_arguments)]
 fn make_qkx2_quants(
     nmax: i32,
     x: &[f32],
@@ -249,7 +257,9 @@ fn make_qkx2_quants(
     rmin: f32,
     rdelta: f32,
     nstep: i32,
+    mad: bool,
 ) -> (f32, f32) {
+    let err = |diff: f32| if mad { diff.abs() } else { diff * diff };
     let n = x.len();
     let (mut min, mut max) = (x[0], x[0]);
     let mut sum_w = weights[0];
@@ -278,8 +288,7 @@ fn make_qkx2_quants(
     let mut best_error = 0f32;
     for i in 0..n {
         l[i] = level(iscale, x[i], min) as u8;
-        let diff = scale * l[i] as f32 + min - x[i];
-        best_error += weights[i] * (diff * diff);
+        best_error += weights[i] * err(scale * l[i] as f32 + min - x[i]);
     }
     let mut aux = [0u8; 32];
     for is in 0..=nstep {
@@ -303,8 +312,7 @@ fn make_qkx2_quants(
             }
             let mut cur_error = 0f32;
             for i in 0..n {
-                let diff = this_scale * aux[i] as f32 + this_min - x[i];
-                cur_error += weights[i] * (diff * diff);
+                cur_error += weights[i] * err(this_scale * aux[i] as f32 + this_min - x[i]);
             }
             if cur_error < best_error {
                 l[..n].copy_from_slice(&aux[..n]);
@@ -521,7 +529,8 @@ fn k_scales(x: &[f32], nmax: i32, rmin: f32, nstep: i32) -> ([u8; 2], [u8; 2], [
         let sum_x2 = g.iter().fold(0f32, |s, v| s + v * v);
         let av_x = (sum_x2 / 32.0).sqrt();
         let weights: Vec<f32> = g.iter().map(|v| av_x + v.abs()).collect();
-        (scales[j], mins[j]) = make_qkx2_quants(nmax, g, &weights, &mut l[32 * j..32 * j + 32], rmin, 0.1, nstep);
+        (scales[j], mins[j]) =
+            make_qkx2_quants(nmax, g, &weights, &mut l[32 * j..32 * j + 32], rmin, 0.1, nstep, false);
         if scales[j] > max_scale {
             max_scale = scales[j];
         }
@@ -716,5 +725,235 @@ fn q6_k_with(x: &[f32], qw: Option<&[f32]>, out: &mut Vec<u8>) {
     out.extend_from_slice(&ql);
     out.extend_from_slice(&qh);
     out.extend(sc.iter().map(|&s| s as u8));
+    out.extend_from_slice(&d);
+}
+
+/// Two-bit levels of a K-quant super-block, four to a byte: byte `i` of each 32-byte run holds
+/// values `i`, `i + 32`, `i + 64` and `i + 96` of its 128.
+fn two_bits(l: &[u8; QK_K]) -> [u8; QK_K / 4] {
+    let mut qs = [0u8; QK_K / 4];
+    for j in (0..QK_K).step_by(128) {
+        for i in 0..32 {
+            qs[j / 4 + i] = l[j + i] | (l[j + i + 32] << 2) | (l[j + i + 64] << 4) | (l[j + i + 96] << 6);
+        }
+    }
+    qs
+}
+
+/// ggml's `quantize_row_q2_K_ref`: sixteen groups of 16, each a scale and a minimum from
+/// `make_qkx2_quants` (weights |x|, absolute error), both stored in four bits against the
+/// largest, then every value re-levelled in 0..=3.
+fn q2_k(x: &[f32], out: &mut Vec<u8>) {
+    let mut l = [0u8; QK_K];
+    let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for j in 0..16 {
+        let g = &x[16 * j..16 * j + 16];
+        let weights: Vec<f32> = g.iter().map(|v| v.abs()).collect();
+        (scales[j], mins[j]) = make_qkx2_quants(3, g, &weights, &mut l[16 * j..16 * j + 16], -0.5, 0.1, 15, true);
+        if scales[j] > max_scale {
+            max_scale = scales[j];
+        }
+        if mins[j] > max_min {
+            max_min = mins[j];
+        }
+    }
+    let mut sc = [0u8; 16];
+    let mut d = half(0.0);
+    if max_scale > 0.0 {
+        let iscale = 15.0 / max_scale;
+        for j in 0..16 {
+            sc[j] = nearest_int(iscale * scales[j]) as u8;
+        }
+        d = half(max_scale / 15.0);
+    }
+    let mut dmin = half(0.0);
+    if max_min > 0.0 {
+        let iscale = 15.0 / max_min;
+        for j in 0..16 {
+            sc[j] |= (nearest_int(iscale * mins[j]) << 4) as u8;
+        }
+        dmin = half(max_min / 15.0);
+    }
+    q2_k_block(x, sc, d, dmin, &mut l, out);
+}
+
+/// ggml's `quantize_row_q2_K_impl`: each group's scale and minimum from `make_qkx3_quants`
+/// with the weights `qw · √(σ² + x²)`, both sets stored through `make_qp_quants` in four bits.
+fn q2_k_weighted(x: &[f32], qw: &[f32], out: &mut Vec<u8>) {
+    let mut l = [0u8; QK_K];
+    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sigma2 = sum_x2 / QK_K as f32;
+    let (mut scales, mut mins, mut sw) = ([0f32; 16], [0f32; 16], [0f32; 16]);
+    for j in 0..16 {
+        let g = &x[16 * j..16 * j + 16];
+        let weights: Vec<f32> =
+            g.iter().zip(&qw[16 * j..16 * j + 16]).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
+        sw[j] = weights.iter().fold(0f32, |s, w| s + w);
+        (scales[j], mins[j]) = make_qkx3_quants(3, g, &weights, &mut l[16 * j..16 * j + 16]);
+    }
+    let (mut ls, mut lm) = ([0u8; 16], [0u8; 16]);
+    let d = half(make_qp_quants(15, &scales, &mut ls, &sw));
+    let dmin = half(make_qp_quants(15, &mins, &mut lm, &sw));
+    let sc: [u8; 16] = std::array::from_fn(|j| ls[j] | (lm[j] << 4));
+    q2_k_block(x, sc, d, dmin, &mut l, out);
+}
+
+/// A Q2_K block: every value re-levelled against its group's stored scale and minimum (a group
+/// whose scale is zero keeps its levels), then the scales, the levels, the super-scales.
+fn q2_k_block(x: &[f32], sc: [u8; 16], d: [u8; 2], dmin: [u8; 2], l: &mut [u8; QK_K], out: &mut Vec<u8>) {
+    for (j, s) in sc.iter().enumerate() {
+        let dj = unhalf(d) * (s & 0xf) as f32;
+        if dj == 0.0 {
+            continue;
+        }
+        let m = unhalf(dmin) * (s >> 4) as f32;
+        for i in 16 * j..16 * j + 16 {
+            l[i] = nearest_int((x[i] + m) / dj).clamp(0, 3) as u8;
+        }
+    }
+    out.extend_from_slice(&sc);
+    out.extend_from_slice(&two_bits(l));
+    out.extend_from_slice(&d);
+    out.extend_from_slice(&dmin);
+}
+
+/// ggml's `make_q3_quants` with `do_rmse`: a signed scale for `x` in levels `-nmax..nmax`,
+/// starting from `nmax / max` and refined a value at a time (five rounds at most), each value
+/// weighted by its square. Writes the levels (offset by `nmax`) to `l`.
+fn make_q3_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
+    let (max, amax) = signed_max(x);
+    if amax < GROUP_MAX_EPS {
+        l.fill(0);
+        return 0.0;
+    }
+    let iscale = -(nmax as f32) / max;
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    for (i, &v) in x.iter().enumerate() {
+        let q = nearest_int(iscale * v).clamp(-nmax, nmax - 1);
+        l[i] = q as i8;
+        let w = v * v;
+        sumlx += w * v * q as f32;
+        suml2 += w * q as f32 * q as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = 0;
+        for (i, &v) in x.iter().enumerate() {
+            let (w, li) = (v * v, l[i] as f32);
+            let mut slx = sumlx - w * v * li;
+            if slx > 0.0 {
+                let mut sl2 = suml2 - w * li * li;
+                let new_l = nearest_int(v * sl2 / slx).clamp(-nmax, nmax - 1);
+                if new_l != l[i] as i32 {
+                    slx += w * v * new_l as f32;
+                    sl2 += w * new_l as f32 * new_l as f32;
+                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        l[i] = new_l as i8;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed += 1;
+                    }
+                }
+            }
+        }
+        if changed == 0 {
+            break;
+        }
+    }
+    for q in l.iter_mut() {
+        *q += nmax as i8;
+    }
+    if suml2 > 0.0 { sumlx / suml2 } else { 0.0 }
+}
+
+/// ggml's `quantize_row_q3_K_ref`: sixteen groups of 16 with signed scales from
+/// `make_q3_quants`, stored in six bits against the largest (packed into 12 bytes).
+fn q3_k(x: &[f32], out: &mut Vec<u8>) {
+    let mut l = [0i8; QK_K];
+    let mut scales = [0f32; 16];
+    let (mut max_scale, mut amax) = (0f32, 0f32);
+    for j in 0..16 {
+        scales[j] = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16]);
+        if scales[j].abs() > amax {
+            amax = scales[j].abs();
+            max_scale = scales[j];
+        }
+    }
+    let mut sc = [0u8; 12];
+    let mut d = half(0.0);
+    if max_scale != 0.0 {
+        let iscale = -32.0 / max_scale;
+        let levels: [i32; 16] =
+            std::array::from_fn(|j| i32::from(nearest_int(iscale * scales[j]) as i8).clamp(-32, 31) + 32);
+        sc = q3_k_scales(&levels);
+        d = half(1.0 / iscale);
+    }
+    q3_k_block(x, sc, d, &mut l, out);
+}
+
+/// ggml's `quantize_row_q3_K_impl`: each group's scale from the weighted `make_qx_quants` with
+/// `qw · √(σ² + x²)`, the scales themselves stored by `make_qx_quants` weighted by the groups'
+/// summed weights.
+fn q3_k_weighted(x: &[f32], qw: &[f32], out: &mut Vec<u8>) {
+    let mut l = [0i8; QK_K];
+    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sigma2 = 2.0 * sum_x2 / QK_K as f32;
+    let (mut scales, mut sw) = ([0f32; 16], [0f32; 16]);
+    for j in 0..16 {
+        let g = &x[16 * j..16 * j + 16];
+        let weights: Vec<f32> =
+            g.iter().zip(&qw[16 * j..16 * j + 16]).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
+        sw[j] = weights.iter().fold(0f32, |s, w| s + w);
+        scales[j] = make_qx_quants(4, g, &mut l[16 * j..16 * j + 16], Some(&weights));
+    }
+    let mut ls = [0i8; 16];
+    let d_block = make_qx_quants(32, &scales, &mut ls, Some(&sw));
+    let levels: [i32; 16] = std::array::from_fn(|j| i32::from(ls[j]));
+    q3_k_block(x, q3_k_scales(&levels), half(d_block), &mut l, out);
+}
+
+/// Sixteen six-bit Q3_K scale levels (0..=63) packed into 12 bytes: the low nibbles two to a
+/// byte, the high two bits four to a byte.
+fn q3_k_scales(levels: &[i32; 16]) -> [u8; 12] {
+    let mut sc = [0u8; 12];
+    for (j, &l) in levels.iter().enumerate() {
+        if j < 8 {
+            sc[j] = (l & 0xf) as u8;
+        } else {
+            sc[j - 8] |= ((l & 0xf) << 4) as u8;
+        }
+        sc[j % 4 + 8] |= ((l >> 4) << (2 * (j / 4))) as u8;
+    }
+    sc
+}
+
+/// A Q3_K block: every value re-levelled in -4..=3 against its group's stored scale (a group
+/// whose scale is zero keeps its levels), the levels' high bits as a mask, their low two bits
+/// four to a byte, the scales, the super-scale.
+fn q3_k_block(x: &[f32], sc: [u8; 12], d: [u8; 2], l: &mut [i8; QK_K], out: &mut Vec<u8>) {
+    for j in 0..16 {
+        let low = if j < 8 { sc[j] & 0xf } else { sc[j - 8] >> 4 };
+        let level = i32::from(low | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+        let dj = unhalf(d) * level as f32;
+        if dj == 0.0 {
+            continue;
+        }
+        for i in 16 * j..16 * j + 16 {
+            l[i] = (nearest_int(x[i] / dj).clamp(-4, 3) + 4) as i8;
+        }
+    }
+    let mut levels = [0u8; QK_K];
+    let mut hmask = [0u8; QK_K / 8];
+    for (j, &q) in l.iter().enumerate() {
+        let mut q = q as u8;
+        if q > 3 {
+            hmask[j % 32] |= 1 << (j / 32);
+            q -= 4;
+        }
+        levels[j] = q;
+    }
+    out.extend_from_slice(&hmask);
+    out.extend_from_slice(&two_bits(&levels));
+    out.extend_from_slice(&sc);
     out.extend_from_slice(&d);
 }
