@@ -21,7 +21,10 @@ import gguf
 import llama_cpp
 import numpy as np
 
-FTYPES = {"f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q5_k_s": 16, "q4_k_m": 15, "q4_k_s": 14, "q4_0": 2}
+FTYPES = {
+    "f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q5_k_s": 16, "q4_k_m": 15, "q4_k_s": 14, "q4_0": 2,
+    "q3_k_l": 13, "q3_k_m": 12, "q3_k_s": 11, "q2_k": 10,
+}
 
 
 def read_imatrix(path: str) -> dict:
