@@ -12,7 +12,6 @@ then loads rtune's file in llama.cpp and compares its logits on a prompt with th
 llama.cpp's own file. Exit status 1 on any difference. Never run in CI (no Python there).
 """
 
-import ctypes
 import os
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import tempfile
 import gguf
 import llama_cpp
 import numpy as np
+from make_quant_fixtures import quantize  # llama_model_quantize, with an importance matrix
 
 FTYPES = {
     "f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q5_k_s": 16, "q4_k_m": 15, "q4_k_s": 14, "q4_0": 2,
@@ -40,22 +40,6 @@ def read_imatrix(path: str) -> dict:
             count = np.float32(round(float(t[base + ".counts"][0])))
             out[base] = (sums / count).astype(np.float32) if count > 0 else np.ones_like(sums)
     return out
-
-
-def quantize(src: str, dst: str, ftype: int, imatrix=None) -> None:
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype = ftype
-    p.nthread = os.cpu_count() or 1
-    if imatrix is not None:
-        keep = [(k.encode(), np.ascontiguousarray(v, dtype=np.float32)) for k, v in imatrix.items()]
-        arr = (llama_cpp.llama_model_imatrix_data * (len(keep) + 1))()
-        for i, (name, v) in enumerate(keep):
-            arr[i].name = name
-            arr[i].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            arr[i].size = v.size
-        p.imatrix = arr
-    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p))
-    assert rc == 0, f"llama_model_quantize → {ftype}: {rc}"
 
 
 def logits(path: str, ids) -> np.ndarray:

@@ -371,77 +371,12 @@ fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8], qw: Option<&[f32]>) -> f32
 }
 
 /// ggml's `make_qkx3_quants` as its weighted quantizers call it (`rmin` −0.9, `rdelta` 0.05,
-/// 36 steps, squared error): like [`make_qkx2_quants`] with the importance `weights` and a finer
-/// grid. Writes the levels to `l`; returns `(scale, -min)`.
+/// 36 steps, squared error): [`make_qkx2_quants`]'s search, with the importance `weights` and a
+/// finer grid. Writes the levels to `l`; returns `(scale, -min)`.
 fn make_qkx3_quants(nmax: i32, x: &[f32], weights: &[f32], l: &mut [u8]) -> (f32, f32) {
-    const RMIN: f32 = -0.9;
-    const RDELTA: f32 = 0.05;
-    const NSTEP: i32 = 36;
-    let n = x.len();
-    let (mut min, mut max) = (x[0], x[0]);
-    let mut sum_w = weights[0];
-    let mut sum_x = sum_w * x[0];
-    for i in 1..n {
-        if x[i] < min {
-            min = x[i];
-        }
-        if x[i] > max {
-            max = x[i];
-        }
-        let w = weights[i];
-        sum_w += w;
-        sum_x += w * x[i];
-    }
-    if min > 0.0 {
-        min = 0.0;
-    }
-    if max <= min {
-        l.fill(0);
-        return (0.0, -min);
-    }
-    let level = |iscale: f32, v: f32, min: f32| nearest_int(iscale * (v - min)).clamp(0, nmax);
-    let mut iscale = nmax as f32 / (max - min);
-    let mut scale = 1.0 / iscale;
-    let mut best = 0f32;
-    for i in 0..n {
-        l[i] = level(iscale, x[i], min) as u8;
-        let diff = scale * l[i] as f32 + min - x[i];
-        best += weights[i] * (diff * diff);
-    }
-    let mut aux = [0u8; 32];
-    for is in 0..=NSTEP {
-        iscale = (RMIN + RDELTA * is as f32 + nmax as f32) / (max - min);
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
-        for i in 0..n {
-            let q = level(iscale, x[i], min);
-            aux[i] = q as u8;
-            let (w, q) = (weights[i], q as f32);
-            sum_l += w * q;
-            sum_l2 += w * q * q;
-            sum_xl += w * q * x[i];
-        }
-        let d = sum_w * sum_l2 - sum_l * sum_l;
-        if d > 0.0 {
-            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / d;
-            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d;
-            if this_min > 0.0 {
-                this_min = 0.0;
-                this_scale = sum_xl / sum_l2;
-            }
-            let mut cur = 0f32;
-            for i in 0..n {
-                let diff = this_scale * aux[i] as f32 + this_min - x[i];
-                cur += weights[i] * (diff * diff);
-            }
-            if cur < best {
-                l[..n].copy_from_slice(&aux[..n]);
-                best = cur;
-                scale = this_scale;
-                min = this_min;
-            }
-        }
-    }
-    (scale, -min)
+    // ggml's two functions differ only in their parameters (and in testing `max <= min` where
+    // make_qkx2 tests `max == min`: the same, since `min` is at most the smallest value).
+    make_qkx2_quants(nmax, x, weights, l, -0.9, 0.05, 36, false)
 }
 
 /// ggml's `make_qp_quants`: one non-negative scale for the values `x` (a super-block's eight
