@@ -9,7 +9,8 @@
 #    every kernel against a reference, the engine against candle autograd on the fixtures;
 # 3. the default recipe runs end to end on CUDA (f32), and on the CPU: eval losses and the first
 #    50 training losses are compared;
-# 4. the default recipe's training in bf16 and f16 (loss scaling) on CUDA;
+# 4. the default recipe's training in bf16 and f16 (loss scaling) on CUDA; a q4_k_m export
+#    calibrated by an importance matrix computed on CUDA, beside the CPU's;
 # 5. a full fine-tune of the default recipe's model, 50 steps on CUDA (the GPU engine, and
 #    candle's autograd with RTUNE_ENGINE=candle) and on the CPU (the fused CPU engine), compared;
 # 6. QLoRA (`adapter.quantize_base = "nf4-dq"`), 50 steps on CUDA and on the CPU, compared;
@@ -47,6 +48,10 @@ step "default recipe on CUDA (f32)"
 run_recipe tiny-cuda /tmp/rtune-cache-cuda
 step "default recipe on the CPU"
 run_recipe tiny-cpu /tmp/rtune-cache-cpu --set 'device.prefer=["cpu"]'
+step "a calibrated GGUF (the importance matrix's pass on the device) on CUDA and the CPU"
+calibrated=(--only quantize --set 'stages.quantize.formats=["gguf-q4_k_m"]')
+run_recipe q4km-cuda /tmp/rtune-cache-cuda "${calibrated[@]}"
+run_recipe q4km-cpu /tmp/rtune-cache-cpu "${calibrated[@]}" --set 'device.prefer=["cpu"]'
 step "default recipe's training on CUDA in bf16 and f16"
 run_recipe tiny-bf16 /tmp/rtune-cache-cuda --only train --set 'device.dtype=["bf16"]'
 run_recipe tiny-f16 /tmp/rtune-cache-cuda --only train --set 'device.dtype=["f16"]'

@@ -58,6 +58,11 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
         let budget = imatrix_budget(s.imatrix_tokens, merged.params(), device.is_cpu());
         let start = std::time::Instant::now();
         let im = importance_matrix(ctx, &merged, &train, budget, &device, &key.settings.name)?;
+        if im.is_empty() {
+            return Err(StageError::Internal(
+                "the train split has no tokens to calibrate the GGUF quantization with (set `imatrix = false`)".into(),
+            ));
+        }
         mkdir(&ctx.out.join("gguf"))?;
         im.write(&ctx.out.join("gguf").join("imatrix.gguf"))?;
         ctx.ui.status(
