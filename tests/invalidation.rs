@@ -29,7 +29,8 @@ const NO_EFFECT: &[(&str, &str)] = &[
 ];
 
 /// Keys that name a different source (a Hub repo, a revision, a file list, a local path): their
-/// content, not their value, is fingerprinted, and tests/hub.rs and tests/pipeline.rs change it.
+/// content, not their value, is fingerprinted, and tests/hub.rs and tests/pipeline.rs change it
+/// (`imatrix_file`: `a_named_importance_matrix_calibrates`).
 const SOURCES: &[&str] = &[
     "model.path",
     "model.repo",
@@ -39,6 +40,7 @@ const SOURCES: &[&str] = &[
     "dataset.revision",
     "dataset.files",
     "stages.evaluate.dataset",
+    "stages.quantize.imatrix_file",
 ];
 
 /// A changed value for every other key, as `--set` arguments.

@@ -1098,6 +1098,42 @@ fn imatrix_file_reads_back() {
     assert!(err.contains("blocks.gguf"), "{err}");
 }
 
+/// llama.cpp's two imatrix formats, as its own llama-imatrix wrote the same matrix in each
+/// (`scripts/make_imatrix_fixtures.sh`): rtune reads both to the importance llama-quantize
+/// computes from them (the GGUF's sums over its counts; the `.dat`'s means times chunks over its
+/// chunks), the same within f32 rounding, with their dataset's name.
+#[test]
+fn llama_imatrix_files_read_alike() {
+    use rtune::model::gguf::Imatrix;
+    let gguf = Imatrix::read(&quant_fixture("llama-imatrix.gguf")).unwrap();
+    let dat = Imatrix::read(&quant_fixture("llama-imatrix.dat")).unwrap();
+    assert_eq!(gguf.len(), 14, "two layers of seven linears");
+    assert_eq!(gguf.columns().collect::<Vec<_>>(), dat.columns().collect::<Vec<_>>());
+    assert_eq!(
+        (gguf.datasets.as_slice(), dat.datasets.as_slice()),
+        (&["text.txt".to_string()][..], &["text.txt".to_string()][..])
+    );
+    assert_eq!(gguf.tokens(), 40 * 64, "40 chunks of 64 tokens");
+    for (name, _) in gguf.columns() {
+        let (a, b) = (gguf.importance(name).unwrap(), dat.importance(name).unwrap());
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * x.abs().max(1e-12), "{name}: {x} vs {y}");
+        }
+        assert!(a.iter().all(|v| *v > 0.0), "{name}");
+    }
+    // rtune's own file of a legacy matrix reads back to the same importance, bit for bit.
+    let dir = tempfile::tempdir().unwrap();
+    dat.write(&dir.path().join("m.gguf")).unwrap();
+    let again = Imatrix::read(&dir.path().join("m.gguf")).unwrap();
+    for (name, _) in dat.columns() {
+        assert_eq!(again.importance(name), dat.importance(name), "{name}");
+    }
+    // A file of neither format is refused with its path.
+    std::fs::write(dir.path().join("junk.dat"), [7u8; 10]).unwrap();
+    let err = Imatrix::read(&dir.path().join("junk.dat")).unwrap_err();
+    assert!(format!("{err}").contains("junk.dat"), "{err}");
+}
+
 /// The fused CPU cross-entropy gives the composed version's loss and logits gradient.
 #[test]
 fn fused_cross_entropy_matches_the_composed_one() {

@@ -1653,3 +1653,62 @@ fn calibrated_gguf_exports_carry_their_importance_matrix() {
     assert_ne!(bytes(&on, "model-q4_k_m.gguf"), bytes(&off, "model-q4_k_m.gguf"), "calibration changes the blocks");
     assert_eq!(bytes(&on, "model-q8_0.gguf"), bytes(&off, "model-q8_0.gguf"));
 }
+
+/// `imatrix_file`: a named importance matrix calibrates the GGUFs instead of a computed one —
+/// rtune's own file gives the very bytes its computed matrix gave, llama.cpp's `.dat` (made by
+/// llama-imatrix for this model's shape) is read too, its content is fingerprinted (an edit
+/// re-runs the stage), and one made for another shape is a located error.
+#[test]
+fn a_named_importance_matrix_calibrates() {
+    let p = Project::tiny_offline();
+    let formats = "stages.quantize.formats=[\"gguf-q4_k_m\"]";
+    let run = |extra: &[&str]| {
+        let report = p.run_json(&args(&["tiny.toml"], &args(&args(FAST, &["--set", formats]), extra)));
+        artifact(&report, "quantize")
+    };
+    let computed = run(&["--set", "stages.quantize.imatrix_tokens=500"]);
+    std::fs::copy(computed.join("gguf/imatrix.gguf"), p.path().join("calib.gguf")).unwrap();
+    let named = run(&["--set", "stages.quantize.imatrix_file=\"calib.gguf\""]);
+    assert_ne!(named, computed);
+    let bytes = |dir: &Path, f: &str| std::fs::read(dir.join("gguf").join(f)).unwrap();
+    assert_eq!(bytes(&named, "model-q4_k_m.gguf"), bytes(&computed, "model-q4_k_m.gguf"));
+    assert_eq!(bytes(&named, "imatrix.gguf"), bytes(&computed, "imatrix.gguf"), "written again as it was read");
+    let exports: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(named.join("exports.json")).unwrap()).unwrap();
+    assert_eq!(exports["formats"]["imatrix"]["given"], true);
+    let card = std::fs::read_to_string(p.path().join("out/tiny-offline/README.md")).unwrap();
+    assert!(card.contains("| `gguf/imatrix.gguf` (the recipe's file) |"), "{card}");
+
+    // llama.cpp's older format, from llama-imatrix itself.
+    let fixture = root().join("tests/fixtures/quant/llama-imatrix.dat");
+    std::fs::copy(&fixture, p.path().join("calib.dat")).unwrap();
+    let from_dat = run(&["--set", "stages.quantize.imatrix_file=\"calib.dat\""]);
+    let back = rtune::model::gguf::Imatrix::read(&from_dat.join("gguf/imatrix.gguf")).unwrap();
+    let theirs = rtune::model::gguf::Imatrix::read(&fixture).unwrap();
+    assert_eq!(back.importance("blk.1.ffn_down.weight"), theirs.importance("blk.1.ffn_down.weight"));
+
+    // Its content, not its name, is what counts.
+    let set = args(FAST, &["--set", formats, "--set", "stages.quantize.imatrix_file=\"calib.dat\""]);
+    let plan = |set: &[&str]| stdout(&p.run(&args(&["plan", "tiny.toml"], set)));
+    assert!(plan(&set).contains("0 to run"), "{}", plan(&set));
+    let mut edited = std::fs::read(p.path().join("calib.dat")).unwrap();
+    let last = edited.len() - 12;
+    edited[last] ^= 1;
+    std::fs::write(p.path().join("calib.dat"), edited).unwrap();
+    let again = plan(&set);
+    assert!(again.lines().any(|l| l.starts_with("quantize ") && l.contains("source changed: imatrix")), "{again}");
+
+    // A matrix made for another shape is refused before any file is written.
+    let mut other = rtune::model::gguf::Imatrix::new("another model");
+    let x = candle_core::Tensor::ones((4, 32), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    other.add(0, &[0, 1, 2], &x).unwrap();
+    other.write(&p.path().join("other.gguf")).unwrap();
+    let o = p.run(&args(
+        &["run", "tiny.toml"],
+        &args(FAST, &["--set", formats, "--set", "stages.quantize.imatrix_file=\"other.gguf\""]),
+    ));
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("rtune::quantize::imatrix_mismatch"), "{err}");
+    assert!(err.contains("gives `blk.0.attn_k.weight` 32 input columns where this model has 64"), "{err}");
+}

@@ -125,6 +125,9 @@ pub struct Sources {
     pub model: Option<Source>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dataset: Option<Source>,
+    /// `quantize`'s `imatrix_file`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub imatrix: Option<Source>,
 }
 
 /// A source, hashed by what it holds.
@@ -277,6 +280,9 @@ pub struct EvaluateKeySettings {
 pub struct QuantizeKey {
     pub settings: QuantizeKeySettings,
     pub device: DeviceKey,
+    /// The importance matrix file, by content, when the recipe names one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sources: Option<Sources>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -421,7 +427,7 @@ mod tests {
                         model: ModelKey::Path { path: BY_CONTENT },
                         dataset: DatasetKey::Repo { repo: "owner/data".into() },
                     },
-                    sources: Sources { model: Some(local("m")), dataset: Some(hub) },
+                    sources: Sources { model: Some(local("m")), dataset: Some(hub), imatrix: None },
                 }),
                 inputs(&[]),
                 r#"{"fingerprint_version":3,"inputs":{},"kind":"download","settings":{"dataset":{"repo":"owner/data"},"model":{"path":"(by content)"}},"sources":{"dataset":{"commit":"cccccccccccccccccccccccccccccccccccccccc","exclude":[".*"],"hub":"owner/data","include":["*.jsonl"],"revision":"v1"},"model":"m"},"stage_version":1}"#,
@@ -456,7 +462,7 @@ mod tests {
                         seed: 7,
                     },
                     device: device(),
-                    sources: Some(Sources { model: None, dataset: Some(local("d")) }),
+                    sources: Some(Sources { dataset: Some(local("d")), ..Sources::default() }),
                 }),
                 inputs(&["model", "weights"]),
                 r#"{"device":{"class":"cuda","dtype":"bf16"},"fingerprint_version":3,"inputs":{"model":"fp-model","weights":"fp-weights"},"kind":"evaluate","settings":{"data":{"column_map":{"output":"response"},"format":"alpaca","max_seq_len":256,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"evaluate":{"batch_size":4,"dataset":"held-out.jsonl","max_new_tokens":32,"model":"tuned","prompts":["hi"],"temperature":0.0},"prompt_format":"alpaca","seed":7},"sources":{"dataset":"d"},"stage_version":4}"#,
@@ -464,16 +470,17 @@ mod tests {
             (
                 StageKey::Quantize(QuantizeKey {
                     settings: QuantizeKeySettings {
-                        quantize: typed(json!({ "formats": ["gguf-q8_0"] })),
+                        quantize: typed(json!({ "formats": ["gguf-q4_k_m"], "imatrix_file": BY_CONTENT })),
                         adapter: Adapter::default(),
                         name: "r".into(),
                         base_name: "owner/model".into(),
                         template: Template { format: DataFormat::Chat, chat_template: Some("chatml".into()) },
                     },
                     device: DeviceKey { dtype: Dtype::F32, ..device() },
+                    sources: Some(Sources { imatrix: Some(local("i")), ..Sources::default() }),
                 }),
                 inputs(&["model", "tokens", "weights"]),
-                r#"{"device":{"class":"cuda","dtype":"f32"},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens","weights":"fp-weights"},"kind":"quantize","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"base_name":"owner/model","name":"r","quantize":{"formats":["gguf-q8_0"]},"template":{"chat_template":"chatml","format":"chat"}},"stage_version":6}"#,
+                r#"{"device":{"class":"cuda","dtype":"f32"},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens","weights":"fp-weights"},"kind":"quantize","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"base_name":"owner/model","name":"r","quantize":{"formats":["gguf-q4_k_m"],"imatrix_file":"(by content)"},"template":{"chat_template":"chatml","format":"chat"}},"sources":{"imatrix":"i"},"stage_version":6}"#,
             ),
             (
                 StageKey::Upload(UploadKey {

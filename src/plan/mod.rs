@@ -331,7 +331,9 @@ fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, p
         ));
     }
     if old.inputs["sources"] != doc["sources"] {
-        let changed: Vec<String> = fingerprint::diff(&old.inputs["sources"], &doc["sources"])
+        // A stage that read no sources before (or reads none now) has none: an empty map.
+        let or_empty = |v: &Value| if v.is_null() { serde_json::json!({}) } else { v.clone() };
+        let changed: Vec<String> = fingerprint::diff(&or_empty(&old.inputs["sources"]), &or_empty(&doc["sources"]))
             .iter()
             .filter_map(|l| l.split(':').next().map(String::from))
             .collect();
@@ -589,7 +591,8 @@ mod support {
                     serde_json::from_value::<crate::recipe::ExportFormat>(f.clone()).is_ok_and(|f| f.calibrated())
                 };
                 if !listed.is_some_and(|f| f.iter().any(calibrated))
-                    && let Some(key) = ["imatrix", "imatrix_tokens"].into_iter().find(|k| table.get(*k).is_some())
+                    && let Some(key) =
+                        ["imatrix", "imatrix_tokens", "imatrix_file"].into_iter().find(|k| table.get(*k).is_some())
                 {
                     return Err(Problem::new(
                         "rtune::plan::unused_setting",
@@ -600,6 +603,26 @@ mod support {
                         "an importance matrix calibrates `gguf-q6_k` and below (`gguf-q4_k_m`, …); \
                          f32, f16 and q8_0 ignore it: add such a format, or drop the key",
                     ));
+                }
+                // A file to calibrate with is the importance matrix: none is computed.
+                if table.get("imatrix_file").is_some() {
+                    if table.get("imatrix").and_then(|v| v.as_bool()) == Some(false) {
+                        return Err(Problem::new(
+                            "rtune::plan::conflicting_settings",
+                            "`imatrix = false` quantizes without an importance matrix, and `imatrix_file` names one",
+                        )
+                        .at(at("imatrix_file"), "an importance matrix")
+                        .help("drop `imatrix = false` to calibrate with the file, or the file to quantize without"));
+                    }
+                    if table.get("imatrix_tokens").is_some() {
+                        return Err(Problem::new(
+                            "rtune::plan::unused_setting",
+                            "`imatrix_tokens` counts the tokens of a computed importance matrix; `imatrix_file` names one \
+                             to use instead",
+                        )
+                        .at(at("imatrix_tokens"), "nothing to count")
+                        .help("drop `imatrix_tokens`, or `imatrix_file` to compute one from the train split"));
+                    }
                 }
                 // With the default list (no `formats`), base weights that train get no PEFT
                 // export (resolve drops it); asked for explicitly, it is an error.

@@ -112,7 +112,7 @@ pub(super) fn resolve_key(
                 Some(rel) => {
                     let at = ["stages", spec.name.as_str(), "dataset"];
                     let own = local_source(loaded, "dataset", rel, &at)?;
-                    (Some(rendering()), Some(Sources { model: None, dataset: Some(own) }))
+                    (Some(rendering()), Some(Sources { dataset: Some(own), ..Sources::default() }))
                 }
                 None => (None, None),
             };
@@ -141,6 +141,16 @@ pub(super) fn resolve_key(
             // Older names export (and hash) as the format they stand for, once.
             let mut seen = std::collections::BTreeSet::new();
             quantize.formats = quantize.formats.iter().map(|f| f.canonical()).filter(|f| seen.insert(*f)).collect();
+            // An importance matrix file counts by content, not by where it lies.
+            let sources = match quantize.imatrix_file.as_mut() {
+                Some(rel) => {
+                    let at = ["stages", spec.name.as_str(), "imatrix_file"];
+                    let file = local_source(loaded, "importance matrix", rel, &at)?;
+                    *rel = super::key::BY_CONTENT.to_string();
+                    Some(Sources { imatrix: Some(file), ..Sources::default() })
+                }
+                None => None,
+            };
             StageKey::Quantize(QuantizeKey {
                 settings: QuantizeKeySettings {
                     quantize,
@@ -160,6 +170,7 @@ pub(super) fn resolve_key(
                         _ => merge,
                     }
                 },
+                sources,
             })
         }
         StageKind::Upload => {

@@ -867,6 +867,12 @@ pub struct QuantizeSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub imatrix_tokens: Option<u64>,
+    /// GGUF: calibrate with this importance matrix instead of computing one — a file of
+    /// llama.cpp's `llama-imatrix` (its GGUF, or the older `.dat`), such as one published beside
+    /// the base model's GGUFs; a path relative to the recipe, hashed by content. Its matrices
+    /// must have this model's shapes [default: computed from the train split].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imatrix_file: Option<String>,
 }
 
 impl QuantizeSettings {

@@ -53,30 +53,46 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
         chat.as_ref().map(|c| gguf::ChatMetadata { template: &c.source, turn_end: c.turn_end.as_ref().map(|t| t.1) });
     let mut report = serde_json::Map::new();
     // The importance matrix, once for every GGUF format that uses one.
+    let given = key.sources.as_ref().and_then(|s| s.imatrix.as_ref());
     let imatrix = if s.uses_imatrix() && s.formats.iter().any(|f| f.calibrated()) {
-        let train = TokenStore::open(&ctx.input("tokens")?, "train")?;
-        let budget = imatrix_budget(s.imatrix_tokens, merged.params(), device.is_cpu());
         let start = std::time::Instant::now();
-        let im = importance_matrix(ctx, &merged, &train, budget, &device, &key.settings.name)?;
-        if im.is_empty() {
-            return Err(StageError::Internal(
-                "the train split has no tokens to calibrate the GGUF quantization with (set `imatrix = false`)".into(),
-            ));
-        }
+        let (im, made) = match given {
+            // The recipe's file (checked against this model), written beside the GGUFs in
+            // llama.cpp's GGUF form, whatever form it came in.
+            Some(source) => (given_imatrix(ctx, source, &merged)?, "read from the recipe's file".to_string()),
+            None => {
+                let train = TokenStore::open(&ctx.input("tokens")?, "train")?;
+                let budget = imatrix_budget(s.imatrix_tokens, merged.params(), device.is_cpu());
+                let im = importance_matrix(ctx, &merged, &train, budget, &device, &key.settings.name)?;
+                if im.is_empty() {
+                    return Err(StageError::Internal(
+                        "the train split has no tokens to calibrate the GGUF quantization with (set `imatrix = false`)"
+                            .into(),
+                    ));
+                }
+                let made = format!("over {} train tokens", im.tokens());
+                (im, made)
+            }
+        };
         mkdir(&ctx.out.join("gguf"))?;
         im.write(&ctx.out.join("gguf").join("imatrix.gguf"))?;
         ctx.ui.status(
             "quantize",
             format!(
-                "imatrix.gguf: importance of {} matrices' input columns over {} train tokens ({:.1}s)",
+                "imatrix.gguf: importance of {} matrices' input columns {made} ({:.1}s)",
                 im.len(),
-                im.tokens(),
                 start.elapsed().as_secs_f64()
             ),
         );
         report.insert(
             "imatrix".into(),
-            json!({ "file": "gguf/imatrix.gguf", "matrices": im.len(), "tokens": im.tokens(), "dataset": im.datasets }),
+            json!({
+                "file": "gguf/imatrix.gguf",
+                "matrices": im.len(),
+                "tokens": im.tokens(),
+                "dataset": im.datasets,
+                "given": given.is_some(),
+            }),
         );
         Some(im)
     } else {
@@ -269,6 +285,53 @@ fn adapter_eval_loss(merged: &Merged<'_>, eval: &TokenStore, rows: usize, device
         count += n;
     }
     Ok(if count > 0 { sum / count as f64 } else { f64::NAN })
+}
+
+/// The importance matrix a recipe names (`imatrix_file`), once it is still the file the plan
+/// fingerprinted and every matrix in it is one of this model's, with its number of columns.
+/// Decoder matrices it leaves out are quantized without one (as llama-quantize does), said once.
+fn given_imatrix(
+    ctx: &StageCtx<'_>,
+    source: &crate::plan::key::Source,
+    merged: &Merged<'_>,
+) -> Result<gguf::Imatrix, StageError> {
+    let crate::plan::key::Source::Local { path, shown, at, .. } = source else {
+        return Err(StageError::Internal("an importance matrix file is a local file".into()));
+    };
+    super::check_source(ctx, path, source)?;
+    let im = gguf::Imatrix::read(path)?;
+    let columns: std::collections::BTreeMap<String, usize> = merged
+        .layout()
+        .iter()
+        .filter_map(|e| match e.shape.as_slice() {
+            [_, cols] => gguf::tensor_name(&e.name).map(|n| (n, *cols)),
+            _ => None,
+        })
+        .collect();
+    let mismatch = |what: String| -> StageError {
+        crate::recipe::Problem::new("rtune::quantize::imatrix_mismatch", format!("`{shown}` {what}"))
+            .at(ctx.spans.origin(at), "this importance matrix")
+            .help("an importance matrix is made for one model: compute this one's (drop `imatrix_file`), or name one made for this base model")
+            .into()
+    };
+    for (name, cols) in im.columns() {
+        match columns.get(name) {
+            None => return Err(mismatch(format!("has a matrix `{name}` that this model does not"))),
+            Some(c) if *c != cols => {
+                return Err(mismatch(format!("gives `{name}` {cols} input columns where this model has {c}")));
+            }
+            Some(_) => {}
+        }
+    }
+    let decoder = columns.keys().filter(|n| n.starts_with("blk.")).count();
+    let covered = im.columns().filter(|(n, _)| n.starts_with("blk.")).count();
+    if covered < decoder {
+        ctx.ui.warn(format!(
+            "`{shown}` covers {covered} of the {decoder} decoder matrices; the others are quantized without an \
+             importance matrix"
+        ));
+    }
+    Ok(im)
 }
 
 /// What the importance matrix's pass may spend on the CPU by default: about 4·10¹² multiply-adds

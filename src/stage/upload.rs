@@ -221,11 +221,14 @@ fn gguf_section(s: &mut String, formats: &serde_json::Map<String, serde_json::Va
     }
     s.push_str("\n## GGUF\n\nFor llama.cpp and Ollama; perplexity on the eval split as read back by rtune.\n\n");
     s.push_str("| file | perplexity vs unquantized | importance matrix |\n|---|---|---|\n");
-    let imatrix = formats.get("imatrix").and_then(|i| i["tokens"].as_u64());
+    let imatrix = formats.get("imatrix").map(|i| match i["given"].as_bool() {
+        Some(true) => "the recipe's file".to_string(),
+        _ => format!("{} train tokens", i["tokens"].as_u64().unwrap_or(0)),
+    });
     for g in ggufs {
         let ratio = g["perplexity_ratio"].as_f64().map(|r| format!("{:+.2}%", (r - 1.0) * 100.0));
-        let calibrated = match (g["imatrix"].as_bool(), imatrix) {
-            (Some(true), Some(t)) => format!("`gguf/imatrix.gguf` ({t} train tokens)"),
+        let calibrated = match (g["imatrix"].as_bool(), &imatrix) {
+            (Some(true), Some(from)) => format!("`gguf/imatrix.gguf` ({from})"),
             _ => "–".to_string(),
         };
         let _ = writeln!(

@@ -121,8 +121,68 @@ impl Imatrix {
         })
     }
 
-    /// Reads an imatrix GGUF (llama.cpp's or rtune's).
+    /// The matrices, by llama.cpp's name, with how many input columns each has.
+    pub fn columns(&self) -> impl Iterator<Item = (&str, usize)> {
+        self.entries.iter().map(|(n, e)| (n.as_str(), e.sums.len()))
+    }
+
+    /// Reads an importance matrix file of llama.cpp's `llama-imatrix`: its GGUF (rtune's too), or
+    /// the older binary format (`.dat`: each matrix's mean squares times the chunks it saw),
+    /// turned into sums over chunks of [`CHUNK`] tokens as llama-imatrix turns one into the
+    /// other, which keeps every importance bit for bit.
     pub fn read(path: &Path) -> Result<Imatrix, ModelError> {
+        let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
+        let mut magic = [0u8; 4];
+        let mut f = std::fs::File::open(path).map_err(ModelError::io(format!("cannot open `{}`", path.display())))?;
+        let gguf = std::io::Read::read_exact(&mut f, &mut magic).is_ok() && &magic == b"GGUF";
+        if !gguf {
+            let bytes = std::fs::read(path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
+            return Self::from_legacy(&bytes).map_err(bad);
+        }
+        Self::read_gguf(path)
+    }
+
+    /// llama-imatrix's binary format: the entry count, then per entry its name (length-prefixed),
+    /// its chunk count, its column count and the values; then, optionally, the chunks seen and
+    /// the dataset's name. Every number little-endian, 32 bits.
+    fn from_legacy(bytes: &[u8]) -> Result<Imatrix, String> {
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<&[u8], String> {
+            let s = bytes.get(at..at + n).ok_or("neither an imatrix GGUF nor llama-imatrix's .dat: it ends early")?;
+            at += n;
+            Ok(s)
+        };
+        let int = |b: &[u8]| i32::from_le_bytes(b.try_into().expect("4 bytes"));
+        let n = int(take(4)?);
+        if !(1..=1 << 20).contains(&n) {
+            return Err(format!("neither an imatrix GGUF nor llama-imatrix's .dat ({n} entries)"));
+        }
+        let mut entries = BTreeMap::new();
+        for _ in 0..n {
+            let len = int(take(4)?);
+            let len = usize::try_from(len).ok().filter(|l| *l <= 4096).ok_or("an entry's name is not a name")?;
+            let name = String::from_utf8(take(len)?.to_vec()).map_err(|_| "an entry's name is not UTF-8")?;
+            let ncall = int(take(4)?);
+            let nval =
+                usize::try_from(int(take(4)?)).ok().filter(|n| *n >= 1).ok_or(format!("`{name}` has no values"))?;
+            let values = take(4 * nval)?;
+            let ncall = u64::try_from(ncall).map_err(|_| format!("`{name}`: {ncall} chunks"))?;
+            let sums = values
+                .chunks_exact(4)
+                .map(|c| f64::from(f32::from_le_bytes(c.try_into().expect("4 bytes"))) * CHUNK as f64)
+                .collect();
+            entries.insert(name, Entry { sums, tokens: ncall * CHUNK as u64 });
+        }
+        let mut datasets = Vec::new();
+        if let (Ok(_chunks), Ok(len)) = (take(4), take(4).map(int))
+            && let Some(name) = usize::try_from(len).ok().and_then(|l| take(l).ok())
+        {
+            datasets.push(String::from_utf8_lossy(name).into_owned());
+        }
+        Ok(Imatrix { entries, datasets })
+    }
+
+    fn read_gguf(path: &Path) -> Result<Imatrix, ModelError> {
         use candle_core::quantized::gguf_file::Content;
         let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
         let mut f = std::fs::File::open(path).map_err(ModelError::io(format!("cannot open `{}`", path.display())))?;
