@@ -65,7 +65,8 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // mixes, Q5_0/Q5_1 where rows are not whole K-quant blocks, not Q8_0); `gguf-q4_k` is
         // `gguf-q4_k_m` and its file `model-q4_k_m.gguf` (was `model-q4k.gguf`); and, unless
         // `imatrix = false`, those from q6_k down calibrated by an importance matrix of the
-        // train split (`gguf/imatrix.gguf`), as `llama-quantize --imatrix` quantizes them.
+        // train split (`gguf/imatrix.gguf`), as `llama-quantize --imatrix` quantizes them; the
+        // self-check also reports how often each file's top token is the unquantized model's.
         Quantize => 6,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
@@ -73,8 +74,8 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // (Still 3, with new inputs: the card's sources are declared ports — `card:train` for
         // the training section and loss curve, `card:eval:<stage>` for each evaluation — so
         // fingerprints changed without a version bump.)
-        // 4: the model card lists the GGUF files with their measured perplexity and the
-        // importance matrix that calibrated them.
+        // 4: the model card lists the GGUF files with their measured perplexity, top-token
+        // agreement and the importance matrix that calibrated them.
         Upload => 4,
     }
 }

@@ -202,7 +202,7 @@ impl ReadmeTour {
 }
 
 /// `(7.3s, 69688 tok/s)` → `(…)`, as the floating-point noise figures of the quantize lines (the
-/// logit difference, the GGUF's perplexity and its ratio); artifact paths cut to their 8-digit
+/// logit difference, the GGUF's perplexity, its ratio and its top-token agreement); artifact paths cut to their 8-digit
 /// prefix and `…`, as the README shows them; trailing spaces dropped.
 fn normalise(line: &str) -> String {
     let mut out = line.trim_end().to_string();
@@ -215,6 +215,12 @@ fn normalise(line: &str) -> String {
     }
     if let (Some(a), Some(b)) = (out.find("unquantized ("), out.find("%)")) {
         out = format!("{}unquantized (…){}", &out[..a], &out[b + 2..]);
+    }
+    // How often its top token is the unquantized model's moves with the same kernels' rounding.
+    if let Some(a) = out.find("same top token ")
+        && let Some(b) = out[a..].find("% of").map(|i| a + i)
+    {
+        out = format!("{}same top token …{}", &out[..a], &out[b..]);
     }
     // The GGUF's perplexity comes from candle's quantized kernels, whose last digit moves
     // between CPUs (3.162 on an Intel Xeon, 3.163 on an AMD EPYC).
@@ -1611,7 +1617,7 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
 fn calibrated_gguf_exports_carry_their_importance_matrix() {
     use candle_core::quantized::gguf_file::Content;
     let p = Project::tiny_offline();
-    let formats = "stages.quantize.formats=[\"gguf-q4_k_m\", \"gguf-q8_0\"]";
+    let formats = "stages.quantize.formats=[\"gguf-q4_k_m\", \"gguf-q8_0\", \"gguf-f32\"]";
     let set = args(FAST, &["--set", formats, "--set", "stages.quantize.imatrix_tokens=500"]);
     let run = |extra: &[&str]| {
         let report = p.run_json(&args(&["tiny.toml"], &args(&set, extra)));
@@ -1625,6 +1631,10 @@ fn calibrated_gguf_exports_carry_their_importance_matrix() {
     assert_eq!(f["imatrix"]["tokens"], 500, "{f}");
     assert_eq!(f["imatrix"]["matrices"], 14, "two layers of seven linears: {f}");
     assert_eq!((&f["gguf-q4_k_m"]["imatrix"], &f["gguf-q8_0"]["imatrix"]), (&true.into(), &false.into()));
+    // The self-check's top tokens line up with the reference's: the f32 file picks the very same.
+    let same = |t: &str| f[t]["top_token_agreement"].as_f64().unwrap();
+    assert_eq!(same("gguf-f32"), 1.0, "{f}");
+    assert!(same("gguf-q8_0") > 0.9 && same("gguf-q4_k_m") > 0.5, "{f}");
     let im = rtune::model::gguf::Imatrix::read(&on.join("gguf/imatrix.gguf")).unwrap();
     assert_eq!((im.tokens(), im.len()), (500, 14));
     assert!(im.importance("blk.1.ffn_down.weight").unwrap().iter().all(|v| v.is_finite() && *v >= 0.0));
@@ -1643,6 +1653,7 @@ fn calibrated_gguf_exports_carry_their_importance_matrix() {
     let row =
         |f: &str| gguf.lines().find(|l| l.starts_with(&format!("| `gguf/{f}` | "))).unwrap_or_else(|| panic!("{card}"));
     assert!(row("model-q4_k_m.gguf").ends_with("% | `gguf/imatrix.gguf` (500 train tokens) |"), "{card}");
+    assert!(row("model-f32.gguf").contains("| 100.0% |"), "{card}");
     assert!(row("model-q8_0.gguf").ends_with("% | – |"), "{card}");
 
     let off = run(&["--set", "stages.quantize.imatrix=false"]);

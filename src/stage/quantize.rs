@@ -98,7 +98,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     } else {
         None
     };
-    let mut self_check: Option<(TokenStore, usize, f64)> = None;
+    let mut self_check: Option<(TokenStore, usize, Reference)> = None;
     for format in &s.formats {
         match format {
             ExportFormat::PeftAdapter => {
@@ -170,19 +170,20 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let calibration = imatrix.as_ref().filter(|_| other.calibrated());
                 let written = gguf::write(&path, &merged, &model_dir, name, *other, gguf_chat, calibration)?;
                 merged.on_tensor(None);
-                // The eval rows and the adapter model's loss on them, once for all GGUF formats.
+                // The eval rows and the adapter model's loss and top tokens on them, once for all GGUFs.
                 let (eval, rows, reference) = match &self_check {
                     Some(c) => c,
                     None => {
                         let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
                         let lens = (0..eval.len()).map(|r| eval.row(r).ids.len());
                         let rows = check_rows(lens, merged.params(), device.is_cpu());
-                        let reference = adapter_eval_loss(&merged, &eval, rows, &device)?;
+                        let reference = adapter_reference(&merged, &eval, rows, &device)?;
                         self_check.insert((eval, rows, reference))
                     }
                 };
-                let reference = *reference;
-                let (loss, n) = gguf_eval_loss(&path, folder.config.arch, eval, *rows, &device)?;
+                let (loss, n, same) = gguf_eval_loss(&path, folder.config.arch, eval, *rows, &reference.top, &device)?;
+                let agreement = same as f64 / n.max(1) as f64;
+                let reference = reference.loss;
                 let ratio = (loss - reference).exp();
                 // As llama-quantize does, matrices whose rows are not whole blocks of the type
                 // take another: say how many, which a 4-bit file of a small model may surprise.
@@ -196,10 +197,12 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 ctx.ui.status(
                     "quantize",
                     format!(
-                        "{file}: perplexity {:.3} vs {:.3} unquantized ({:+.2}%) over {n} tokens{fell_back}",
+                        "{file}: perplexity {:.3} vs {:.3} unquantized ({:+.2}%), same top token {:.1}% of {n} \
+                         tokens{fell_back}",
                         loss.exp(),
                         reference.exp(),
-                        (ratio - 1.0) * 100.0
+                        (ratio - 1.0) * 100.0,
+                        agreement * 100.0
                     ),
                 );
                 if ratio > 1.5 {
@@ -219,6 +222,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                         "eval_loss": loss,
                         "reference_eval_loss": reference,
                         "perplexity_ratio": ratio,
+                        "top_token_agreement": agreement,
                         "eval_tokens": n,
                     }),
                 );
@@ -256,9 +260,22 @@ fn dtype_name(d: DType) -> &'static str {
     }
 }
 
-/// The adapter model's mean next-token loss over the first `rows` eval rows (one row a batch,
-/// as the evaluate stage batches them), computed one decoder layer at a time.
-fn adapter_eval_loss(merged: &Merged<'_>, eval: &TokenStore, rows: usize, device: &Device) -> Result<f64, StageError> {
+/// What a GGUF is compared with: the adapter model's mean next-token loss over the self-check's
+/// rows, and its most likely next token at each position that counts (in the order the rows and
+/// their positions come).
+struct Reference {
+    loss: f64,
+    top: Vec<u32>,
+}
+
+/// The adapter model's [`Reference`] over the first `rows` eval rows (one row a batch, as the
+/// evaluate stage batches them), computed one decoder layer at a time.
+fn adapter_reference(
+    merged: &Merged<'_>,
+    eval: &TokenStore,
+    rows: usize,
+    device: &Device,
+) -> Result<Reference, StageError> {
     let err = |what: &str| StageError::candle(format!("GGUF self-check reference: {what}"));
     let mut batches = Vec::new();
     let mut picks = Vec::new();
@@ -276,15 +293,16 @@ fn adapter_eval_loss(merged: &Merged<'_>, eval: &TokenStore, rows: usize, device
     }
     let model = merged.streamed(Form::Adapter, device)?;
     let hidden = model.hidden(&batches)?;
-    let (mut sum, mut count) = (0f64, 0usize);
+    let (mut sum, mut count, mut top) = (0f64, 0usize, Vec::new());
     for (h, (select, targets, n)) in hidden.iter().zip(&picks) {
         let h = h.flatten_to(1).and_then(|h| h.index_select(select, 0)).map_err(err("select"))?;
-        let loss =
-            cross_entropy(&model.logits(&h)?, targets).and_then(|l| l.to_scalar::<f32>()).map_err(err("loss"))?;
+        let logits = model.logits(&h)?;
+        let loss = cross_entropy(&logits, targets).and_then(|l| l.to_scalar::<f32>()).map_err(err("loss"))?;
+        top.extend(logits.argmax(candle_core::D::Minus1).and_then(|t| t.to_vec1::<u32>()).map_err(err("top token"))?);
         sum += loss as f64 * *n as f64;
         count += n;
     }
-    Ok(if count > 0 { sum / count as f64 } else { f64::NAN })
+    Ok(Reference { loss: if count > 0 { sum / count as f64 } else { f64::NAN }, top })
 }
 
 /// The importance matrix a recipe names (`imatrix_file`), once it is still the file the plan
@@ -440,14 +458,17 @@ fn check_rows(lens: impl Iterator<Item = usize>, params: usize, cpu: bool) -> us
 
 /// Mean next-token loss of a GGUF file over the first `rows` eval rows, decoded token by token
 /// with candle's quantized Llama/Qwen2/Qwen3 (llama.cpp's conventions: it is a check of names,
-/// layout and metadata as much as of quantization error).
+/// layout and metadata as much as of quantization error), the tokens it counted, and at how many
+/// of them its most likely token is the reference's (`top`, one per counted token, in order; the
+/// first of equal logits, as candle's argmax takes it).
 fn gguf_eval_loss(
     path: &Path,
     arch: crate::recipe::Arch,
     eval: &TokenStore,
     rows: usize,
+    top: &[u32],
     device: &Device,
-) -> Result<(f64, usize), StageError> {
+) -> Result<(f64, usize, usize), StageError> {
     use candle_transformers::models::{quantized_llama, quantized_qwen2, quantized_qwen3};
     enum Q {
         Llama(quantized_llama::ModelWeights),
@@ -468,7 +489,7 @@ fn gguf_eval_loss(
             Q::Qwen3(quantized_qwen3::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
         }
     };
-    let (mut sum, mut n) = (0f64, 0usize);
+    let (mut sum, mut n, mut same) = (0f64, 0usize, 0usize);
     for r in 0..rows {
         let row = eval.row(r);
         // Each row starts afresh: Llama's and Qwen2's caches restart at position 0 by
@@ -489,11 +510,19 @@ fn gguf_eval_loss(
                 let max = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
                 let lse = max + v.iter().map(|x| (*x as f64 - max).exp()).sum::<f64>().ln();
                 sum += lse - v[row.ids[j + 1] as usize] as f64;
+                let argmax = v.iter().position(|x| *x as f64 == max).unwrap_or(0) as u32;
+                same += usize::from(top.get(n) == Some(&argmax));
                 n += 1;
             }
         }
     }
-    Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n))
+    if n != top.len() {
+        return Err(StageError::Internal(format!(
+            "the GGUF self-check counted {n} tokens, its reference {}",
+            top.len()
+        )));
+    }
+    Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n, same))
 }
 
 /// Copy the base folder's tokenizer files (and, for a full model folder, generation_config.json)

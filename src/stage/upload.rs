@@ -212,7 +212,8 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
 }
 
 /// The GGUF files, each with the perplexity the quantize stage measured against the unquantized
-/// model and whether an importance matrix calibrated it (and over how many tokens).
+/// model, how often its top token was the unquantized model's, and whether an importance matrix
+/// calibrated it (and over how many tokens).
 fn gguf_section(s: &mut String, formats: &serde_json::Map<String, serde_json::Value>) {
     let ggufs: Vec<&serde_json::Value> =
         formats.iter().filter(|(k, _)| k.starts_with("gguf-")).map(|(_, v)| v).collect();
@@ -220,7 +221,7 @@ fn gguf_section(s: &mut String, formats: &serde_json::Map<String, serde_json::Va
         return;
     }
     s.push_str("\n## GGUF\n\nFor llama.cpp and Ollama; perplexity on the eval split as read back by rtune.\n\n");
-    s.push_str("| file | perplexity vs unquantized | importance matrix |\n|---|---|---|\n");
+    s.push_str("| file | perplexity vs unquantized | same top token | importance matrix |\n|---|---|---|---|\n");
     let imatrix = formats.get("imatrix").map(|i| match i["given"].as_bool() {
         Some(true) => "the recipe's file".to_string(),
         _ => format!("{} train tokens", i["tokens"].as_u64().unwrap_or(0)),
@@ -231,11 +232,13 @@ fn gguf_section(s: &mut String, formats: &serde_json::Map<String, serde_json::Va
             (Some(true), Some(from)) => format!("`gguf/imatrix.gguf` ({from})"),
             _ => "–".to_string(),
         };
+        let same = g["top_token_agreement"].as_f64().map(|a| format!("{:.1}%", a * 100.0));
         let _ = writeln!(
             s,
-            "| `{}` | {} | {calibrated} |",
+            "| `{}` | {} | {} | {calibrated} |",
             g["file"].as_str().unwrap_or("?"),
-            ratio.as_deref().unwrap_or("–")
+            ratio.as_deref().unwrap_or("–"),
+            same.as_deref().unwrap_or("–")
         );
     }
 }
