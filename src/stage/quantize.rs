@@ -4,8 +4,9 @@
 //! `merged_dtype`), reads it back against the digests written, and checks that the merged model
 //! computes what the adapter model computes. `gguf-*` writes llama.cpp's GGUF (see
 //! [`crate::model::gguf`]) and loads it back with candle's quantized Llama/Qwen2/Qwen3 code to
-//! compare its eval-split perplexity with the adapter model's; the GGUF types that search their
-//! scales are first calibrated by an importance matrix over train rows (`gguf/imatrix.gguf`).
+//! compare its eval-split perplexity and top tokens with the adapter model's; the GGUF types that
+//! search their scales are first calibrated by an importance matrix over train rows, or the one
+//! the recipe's `imatrix_file` names (written as `gguf/imatrix.gguf` either way).
 //! The checks' models run one decoder layer at a time: an export never holds the whole model.
 
 use std::path::Path;
