@@ -426,26 +426,19 @@ impl Layer {
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         mut observe: Option<LayerObserver<'_, '_>>,
     ) -> Result<Tensor> {
+        let mut see = |linears: &[usize], t: &Tensor| observe.as_mut().map_or(Ok(()), |o| o(linears, t));
         let LayerInputs { cos, sin, mask } = inputs;
         let h = rms_norm(x, &self.input_norm, eps)?;
-        if let Some(o) = observe.as_mut() {
-            o(&[0, 1, 2], &h)?;
-        }
+        see(&[0, 1, 2], &h)?;
         let mixed = self.attn.mix(&h, cos, sin, mask, dropout, cache)?;
-        if let Some(o) = observe.as_mut() {
-            o(&[3], &mixed)?;
-        }
+        see(&[3], &mixed)?;
         let x = (x + self.attn.o.forward_t(&mixed, dropout)?)?;
         let h = rms_norm(&x, &self.post_norm, eps)?;
-        if let Some(o) = observe.as_mut() {
-            o(&[4, 5], &h)?;
-        }
+        see(&[4, 5], &h)?;
         let gate = self.mlp.gate.forward_t(&h, dropout)?.silu()?;
         let up = self.mlp.up.forward_t(&h, dropout)?;
         let act = (gate * up)?;
-        if let Some(o) = observe.as_mut() {
-            o(&[6], &act)?;
-        }
+        see(&[6], &act)?;
         x + self.mlp.down.forward_t(&act, dropout)?
     }
 }

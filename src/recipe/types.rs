@@ -884,10 +884,6 @@ impl QuantizeSettings {
         self.imatrix.unwrap_or(true)
     }
 
-    pub fn imatrix_tokens(&self) -> u64 {
-        self.imatrix_tokens.unwrap_or(Self::DEFAULT_IMATRIX_TOKENS)
-    }
-
     pub fn shard_bytes(&self) -> Result<u64, String> {
         self.max_shard_size.as_deref().map_or(Ok(Self::DEFAULT_SHARD), parse_size)
     }

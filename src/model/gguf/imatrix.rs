@@ -131,15 +131,19 @@ impl Imatrix {
     /// turned into sums over chunks of [`CHUNK`] tokens as llama-imatrix turns one into the
     /// other, which keeps every importance bit for bit.
     pub fn read(path: &Path) -> Result<Imatrix, ModelError> {
+        use std::io::{Read, Seek};
         let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
+        let io = |what: &str| ModelError::io(format!("cannot {what} `{}`", path.display()));
+        let mut f = std::fs::File::open(path).map_err(io("open"))?;
         let mut magic = [0u8; 4];
-        let mut f = std::fs::File::open(path).map_err(ModelError::io(format!("cannot open `{}`", path.display())))?;
-        let gguf = std::io::Read::read_exact(&mut f, &mut magic).is_ok() && &magic == b"GGUF";
-        if !gguf {
-            let bytes = std::fs::read(path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
-            return Self::from_legacy(&bytes).map_err(bad);
+        let gguf = f.read_exact(&mut magic).is_ok() && &magic == b"GGUF";
+        f.rewind().map_err(io("read"))?;
+        if gguf {
+            return Self::from_gguf(&mut f).map_err(bad);
         }
-        Self::read_gguf(path)
+        let mut bytes = Vec::new();
+        f.read_to_end(&mut bytes).map_err(io("read"))?;
+        Self::from_legacy(&bytes).map_err(bad)
     }
 
     /// llama-imatrix's binary format: the entry count, then per entry its name (length-prefixed),
@@ -182,14 +186,14 @@ impl Imatrix {
         Ok(Imatrix { entries, datasets })
     }
 
-    fn read_gguf(path: &Path) -> Result<Imatrix, ModelError> {
+    /// llama-imatrix's GGUF: `general.type = "imatrix"`, each matrix's `<name>.in_sum2` and its
+    /// one `<name>.counts`.
+    fn from_gguf(f: &mut std::fs::File) -> Result<Imatrix, String> {
         use candle_core::quantized::gguf_file::Content;
-        let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
-        let mut f = std::fs::File::open(path).map_err(ModelError::io(format!("cannot open `{}`", path.display())))?;
-        let content = Content::read(&mut f).map_err(|e| bad(e.to_string()))?;
+        let content = Content::read(f).map_err(|e| e.to_string())?;
         if content.metadata.get("general.type").and_then(|v| v.to_string().ok()).map(String::as_str) != Some("imatrix")
         {
-            return Err(bad("not an importance matrix (`general.type` is not `imatrix`)".into()));
+            return Err("not an importance matrix (`general.type` is not `imatrix`)".into());
         }
         let datasets = match content.metadata.get("imatrix.datasets") {
             Some(Value::Array(a)) => a.iter().filter_map(|v| v.to_string().ok().cloned()).collect(),
@@ -198,17 +202,17 @@ impl Imatrix {
         let mut entries = BTreeMap::new();
         for name in content.tensor_infos.keys() {
             let Some(base) = name.strip_suffix(".in_sum2") else { continue };
-            let mut values = |n: &str| -> Result<Vec<f32>, ModelError> {
-                let t = content.tensor(&mut f, n, &candle_core::Device::Cpu).map_err(|e| bad(format!("`{n}`: {e}")))?;
+            let mut values = |n: &str| -> Result<Vec<f32>, String> {
+                let t = content.tensor(f, n, &candle_core::Device::Cpu).map_err(|e| format!("`{n}`: {e}"))?;
                 t.dequantize(&candle_core::Device::Cpu)
                     .and_then(|t| t.flatten_all())
                     .and_then(|t| t.to_vec1())
-                    .map_err(|e| bad(format!("`{n}`: {e}")))
+                    .map_err(|e| format!("`{n}`: {e}"))
             };
             let sums = values(name)?;
             let counts = values(&format!("{base}.counts"))?;
             let [tokens] = counts[..] else {
-                return Err(bad(format!("`{base}`: {} counts (rtune reads dense matrices only)", counts.len())));
+                return Err(format!("`{base}`: {} counts (rtune reads dense matrices only)", counts.len()));
             };
             let sums = sums.into_iter().map(f64::from).collect();
             entries.insert(base.to_string(), Entry { sums, tokens: tokens.round() as u64 });

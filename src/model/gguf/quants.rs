@@ -89,10 +89,10 @@ fn weighted_row(ty: GgmlDType, x: &[f32], qw: &[f32]) -> Vec<u8> {
         _ => {
             // Q4_0, Q4_1, Q5_0, Q5_1: each value weighted by its column's importance times its
             // distance from zero against the row's mean square.
-            let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+            let sum_x2 = sum_squares(x);
             let sigma2 = sum_x2 / x.len() as f32;
             for (b, w) in x.chunks_exact(32).zip(qw.chunks_exact(32)) {
-                let weight: Vec<f32> = b.iter().zip(w).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
+                let (weight, _) = importance_weights(b, w, sigma2);
                 match ty {
                     GgmlDType::Q4_0 => {
                         let mut l = [0i8; 32];
@@ -146,6 +146,19 @@ fn blocks(ty: GgmlDType, x: &[f32]) -> Vec<u8> {
         _ => unreachable!("checked by quantize"),
     }
     out
+}
+
+/// Σ x², summed in order, as ggml sums it.
+fn sum_squares(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |s, v| s + v * v)
+}
+
+/// ggml's weights of a group under an importance matrix: each value's column importance `qw`
+/// times √(σ² + x²), and their sum (in order).
+fn importance_weights(x: &[f32], qw: &[f32], sigma2: f32) -> (Vec<f32>, f32) {
+    let weights: Vec<f32> = x.iter().zip(qw).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
+    let sum = weights.iter().fold(0f32, |s, w| s + w);
+    (weights, sum)
 }
 
 /// ggml's `nearest_int`: rounds half to even through the float adder (|v| ≤ 2²² − 1).
@@ -461,7 +474,7 @@ fn k_scales(x: &[f32], nmax: i32, rmin: f32, nstep: i32) -> ([u8; 2], [u8; 2], [
     let (mut max_scale, mut max_min) = (0f32, 0f32);
     for j in 0..8 {
         let g = &x[32 * j..32 * j + 32];
-        let sum_x2 = g.iter().fold(0f32, |s, v| s + v * v);
+        let sum_x2 = sum_squares(g);
         let av_x = (sum_x2 / 32.0).sqrt();
         let weights: Vec<f32> = g.iter().map(|v| av_x + v.abs()).collect();
         (scales[j], mins[j]) =
@@ -499,14 +512,13 @@ fn k_scales(x: &[f32], nmax: i32, rmin: f32, nstep: i32) -> ([u8; 2], [u8; 2], [
 /// the stored six-bit levels at 63 (Q5_K does, Q4_K does not).
 fn k_scales_weighted(x: &[f32], qw: &[f32], nmax: i32, clamp: bool) -> ([u8; 2], [u8; 2], [u8; 12], [u8; QK_K]) {
     let mut l = [0u8; QK_K];
-    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sum_x2 = sum_squares(x);
     let sigma2 = 2.0 * sum_x2 / QK_K as f32;
     let (mut scales, mut mins, mut sw) = ([0f32; 8], [0f32; 8], [0f32; 8]);
     for j in 0..8 {
         let g = &x[32 * j..32 * j + 32];
-        let weights: Vec<f32> =
-            g.iter().zip(&qw[32 * j..32 * j + 32]).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
-        sw[j] = weights.iter().fold(0f32, |s, w| s + w);
+        let weights;
+        (weights, sw[j]) = importance_weights(g, &qw[32 * j..32 * j + 32], sigma2);
         (scales[j], mins[j]) = make_qkx3_quants(nmax, g, &weights, &mut l[32 * j..32 * j + 32]);
     }
     let (mut ls, mut lm) = ([0u8; 8], [0u8; 8]);
@@ -717,14 +729,13 @@ fn q2_k(x: &[f32], out: &mut Vec<u8>) {
 /// with the weights `qw · √(σ² + x²)`, both sets stored through `make_qp_quants` in four bits.
 fn q2_k_weighted(x: &[f32], qw: &[f32], out: &mut Vec<u8>) {
     let mut l = [0u8; QK_K];
-    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sum_x2 = sum_squares(x);
     let sigma2 = sum_x2 / QK_K as f32;
     let (mut scales, mut mins, mut sw) = ([0f32; 16], [0f32; 16], [0f32; 16]);
     for j in 0..16 {
         let g = &x[16 * j..16 * j + 16];
-        let weights: Vec<f32> =
-            g.iter().zip(&qw[16 * j..16 * j + 16]).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
-        sw[j] = weights.iter().fold(0f32, |s, w| s + w);
+        let weights;
+        (weights, sw[j]) = importance_weights(g, &qw[16 * j..16 * j + 16], sigma2);
         (scales[j], mins[j]) = make_qkx3_quants(3, g, &weights, &mut l[16 * j..16 * j + 16]);
     }
     let (mut ls, mut lm) = ([0u8; 16], [0u8; 16]);
@@ -831,14 +842,13 @@ fn q3_k(x: &[f32], out: &mut Vec<u8>) {
 /// summed weights.
 fn q3_k_weighted(x: &[f32], qw: &[f32], out: &mut Vec<u8>) {
     let mut l = [0i8; QK_K];
-    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sum_x2 = sum_squares(x);
     let sigma2 = 2.0 * sum_x2 / QK_K as f32;
     let (mut scales, mut sw) = ([0f32; 16], [0f32; 16]);
     for j in 0..16 {
         let g = &x[16 * j..16 * j + 16];
-        let weights: Vec<f32> =
-            g.iter().zip(&qw[16 * j..16 * j + 16]).map(|(v, w)| w * (sigma2 + v * v).sqrt()).collect();
-        sw[j] = weights.iter().fold(0f32, |s, w| s + w);
+        let weights;
+        (weights, sw[j]) = importance_weights(g, &qw[16 * j..16 * j + 16], sigma2);
         scales[j] = make_qx_quants(4, g, &mut l[16 * j..16 * j + 16], Some(&weights));
     }
     let mut ls = [0i8; 16];
