@@ -55,6 +55,9 @@ pub struct SelectArgs {
     /// Run only this stage (its inputs must already be built)
     #[arg(long, value_name = "STAGE", conflicts_with = "from")]
     pub only: Option<String>,
+    /// Build this stage and the stages it needs, nothing downstream or beside it
+    #[arg(long, value_name = "STAGE", conflicts_with = "only")]
+    pub until: Option<String>,
     /// Re-run this stage and everything downstream of it
     #[arg(long, value_name = "STAGE")]
     pub from: Option<String>,

@@ -77,7 +77,13 @@ fn load(args: &RecipeArgs) -> Result<recipe::LoadedRecipe, Error> {
 }
 
 fn selection(s: &SelectArgs) -> Selection {
-    Selection { only: s.only.clone(), from: s.from.clone(), force: s.force.clone(), offline: s.offline }
+    Selection {
+        only: s.only.clone(),
+        until: s.until.clone(),
+        from: s.from.clone(),
+        force: s.force.clone(),
+        offline: s.offline,
+    }
 }
 
 fn make_plan(

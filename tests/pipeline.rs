@@ -385,7 +385,7 @@ fn gradient_accumulation_matches_a_large_batch() {
 }
 
 /// `--force` rebuilds one stage, `--from` a stage and its dependents, `--only` one stage whose
-/// inputs are built (and refuses when they are not).
+/// inputs are built (and refuses when they are not), `--until` a stage and what it needs.
 #[test]
 fn only_from_and_force_select_stages() {
     let p = Project::tiny_offline();
@@ -398,6 +398,14 @@ fn only_from_and_force_select_stages() {
     assert_eq!(o[0], ("download".into(), "cached".into()));
     assert_eq!(o[1], ("tokenize".into(), "built".into()));
     assert!(o[2..].iter().all(|(_, x)| x == "skipped"), "{o:?}");
+    // `--until train`: train and what it needs, nothing downstream of it or beside it.
+    let plan = p.run(&args(&["plan", "tiny.toml", "--until", "train"], FAST));
+    assert!(stdout(&plan).contains("not needed by `train` (--until)"), "{}", stdout(&plan));
+    let o = outcomes(&p.run_json(&args(&["tiny.toml", "--until", "train"], FAST)));
+    let built: Vec<&str> = o.iter().filter(|(_, x)| x == "built").map(|(n, _)| n.as_str()).collect();
+    assert_eq!(built, ["train"], "{o:?}");
+    let rest = o.iter().filter(|(n, _)| !["download", "tokenize", "train"].contains(&n.as_str()));
+    assert!(rest.clone().count() == 4 && rest.into_iter().all(|(_, x)| x == "skipped"), "{o:?}");
     p.run_json(&args(&["tiny.toml"], FAST));
 
     let forced = p.run_json(&args(&["tiny.toml", "--force", "eval_base"], FAST));

@@ -110,6 +110,8 @@ impl Plan {
 #[derive(Debug, Clone, Default)]
 pub struct Selection {
     pub only: Option<String>,
+    /// Build this stage and its upstream only (`--until`, as Snakemake's).
+    pub until: Option<String>,
     pub from: Option<String>,
     pub force: Vec<String>,
     /// Never use the network: Hub sources resolve from the HF cache (also `HF_HUB_OFFLINE=1`).
@@ -135,7 +137,7 @@ pub fn make(
     sel: &Selection,
 ) -> Result<Plan, Problem> {
     let recipe = &loaded.recipe;
-    for name in sel.only.iter().chain(&sel.from).chain(&sel.force) {
+    for name in sel.only.iter().chain(&sel.until).chain(&sel.from).chain(&sel.force) {
         if loaded.stages.get(name).is_none() {
             let names = loaded.stages.list.iter().map(|s| s.name.as_str());
             let mut p = Problem::new("rtune::plan::unknown_stage", format!("the recipe has no stage `{name}`"));
@@ -162,6 +164,7 @@ pub fn make(
     .chain(sel.force.iter().cloned())
     .collect();
     let only_set = sel.only.as_ref().map(|o| BTreeSet::from([o.clone()]));
+    let until_set = sel.until.as_ref().map(|u| loaded.stages.upstream(u));
     let previous = lock.recipes.get(&recipe.recipe.name);
     let hub = HubEnv::from_env(None, sel.offline);
 
@@ -228,13 +231,21 @@ pub fn make(
                     ),
                 )
                 .help(format!(
-                    "run `rtune run {} --only {}` first, or drop `--only`",
+                    "`--until {}` builds it with the stages it needs; or run `rtune run {} --only {}` first",
+                    sel.only.as_deref().unwrap_or_default(),
                     loaded.name(),
                     spec.name
                 )));
             }
             action = Action::Skip;
             reason = "not selected (--only)".into();
+        }
+        if let (Some(needed), Some(until)) = (&until_set, &sel.until)
+            && !needed.contains(&spec.name)
+            && matches!(action, Action::Run | Action::Restore)
+        {
+            action = Action::Skip;
+            reason = format!("not needed by `{until}` (--until)");
         }
         if let StageKey::Download(k) = &key
             && action == Action::Run
