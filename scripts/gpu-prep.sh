@@ -35,7 +35,7 @@ done
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 limit=$((64 * 1024 * 1024))
 status=0
-for part in "vulkan:.gpu .gpu-spike .gl" "verify:.gpu .gl" "bench:.gpu .gl" "more:.gpu .gl"; do
+for part in "first:.gpu .gpu-spike .gl" "second:.gpu .gl"; do
   name=${part%%:*} dirs=${part#*:}
   # shellcheck disable=SC2086
   bytes=$(($(du -cb $dirs | tail -1 | cut -f1) + tree))

@@ -1,99 +1,132 @@
 #!/usr/bin/env bash
-# The owed GPU checks of issue 18 (and 17), in parts that each fit one `run` call (10 minutes)
-# on the lent NVIDIA machine, most decisive first. Build and fetch what they carry here first
-# (scripts/gpu-prep.sh); docs/devices.md, "The owed GPU checks", gives the calls.
+# The owed GPU checks of issue 18 (and 17) for a session whose GPU machine gives 15 minutes of
+# device time, start and idle included: one call of about 9 minutes (`first`), the most decisive
+# checks first, then, only if the machine is still warm and time is left, a short second call
+# (`second`). Build and fetch what they carry here first (scripts/gpu-prep.sh); docs/devices.md,
+# "The owed GPU checks", gives the calls.
 #
-#   scripts/gpu-session.sh vulkan   # carry .gpu .gpu-spike .gl: rtune doctor through Vulkan; the
-#                                   # GEMM spike (cuBLAS beside each candidate); rtune's own
-#                                   # products and attention on CUDA and Vulkan side by side
-#                                   # (gpu_timings); the GPU engine's tests through Vulkan
-#   scripts/gpu-session.sh verify   # carry .gpu .gl: scripts/gpu-verify.sh without the tests
-#                                   # (CUDA and Vulkan against the CPU: default recipe, bf16/f16,
-#                                   # full fine-tune)
-#   scripts/gpu-session.sh bench    # carry .gpu .gl: SmolLM2-135M/360M at 4×512 through Vulkan
-#                                   # (bf16, then f16) against PyTorch + PEFT on CUDA, and rtune
-#                                   # on CUDA
-#   scripts/gpu-session.sh more     # carry .gpu .gl: the scalar attention's share, a full
-#                                   # fine-tune against PyTorch on CUDA and through Vulkan, and
-#                                   # QLoRA (nf4-dq) on CUDA and through Vulkan
+#   scripts/gpu-session.sh first    # carry .gpu .gpu-spike .gl (timeout_s 600):
+#                                   # rtune doctor through Vulkan; the GEMM spike (cuBLAS bf16
+#                                   # beside each candidate: the go/no-go); rtune's own products
+#                                   # and attention on CUDA and Vulkan (gpu_timings); SmolLM2-360M
+#                                   # at 4×512 through Vulkan against PyTorch + PEFT on CUDA; the
+#                                   # GPU engine's tests through Vulkan; the default recipe through
+#                                   # Vulkan against the CPU; SmolLM2-135M as the 360M
+#   BUDGET=120 scripts/gpu-session.sh second   # carry .gpu .gl: what `first` leaves, most
+#                                   # wanted first: the engine's tests on CUDA (QLoRA kernels, data
+#                                   # parallel), Vulkan f16, a calibrated q4_k_m on CUDA, QLoRA and
+#                                   # the full fine-tune on CUDA and Vulkan against the CPU, rtune
+#                                   # on CUDA, the scalar attention's share
 #
-# Logs and results go under $OUT/<part> (the device tool brings $OUT back); the end of the
-# output is a summary. SHAPES overrides the benchmarks' shapes. A dry run without a GPU, on
-# lavapipe (with PyTorch on the CPU and a fake nvidia-smi on PATH):
-#   RTUNE_TIMING_TOKENS=32 SHAPES=smoke:2x128 TORCH_DEVICE=cpu scripts/gpu-session.sh bench
+# BUDGET (seconds, default 540) bounds the whole call: every step has its own limit, cut to what
+# is left, and a step that cannot get its minimum is skipped and named, so the call ends inside
+# `run`'s timeout_s with everything it measured. The device tool brings back at most 8 files, so
+# the call leaves two under $OUT: summary.txt (also printed at the end) and logs.tgz (every log,
+# repacked after each step, so a call cut short still brings back what it finished). A dry run
+# without a GPU, on lavapipe (PyTorch on the CPU, a fake nvidia-smi on PATH):
+#   RTUNE_TIMING_TOKENS=32 SHAPES=smoke:2x128 TORCH_DEVICE=cpu scripts/gpu-session.sh first
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?which part: vulkan, verify, bench or more}"
-out="${OUT:-/tmp/rtune-gpu-session}/$part"
-mkdir -p "$out"
-export OUT="$out" RTUNE_NO_PROGRESS=1
-# The loader into the system, as the device README says, so that every program finds it.
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
-# shellcheck source=/dev/null
-. scripts/gpu-env.sh
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
-read -ra shapes <<<"${SHAPES:-smollm2-135m:4x512 smollm2-360m:4x512}"
-status=0
-log() { echo "== $*" | tee -a "$out/summary.txt"; }
-summarize() { # benchmark logs: their tables and each rtune run's last training line
-  for f in "$@"; do
-    echo "-- $f" | tee -a "$out/summary.txt"
-    grep -E "^\||MFU|rtune failed|train +eval loss|error" "$out/$f.txt" | tee -a "$out/summary.txt"
-  done
-}
-
-case "$part" in
-vulkan)
-  log "rtune doctor"
-  .gpu/rtune doctor 2>&1 | tee "$out/doctor.txt" | tee -a "$out/summary.txt" || status=1
-  log "GEMM spike (cuBLAS, then each candidate through Vulkan)"
-  timeout 300 spikes/vulkan-gemm/gpu.sh >"$out/spike.txt" 2>&1 || status=1
-  grep -E "^==|GFLOP|TFLOP|error|skipped|not carried" "$out/spike.txt" | head -60 | tee -a "$out/summary.txt"
-  log "rtune's products and attention on CUDA and through Vulkan (gpu_timings)"
-  timeout 120 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings >"$out/timings.txt" 2>&1 || status=1
-  grep -E "^\||did not run|panicked" "$out/timings.txt" | tee -a "$out/summary.txt"
-  log "the GPU engine's tests (emulator, CUDA, and through Vulkan on the matrix units doctor lists)"
-  mu=$(grep -A1 "^  vulkan:" "$out/doctor.txt" | grep -o "cooperative matrices: .*" | grep -oE "\bb?f16\b" | sort -u | paste -sd, || true)
-  RTUNE_REQUIRE_MATRIX_UNITS="$mu" RTUNE_REQUIRE_VULKAN=1 timeout 150 .gpu/gpu_engine --test-threads 1 \
-    >"$out/gpu_engine-vulkan.txt" 2>&1 || status=1
-  grep -E "test result|panicked|FAILED" "$out/gpu_engine-vulkan.txt" | tee -a "$out/summary.txt"
-  ;;
-verify)
-  # The engine's tests ran in part `vulkan`.
-  TESTS=0 timeout 560 scripts/gpu-verify.sh >"$out/verify.txt" 2>&1 || status=1
-  sed -n '/^== CUDA vs CPU/,$p' "$out/verify.txt" | tee -a "$out/summary.txt"
-  ;;
-bench)
-  log "Vulkan bf16 against PyTorch + PEFT"
-  OUT="$out/vulkan-bf16" DEVICE=vulkan timeout 250 scripts/gpu_bench.sh "${shapes[@]}" >"$out/vulkan-bf16.txt" 2>&1 || status=1
-  log "Vulkan f16 (cooperative matrices where listed)"
-  OUT="$out/vulkan-f16" DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 timeout 120 scripts/gpu_bench.sh "${shapes[@]}" \
-    >"$out/vulkan-f16.txt" 2>&1 || status=1
-  log "CUDA bf16"
-  OUT="$out/cuda-bf16" DEVICE=cuda SKIP_TORCH=1 timeout 120 scripts/gpu_bench.sh "${shapes[@]}" >"$out/cuda-bf16.txt" 2>&1 || status=1
-  summarize vulkan-bf16 vulkan-f16 cuda-bf16
-  ;;
-more)
-  log "Vulkan f16 with the scalar attention kernels"
-  OUT="$out/vulkan-f16-scalar" RTUNE_GPU_ATTENTION=scalar DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 timeout 120 \
-    scripts/gpu_bench.sh "${shapes[1]:-${shapes[0]}}" >"$out/vulkan-f16-scalar.txt" 2>&1 || status=1
-  log "full fine-tune: CUDA against PyTorch, then Vulkan"
-  OUT="$out/full-cuda" TRAIN=full timeout 200 scripts/gpu_bench.sh "${shapes[0]}" >"$out/full-cuda.txt" 2>&1 || status=1
-  OUT="$out/full-vulkan" TRAIN=full DEVICE=vulkan SKIP_TORCH=1 timeout 150 scripts/gpu_bench.sh "${shapes[0]}" \
-    >"$out/full-vulkan.txt" 2>&1 || status=1
-  log "QLoRA (nf4-dq, bf16): CUDA, then Vulkan (rtune alone: the image has no bitsandbytes)"
-  OUT="$out/qlora-cuda" TRAIN=qlora SKIP_TORCH=1 timeout 60 scripts/gpu_bench.sh "${shapes[1]:-${shapes[0]}}" \
-    >"$out/qlora-cuda.txt" 2>&1 || status=1
-  OUT="$out/qlora-vulkan" TRAIN=qlora DEVICE=vulkan SKIP_TORCH=1 timeout 60 scripts/gpu_bench.sh \
-    "${shapes[1]:-${shapes[0]}}" >"$out/qlora-vulkan.txt" 2>&1 || status=1
-  summarize vulkan-f16-scalar full-cuda full-vulkan qlora-cuda qlora-vulkan
-  ;;
-*)
-  echo "unknown part $part: vulkan, verify, bench or more" >&2
+part="${1:-first}"
+case "$part" in first | second) ;; *)
+  echo "unknown part $part: first or second" >&2
   exit 2
   ;;
 esac
+budget="${BUDGET:-540}"
+final="${OUT:-/tmp/rtune-gpu-session-out}"
+work="${WORK:-/tmp/rtune-gpu-session}/$part"
+rm -rf "$work"
+mkdir -p "$work" "$final"
+export RTUNE_NO_PROGRESS=1 PYTHONUNBUFFERED=1
+summary="$final/summary.txt"
+: >"$summary"
+status=0
+say() { echo "$*" | tee -a "$summary"; }
+pack() { tar -czf "$final/logs.tgz.part" -C "$work" . && mv "$final/logs.tgz.part" "$final/logs.tgz"; }
+# step NAME LIMIT MIN COMMAND...: runs COMMAND with its output in NAME.txt, for at most LIMIT
+# seconds (or what the budget has left); skipped when less than MIN is left.
+step() {
+  local name=$1 limit=$2 min=$3
+  shift 3
+  local left=$((budget - SECONDS))
+  if [ "$left" -lt "$min" ]; then
+    say "== $name: skipped, ${left} s of the budget left (needs ${min} s)"
+    status=1
+    return 1
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  local t0=$SECONDS rc=0
+  timeout -k 5 "$limit" "$@" >"$work/$name.txt" 2>&1 || rc=$?
+  local how="ok"
+  [ $rc = 0 ] || how="FAILED (exit $rc)"
+  [ $rc != 124 ] && [ $rc != 137 ] || how="STOPPED at its ${limit} s limit"
+  [ $rc = 0 ] || status=1
+  say "== $name: $how, $((SECONDS - t0)) s"
+  pack
+  return $rc
+}
+# show NAME PATTERN: the lines of a step's log that say what it found.
+show() { grep -E "$2" "$work/$1.txt" | head -"${3:-60}" | tee -a "$summary"; }
+bench_table() { # the benchmark's table and each run's last training line
+  show "$1" "^\||MFU|rtune failed|train +eval loss|tok/s|[Ee]rror|Traceback"
+}
+
+# The loader into the system, as the device README says, so that every program finds it.
+for f in .gl/*.deb; do [ ! -e "$f" ] || dpkg -x "$f" /; done
+ldconfig
+# shellcheck source=/dev/null
+. scripts/gpu-env.sh
+say "== $(date -u +%FT%TZ) part $part, budget ${budget} s"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,temperature.gpu --format=csv,noheader 2>&1 |
+  tee -a "$summary"
+read -ra shapes <<<"${SHAPES:-smollm2-360m:4x512 smollm2-135m:4x512}"
+doctor_units() { # the matrix units' types that doctor lists for the Vulkan device
+  grep -A1 "^  vulkan:" "$work/doctor.txt" | grep -o "cooperative matrices: .*" | grep -oE "\bb?f16\b" |
+    sort -u | paste -sd, || true
+}
+
+case "$part" in
+first)
+  step doctor 30 5 .gpu/rtune doctor
+  show doctor "." 40
+  # Issue 18's go/no-go: a quarter of cuBLAS's bf16 rate on the train-step shapes.
+  CUBLAS_DTYPES=bf16 CANDIDATE_TIMEOUT=40 step spike 110 30 spikes/vulkan-gemm/gpu.sh
+  show spike "^==|GFLOP|TFLOP|rror|skipped|not carried"
+  step timings 100 30 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings
+  show timings "^\||did not run|panicked"
+  # The speed goal: ≥ 0.5× PyTorch + PEFT on CUDA for the 360M shape at 4 × 512.
+  OUT="$work/bench-vulkan-bf16" DEVICE=vulkan step bench-vulkan-bf16 170 60 scripts/gpu_bench.sh "${shapes[0]}"
+  bench_table bench-vulkan-bf16
+  # Correctness on a hardware Vulkan driver, on the matrix units doctor lists.
+  RTUNE_REQUIRE_MATRIX_UNITS="$(doctor_units)" RTUNE_TEST_DEVICES=vulkan RTUNE_REQUIRE_VULKAN=1 \
+    step tests-vulkan 150 40 .gpu/gpu_engine --test-threads 1
+  show tests-vulkan "test result|panicked|FAILED" 25
+  # The default recipe through Vulkan against the CPU (eval loss within 1e-4).
+  OUT="$work/verify-vulkan" CHECKS="cpu vulkan" TESTS=0 step verify-vulkan 120 50 scripts/gpu-verify.sh
+  show verify-vulkan "eval loss|within|rror|FAIL|passed|no Vulkan"
+  [ ${#shapes[@]} -lt 2 ] || {
+    OUT="$work/bench-vulkan-bf16-2" DEVICE=vulkan step bench-vulkan-bf16-2 120 60 scripts/gpu_bench.sh "${shapes[1]}"
+    bench_table bench-vulkan-bf16-2
+  }
+  ;;
+second)
+  step doctor 30 5 .gpu/rtune doctor
+  RTUNE_TEST_DEVICES=cuda RTUNE_REQUIRE_CUDA=1 step tests-cuda 100 40 .gpu/gpu_engine --test-threads 1
+  show tests-cuda "test result|panicked|FAILED" 25
+  OUT="$work/bench-vulkan-f16" DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 step bench-vulkan-f16 80 40 \
+    scripts/gpu_bench.sh "${shapes[0]}"
+  bench_table bench-vulkan-f16
+  OUT="$work/verify-cuda" CHECKS="cpu q4km qlora full vulkan" TESTS=0 step verify-cuda 240 90 scripts/gpu-verify.sh
+  show verify-cuda "eval loss|perplexity|within|vs CPU|rror|FAIL|passed"
+  OUT="$work/bench-cuda-bf16" DEVICE=cuda SKIP_TORCH=1 step bench-cuda-bf16 60 30 scripts/gpu_bench.sh "${shapes[0]}"
+  bench_table bench-cuda-bf16
+  OUT="$work/bench-vulkan-f16-scalar" RTUNE_GPU_ATTENTION=scalar DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 \
+    step bench-vulkan-f16-scalar 60 30 scripts/gpu_bench.sh "${shapes[0]}"
+  bench_table bench-vulkan-f16-scalar
+  ;;
+esac
+pack
 echo
-[ $status = 0 ] && echo "part $part: done" || echo "part $part: SOME CHECKS FAILED (logs under $out)"
+say "part $part: $([ $status = 0 ] && echo "every step ran and passed" || echo "SOME STEPS FAILED OR WERE SKIPPED") in $SECONDS s (logs: logs.tgz)"
 exit $status

@@ -172,19 +172,35 @@ impl Gpu for EmuGpu {
     }
 }
 
-/// The devices the tests run on: the emulator, and the CUDA GPU when this build and machine
-/// have one.
+/// Whether the tests run on a kind of device (`emulator`, `cuda`, `vulkan`): all of them unless
+/// `RTUNE_TEST_DEVICES` lists some (`RTUNE_TEST_DEVICES=vulkan` on a GPU machine whose minutes
+/// are few: CI runs the emulator's).
+fn testing(kind: &str) -> bool {
+    std::env::var("RTUNE_TEST_DEVICES").map_or(true, |v| v.split(',').any(|k| k.trim() == kind))
+}
+
+/// The devices the tests run on: the emulator, and the CUDA GPU and Vulkan device when this build
+/// and machine have them (`RTUNE_TEST_DEVICES` picks among them).
 fn devices() -> Vec<Rc<dyn Gpu>> {
     #[allow(unused_mut)]
-    let mut v: Vec<Rc<dyn Gpu>> = vec![Rc::new(EmuGpu::default())];
-    #[cfg(feature = "cuda")]
-    match rtune::engine::gpu::cuda::CudaGpu::new(0, false) {
-        Ok(g) => v.push(Rc::new(g)),
-        Err(e) => eprintln!("no CUDA device for the GPU engine tests: {e}"),
+    let mut v: Vec<Rc<dyn Gpu>> = Vec::new();
+    if testing("emulator") {
+        v.push(Rc::new(EmuGpu::default()));
     }
+    #[cfg(feature = "cuda")]
+    match testing("cuda").then(|| rtune::engine::gpu::cuda::CudaGpu::new(0, false)) {
+        None => {}
+        Some(Ok(g)) => v.push(Rc::new(g)),
+        // RTUNE_REQUIRE_CUDA: on a GPU machine, tests that found no GPU must not pass.
+        Some(Err(e)) if std::env::var_os("RTUNE_REQUIRE_CUDA").is_some() => panic!("no CUDA device: {e}"),
+        Some(Err(e)) => eprintln!("no CUDA device for the GPU engine tests: {e}"),
+    }
+    #[cfg(not(feature = "cuda"))]
+    assert!(std::env::var_os("RTUNE_REQUIRE_CUDA").is_none(), "RTUNE_REQUIRE_CUDA is set but this build has no CUDA");
     #[cfg(feature = "vulkan")]
-    match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
-        Ok(g) => {
+    match testing("vulkan").then(|| rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal())) {
+        None => {}
+        Some(Ok(g)) => {
             // On a CPU implementation (lavapipe) the device runs its per-lane kernels; the
             // kernels written for GPUs are tested there too, on a second instance.
             let gpu_kernels = g
@@ -207,8 +223,8 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
         }
         // CI sets RTUNE_REQUIRE_VULKAN (it installs lavapipe), so the Vulkan kernels never go
         // untested there by accident.
-        Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
-        Err(e) => eprintln!("no Vulkan device for the GPU engine tests: {e}"),
+        Some(Err(e)) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
+        Some(Err(e)) => eprintln!("no Vulkan device for the GPU engine tests: {e}"),
     }
     v
 }
@@ -657,6 +673,9 @@ fn adamw_and_reductions_match_the_cpu_optimizer() {
 #[cfg(feature = "vulkan")]
 #[test]
 fn vulkan_division_and_square_root_round_correctly_from_estimates_ulps_away() {
+    if !testing("vulkan") {
+        return;
+    }
     let gpu: Rc<dyn Gpu> = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
         Ok(g) => Rc::new(g),
         Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
@@ -980,6 +999,9 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
 /// tests above (and here too if it is this one).
 #[cfg(feature = "vulkan")]
 fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
+    if !testing("vulkan") {
+        return;
+    }
     let gpu = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
         Ok(g) => g.with_gpu_kernels().with_matrix_shape(Dt::F16, shape),
         Err(e) => return eprintln!("no Vulkan device: {e}"),
@@ -1555,18 +1577,23 @@ fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
 /// logical devices, each with its own queue, as two GPUs would be).
 fn device_pairs() -> Vec<[Rc<dyn Gpu>; 2]> {
     #[allow(unused_mut)]
-    let mut v: Vec<[Rc<dyn Gpu>; 2]> = vec![[Rc::new(EmuGpu::default()), Rc::new(EmuGpu::default())]];
+    let mut v: Vec<[Rc<dyn Gpu>; 2]> = Vec::new();
+    if testing("emulator") {
+        v.push([Rc::new(EmuGpu::default()), Rc::new(EmuGpu::default())]);
+    }
     #[cfg(feature = "cuda")]
-    if let Ok(a) = rtune::engine::gpu::cuda::CudaGpu::new(0, false) {
+    if let Some(Ok(a)) = testing("cuda").then(|| rtune::engine::gpu::cuda::CudaGpu::new(0, false)) {
         let b = rtune::engine::gpu::cuda::CudaGpu::new(1, false)
             .or_else(|_| rtune::engine::gpu::cuda::CudaGpu::new(0, false));
         v.push([Rc::new(a), Rc::new(b.unwrap())]);
     }
     #[cfg(feature = "vulkan")]
-    if let (Ok(a), Ok(b)) = (
-        rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()),
-        rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()),
-    ) {
+    if let Some((Ok(a), Ok(b))) = testing("vulkan").then(|| {
+        (
+            rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()),
+            rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()),
+        )
+    }) {
         v.push([Rc::new(a), Rc::new(b)]);
     }
     v
