@@ -187,6 +187,24 @@ pub enum CacheCommand {
     Verify,
     /// Remove what no manifest reaches
     Gc,
+    /// Remove artifacts (or a stopped run's resumable work) by fingerprint, then what only they used
+    Rm {
+        /// Fingerprints, or prefixes of them as `cache ls` and `plan` show them
+        #[arg(required = true, value_name = "FINGERPRINT")]
+        fingerprints: Vec<String>,
+        /// Say what would be removed and freed; remove nothing
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Remove every artifact and stopped run that the named recipes do not use, then what only they used
+    Prune {
+        /// A recipe whose artifacts stay: those of its plan here, of its lock file, and their inputs (repeatable)
+        #[arg(long = "keep", value_name = "RECIPE", required = true)]
+        keep: Vec<String>,
+        /// Say what would be removed and freed; remove nothing
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Print the cache root
     Path,
 }

@@ -278,7 +278,7 @@ pub fn restore(
     if let Some(rel) = record.destination.strip_prefix("dir://") {
         let dest = loaded.resolve_path(rel);
         let written = write_dir(store, &dest, &files, Some(&record), ui)?;
-        return Ok(format!("restored {} → {}", plural(written.len()), dest.display()));
+        return Ok(format!("restored {} → {}", crate::ui::count(written.len(), "file"), dest.display()));
     }
     if let Some(rest) = record.destination.strip_prefix("hf://") {
         let repo = crate::hub::parse_hf_url(rest)?;
@@ -287,13 +287,14 @@ pub fn restore(
             files.iter().map(|(p, l, _)| crate::hub::CommitFile { path: p.clone(), local: l.clone() }).collect();
         let message = format!("Restore {} with rtune", loaded.recipe.recipe.name);
         let report = crate::hub::commit(&client, &repo, &commit_files, &message, ui)?;
-        return Ok(format!("re-uploaded {} → {} (commit {})", plural(files.len()), repo.display(), report.commit));
+        return Ok(format!(
+            "re-uploaded {} → {} (commit {})",
+            crate::ui::count(files.len(), "file"),
+            repo.display(),
+            report.commit
+        ));
     }
     Err(Problem::new("rtune::upload::bad_record", format!("`{}` cannot be restored", record.destination)).into())
-}
-
-fn plural(n: usize) -> String {
-    if n == 1 { "1 file".into() } else { format!("{n} files") }
 }
 
 /// Size, modification time and inode of files rtune wrote, with their digest: a file whose

@@ -4,6 +4,7 @@
 
 mod cli;
 
+use std::collections::BTreeSet;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
@@ -15,7 +16,7 @@ use rtune::device::{self, Inventory};
 use rtune::plan::{self, LockFile, Selection};
 use rtune::recipe::{self, Overrides, Problem, builtin};
 use rtune::store::Store;
-use rtune::ui::{Ui, human_bytes};
+use rtune::ui::{Ui, count, human_bytes};
 use rtune::{Error, exec, hub};
 
 fn main() -> ExitCode {
@@ -74,6 +75,63 @@ fn store(cli: &cli::Global) -> Result<Store, Error> {
 
 fn load(args: &RecipeArgs) -> Result<recipe::LoadedRecipe, Error> {
     Ok(recipe::load(&args.recipe, &Overrides::from_env_and_args(args.sets.clone()))?)
+}
+
+/// The artifact or stopped run whose fingerprint starts with `prefix`: exactly one.
+fn find_in_cache(store: &Store, prefix: &str) -> Result<String, Error> {
+    let all = store.manifests().into_iter().map(|m| m.fingerprint).chain(store.unfinished().into_iter().map(|u| u.0));
+    let found: Vec<String> = all.filter(|fp| !prefix.is_empty() && fp.starts_with(prefix)).collect();
+    match found.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => Err(Problem::new("rtune::cache::unknown", format!("no artifact or stopped run `{prefix}` in the cache"))
+            .help("`rtune cache ls` lists the artifacts, `rtune plan RECIPE` a recipe's fingerprints")
+            .into()),
+        many => Err(Problem::new("rtune::cache::ambiguous", format!("`{prefix}` begins {} fingerprints", many.len()))
+            .help(format!(
+                "give more of it: {}",
+                many.iter().map(|f| rtune::fingerprint::short(f)).collect::<Vec<_>>().join(", ")
+            ))
+            .into()),
+    }
+}
+
+/// Remove (or with `dry_run`, list) the artifacts and stopped runs `gone`, then what only they
+/// used, and say what was freed.
+fn remove_from_cache(store: &Store, gone: &BTreeSet<String>, dry_run: bool, json: bool, ui: &Ui) -> Result<u8, Error> {
+    let artifacts: Vec<_> = store.manifests().into_iter().filter(|m| gone.contains(&m.fingerprint)).collect();
+    let stopped: Vec<_> = store.unfinished().into_iter().filter(|(fp, _)| gone.contains(fp)).collect();
+    let estimate = store.freed_by(gone);
+    let (entries, freed) = if dry_run { (0, estimate) } else { store.remove(gone)? };
+    if json {
+        let list: Vec<_> = artifacts
+            .iter()
+            .map(|m| json!({"fingerprint": m.fingerprint, "kind": m.kind, "stage": m.stage, "bytes": m.total_size()}))
+            .chain(stopped.iter().map(|(fp, b)| json!({"fingerprint": fp, "kind": "stopped run", "bytes": b})))
+            .collect();
+        let report = json!({"dry_run": dry_run, "removed": list, "entries": entries, "freed_bytes": freed});
+        ui.out(format!("{}\n", serde_json::to_string_pretty(&report).expect("json")));
+        return Ok(0);
+    }
+    let verb = if dry_run { "would remove" } else { "removed" };
+    let mut out = String::new();
+    for m in &artifacts {
+        let (fp, size) = (rtune::fingerprint::short(&m.fingerprint), human_bytes(m.total_size()));
+        out.push_str(&format!("{verb} {fp}  {:<9} {:<12} {size:>10}\n", m.kind, m.stage));
+    }
+    for (fp, bytes) in &stopped {
+        let (fp, size) = (rtune::fingerprint::short(fp), human_bytes(*bytes));
+        out.push_str(&format!("{verb} {fp}  {:<9} {:<12} {size:>10}\n", "stopped", "(resumable)"));
+    }
+    let what = format!("{} and {}", count(artifacts.len(), "artifact"), count(stopped.len(), "stopped run"));
+    out.push_str(&match dry_run {
+        true => format!(
+            "{what} would go, freeing {} (files that kept artifacts share stay), besides what `cache gc` frees\n",
+            human_bytes(freed)
+        ),
+        false => format!("{what} removed, freed {}\n", human_bytes(freed)),
+    });
+    ui.out(out);
+    Ok(0)
 }
 
 fn selection(s: &SelectArgs) -> Selection {
@@ -388,6 +446,28 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                     let (n, bytes) = store.gc()?;
                     ui.out(format!("removed {n} entries, freed {}\n", human_bytes(bytes)));
                     Ok(0)
+                }
+                CacheCommand::Rm { fingerprints, dry_run } => {
+                    let mut gone = BTreeSet::new();
+                    for prefix in &fingerprints {
+                        gone.insert(find_in_cache(&store, prefix)?);
+                    }
+                    remove_from_cache(&store, &gone, dry_run, g.json, ui)
+                }
+                CacheCommand::Prune { keep, dry_run } => {
+                    let mut used = BTreeSet::new();
+                    for recipe in keep {
+                        let args = RecipeArgs { recipe, sets: Vec::new() };
+                        let (_, _, lock, plan) = make_plan(g, &args, &SelectArgs::default())?;
+                        used.extend(plan.uses(&lock, &store));
+                    }
+                    let all = store
+                        .manifests()
+                        .into_iter()
+                        .map(|m| m.fingerprint)
+                        .chain(store.unfinished().into_iter().map(|u| u.0));
+                    let gone = all.filter(|fp| !used.contains(fp)).collect();
+                    remove_from_cache(&store, &gone, dry_run, g.json, ui)
                 }
             }
         }

@@ -1021,6 +1021,69 @@ fn cache_gc_refuses_while_a_run_uses_the_cache() {
     assert!(!gc.status.success() && stderr(&gc).contains("rtune::store::busy"), "{}", stderr(&gc));
     let gc = p.run(&["cache", "gc"]);
     assert!(gc.status.success(), "{}", stderr(&gc));
+    // The killed run left resumable work and no artifact: a stopped run, which `prune` removes
+    // when no kept recipe would resume it (the plain recipe trains other steps).
+    let dry = p.run(&["cache", "prune", "--keep", "tiny.toml", "--dry-run", "--json"]);
+    let dry: serde_json::Value = serde_json::from_slice(&dry.stdout).expect("prune --json");
+    let removed = dry["removed"].as_array().unwrap();
+    assert!(removed.len() == 1 && removed[0]["kind"] == "stopped run", "{dry}");
+    let work = p.cache().join("store-v1/work").join(removed[0]["fingerprint"].as_str().unwrap());
+    assert!(work.is_dir(), "a dry run removes nothing");
+    let rm = p.run(&["cache", "rm", &removed[0]["fingerprint"].as_str().unwrap()[..10]]);
+    assert!(rm.status.success() && stdout(&rm).contains("1 stopped run removed"), "{}", stdout(&rm));
+    assert!(!work.exists());
+}
+
+/// `cache prune --keep` removes every artifact the named recipes do not use — neither their
+/// plans here nor their lock files (the last run, here with other settings) — and leaves what
+/// they share; `cache rm` removes artifacts by fingerprint prefix, and a later run rebuilds them.
+#[test]
+fn cache_prune_keeps_what_named_recipes_use_and_rm_removes_by_fingerprint() {
+    let p = Project::tiny_offline();
+    let recipe = std::fs::read_to_string(p.path().join("tiny.toml")).unwrap();
+    let other = recipe.replace("name = \"tiny-offline\"", "name = \"other\"").replace("rank = 8", "rank = 4");
+    assert_ne!(other, recipe);
+    std::fs::write(p.path().join("other.toml"), other).unwrap();
+    let trained = |recipe: &str| {
+        let r = p.run_json(&args(&[recipe, "--until", "train"], FAST));
+        r["stages"].as_array().unwrap().iter().find(|s| s["name"] == "train").unwrap()["fingerprint"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (mine, theirs) = (trained("tiny.toml"), trained("other.toml"));
+    let listed = |p: &Project| -> Vec<String> {
+        let o = p.run(&["cache", "ls", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v.as_array().unwrap().iter().map(|m| m["fingerprint"].as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(listed(&p).len(), 4, "download and tokenize shared, two trainings");
+
+    let dry = p.run(&["cache", "prune", "--keep", "other.toml", "--dry-run"]);
+    assert!(dry.status.success(), "{}", stderr(&dry));
+    let text = stdout(&dry);
+    assert!(text.contains(&format!("would remove {}  train", &mine[..12])), "{text}");
+    assert!(text.contains("1 artifact and 0 stopped runs would go"), "{text}");
+    assert_eq!(listed(&p).len(), 4, "a dry run removes nothing");
+
+    let pruned = p.run(&["cache", "prune", "--keep", "other.toml"]);
+    assert!(pruned.status.success(), "{}", stderr(&pruned));
+    assert!(!listed(&p).contains(&mine) && listed(&p).contains(&theirs), "{}", stdout(&pruned));
+    assert!(!p.cache().join("store-v1/artifacts").join(&mine).exists());
+    let o = outcomes(&p.run_json(&args(&["other.toml", "--until", "train"], FAST)));
+    assert!(o[..3].iter().all(|(_, x)| x == "cached"), "{o:?}");
+
+    let unknown = p.run(&["cache", "rm", "zzzz"]);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(stderr(&unknown).contains("no artifact or stopped run `zzzz` in the cache"), "{}", stderr(&unknown));
+    let download = listed(&p).into_iter().find(|f| f != &theirs).unwrap();
+    let all = p.run(&["cache", "rm", ""]);
+    assert!(!all.status.success(), "an empty prefix names nothing");
+    let rm = p.run(&["cache", "rm", &download[..8]]);
+    assert!(rm.status.success(), "{}", stderr(&rm));
+    let o = outcomes(&p.run_json(&args(&["other.toml", "--until", "train"], FAST)));
+    assert_eq!(o.iter().filter(|(_, x)| x == "built").count(), 1, "{o:?}");
+    assert_eq!(o.iter().filter(|(_, x)| x == "cached").count(), 2, "{o:?}");
 }
 
 /// The default recipe on a Vulkan device (lavapipe in CI) against the same run on the CPU: every

@@ -100,6 +100,28 @@ impl Plan {
         self.stages.iter().find(|s| s.name == name)
     }
 
+    /// The artifacts this recipe uses in `store` (what `rtune cache prune --keep` keeps): its
+    /// stages' fingerprints as planned here, those its lock file records (the last run, perhaps
+    /// on another device), and every input those artifacts' documents name, transitively (an
+    /// export made from an older training run keeps that run).
+    pub fn uses(&self, lock: &LockFile, store: &Store) -> BTreeSet<String> {
+        let mut keep: BTreeSet<String> = self.stages.iter().map(|s| s.fingerprint.clone()).collect();
+        if let Some(r) = lock.recipes.get(&self.recipe) {
+            keep.extend(r.stages.values().map(|s| s.fingerprint.clone()));
+        }
+        let mut todo: Vec<String> = keep.iter().cloned().collect();
+        while let Some(fp) = todo.pop() {
+            let Some(m) = store.manifest(&fp) else { continue };
+            let inputs = m.inputs.get("inputs").and_then(Value::as_object).into_iter().flatten();
+            for input in inputs.filter_map(|(_, v)| v.as_str()) {
+                if keep.insert(input.to_string()) {
+                    todo.push(input.to_string());
+                }
+            }
+        }
+        keep
+    }
+
     /// What discovery said of device `ordinal` of `class`, if a stage computes on it.
     pub fn device_info(&self, class: device::DeviceClass, ordinal: usize) -> Option<&device::DeviceInfo> {
         self.devices.iter().find(|i| i.class == class && i.ordinal == ordinal)

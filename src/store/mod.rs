@@ -32,7 +32,10 @@ pub enum StoreError {
     #[error("the cache `{root}` is in use by another rtune run")]
     #[diagnostic(
         code(rtune::store::busy),
-        help("`cache gc` removes unreferenced files, so it waits for no run: run it when the other rtune is done")
+        help(
+            "`cache gc`, `cache rm` and `cache prune` remove files a run may be reading, so they wait for no run: \
+             run them when the other rtune is done"
+        )
     )]
     Busy { root: PathBuf },
     #[error("cannot {action} `{path}`")]
@@ -310,15 +313,84 @@ impl Store {
     /// Remove what no manifest reaches: orphan artifact folders, objects, stale staging and the
     /// work folders of stages that finished. Returns (files removed, bytes freed).
     pub fn gc(&self) -> Result<(u64, u64)> {
+        self.remove(&BTreeSet::new())
+    }
+
+    /// The resumable work of stages that never finished (a training run stopped before its
+    /// artifact was committed): each fingerprint with its folder's size.
+    pub fn unfinished(&self) -> Vec<(String, u64)> {
+        let dir = self.base.join("work");
+        let mut out: Vec<(String, u64)> = fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|fp| !self.manifest_path(fp).exists())
+            .map(|fp| {
+                let size = dir_size(&self.work_dir(&fp));
+                (fp, size)
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// The bytes that removing the artifacts and unfinished work of `fps` would free: the
+    /// objects no other manifest names (an object shared by two artifacts stays while one
+    /// does), and the work folders.
+    pub fn freed_by(&self, fps: &BTreeSet<String>) -> u64 {
+        let (gone, kept): (Vec<Manifest>, Vec<Manifest>) =
+            self.manifests().into_iter().partition(|m| fps.contains(&m.fingerprint));
+        let kept: BTreeSet<&str> = kept.iter().flat_map(|m| m.files.values().map(|f| f.digest.as_str())).collect();
+        let objects: BTreeMap<&str, u64> = gone
+            .iter()
+            .flat_map(|m| m.files.values())
+            .filter(|f| !kept.contains(f.digest.as_str()))
+            .map(|f| (f.digest.as_str(), f.size))
+            .collect();
+        objects.values().sum::<u64>() + fps.iter().map(|fp| dir_size(&self.work_dir(fp))).sum::<u64>()
+    }
+
+    /// Remove the artifacts of `fps` (each manifest first, so it stops counting at once) and
+    /// their work folders, then what no manifest reaches, as [`Store::gc`]. Refuses while a run
+    /// uses the store ([`StoreError::Busy`]): a run may be about to read any artifact. Returns
+    /// (files removed, bytes freed).
+    pub fn remove(&self, fps: &BTreeSet<String>) -> Result<(u64, u64)> {
         let lock = self.use_lock_file()?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(fs::TryLockError::WouldBlock) => return Err(StoreError::Busy { root: self.root.clone() }),
             Err(fs::TryLockError::Error(e)) => return Err(io_err("lock", &self.base.join("locks/store.lock"))(e)),
         }
-        let collected = self.collect();
+        let removed = self.forget(fps).and_then(|(files, bytes)| {
+            let (more, freed) = self.collect()?;
+            Ok((files + more, bytes + freed))
+        });
         self.protect_objects();
-        collected
+        removed
+    }
+
+    /// Drop the manifests, damage markers and work folders of `fps`; their artifact folders and
+    /// objects are left to [`Store::collect`]. Returns the work folders' (count, bytes).
+    fn forget(&self, fps: &BTreeSet<String>) -> Result<(u64, u64)> {
+        let (mut files, mut bytes) = (0, 0);
+        for fp in fps {
+            for p in [self.manifest_path(fp), self.damage_marker(fp)] {
+                match fs::remove_file(&p) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io_err("remove", &p)(e)),
+                }
+            }
+            let work = self.work_dir(fp);
+            if work.exists() {
+                bytes += dir_size(&work);
+                files += 1;
+                make_writable(&work);
+                fs::remove_dir_all(&work).map_err(io_err("remove", &work))?;
+            }
+        }
+        Ok((files, bytes))
     }
 
     /// gc's work, under its lock.

@@ -182,6 +182,11 @@ fn next_tenth(pos: u64, total: u64) -> u64 {
     if pos >= total { u64::MAX } else { (pos + (total / 10).max(1)).min(total) }
 }
 
+/// `1 file`, `3 files`: a count with its noun (plural by an `s`).
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
+}
+
 /// `1.2 MiB`, `340 B`.
 pub fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
