@@ -31,6 +31,9 @@ for c in "${cands[@]}"; do
   [ -f ".gpu-spike/vulkan-gemm-$c.gz" ] || spikes/vulkan-gemm/build.sh "$c"
 done
 
+# Only the gzipped binaries travel: copies unpacked by a dry run here (gpu-env.sh and the spike's
+# gpu.sh unpack them on the GPU machine) would count against the limit.
+find .gpu .gpu-spike -maxdepth 1 -type f ! -name '*.gz' ! -name commit ! -name manifest-dir -delete
 # What each part of scripts/gpu-session.sh carries, with the tracked files that travel anyway.
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 limit=$((64 * 1024 * 1024))

@@ -79,8 +79,8 @@ fn load(args: &RecipeArgs) -> Result<recipe::LoadedRecipe, Error> {
 
 /// The artifact or stopped run whose fingerprint starts with `prefix`: exactly one.
 fn find_in_cache(store: &Store, prefix: &str) -> Result<String, Error> {
-    let all = store.manifests().into_iter().map(|m| m.fingerprint).chain(store.unfinished().into_iter().map(|u| u.0));
-    let found: Vec<String> = all.filter(|fp| !prefix.is_empty() && fp.starts_with(prefix)).collect();
+    let found: Vec<String> =
+        store.fingerprints().into_iter().filter(|fp| !prefix.is_empty() && fp.starts_with(prefix)).collect();
     match found.as_slice() {
         [one] => Ok(one.clone()),
         [] => Err(Problem::new("rtune::cache::unknown", format!("no artifact or stopped run `{prefix}` in the cache"))
@@ -461,12 +461,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                         let (_, _, lock, plan) = make_plan(g, &args, &SelectArgs::default())?;
                         used.extend(plan.uses(&lock, &store));
                     }
-                    let all = store
-                        .manifests()
-                        .into_iter()
-                        .map(|m| m.fingerprint)
-                        .chain(store.unfinished().into_iter().map(|u| u.0));
-                    let gone = all.filter(|fp| !used.contains(fp)).collect();
+                    let gone = store.fingerprints().into_iter().filter(|fp| !used.contains(fp)).collect();
                     remove_from_cache(&store, &gone, dry_run, g.json, ui)
                 }
             }

@@ -335,6 +335,13 @@ impl Store {
         out
     }
 
+    /// The fingerprints of every artifact and every stopped run's work: what `cache rm` and
+    /// `cache prune` choose from.
+    pub fn fingerprints(&self) -> Vec<String> {
+        let artifacts = self.manifests().into_iter().map(|m| m.fingerprint);
+        artifacts.chain(self.unfinished().into_iter().map(|(fp, _)| fp)).collect()
+    }
+
     /// The bytes that removing the artifacts and unfinished work of `fps` would free: the
     /// objects no other manifest names (an object shared by two artifacts stays while one
     /// does), and the work folders.
