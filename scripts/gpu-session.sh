@@ -109,6 +109,8 @@ first)
     OUT="$work/bench-vulkan-bf16-2" DEVICE=vulkan step bench-vulkan-bf16-2 120 60 scripts/gpu_bench.sh "${shapes[1]}"
     bench_table bench-vulkan-bf16-2
   }
+  say "== go/no-go (a quarter of cuBLAS bf16 on the train-step shapes)"
+  python3 spikes/vulkan-gemm/verdict.py "$work/spike.txt" "$work/timings.txt" 2>&1 | tee -a "$summary"
   ;;
 second)
   step doctor 30 5 .gpu/rtune doctor

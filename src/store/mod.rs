@@ -194,22 +194,13 @@ impl Store {
                 }
             }
         }
-        let m = self.manifest_path(fp);
-        match fs::remove_file(&m) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_err("remove", &m)(e)),
-        }
+        remove_if_present(&self.manifest_path(fp))?;
         let dir = self.artifact_dir(fp);
         if dir.exists() {
             let digests = manifest.map(|m| m.files.into_values().map(|f| f.digest).collect::<Vec<_>>());
             self.remove_view(&dir, digests.as_deref())?;
         }
-        let marker = self.damage_marker(fp);
-        if marker.exists() {
-            fs::remove_file(&marker).map_err(io_err("remove", &marker))?;
-        }
-        Ok(())
+        remove_if_present(&self.damage_marker(fp))
     }
 
     /// Wait for, then hold, the build lock of `fp`. `on_wait` is called once if another
@@ -382,13 +373,8 @@ impl Store {
     fn forget(&self, fps: &BTreeSet<String>) -> Result<(u64, u64)> {
         let (mut files, mut bytes) = (0, 0);
         for fp in fps {
-            for p in [self.manifest_path(fp), self.damage_marker(fp)] {
-                match fs::remove_file(&p) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(io_err("remove", &p)(e)),
-                }
-            }
+            remove_if_present(&self.manifest_path(fp))?;
+            remove_if_present(&self.damage_marker(fp))?;
             let work = self.work_dir(fp);
             if work.exists() {
                 bytes += dir_size(&work);
@@ -493,6 +479,14 @@ impl Store {
             Ok(f) => f.try_lock().is_ok(),
             Err(_) => true,
         }
+    }
+}
+
+/// Remove a file; one that is not there is already removed.
+fn remove_if_present(path: &Path) -> Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err("remove", path)(e)),
+        _ => Ok(()),
     }
 }
 
