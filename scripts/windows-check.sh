@@ -5,8 +5,9 @@
 #   2. `rtune doctor`;
 #   3. the default recipe end to end on the CPU beside the Linux build: the same artifacts
 #      (fingerprints) and the same eval losses; then a second run finds everything cached, a
-#      damaged artifact is found by `cache verify` and rebuilt by the next run, `cache gc` runs,
-#      and the store's objects are read-only again;
+#      damaged artifact is found by `cache verify` and rebuilt by the next run, `cache rm` removes
+#      one artifact, which the next run alone rebuilds, `cache gc` runs, and the store's objects
+#      are read-only again;
 #   4. training through Vulkan: `vulkan-1.dll` is Wine's winevulkan, which hands the calls to the
 #      host's Vulkan (Mesa's lavapipe) under a virtual X server;
 #   5. data parallel training through Vulkan on two devices (lavapipe listed twice) against 4.
@@ -108,6 +109,14 @@ grep damaged "$work/verify.txt"
 run_win run "$wrecipe" --set 'device.prefer=["cpu"]' >"$work/win3.out" 2>"$work/win3.err"
 grep -q "artifact damaged" "$work/win3.err" || { echo "the damaged artifact was not rebuilt"; exit 1; }
 run_win cache verify
+# `cache rm` there: an artifact's files are read-only hard links to its objects (removing them
+# clears an attribute the objects share), so the objects must be protected again afterwards; the
+# next run rebuilds that stage alone.
+eval_fp=$(grep -E '^  eval_base ' "$work/win3.out" | awk '{print $3}' | tr -d '\r' | sed -E 's#.*[/\\]##')
+run_win cache rm "${eval_fp:0:12}"
+run_win run "$wrecipe" --set 'device.prefer=["cpu"]' >"$work/win4.out" 2>/dev/null
+built=$(grep -E "^  [a-z_]+ +built" "$work/win4.out" | awk '{print $1}' | paste -sd,)
+[ "$built" = eval_base ] || { echo "after cache rm, rebuilt: ${built:-nothing} (expected eval_base)"; exit 1; }
 run_win cache gc
 writable=$(find "$work/wcache" -path '*/objects/*' -type f -perm -u+w | wc -l)
 [ "$writable" = 0 ] || { echo "$writable store objects lost their read-only protection"; exit 1; }
