@@ -105,7 +105,10 @@ fn remove_from_cache(store: &Store, gone: &BTreeSet<String>, dry_run: bool, json
     if json {
         let list: Vec<_> = artifacts
             .iter()
-            .map(|m| json!({"fingerprint": m.fingerprint, "kind": m.kind, "stage": m.stage, "bytes": m.total_size()}))
+            .map(|m| {
+                let (fp, kind, stage, recipe) = (&m.fingerprint, &m.kind, &m.stage, m.recipe());
+                json!({"fingerprint": fp, "kind": kind, "stage": stage, "recipe": recipe, "bytes": m.total_size()})
+            })
             .chain(stopped.iter().map(|(fp, b)| json!({"fingerprint": fp, "kind": "stopped run", "bytes": b})))
             .collect();
         let report = json!({"dry_run": dry_run, "removed": list, "entries": entries, "freed_bytes": freed});
@@ -116,7 +119,7 @@ fn remove_from_cache(store: &Store, gone: &BTreeSet<String>, dry_run: bool, json
     let mut out = String::new();
     for m in &artifacts {
         let (fp, size) = (rtune::fingerprint::short(&m.fingerprint), human_bytes(m.total_size()));
-        out.push_str(&format!("{verb} {fp}  {:<9} {:<12} {size:>10}\n", m.kind, m.stage));
+        out.push_str(&format!("{verb} {fp}  {:<9} {:<12} {size:>10}  {}\n", m.kind, m.stage, m.recipe()));
     }
     for (fp, bytes) in &stopped {
         let (fp, size) = (rtune::fingerprint::short(fp), human_bytes(*bytes));
@@ -397,17 +400,18 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                 CacheCommand::Ls => {
                     let ms = store.manifests();
                     if g.json {
-                        let list: Vec<_> = ms.iter().map(|m| json!({"fingerprint": m.fingerprint, "kind": m.kind, "stage": m.stage, "bytes": m.total_size(), "path": store.artifact_dir(&m.fingerprint)})).collect();
+                        let list: Vec<_> = ms.iter().map(|m| json!({"fingerprint": m.fingerprint, "kind": m.kind, "stage": m.stage, "recipe": m.recipe(), "bytes": m.total_size(), "path": store.artifact_dir(&m.fingerprint)})).collect();
                         ui.out(format!("{}\n", serde_json::to_string_pretty(&list).expect("json")));
                     } else {
                         let mut out = String::new();
                         for m in &ms {
                             out.push_str(&format!(
-                                "{}  {:<9} {:<12} {:>10}\n",
+                                "{}  {:<9} {:<12} {:>10}  {}\n",
                                 rtune::fingerprint::short(&m.fingerprint),
                                 m.kind,
                                 m.stage,
-                                human_bytes(m.total_size())
+                                human_bytes(m.total_size()),
+                                m.recipe()
                             ));
                         }
                         out.push_str(&format!(

@@ -1058,11 +1058,13 @@ fn cache_prune_keeps_what_named_recipes_use_and_rm_removes_by_fingerprint() {
         v.as_array().unwrap().iter().map(|m| m["fingerprint"].as_str().unwrap().to_string()).collect()
     };
     assert_eq!(listed(&p).len(), 4, "download and tokenize shared, two trainings");
+    let ls = stdout(&p.run(&["cache", "ls"]));
+    assert!(ls.lines().any(|l| l.starts_with(&theirs[..12]) && l.ends_with("  other.toml")), "{ls}");
 
     let dry = p.run(&["cache", "prune", "--keep", "other.toml", "--dry-run"]);
     assert!(dry.status.success(), "{}", stderr(&dry));
     let text = stdout(&dry);
-    assert!(text.contains(&format!("would remove {}  train", &mine[..12])), "{text}");
+    assert!(text.contains(&format!("would remove {}  train", &mine[..12])) && text.contains("  tiny.toml\n"), "{text}");
     assert!(text.contains("1 artifact and 0 stopped runs would go"), "{text}");
     assert_eq!(listed(&p).len(), 4, "a dry run removes nothing");
 

@@ -58,6 +58,11 @@ impl Manifest {
         })
     }
 
+    /// The recipe the run that built it was given (as named on the command line).
+    pub fn recipe(&self) -> &str {
+        self.run.get("recipe").and_then(serde_json::Value::as_str).unwrap_or("-")
+    }
+
     pub fn total_size(&self) -> u64 {
         self.files.values().map(|f| f.size).sum()
     }
