@@ -8,9 +8,11 @@
 //! It writes the rows to `target/bench-epoch/<shape>/rows.json` (for
 //! benches/reference/peft_epoch.py, which trains on the same rows in the same order with
 //! transformers' usual padding to the longest row of each batch), then runs rtune's real
-//! training loop (`rtune::train::train`) twice: batches in shuffled order (padding as PyTorch
-//! pads) and with `group_by_length`. Reported: the training loop's wall time, tokens, and the
-//! share of batch slots that are padding.
+//! training loop (`rtune::train::train`) three times: batches in shuffled order (padding as
+//! PyTorch pads), with `group_by_length`, and with the rows packed (`dataset.packing`: the
+//! tokenize stage's packer, sequences of up to 512 tokens, batch 2 — about the tokens of a batch
+//! of 8 rows). Reported: the training loop's wall time, tokens, and the share of batch slots that
+//! are padding.
 
 mod common;
 
@@ -22,6 +24,9 @@ use rtune::recipe::{Adapter, TrainSettings};
 use rtune::rng::Rng;
 
 const BATCH: usize = 8;
+/// Packed sequences of up to `PACK` tokens, `PACKED_BATCH` of them a batch.
+const PACK: usize = 512;
+const PACKED_BATCH: usize = 2;
 
 /// Prompt and response lengths: Alpaca rows through a Llama tokenizer and the Alpaca template
 /// have a median of about 60 prompt and 90 response tokens with a long right tail.
@@ -69,10 +74,30 @@ fn main() {
         w.push(ids, &mask, &vec![0u16; ids.len()]).unwrap();
     }
     w.finish(&tokens_dir, "train").unwrap();
-    let mut w = TokenWriter::create(&tokens_dir, "eval").unwrap();
-    let (ids, p) = &data[0];
-    w.push(ids, &(0..ids.len()).map(|i| (i >= *p) as u8).collect::<Vec<_>>(), &vec![0u16; ids.len()]).unwrap();
-    w.finish(&tokens_dir, "eval").unwrap();
+    // The same rows packed, as the tokenize stage packs them (`dataset.packing = true`).
+    let packed_dir = root.join("tokens-packed");
+    std::fs::create_dir_all(&packed_dir).unwrap();
+    let mut w = TokenWriter::create(&packed_dir, "train").unwrap();
+    let mut packer = rtune::data::tokens::Packer::new(PACK);
+    let mut packed: Vec<usize> = Vec::new();
+    for (ids, p) in &data {
+        let mask: Vec<u8> = (0..ids.len()).map(|i| (i >= *p) as u8).collect();
+        if let Some((ids, mask, seg)) = packer.add(ids, &mask) {
+            packed.push(ids.len());
+            w.push(&ids, &mask, &seg).unwrap();
+        }
+    }
+    if let Some((ids, mask, seg)) = packer.flush() {
+        packed.push(ids.len());
+        w.push(&ids, &mask, &seg).unwrap();
+    }
+    w.finish(&packed_dir, "train").unwrap();
+    for dir in [&tokens_dir, &packed_dir] {
+        let mut w = TokenWriter::create(dir, "eval").unwrap();
+        let (ids, p) = &data[0];
+        w.push(ids, &(0..ids.len()).map(|i| (i >= *p) as u8).collect::<Vec<_>>(), &vec![0u16; ids.len()]).unwrap();
+        w.finish(dir, "eval").unwrap();
+    }
     let real: usize = data.iter().map(|(ids, _)| ids.len()).sum();
     let targets: usize = data.iter().map(|(ids, p)| ids.len() - p).sum();
     println!(
@@ -87,13 +112,14 @@ alpha = 16
 targets = ["q_proj", "k_proj", "v_proj", "o_proj"]"#,
     )
     .unwrap();
-    for group in [false, true] {
+    for (name, group, pack) in [("shuffled", false, false), ("group_by_length", true, false), ("packed", false, true)] {
+        let batch = if pack { PACKED_BATCH } else { BATCH };
         let settings: TrainSettings = toml::from_str(&format!(
-            "batch_size = {BATCH}\nlearning_rate = 2e-4\nepochs = 1\neval_batches = 1\ncheckpoint_every = 0\ngroup_by_length = {group}"
+            "batch_size = {batch}\nlearning_rate = 2e-4\nepochs = 1\neval_batches = 1\ncheckpoint_every = 0\ngroup_by_length = {group}"
         ))
         .unwrap();
-        let out = root.join(if group { "out-grouped" } else { "out-shuffled" });
-        let work = root.join(if group { "work-grouped" } else { "work-shuffled" });
+        let out = root.join(format!("out-{name}"));
+        let work = root.join(format!("work-{name}"));
         for d in [&out, &work] {
             let _ = std::fs::remove_dir_all(d);
             std::fs::create_dir_all(d).unwrap();
@@ -103,7 +129,7 @@ targets = ["q_proj", "k_proj", "v_proj", "o_proj"]"#,
         let engine = rtune::engine::requested();
         let job = rtune::train::TrainJob {
             model_dir: &model_dir,
-            tokens_dir: &tokens_dir,
+            tokens_dir: if pack { &packed_dir } else { &tokens_dir },
             settings: &settings,
             adapter: &adapter,
             seed: 42,
@@ -118,21 +144,24 @@ targets = ["q_proj", "k_proj", "v_proj", "o_proj"]"#,
         let summary = rtune::train::train(&job).unwrap();
         let total = start.elapsed().as_secs_f64();
         let seconds = summary["seconds"].as_f64().unwrap();
-        let padded = padded_slots(&data, 42, group);
+        let lens: Vec<usize> = if pack { packed.clone() } else { data.iter().map(|(ids, _)| ids.len()).collect() };
+        let padded = padded_slots(&lens, 42, group, batch);
         println!(
-            "  {:<16} loop {:.2} s  ({:.2} s with model load and evals)  {:.0} tokens/s  padding {:.0}% of batch slots  peak RSS {}",
-            if group { "group_by_length" } else { "shuffled" },
+            "  {:<16} loop {:.2} s  ({:.2} s with model load and evals)  {:.0} tokens/s  {} sequences  padding {:.0}% of batch slots  peak RSS {}",
+            name,
             seconds,
             total,
             real as f64 / seconds,
+            lens.len(),
             100.0 * (padded - real) as f64 / padded as f64,
             rtune::device::host::peak_rss_bytes().map(rtune::ui::human_bytes).unwrap_or_default(),
         );
     }
 }
 
-/// Batch slots (rows × longest row, summed over batches) in the epoch order rtune uses.
-fn padded_slots(data: &[(Vec<u32>, usize)], seed: u64, group: bool) -> usize {
-    let order = rtune::train::epoch_rows(data.len(), |i| data[i].0.len(), seed, 0, BATCH, group);
-    order.chunks(BATCH).map(|b| b.len() * b.iter().map(|&i| data[i].0.len()).max().unwrap_or(0)).sum()
+/// Batch slots (sequences × longest sequence, summed over batches) in the epoch order rtune
+/// uses, for sequences of lengths `lens`.
+fn padded_slots(lens: &[usize], seed: u64, group: bool, batch: usize) -> usize {
+    let order = rtune::train::epoch_rows(lens.len(), |i| lens[i], seed, 0, batch, group);
+    order.chunks(batch).map(|b| b.len() * b.iter().map(|&i| lens[i]).max().unwrap_or(0)).sum()
 }

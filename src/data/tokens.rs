@@ -190,6 +190,43 @@ impl TokenStore {
     }
 }
 
+/// Greedy packing of rows into sequences of at most `max` tokens; each row keeps its own
+/// segment index so attention and positions never cross rows.
+pub struct Packer {
+    max: usize,
+    ids: Vec<u32>,
+    mask: Vec<u8>,
+    seg: Vec<u16>,
+}
+
+pub type Packed = (Vec<u32>, Vec<u8>, Vec<u16>);
+
+impl Packer {
+    pub fn new(max: usize) -> Packer {
+        Packer { max, ids: Vec::new(), mask: Vec::new(), seg: Vec::new() }
+    }
+
+    /// Add a row; when it does not fit beside the rows held, the held rows come back as one
+    /// sequence first.
+    pub fn add(&mut self, ids: &[u32], mask: &[u8]) -> Option<Packed> {
+        let out = if !self.ids.is_empty() && self.ids.len() + ids.len() > self.max { self.flush() } else { None };
+        // Neighbouring rows only need different indices, so wrapping is fine.
+        let s = self.seg.last().map(|s| s.wrapping_add(1)).unwrap_or(0);
+        self.ids.extend(ids);
+        self.mask.extend(mask);
+        self.seg.extend(std::iter::repeat_n(s, ids.len()));
+        out
+    }
+
+    /// The rows held, as one sequence.
+    pub fn flush(&mut self) -> Option<Packed> {
+        if self.ids.is_empty() {
+            return None;
+        }
+        Some((std::mem::take(&mut self.ids), std::mem::take(&mut self.mask), std::mem::take(&mut self.seg)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

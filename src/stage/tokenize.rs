@@ -5,6 +5,7 @@ use serde_json::json;
 
 use super::encode::{check_rows, encode_each};
 use super::{StageCtx, StageError, write_json};
+use crate::data::tokens::Packer;
 use crate::data::{Encoded, TokenWriter};
 use crate::model::ModelFolder;
 use crate::plan::key::TokenizeKey;
@@ -119,39 +120,5 @@ impl Totals {
         self.response_tokens += e.response_tokens;
         self.truncated += usize::from(e.truncated);
         self.longest = self.longest.max(e.ids.len());
-    }
-}
-
-/// Greedy packing of rows into sequences of at most `max` tokens; each row keeps its own
-/// segment index so attention and positions never cross rows.
-struct Packer {
-    max: usize,
-    ids: Vec<u32>,
-    mask: Vec<u8>,
-    seg: Vec<u16>,
-}
-
-type Packed = (Vec<u32>, Vec<u8>, Vec<u16>);
-
-impl Packer {
-    fn new(max: usize) -> Packer {
-        Packer { max, ids: Vec::new(), mask: Vec::new(), seg: Vec::new() }
-    }
-
-    fn add(&mut self, ids: &[u32], mask: &[u8]) -> Option<Packed> {
-        let out = if !self.ids.is_empty() && self.ids.len() + ids.len() > self.max { self.flush() } else { None };
-        // Neighbouring rows only need different indices, so wrapping is fine.
-        let s = self.seg.last().map(|s| s.wrapping_add(1)).unwrap_or(0);
-        self.ids.extend(ids);
-        self.mask.extend(mask);
-        self.seg.extend(std::iter::repeat_n(s, ids.len()));
-        out
-    }
-
-    fn flush(&mut self) -> Option<Packed> {
-        if self.ids.is_empty() {
-            return None;
-        }
-        Some((std::mem::take(&mut self.ids), std::mem::take(&mut self.mask), std::mem::take(&mut self.seg)))
     }
 }
