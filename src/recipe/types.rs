@@ -175,7 +175,9 @@ pub struct Dataset {
     /// Truncate rows longer than `max_seq_len`; when false such a row is a bad row.
     #[serde(default = "yes")]
     pub truncate: bool,
-    /// Pack several rows into one sequence of `max_seq_len` tokens.
+    /// Pack several rows into one sequence of `max_seq_len` tokens (each row its own segment:
+    /// attention and positions never cross rows). To cut padding without changing the rows,
+    /// `stages.train.group_by_length` does as well or better on the CPU (docs/benchmarks.md).
     #[serde(default)]
     pub packing: bool,
     /// Count prompt tokens in the loss too (alpaca and chat formats).
