@@ -5,10 +5,12 @@ the same machine, one after the other, then the ratios. Needs torch, transformer
     python3 scripts/bench_side_by_side.py                 # train step, both shapes
     python3 scripts/bench_side_by_side.py tiny            # one shape
     python3 scripts/bench_side_by_side.py --epoch tiny    # also one epoch of variable-length rows
+    python3 scripts/bench_side_by_side.py --eval          # also evaluation (loss, no gradients)
 
 Train step: `cargo bench --bench train_step` (rtune's fused engine, alone in its process so its
 peak RSS is its own) and benches/reference/peft_bench.py. Epoch: `cargo bench --bench epoch`
-and benches/reference/peft_epoch.py on the same rows and batches.
+and benches/reference/peft_epoch.py on the same rows and batches. Evaluate: `cargo bench --bench
+export` (rtune's fused engine, a 4 x 128 batch) and benches/reference/peft_bench.py --eval.
 """
 import json
 import os
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = {"tiny": 30, "135m": 5, "qwen3-0.6b": 3}
 args = sys.argv[1:]
 epoch = "--epoch" in args
+evaluate = "--eval" in args
 shapes = [a for a in args if not a.startswith("--")] or ["tiny", "135m"]
 UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 
@@ -69,3 +72,13 @@ if epoch:
             f"| {shape} | {loops['shuffled']:.2f} | {loops['group_by_length']:.2f} | {ref['seconds']:.2f} | "
             f"{loops['group_by_length'] / ref['seconds']:.2f}x | {rss[0]} {rss[1]} | {ref['peak_rss_bytes'] / 2**30:.1f} GiB |"
         )
+
+if evaluate:
+    print("\nEvaluate (mean loss of a 4 x 128 batch, no gradients, median of 5):\n")
+    print("| shape | rtune tok/s | PyTorch+PEFT tok/s | speed ratio |")
+    print("|---|---|---|---|")
+    for shape in shapes:
+        out = cargo_bench("export", shape)
+        tps = float(re.search(r"evaluate fused engine\s+[\d.]+ s/batch\s+(\d+) tokens/s", out).group(1))
+        ref = python("benches/reference/peft_bench.py", "--eval", shape)
+        print(f"| {shape} | {tps:,.0f} | {ref['tokens_per_s']:,.0f} | {tps / ref['tokens_per_s']:.2f}x |")
