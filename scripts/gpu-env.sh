@@ -24,8 +24,14 @@ if ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 && ls .gl/*.deb >/dev/null
   for f in .gl/*.deb; do dpkg -x "$f" .gl/root; done
   export LD_LIBRARY_PATH="$PWD/.gl/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
-  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+if [ -z "${VK_DRIVER_FILES:-}" ]; then
+  for icd in /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json /usr/share/vulkan/icd.d/nvidia_icd.json \
+    /etc/vulkan/icd.d/nvidia_icd.json /usr/local/share/vulkan/icd.d/nvidia_icd.json; do
+    if [ -f "$icd" ]; then
+      export VK_DRIVER_FILES=$icd
+      break
+    fi
+  done
 fi
 # Test binaries find their fixtures under the path they were built in.
 if [ -f .gpu/manifest-dir ] && [ ! -e "$(cat .gpu/manifest-dir)" ]; then

@@ -2,8 +2,8 @@
 # Build here, without a GPU, everything the owed GPU checks carry to the GPU machine
 # (scripts/gpu-session.sh runs them there; docs/devices.md, "The owed GPU checks"):
 #
-#   .gl/          the Vulkan loader (Debian's libvulkan1): the GPU machine has the NVIDIA driver's
-#                 Vulkan ICD but no loader
+#   .gl/          the Vulkan loader (Debian's libvulkan1) and glvnd (libglvnd0 and friends): the GPU
+#                 machine has the NVIDIA driver's Vulkan ICD but neither
 #   .gpu/         rtune and the GPU engine's tests built with CUDA (scripts/build-cuda.sh:
 #                 ~20 minutes cold on 2 cores)
 #   .gpu-spike/   the GEMM spike's candidates (spikes/vulkan-gemm/build.sh): ash and wgsl, and
@@ -16,11 +16,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! ls .gl/libvulkan1_*.deb >/dev/null 2>&1; then
+# The loader and glvnd: NVIDIA's Vulkan ICD (libGLX_nvidia) needs libGLdispatch from libglvnd0;
+# with the loader alone, vkCreateInstance finds no driver (seen on an H200, 2026-11-27).
+if ! ls .gl/libvulkan1_*.deb .gl/libglvnd0_*.deb >/dev/null 2>&1; then
   mkdir -p .gl /tmp/amd64/partial
   o=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64)
   apt-get "${o[@]}" update -qq
-  (cd .gl && apt-get "${o[@]}" download libvulkan1)
+  (cd .gl && apt-get "${o[@]}" download libvulkan1 libglvnd0 libegl1 libgl1 libglx0 libopengl0 libgles2)
 fi
 # Always: cargo rebuilds only what changed, so the binaries are never older than the tree.
 scripts/build-cuda.sh

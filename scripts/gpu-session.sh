@@ -90,6 +90,10 @@ case "$part" in
 first)
   step doctor 30 5 .gpu/rtune doctor
   show doctor "." 40
+  if grep -q "^  vulkan .*unavailable" "$work/doctor.txt"; then # why: the loader's own account
+    step vulkan-probe 20 5 bash -c 'echo "VK_DRIVER_FILES=${VK_DRIVER_FILES:-}"; ls -l /usr/local/nvidia/share/vulkan/icd.d /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1; find / -xdev -name "*nvidia*icd*.json" 2>/dev/null | head; ldconfig -p | grep -E "libvulkan|GLX_nvidia|GLdispatch"; VK_LOADER_DEBUG=error,warn,driver .gpu/rtune doctor 2>&1 | grep -v "^  cpu" | head -60'
+    show vulkan-probe "." 80
+  fi
   # Issue 18's go/no-go: a quarter of cuBLAS's bf16 rate on the train-step shapes.
   CUBLAS_DTYPES=bf16 CANDIDATE_TIMEOUT=40 step spike 110 30 spikes/vulkan-gemm/gpu.sh
   show spike "^==|GFLOP|TFLOP|rror|skipped|not carried"

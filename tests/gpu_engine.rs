@@ -1491,16 +1491,25 @@ fn trained_weights_beyond_the_largest_allocation_are_split_over_buffers() {
     assert_named_close("over several buffers, weight", &got, &want, 1e-5);
     assert_named_close("over several buffers, first moment", &state.m, &want_state.m, 1e-5);
     // The same through Vulkan (its own kernels: AdamW, the gradient norm's accumulator) on a
-    // device whose limit is lowered to the largest weight, against the emulator's one buffer.
+    // device whose limit is lowered to the largest weight, against the same device with one
+    // buffer: a hardware driver runs other kernels than the emulator (another summation order),
+    // and three AdamW steps at this rate turn those last bits into 4e-4 of a weight (seen on an
+    // H200, 2026-11-27), which says nothing about the split.
     #[cfg(feature = "vulkan")]
-    if let Ok(vk) = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
-        let vk: Rc<dyn Gpu> = Rc::new(vk.with_max_alloc(len * 4));
-        let mut split = GpuEngine::new(vk.clone(), &all()).unwrap();
+    if testing("vulkan")
+        && let Ok(vk) = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal())
+    {
+        let name = vk.name();
+        let mut whole = GpuEngine::new(Rc::new(vk), &all()).unwrap();
+        let (want_losses, want) = train_steps(&mut whole, &batches, 3);
+        drop(whole);
+        let vk = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap().with_max_alloc(len * 4);
+        let mut split = GpuEngine::new(Rc::new(vk), &all()).unwrap();
         let (losses, got) = train_steps(&mut split, &batches, 3);
         for (a, b) in losses.iter().zip(&want_losses) {
-            assert!((a - b).abs() <= 1e-5 * b.abs(), "{}: loss {a} over several buffers vs {b}", vk.name());
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "{name}: loss {a} over several buffers vs {b} over one");
         }
-        assert_named_close(&format!("{} over several buffers,", vk.name()), &got, &want, 1e-4);
+        assert_named_close(&format!("{name} over several buffers vs one,"), &got, &want, 1e-5);
     }
     emu.max_alloc.set(Some(len * 4 - 1));
     let msg = GpuEngine::new(gpu.clone(), &all()).err().expect("an error").to_string();

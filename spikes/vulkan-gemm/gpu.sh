@@ -10,9 +10,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 for f in .gl/*.deb; do [ ! -e "$f" ] || dpkg -x "$f" /; done
 ldconfig
-if [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
-  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-fi
+# shellcheck source=/dev/null
+. scripts/gpu-env.sh # NVIDIA's Vulkan ICD file, wherever the driver put it
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for z in .gpu-spike/vulkan-gemm-*.gz; do gunzip -c "$z" >"${z%.gz}" && chmod +x "${z%.gz}"; done
 candidate() { # label binary args...
@@ -20,8 +19,13 @@ candidate() { # label binary args...
   shift 2
   echo "== $label"
   # Each candidate has its own time limit, so one that hangs leaves the others their time.
-  if [ -x "$bin" ]; then timeout "${CANDIDATE_TIMEOUT:-60}" "$bin" "$@"; else echo "(not carried: $bin)"; fi
+  if [ -x "$bin" ]; then
+    timeout "${CANDIDATE_TIMEOUT:-60}" "$bin" "$@" || { echo "($label failed: exit $?)"; failed=1; }
+  else
+    echo "(not carried: $bin)"
+  fi
 }
+failed=0
 iters=${ITERS:-30}
 # CUBLAS_DTYPES=bf16 leaves out cuBLAS's f32 (a session short of minutes: bf16 is the rule's).
 for dt in ${CUBLAS_DTYPES:-bf16 f32}; do
@@ -35,3 +39,4 @@ candidate "wgpu + WGSL f32" .gpu-spike/vulkan-gemm-wgsl --dtype f32 --iters "$it
 for dt in f16 f32; do
   candidate "burn/CubeCL $dt" .gpu-spike/vulkan-gemm-burn --dtype "$dt" --iters "$iters"
 done
+exit $failed

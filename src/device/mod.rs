@@ -139,7 +139,19 @@ impl Inventory {
                     dtypes,
                     memory_bytes: Some(d.memory_bytes),
                     memory_free_bytes: None,
-                    details: Some(format!("compute capability {major}.{minor}, {} driver", d.driver)),
+                    details: Some(format!(
+                        "compute capability {major}.{minor}, {} driver{}",
+                        d.driver,
+                        if cuda::runs_candle_gguf_kernels(major, minor) {
+                            String::new()
+                        } else {
+                            format!(
+                                "; GGUF self-checks on candle's portable kernels (its fast ones are built for {}.{})",
+                                build_cap / 10,
+                                build_cap % 10
+                            )
+                        }
+                    )),
                     unusable,
                     vendor_id: Some(VENDOR_NVIDIA),
                     gpu: true,
@@ -333,7 +345,12 @@ impl Resolution {
     pub fn candle_device(&self) -> candle_core::Result<candle_core::Device> {
         match self.class {
             DeviceClass::Cpu => Ok(candle_core::Device::Cpu),
-            DeviceClass::Cuda => candle_core::Device::new_cuda(self.ordinal),
+            DeviceClass::Cuda => {
+                let device = candle_core::Device::new_cuda(self.ordinal)?;
+                #[cfg(feature = "cuda")]
+                cuda::use_gguf_kernels_that_run(self.ordinal);
+                Ok(device)
+            }
             DeviceClass::Metal => candle_core::Device::new_metal(self.ordinal),
             DeviceClass::Vulkan => Err(candle_core::Error::Msg("candle has no Vulkan backend".into())),
         }
