@@ -835,6 +835,37 @@ fn a_bf16_base_merges_into_bf16_unless_told_otherwise() {
     }
 }
 
+/// A GGUF whose self-check is not a number fails the stage, named and located, instead of
+/// shipping with a warning: here an f16 file of a model whose weights exceed f16's range (the
+/// file holds infinities), as a broken GPU kernel did on an H200. Training stays cached.
+#[test]
+fn a_gguf_whose_self_check_is_not_a_number_fails_the_stage() {
+    use candle_core::{DType, Device};
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    small_base_project(p);
+    let base = rtune::model::ModelFolder::open(&p.join("base")).unwrap();
+    let mut weights = base.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let name = "model.layers.0.mlp.down_proj.weight";
+    let scaled = (weights[name].clone() * 1e7).unwrap();
+    weights.insert(name.to_string(), scaled);
+    rtune::model::folder::save_safetensors(&p.join("base/model.safetensors"), &weights).unwrap();
+    let recipe = "[recipe]\nname = \"big\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\nformat = \"alpaca\"\n\
+                  [device]\nprefer = [\"cpu\"]\n[stages.train]\nmax_steps = 1\n\
+                  [stages.quantize]\nformats = [\"gguf-f16\"]\n";
+    std::fs::write(p.join("big.toml"), recipe).unwrap();
+    let cache = p.join("cache");
+    let o = rtune(p, &cache, &["run", "big.toml"]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("rtune::quantize::self_check"), "{err}");
+    assert!(err.contains("model-f16.gguf: its self-check") && err.contains("perplexity of NaN"), "{err}");
+    assert!(err.contains("big.toml") && err.contains("this export"), "located at the formats: {err}");
+    assert!(err.contains("65504") && err.contains("`gguf-f32`"), "the CPU's hint: {err}");
+    let o = rtune(p, &cache, &["plan", "big.toml"]);
+    let plan = String::from_utf8_lossy(&o.stdout);
+    assert!(plan.lines().any(|l| l.starts_with("train") && l.contains("cached")), "{plan}");
+}
+
 fn gguf_chat_template(path: &Path) -> (String, Option<u32>) {
     use candle_core::quantized::gguf_file::{Content, Value};
     let mut f = std::fs::File::open(path).unwrap();

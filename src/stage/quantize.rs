@@ -185,6 +185,32 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let (loss, n, same) = gguf_eval_loss(&path, folder.config.arch, eval, *rows, &reference.top, &device)?;
                 let agreement = same as f64 / n.max(1) as f64;
                 let reference = reference.loss;
+                // A perplexity that is not a number is no quantization cost: the file or the reader
+                // is broken, and a stage that passed it on would ship it (seen on an H200 whose
+                // candle kernels could not run, 2026-11-27). The stage fails; the file is not kept.
+                if !loss.is_finite() && reference.is_finite() && n > 0 {
+                    let on = key.device.resolution().device_name();
+                    return Err(crate::recipe::Problem::new(
+                        "rtune::quantize::self_check",
+                        format!(
+                            "{file}: its self-check in candle's GGUF reader on {on} gives a perplexity of {} \
+                             (the unquantized model's is {:.3}), so the file or the reader is broken",
+                            loss.exp(),
+                            reference.exp()
+                        ),
+                    )
+                    .at(ctx.spans.origin(&["stages", ctx.name, "formats"]), "this export")
+                    .help(if device.is_cpu() {
+                        "nothing was kept; weights beyond a type's range become infinities in the file (f16 \
+                         holds up to 65504: `gguf-f32` or a quantized type keeps them) — if they are not, please \
+                         report it"
+                    } else {
+                        "nothing was kept; run the stage on the CPU (`--set device.prefer='[\"cpu\"]'`): a check \
+                         that passes there points at the GPU's GGUF kernels (`rtune doctor` says which it uses) — \
+                         please report it"
+                    })
+                    .into());
+                }
                 let ratio = (loss - reference).exp();
                 // As llama-quantize does, matrices whose rows are not whole blocks of the type
                 // take another: say how many, which a 4-bit file of a small model may surprise.

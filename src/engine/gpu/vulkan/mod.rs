@@ -598,14 +598,31 @@ impl VulkanGpu {
                 results.push(outputs.iter().map(|&(p, n, dt)| scratch.read(p, n, dt)).collect::<Result<Vec<_>, _>>()?);
             }
             let (scalar, matrix) = (results.pop().expect("two runs"), results.pop().expect("two runs"));
-            for ((name, got), want) in ["O", "lse", "dQ", "dK", "dV"].iter().zip(matrix).zip(scalar) {
+            // Every output's error and where its worst is (position, head, column), so that one
+            // failed check on a driver says which pass and which rows went wrong: the forward
+            // pass's first walk (lse), its second (O), or a backward pass.
+            let heads = [hq, hq, hq, hk, hk];
+            let mut report = Vec::new();
+            let mut failed = false;
+            for (((name, got), want), h) in ["O", "lse", "dQ", "dK", "dV"].iter().zip(matrix).zip(scalar).zip(heads) {
                 let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-                let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
-                if err.is_nan() || err > 0.05 {
-                    return Ok(Some(format!(
-                        "{name} with head size {d} differs from the scalar kernels' by {err} of its largest value"
-                    )));
-                }
+                let (worst, at) = got.iter().zip(&want).enumerate().fold((0f32, 0), |(m, at), (i, (a, b))| {
+                    let e = if (a - b).is_nan() { f32::INFINITY } else { (a - b).abs() };
+                    if e > m { (e, i) } else { (m, at) }
+                });
+                let err = worst / scale;
+                failed |= err > 0.05;
+                // lse is [heads, t]; the others [t, heads, d].
+                let (row, head, col) =
+                    if *name == "lse" { (at % t, at / t, 0) } else { (at / (h * d), at / d % h, at % d) };
+                report.push(format!("{name} {err:.3} (position {row}, head {head}, column {col})"));
+            }
+            if failed {
+                return Ok(Some(format!(
+                    "with head size {d}, largest differences from the scalar kernels' as a fraction of each output's \
+                     largest value: {}",
+                    report.join(", ")
+                )));
             }
         }
         Ok(None)
