@@ -185,7 +185,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let (loss, n, same) = gguf_eval_loss(&path, folder.config.arch, eval, *rows, &reference.top, &device)?;
                 let agreement = same as f64 / n.max(1) as f64;
                 let reference = reference.loss;
-                // A perplexity that is not a number is no quantization cost: the file or the reader
+                // A perplexity that is not finite is no quantization cost: the file or the reader
                 // is broken, and a stage that passed it on would ship it (seen on an H200 whose
                 // candle kernels could not run, 2026-11-27). The stage fails; the file is not kept.
                 if !loss.is_finite() && reference.is_finite() && n > 0 {
