@@ -44,6 +44,7 @@ for t in bf16 f16; do
   compile "gemm_cm_${t}_f32" -DK_gemm_cm "-DT_${t^^}" -DC_F32
   compile "gemm_cm_${t}_$t" -DK_gemm_cm "-DT_${t^^}"
   for k in attn_fwd_mma attn_bwd_dq_mma attn_bwd_dkv_mma; do compile "${k}_$t" "-DK_$k" "-DT_${t^^}"; done
+  compile "cm_probe_$t" -DK_cm_probe "-DT_${t^^}"
 done
 {
   echo "// Written by scripts/build-spirv.sh from kernels.comp; do not edit."

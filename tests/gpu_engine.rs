@@ -1016,6 +1016,9 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
         }
         None => return eprintln!("{}: no f16 matrix units", gpu.name()),
     }
+    // The matrix loads the attention kernels rely on, probed alone (what a failed attention check
+    // on a driver reports): row-major, and column-major as QKᵀ reads K.
+    assert_eq!(gpu.matrix_load_probe(Dt::F16).unwrap(), None, "{}: matrix loads with shape {shape:?}", gpu.name());
     let gpu: Rc<dyn Gpu> = Rc::new(gpu);
     assert!(gpu.tensor_core_attention(Dt::F16), "{}: f16 attention with shape {shape:?} failed its check", gpu.name());
     check_products(&gpu, &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);

@@ -40,6 +40,8 @@ pub const KERNELS: &[(&str, &[u8])] = &[
     ("cast_from_f32_bf16", include_bytes!("spirv/cast_from_f32_bf16.spv")),
     ("cast_from_f32_f16", include_bytes!("spirv/cast_from_f32_f16.spv")),
     ("cast_from_f32_f32", include_bytes!("spirv/cast_from_f32_f32.spv")),
+    ("cm_probe_bf16", include_bytes!("spirv/cm_probe_bf16.spv")),
+    ("cm_probe_f16", include_bytes!("spirv/cm_probe_f16.spv")),
     ("col_grad_bf16", include_bytes!("spirv/col_grad_bf16.spv")),
     ("col_grad_f16", include_bytes!("spirv/col_grad_f16.spv")),
     ("col_grad_f32", include_bytes!("spirv/col_grad_f32.spv")),

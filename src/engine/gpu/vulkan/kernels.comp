@@ -1273,7 +1273,7 @@ void main() {
 // the alignment of matrix loads); the accumulators pass through shared memory one at a time on
 // their way out, where α, β, the bounds and the conversion of C are applied.
 // Built by tools/glslc (glslang with GL_KHR_cooperative_matrix and GL_EXT_bfloat16).
-#if defined(K_gemm_cm) || defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma) || defined(K_attn_bwd_dkv_mma)
+#if defined(K_gemm_cm) || defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma) || defined(K_attn_bwd_dkv_mma) || defined(K_cm_probe)
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -1357,6 +1357,46 @@ void main() {
             }
             subgroupBarrier();
         }
+}
+#endif
+
+// A probe of the matrix loads the attention kernels use, for a driver on which they fail their
+// check: C = I · B with B (TK × TN) loaded from a 32 × 32 matrix staged in shared memory (row
+// pitch 40), row-major (`col` = 0: B = its top-left corner) or column-major (`col` = 1: B = the
+// transpose of that corner, as the attention kernels read K to form QKᵀ). Each subgroup writes
+// its C (TM × TN, f32, row-major) at `c` + sg · TM · TN; the host compares (vulkan/mod.rs,
+// `matrix_load_probe`).
+#ifdef K_cm_probe
+layout(push_constant) uniform P { TB v; F32 c; int col; } p;
+#define PP 40
+shared ET pm[32 * PP];
+shared ET pa[TM * (TK + 8)];
+shared float pc[4 * TM * TN];
+void main() {
+    uint sg = gl_SubgroupID;
+    for (int e = TID; e < 32 * 32; e += BLOCK) pm[(e / 32) * PP + e % 32] = ET(ld(p.v, e));
+    for (int e = TID; e < int(TM * TK); e += BLOCK) {
+        int r = e / int(TK), k = e % int(TK);
+        pa[r * int(TK + 8) + k] = ET(r == k ? 1.0 : 0.0);
+    }
+    memoryBarrierShared();
+    barrier();
+    coopmat<ET, gl_ScopeSubgroup, TM, TK, gl_MatrixUseA> a;
+    coopMatLoad(a, pa, 0, TK + 8, gl_CooperativeMatrixLayoutRowMajor);
+    coopmat<ET, gl_ScopeSubgroup, TK, TN, gl_MatrixUseB> b;
+    if (p.col != 0) {
+        coopMatLoad(b, pm, 0, PP, gl_CooperativeMatrixLayoutColumnMajor);
+    } else {
+        coopMatLoad(b, pm, 0, PP, gl_CooperativeMatrixLayoutRowMajor);
+    }
+    coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator> c =
+        coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator>(0.0);
+    c = coopMatMulAdd(a, b, c);
+    uint own = sg * TM * TN;
+    coopMatStore(c, pc, own, TN, gl_CooperativeMatrixLayoutRowMajor);
+    subgroupMemoryBarrierShared();
+    subgroupBarrier();
+    for (uint e = gl_SubgroupInvocationID; e < TM * TN; e += gl_SubgroupSize) p.c.v[own + e] = pc[own + e];
 }
 #endif
 

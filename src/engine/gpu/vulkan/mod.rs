@@ -179,7 +179,10 @@ enum Check {
 /// The input type of a module that runs on the matrix units (`gemm_cm_<t>_<c>`,
 /// `attn_<pass>_mma_<t>`).
 fn matrix_module(module: &str) -> Option<Dt> {
-    let t = module.strip_prefix("gemm_cm_").or_else(|| Some(module.split_once("_mma_")?.1))?;
+    let t = module
+        .strip_prefix("gemm_cm_")
+        .or_else(|| module.strip_prefix("cm_probe_"))
+        .or_else(|| Some(module.split_once("_mma_")?.1))?;
     [Dt::Bf16, Dt::F16].into_iter().find(|dt| t.starts_with(dt.suffix()))
 }
 
@@ -618,14 +621,51 @@ impl VulkanGpu {
                 report.push(format!("{name} {err:.3} (position {row}, head {head}, column {col})"));
             }
             if failed {
+                let loads = match self.matrix_load_probe(dt)? {
+                    None => "row- and column-major matrix loads are right".to_string(),
+                    Some(wrong) => wrong,
+                };
                 return Ok(Some(format!(
                     "with head size {d}, largest differences from the scalar kernels' as a fraction of each output's \
-                     largest value: {}",
+                     largest value: {}; {loads}",
                     report.join(", ")
                 )));
             }
         }
         Ok(None)
+    }
+
+    /// Whether the device's matrix loads of `dt` (`cm_probe`) give what the attention kernels
+    /// assume — row-major and column-major from shared memory (they read K column-major to form
+    /// QKᵀ; `gemm_cm` reads row-major only): `None` when both do, else which are wrong. Run
+    /// where the attention kernels fail their check, to say why; tests run it wherever matrix
+    /// units are listed.
+    pub fn matrix_load_probe(&self, dt: Dt) -> Result<Option<String>, GpuError> {
+        let Some(u) = self.units(dt) else { return Ok(Some(format!("no matrix units for {dt:?} to probe"))) };
+        let [tm, tn, _] = u.shape.map(|x| x as usize);
+        // Integers of at most 127 in magnitude: exact in bf16 and f16, and through the product.
+        let v: Vec<f32> = (0..32 * 32).map(|i| ((i * 7) % 255) as f32 - 127.0).collect();
+        let scratch = Scratch { gpu: self, held: RefCell::default() };
+        let pv = scratch.upload(&dt.encode(&v))?;
+        let n = 4 * tm * tn;
+        let mut wrong = Vec::new();
+        for col in [false, true] {
+            let pc = scratch.alloc(n * 4)?;
+            let args = [Arg::Ptr(pv), Arg::Ptr(pc), Arg::I32(col as i32)];
+            self.launch(&format!("cm_probe_{}", dt.suffix()), [1, 1, 1], 4 * self.subgroup, &args)?;
+            let got = scratch.read(pc, n, Dt::F32)?;
+            let bad = (0..n)
+                .filter(|&e| {
+                    let (m, j) = (e % (tm * tn) / tn, e % tn);
+                    got[e] != if col { v[j * 32 + m] } else { v[m * 32 + j] }
+                })
+                .count();
+            if bad > 0 {
+                let how = if col { "column-major" } else { "row-major" };
+                wrong.push(format!("{how} matrix loads give {bad} of {n} values wrong"));
+            }
+        }
+        Ok((!wrong.is_empty()).then(|| wrong.join(", ")))
     }
 
     /// `None` when `gemm_cm` agrees with an f64 product, else how it differs.
