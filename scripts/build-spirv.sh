@@ -43,7 +43,10 @@ done
 for t in bf16 f16; do
   compile "gemm_cm_${t}_f32" -DK_gemm_cm "-DT_${t^^}" -DC_F32
   compile "gemm_cm_${t}_$t" -DK_gemm_cm "-DT_${t^^}"
-  for k in attn_fwd_mma attn_bwd_dq_mma attn_bwd_dkv_mma; do compile "${k}_$t" "-DK_$k" "-DT_${t^^}"; done
+  for k in attn_fwd_mma attn_bwd_dq_mma attn_bwd_dkv_mma; do
+    compile "${k}_$t" "-DK_$k" "-DT_${t^^}"
+    compile "${k}_${t}_rows" "-DK_$k" "-DT_${t^^}" -DROW_LOADS
+  done
   compile "cm_probe_$t" -DK_cm_probe "-DT_${t^^}"
 done
 {

@@ -98,14 +98,14 @@ first)
   CUBLAS_DTYPES=bf16 CANDIDATE_TIMEOUT=40 step spike 110 30 spikes/vulkan-gemm/gpu.sh
   show spike "^==|GFLOP|TFLOP|rror|skipped|not carried"
   step timings 100 30 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings
-  show timings "^\||did not run|panicked|failed a check"
+  show timings "^\||did not run|panicked|failed a check|matrix loads"
   # The speed goal: ≥ 0.5× PyTorch + PEFT on CUDA for the 360M shape at 4 × 512.
   OUT="$work/bench-vulkan-bf16" DEVICE=vulkan step bench-vulkan-bf16 170 60 scripts/gpu_bench.sh "${shapes[0]}"
   bench_table bench-vulkan-bf16
   # Correctness on a hardware Vulkan driver, on the matrix units doctor lists.
   RTUNE_REQUIRE_MATRIX_UNITS="$(doctor_units)" RTUNE_TEST_DEVICES=vulkan RTUNE_REQUIRE_VULKAN=1 \
     step tests-vulkan 150 40 .gpu/gpu_engine --test-threads 1
-  show tests-vulkan "test result|panicked|FAILED|failed a check" 25
+  show tests-vulkan "test result|panicked|FAILED|failed a check|matrix loads" 25
   # The default recipe through Vulkan against the CPU (eval loss within 1e-4).
   OUT="$work/verify-vulkan" CHECKS="cpu vulkan" TESTS=0 step verify-vulkan 120 50 scripts/gpu-verify.sh
   show verify-vulkan "eval loss|within|rror|FAIL|passed|no Vulkan"

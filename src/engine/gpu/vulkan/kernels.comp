@@ -1452,6 +1452,18 @@ void stage(TB m, int base, int r0, int n, int t, int stride, int col, uint at) {
     }
 }
 
+// With ROW_LOADS (the `_rows` modules, for a driver whose column-major matrix loads are wrong:
+// vulkan/mod.rs, `matrix_load_probe`): the BC rows of a tile that a score product reads as its
+// second operand are staged transposed — column j of the rows at element `at` + j · BC — so that
+// the product loads them row-major; rows at or past t are zeros. D · BC fits in the BC · SD
+// elements the rows take.
+void stage_t(TB m, int base, int r0, int t, int stride, int col, uint at) {
+    for (int e = TID; e < BC * int(D); e += BLOCK) {
+        int i = e / int(D), j = e % int(D), r = r0 + i;
+        kv[at + uint(j) * uint(BC) + uint(i)] = ET(r < t ? ld(m, (base + r) * stride + col + j) : 0.0);
+    }
+}
+
 // span_sh = [min lo, max hi] over rows r0 .. r0 + n that see a key.
 void row_span(I32 lo, I32 hi, int base, int r0, int n, int t) {
     if (TID == 0) {
@@ -1485,6 +1497,37 @@ void row_span(I32 lo, I32 hi, int base, int r0, int n, int t) {
         [[unroll]] for (uint i = 0; i < FM; i++)                                                     \
             coopMatStore(c_[i], DST, (at) + i * TM * BC + j * TN, BC, ROW_MAJOR);                    \
     }
+
+// SCORES over a tile staged by stage_t from row `brow` (its transpose, loaded row-major).
+#define SCORES_T(A, brow, DST, at)                                                                   \
+    [[unroll]] for (uint j = 0; j < FC; j++) {                                                       \
+        MC c_[FM];                                                                                   \
+        [[unroll]] for (uint i = 0; i < FM; i++) c_[i] = MC(0.0);                                    \
+        [[unroll]] for (uint kk = 0; kk < FD; kk++) {                                                \
+            MB b_;                                                                                   \
+            coopMatLoad(b_, kv, (brow) * SD + kk * TK * uint(BC) + j * TN, uint(BC), ROW_MAJOR);     \
+            [[unroll]] for (uint i = 0; i < FM; i++) c_[i] = coopMatMulAdd(A[i * FD + kk], b_, c_[i]);   \
+        }                                                                                            \
+        [[unroll]] for (uint i = 0; i < FM; i++)                                                     \
+            coopMatStore(c_[i], DST, (at) + i * TM * BC + j * TN, BC, ROW_MAJOR);                    \
+    }
+
+// A tile read only as a score product's second operand: staged and read as the driver's loads
+// allow. RESTAGE(...) stages a tile the same pass then reads as rows (after every subgroup is
+// done with its transpose); without ROW_LOADS the rows are already there.
+#ifdef ROW_LOADS
+#define STAGE_B(m, base, r0, t, stride, col, at) stage_t(m, base, r0, t, stride, col, at)
+#define SCORES_B(A, brow, DST, at) SCORES_T(A, brow, DST, at)
+#define RESTAGE(m, base, r0, t, stride, col, at)                                                     \
+    barrier();                                                                                       \
+    stage(m, base, r0, BC, t, stride, col, at);                                                      \
+    memoryBarrierShared();                                                                           \
+    barrier();
+#else
+#define STAGE_B(m, base, r0, t, stride, col, at) stage(m, base, r0, BC, t, stride, col, at)
+#define SCORES_B(A, brow, DST, at) SCORES(A, brow, DST, at)
+#define RESTAGE(m, base, r0, t, stride, col, at)
+#endif
 
 // ACC (FM × FO) += PS[at ..] (RS × BC, pitch SP) · BC staged rows of kv from row `brow`.
 #define OUTPUT(ACC, PS, at, brow)                                                                    \
@@ -1558,10 +1601,10 @@ void main() {
     // Pass 1: each row's maximum and sum of exponentials, online over the tiles.
     for (int k0 = first; k0 <= last; k0 += BC) {
         barrier();
-        stage(p.k, base, k0, BC, t, kvs, g * int(D), 0);
+        STAGE_B(p.k, base, k0, t, kvs, g * int(D), 0);
         memoryBarrierShared();
         barrier();
-        SCORES(qa, 0, s_sh, own)
+        SCORES_B(qa, 0, s_sh, own)
         SUBGROUP_SYNC()
         for (uint r = lane; r < RS; r += nl) {
             uint rr = sg * RS + r;
@@ -1592,11 +1635,11 @@ void main() {
     ZERO(acc, FM * FO)
     for (int k0 = first; k0 <= last; k0 += BC) {
         barrier();
-        stage(p.k, base, k0, BC, t, kvs, g * int(D), 0);
+        STAGE_B(p.k, base, k0, t, kvs, g * int(D), 0);
         stage(p.v, base, k0, BC, t, kvs, g * int(D), BC * SD);
         memoryBarrierShared();
         barrier();
-        SCORES(qa, 0, s_sh, own)
+        SCORES_B(qa, 0, s_sh, own)
         SUBGROUP_SYNC()
         for (uint e = lane; e < RS * BC; e += nl) {
             uint r = e / BC, c = e % BC, rr = sg * RS + r;
@@ -1647,12 +1690,12 @@ void main() {
     ZERO(acc, FM * FO)
     for (int k0 = first; k0 <= last; k0 += BC) {
         barrier();
-        stage(p.k, base, k0, BC, t, kvs, g * int(D), 0);
-        stage(p.v, base, k0, BC, t, kvs, g * int(D), BC * SD);
+        STAGE_B(p.k, base, k0, t, kvs, g * int(D), 0);
+        STAGE_B(p.v, base, k0, t, kvs, g * int(D), BC * SD);
         memoryBarrierShared();
         barrier();
-        SCORES(qa, 0, s_sh, own)
-        SCORES(da, BC, d_sh, own)
+        SCORES_B(qa, 0, s_sh, own)
+        SCORES_B(da, BC, d_sh, own)
         SUBGROUP_SYNC()
         for (uint e = lane; e < RS * BC; e += nl) {
             uint r = e / BC, c = e % BC, rr = sg * RS + r;
@@ -1663,6 +1706,7 @@ void main() {
             p_sh[ownp + r * SP + c] = ET(ds);
         }
         SUBGROUP_SYNC()
+        RESTAGE(p.k, base, k0, t, kvs, g * int(D), 0)
         OUTPUT(acc, p_sh, ownp, 0)
     }
     WRITE_OUT(acc, if (q0 + r < t) st(p.dq, (base + q0 + r) * qs + h * int(D) + j, x * sc))
@@ -1717,8 +1761,8 @@ void main() {
     ZERO(gv, FM * FO)
     for (int q0 = (k0 / BC) * BC; q0 < t; q0 += BC) {
         barrier();
-        stage(p.q, base, q0, BC, t, qs, h * int(D), 0);
-        stage(p.dout, base, q0, BC, t, qs, h * int(D), BC * SD);
+        STAGE_B(p.q, base, q0, t, qs, h * int(D), 0);
+        STAGE_B(p.dout, base, q0, t, qs, h * int(D), BC * SD);
         for (int e = TID; e < BC; e += BLOCK) {
             int i = q0 + e;
             bool ok = i < t;
@@ -1729,9 +1773,11 @@ void main() {
         }
         memoryBarrierShared();
         barrier();
-        SCORES(ka, 0, s_sh, own)
-        SCORES(va, BC, d_sh, own)
+        SCORES_B(ka, 0, s_sh, own)
+        SCORES_B(va, BC, d_sh, own)
         SUBGROUP_SYNC()
+        RESTAGE(p.q, base, q0, t, qs, h * int(D), 0)
+        RESTAGE(p.dout, base, q0, t, qs, h * int(D), BC * SD)
         // Pᵀ, then through the same shared memory dSᵀ = Pᵀ ⊙ (dPᵀ − delta).
         probabilities(own, ownp, kf, t, sc, false);
         SUBGROUP_SYNC()

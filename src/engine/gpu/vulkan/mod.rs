@@ -95,6 +95,10 @@ pub struct VulkanGpu {
     /// The matrix units for bf16 and f16 inputs and the state of their kernels' first-use
     /// checks; `None` where the device has none for that type (see [`choose_shape`]).
     matrix: Cell<[Option<MatrixUnits>; 2]>,
+    /// The attention kernels on the matrix units run their `_rows` form, which stages the tiles a
+    /// score product reads transposed and loads only row-major: set where this driver's
+    /// column-major loads are wrong ([`Self::matrix_load_probe`]), or by a test.
+    row_loads: Cell<bool>,
     /// Shared memory a workgroup may use, in bytes.
     max_shared: u32,
     /// The largest single allocation (`maxMemoryAllocationSize`, and `maxBufferSize` on Vulkan
@@ -440,6 +444,7 @@ impl VulkanGpu {
                 storage16: support.storage16,
                 cpu_subgroup,
                 software: props.device_type == vk::PhysicalDeviceType::CPU,
+                row_loads: Cell::new(false),
                 matrix: Cell::new(
                     matrix.map(|m| {
                         m.map(|shape| MatrixUnits::untried(shape, props.limits.max_compute_shared_memory_size))
@@ -464,6 +469,13 @@ impl VulkanGpu {
         if self.cpu_subgroup.take().is_some() {
             self.name.push_str(" with GPU kernels");
         }
+        self
+    }
+
+    /// For tests: the attention kernels on the matrix units in their `_rows` form (row-major
+    /// loads only), as a driver whose column-major loads are wrong gets them.
+    pub fn with_row_loads(self) -> VulkanGpu {
+        self.row_loads.set(true);
         self
     }
 
@@ -573,6 +585,20 @@ impl VulkanGpu {
     /// `None` when the attention kernels on the matrix units give what the scalar kernels give
     /// (within the rounding of the probabilities to `dt` that they add), else how they differ.
     fn attention_check(&self, dt: Dt) -> Result<Option<String>, GpuError> {
+        // The kernels read K (Q, dO) column-major to form QKᵀ; where the driver's column-major
+        // loads are wrong and its row-major ones right, their `_rows` form stands in.
+        if let Some([0, col, n]) = self.matrix_loads(dt)?
+            && col > 0
+            && !self.row_loads.get()
+        {
+            eprintln!(
+                "rtune: {}: {} column-major matrix loads give {col} of {n} values wrong; the attention kernels \
+                 stage their tiles transposed and load row-major",
+                self.name,
+                dt.suffix()
+            );
+            self.row_loads.set(true);
+        }
         let (t, hq, hk) = (80usize, 2usize, 1usize);
         // Two packed documents, rows 0..40 and 40..80, each causal.
         let lo: Vec<i32> = (0..t as i32).map(|i| if i < 40 { 0 } else { 40 }).collect();
@@ -625,6 +651,8 @@ impl VulkanGpu {
                     None => "row- and column-major matrix loads are right".to_string(),
                     Some(wrong) => wrong,
                 };
+                let form = if self.row_loads.get() { " (the `_rows` kernels)" } else { "" };
+                let loads = format!("{loads}{form}");
                 return Ok(Some(format!(
                     "with head size {d}, largest differences from the scalar kernels' as a fraction of each output's \
                      largest value: {}; {loads}",
@@ -641,31 +669,41 @@ impl VulkanGpu {
     /// where the attention kernels fail their check, to say why; tests run it wherever matrix
     /// units are listed.
     pub fn matrix_load_probe(&self, dt: Dt) -> Result<Option<String>, GpuError> {
-        let Some(u) = self.units(dt) else { return Ok(Some(format!("no matrix units for {dt:?} to probe"))) };
+        let Some([row, col, n]) = self.matrix_loads(dt)? else {
+            return Ok(Some(format!("no matrix units for {dt:?} to probe")));
+        };
+        let wrong: Vec<String> = [("row-major", row), ("column-major", col)]
+            .iter()
+            .filter(|(_, bad)| *bad > 0)
+            .map(|(how, bad)| format!("{how} matrix loads give {bad} of {n} values wrong"))
+            .collect();
+        Ok((!wrong.is_empty()).then(|| wrong.join(", ")))
+    }
+
+    /// `cm_probe`'s wrong values, row-major and column-major, of how many; `None` without
+    /// matrix units for `dt`.
+    fn matrix_loads(&self, dt: Dt) -> Result<Option<[usize; 3]>, GpuError> {
+        let Some(u) = self.units(dt) else { return Ok(None) };
         let [tm, tn, _] = u.shape.map(|x| x as usize);
         // Integers of at most 127 in magnitude: exact in bf16 and f16, and through the product.
         let v: Vec<f32> = (0..32 * 32).map(|i| ((i * 7) % 255) as f32 - 127.0).collect();
         let scratch = Scratch { gpu: self, held: RefCell::default() };
         let pv = scratch.upload(&dt.encode(&v))?;
         let n = 4 * tm * tn;
-        let mut wrong = Vec::new();
-        for col in [false, true] {
+        let mut bad = [0usize; 2];
+        for (col, bad) in [false, true].into_iter().zip(&mut bad) {
             let pc = scratch.alloc(n * 4)?;
             let args = [Arg::Ptr(pv), Arg::Ptr(pc), Arg::I32(col as i32)];
             self.launch(&format!("cm_probe_{}", dt.suffix()), [1, 1, 1], 4 * self.subgroup, &args)?;
             let got = scratch.read(pc, n, Dt::F32)?;
-            let bad = (0..n)
+            *bad = (0..n)
                 .filter(|&e| {
                     let (m, j) = (e % (tm * tn) / tn, e % tn);
                     got[e] != if col { v[j * 32 + m] } else { v[m * 32 + j] }
                 })
                 .count();
-            if bad > 0 {
-                let how = if col { "column-major" } else { "row-major" };
-                wrong.push(format!("{how} matrix loads give {bad} of {n} values wrong"));
-            }
         }
-        Ok((!wrong.is_empty()).then(|| wrong.join(", ")))
+        Ok(Some([bad[0], bad[1], n]))
     }
 
     /// `None` when `gemm_cm` agrees with an f64 product, else how it differs.
@@ -1235,6 +1273,13 @@ impl Gpu for VulkanGpu {
         // The kernels on the matrix units run as four subgroups of the size their pipelines
         // assume (ops.rs asks for four warps).
         let block = if matrix_module(kernel).is_some() { 4 * self.subgroup } else { block };
+        // `attn_<pass>_mma_<t>_<d>` → `attn_<pass>_mma_<t>_rows_<d>` (kernels.comp, ROW_LOADS).
+        if self.row_loads.get()
+            && kernel.contains("_mma_")
+            && let Some((module, d)) = kernel.rsplit_once('_')
+        {
+            return self.dispatch(&format!("{module}_rows_{d}"), grid, block, args);
+        }
         self.dispatch(kernel, grid, block, args)
     }
 
