@@ -1483,41 +1483,35 @@ void row_span(I32 lo, I32 hi, int base, int r0, int n, int t) {
     barrier();
 }
 
+// Fragment (kk, j) of the transpose of the BC rows staged from row `brow`: read column-major
+// from the rows, or, with ROW_LOADS, row-major from their transpose (stage_t).
+#ifdef ROW_LOADS
+#define LOAD_KT(b_, brow, j, kk) coopMatLoad(b_, kv, (brow) * SD + kk * TK * uint(BC) + j * TN, uint(BC), ROW_MAJOR)
+#else
+#define LOAD_KT(b_, brow, j, kk)                                                                     \
+    coopMatLoad(b_, kv, ((brow) + j * TN) * SD + kk * TK, SD, gl_CooperativeMatrixLayoutColumnMajor)
+#endif
+
 // DST[at ..] (RS × BC, row-major) = A · Bᵀ for this subgroup's RS rows of fragments A (FM × FD)
-// and BC staged rows of kv from row `brow` (B read column-major is their transpose).
+// and BC staged rows of kv from row `brow` (B, their transpose, read by LOAD_KT).
 #define SCORES(A, brow, DST, at)                                                                     \
     [[unroll]] for (uint j = 0; j < FC; j++) {                                                       \
         MC c_[FM];                                                                                   \
         [[unroll]] for (uint i = 0; i < FM; i++) c_[i] = MC(0.0);                                    \
         [[unroll]] for (uint kk = 0; kk < FD; kk++) {                                                \
             MB b_;                                                                                   \
-            coopMatLoad(b_, kv, ((brow) + j * TN) * SD + kk * TK, SD, gl_CooperativeMatrixLayoutColumnMajor); \
+            LOAD_KT(b_, brow, j, kk);                                                                \
             [[unroll]] for (uint i = 0; i < FM; i++) c_[i] = coopMatMulAdd(A[i * FD + kk], b_, c_[i]);   \
         }                                                                                            \
         [[unroll]] for (uint i = 0; i < FM; i++)                                                     \
             coopMatStore(c_[i], DST, (at) + i * TM * BC + j * TN, BC, ROW_MAJOR);                    \
     }
 
-// SCORES over a tile staged by stage_t from row `brow` (its transpose, loaded row-major).
-#define SCORES_T(A, brow, DST, at)                                                                   \
-    [[unroll]] for (uint j = 0; j < FC; j++) {                                                       \
-        MC c_[FM];                                                                                   \
-        [[unroll]] for (uint i = 0; i < FM; i++) c_[i] = MC(0.0);                                    \
-        [[unroll]] for (uint kk = 0; kk < FD; kk++) {                                                \
-            MB b_;                                                                                   \
-            coopMatLoad(b_, kv, (brow) * SD + kk * TK * uint(BC) + j * TN, uint(BC), ROW_MAJOR);     \
-            [[unroll]] for (uint i = 0; i < FM; i++) c_[i] = coopMatMulAdd(A[i * FD + kk], b_, c_[i]);   \
-        }                                                                                            \
-        [[unroll]] for (uint i = 0; i < FM; i++)                                                     \
-            coopMatStore(c_[i], DST, (at) + i * TM * BC + j * TN, BC, ROW_MAJOR);                    \
-    }
-
-// A tile read only as a score product's second operand: staged and read as the driver's loads
-// allow. RESTAGE(...) stages a tile the same pass then reads as rows (after every subgroup is
-// done with its transpose); without ROW_LOADS the rows are already there.
+// A tile read only as a score product's second operand, staged as the driver's loads allow
+// (STAGE_B, read by LOAD_KT in SCORES); RESTAGE(...) stages a tile the same pass then reads as
+// rows, after every subgroup is done with its transpose (without ROW_LOADS the rows are there).
 #ifdef ROW_LOADS
 #define STAGE_B(m, base, r0, t, stride, col, at) stage_t(m, base, r0, t, stride, col, at)
-#define SCORES_B(A, brow, DST, at) SCORES_T(A, brow, DST, at)
 #define RESTAGE(m, base, r0, t, stride, col, at)                                                     \
     barrier();                                                                                       \
     stage(m, base, r0, BC, t, stride, col, at);                                                      \
@@ -1525,7 +1519,6 @@ void row_span(I32 lo, I32 hi, int base, int r0, int n, int t) {
     barrier();
 #else
 #define STAGE_B(m, base, r0, t, stride, col, at) stage(m, base, r0, BC, t, stride, col, at)
-#define SCORES_B(A, brow, DST, at) SCORES(A, brow, DST, at)
 #define RESTAGE(m, base, r0, t, stride, col, at)
 #endif
 
@@ -1604,7 +1597,7 @@ void main() {
         STAGE_B(p.k, base, k0, t, kvs, g * int(D), 0);
         memoryBarrierShared();
         barrier();
-        SCORES_B(qa, 0, s_sh, own)
+        SCORES(qa, 0, s_sh, own)
         SUBGROUP_SYNC()
         for (uint r = lane; r < RS; r += nl) {
             uint rr = sg * RS + r;
@@ -1639,7 +1632,7 @@ void main() {
         stage(p.v, base, k0, BC, t, kvs, g * int(D), BC * SD);
         memoryBarrierShared();
         barrier();
-        SCORES_B(qa, 0, s_sh, own)
+        SCORES(qa, 0, s_sh, own)
         SUBGROUP_SYNC()
         for (uint e = lane; e < RS * BC; e += nl) {
             uint r = e / BC, c = e % BC, rr = sg * RS + r;
@@ -1694,8 +1687,8 @@ void main() {
         STAGE_B(p.v, base, k0, t, kvs, g * int(D), BC * SD);
         memoryBarrierShared();
         barrier();
-        SCORES_B(qa, 0, s_sh, own)
-        SCORES_B(da, BC, d_sh, own)
+        SCORES(qa, 0, s_sh, own)
+        SCORES(da, BC, d_sh, own)
         SUBGROUP_SYNC()
         for (uint e = lane; e < RS * BC; e += nl) {
             uint r = e / BC, c = e % BC, rr = sg * RS + r;
@@ -1773,8 +1766,8 @@ void main() {
         }
         memoryBarrierShared();
         barrier();
-        SCORES_B(ka, 0, s_sh, own)
-        SCORES_B(va, BC, d_sh, own)
+        SCORES(ka, 0, s_sh, own)
+        SCORES(va, BC, d_sh, own)
         SUBGROUP_SYNC()
         RESTAGE(p.q, base, q0, t, qs, h * int(D), 0)
         RESTAGE(p.dout, base, q0, t, qs, h * int(D), BC * SD)
