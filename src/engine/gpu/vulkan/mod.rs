@@ -665,9 +665,10 @@ impl VulkanGpu {
 
     /// Whether the device's matrix loads of `dt` (`cm_probe`) give what the attention kernels
     /// assume — row-major and column-major from shared memory (they read K column-major to form
-    /// QKᵀ; `gemm_cm` reads row-major only): `None` when both do, else which are wrong. Run
-    /// where the attention kernels fail their check, to say why; tests run it wherever matrix
-    /// units are listed.
+    /// QKᵀ; `gemm_cm` reads row-major only): `None` when both do, else which are wrong. The
+    /// attention's first-use check probes first (choosing the `_rows` form where only the
+    /// column-major loads are wrong) and says what the probe found if it still fails; the tests
+    /// probe at the shapes GPUs list.
     pub fn matrix_load_probe(&self, dt: Dt) -> Result<Option<String>, GpuError> {
         let Some([row, col, n]) = self.matrix_loads(dt)? else {
             return Ok(Some(format!("no matrix units for {dt:?} to probe")));
