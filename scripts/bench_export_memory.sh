@@ -5,7 +5,10 @@
 #
 #   scripts/bench_export_memory.sh SHAPE RTUNE [OLD_RTUNE]
 #
-# FORMATS='["gguf-q4_k"]' exports those formats instead (a TOML list).
+# FORMATS='["gguf-q4_k"]' exports those formats instead (a TOML list). DEVICE=cuda runs the
+# recipe on that device (the exports' self-checks then run there, one decoder layer at a time) and
+# adds the GPU's peak memory during the quantize stage above its idle level (nvidia-smi, every
+# 100 ms).
 #
 # SHAPE: `1b` (TinyLlama-1.1B's shape: hidden 2048, 22 layers, MLP 5632, vocab 32000, 4.4 GB in
 # f32) or `tiny`. The model is a scratch model (random weights, f32); the adapter is LoRA r=8 on
@@ -27,6 +30,8 @@ case "$shape" in
   *) echo "unknown shape $shape (1b, tiny)" >&2; exit 2 ;;
 esac
 head -300 "$root/recipes/data/synthetic-alpaca.jsonl" > "$work/data/rows.jsonl"
+# (Outside the here-document: inside it, the default's quotes would be removed.)
+formats=${FORMATS:-'["safetensors-merged", "gguf-q8_0"]'}
 cat > "$work/bench.toml" <<TOML
 [recipe]
 name = "export-bench"
@@ -43,22 +48,32 @@ rank = 8
 alpha = 16
 targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 [device]
-prefer = ["cpu"]
+prefer = ["${DEVICE:-cpu}"]
 dtype = ["f32"]
 [stages.train]
 max_steps = 2
 batch_size = 1
 learning_rate = 1e-3
 [stages.quantize]
-formats = ${FORMATS:-["safetensors-merged", "gguf-q8_0"]}
+formats = $formats
 TOML
 export RTUNE_CACHE_DIR="$work/cache" RTUNE_NO_PROGRESS=1
 # The model, tokens and adapter: built once (their stages are the same in every binary compared).
 (cd "$work" && "$1" run bench.toml --only download -q >/dev/null && "$1" run bench.toml --only tokenize -q >/dev/null \
   && "$1" run bench.toml --only train -q >/dev/null)
+# GPU machines may lack /usr/bin/time and pgrep: their figures are then left out, not zeros.
+timer=()
+[ ! -x /usr/bin/time ] || timer=(/usr/bin/time -f "%M" -o "$work/rss")
+gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; }
 for bin in "$@"; do
+  if [ "${DEVICE:-cpu}" != cpu ]; then
+    idle=$(gpu_used)
+    (while :; do gpu_used; sleep 0.1; done) >"$work/gpu" 2>/dev/null &
+    sampler=$!
+  fi
   start=$(date +%s.%N)
-  (cd "$work" && exec /usr/bin/time -f "%M" -o "$work/rss" "$bin" run bench.toml --only quantize --force quantize -q \
+  echo 0 >"$work/rss"
+  (cd "$work" && exec "${timer[@]}" "$bin" run bench.toml --only quantize --force quantize -q \
     > "$work/out.json") &
   pid=$!
   peak=0
@@ -71,9 +86,15 @@ for bin in "$@"; do
   done
   wait "$pid"
   end=$(date +%s.%N)
-  python3 - "$bin" "$shape" "$start" "$end" "$peak" "$(cat "$work/rss")" <<'PY'
+  gpu=""
+  if [ "${DEVICE:-cpu}" != cpu ]; then
+    kill "$sampler" 2>/dev/null || true
+    gpu=", peak GPU memory $(($(sort -n "$work/gpu" | tail -1) - idle)) MiB above idle (${DEVICE})"
+  fi
+  python3 - "$bin" "$shape" "$start" "$end" "$peak" "$(cat "$work/rss")" "$gpu" <<'PY'
 import sys
 b, shape, s, e, anon, rss = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-print(f"{b}: quantize ({shape}) {e-s:.1f} s, peak anonymous memory {anon/1024:.0f} MiB, peak RSS {rss/1024:.0f} MiB")
+mib = lambda k: f"{k / 1024:.0f} MiB" if k > 0 else "n/a"
+print(f"{b}: quantize ({shape}) {e-s:.1f} s, peak anonymous memory {mib(anon)}, peak RSS {mib(rss)}{sys.argv[7]}")
 PY
 done

@@ -16,7 +16,8 @@
 #                                   # wanted first: the engine's tests on CUDA (QLoRA kernels, data
 #                                   # parallel), Vulkan f16, a calibrated q4_k_m on CUDA, QLoRA and
 #                                   # the full fine-tune on CUDA and Vulkan against the CPU, rtune
-#                                   # on CUDA, the scalar attention's share
+#                                   # on CUDA, the scalar attention's share, the exports' GPU
+#                                   # memory for a 1.1B model
 #
 # BUDGET (seconds, default 540) bounds the whole call: every step has its own limit, cut to what
 # is left, and a step that cannot get its minimum is skipped and named, so the call ends inside
@@ -130,6 +131,12 @@ second)
   OUT="$work/bench-vulkan-f16-scalar" RTUNE_GPU_ATTENTION=scalar DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 \
     step bench-vulkan-f16-scalar 60 30 scripts/gpu_bench.sh "${shapes[0]}"
   bench_table bench-vulkan-f16-scalar
+  # The exports' device memory for a large model (TinyLlama-1.1B's shape, 4.4 GB in f32): the
+  # self-checks run one decoder layer at a time on the GPU. Its files stay out of the logs.
+  rm -rf /tmp/rtune-export-1b
+  DEVICE=cuda BENCH_DIR=/tmp/rtune-export-1b step export-memory-cuda 150 60 \
+    scripts/bench_export_memory.sh 1b "$PWD/.gpu/rtune"
+  show export-memory-cuda "quantize \\(|rror"
   ;;
 esac
 pack
