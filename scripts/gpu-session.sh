@@ -97,7 +97,7 @@ first)
   fi
   # Issue 18's go/no-go: a quarter of cuBLAS's bf16 rate on the train-step shapes.
   CUBLAS_DTYPES=bf16 CANDIDATE_TIMEOUT=40 step spike 110 30 spikes/vulkan-gemm/gpu.sh
-  show spike "^==|GFLOP|TFLOP|rror|skipped|not carried"
+  show spike "^==|GFLOP|TFLOP|rror|skipped|not carried|failed"
   step timings 100 30 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings
   show timings "^\||did not run|panicked|failed a check|matrix loads"
   # The speed goal: ≥ 0.5× PyTorch + PEFT on CUDA for the 360M shape at 4 × 512.
