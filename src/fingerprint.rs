@@ -30,7 +30,9 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// counter-based LoRA dropout masks; train 5 — base weights train on the fused CPU engine;
 /// tokenize 2, evaluate 4 — rows and prompts start with BOS only where the tokenizer adds one;
 /// quantize 5 — merged folders in the base's dtypes; quantize 6 — GGUFs as llama-quantize
-/// writes them, calibrated by an importance matrix; upload 4 — GGUFs in the model card.
+/// writes them, calibrated by an importance matrix; upload 4 — GGUFs in the model card;
+/// quantize 7 — the importance matrix's pass packs rows into 512-token sequences (its sums
+/// move by float rounding, and with them the odd calibrated block).
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -67,7 +69,9 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // `imatrix = false`, those from q6_k down calibrated by an importance matrix of the
         // train split (`gguf/imatrix.gguf`), as `llama-quantize --imatrix` quantizes them; the
         // self-check also reports how often each file's top token is the unquantized model's.
-        Quantize => 6,
+        // 7: the importance matrix's pass runs the train rows packed into 512-token sequences
+        // (each row its own document): the same tokens, sums within float rounding.
+        Quantize => 7,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
         // `plan` can check the destination and `run` restore it.

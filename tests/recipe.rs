@@ -119,8 +119,8 @@ fn golden_fingerprints() {
         ("train", "c593fdd0e111503718403820ef74eb221d8ae7a4eaaa818bc30e5b234c678290"),
         ("eval_base", "9cc937914960b544e7182b775fe727492834afaa0467f1440c4d8bd0194dac05"),
         ("evaluate", "2cba0362533ce380bd75918041c63681f77c2938144afb82e778ac7ceaf27bfa"),
-        ("quantize", "39f0fbd203703e3c222430507dd9ba22cb23e83c7a5c8c29ba61fe05685ee78d"),
-        ("upload", "b61c422aa1bf2973cfc1a4bfb4ec2d4b3043838546f2d7cd40484df6defd5bfb"),
+        ("quantize", "2893c20a7e8b4e5e36e7848ce2f6997d3f68ce83ca8528c890bdf6319a100a57"),
+        ("upload", "668a44fc73a3d6a15e5b9a0c8cf6188f049667b962664f63d8825f181825848d"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);

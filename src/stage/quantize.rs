@@ -398,6 +398,10 @@ fn imatrix_budget(asked: Option<u64>, params: usize, cpu: bool) -> usize {
 /// Seed of the order in which train rows calibrate the importance matrix.
 const IMATRIX_SEED: u64 = 0x1a7_e1c5;
 
+/// Tokens of train rows the importance matrix's pass packs into one sequence (llama-imatrix's
+/// chunk); each row stays its own document.
+const IMATRIX_PACK: usize = 512;
+
 /// Hidden states the importance matrix's pass keeps at once (its rows go through the layers in
 /// groups of about this size, each group streaming the layers again).
 const IMATRIX_GROUP_BYTES: usize = 256 << 20;
@@ -418,8 +422,13 @@ fn importance_matrix(
     let mut order: Vec<usize> = (0..train.len()).collect();
     Rng::new(IMATRIX_SEED).shuffle(&mut order);
     let group_tokens = (IMATRIX_GROUP_BYTES / (4 * merged.config().hidden_size)).max(1);
-    let mut groups: Vec<Vec<Batch>> = vec![Vec::new()];
-    let (mut tokens, mut in_group) = (0, 0);
+    // Rows go through the model packed into sequences of up to IMATRIX_PACK tokens, each row its
+    // own document (attention and positions restart at every row, as in a row alone), so that
+    // the products run on hundreds of positions at once instead of one row's few dozen.
+    let mut sequences: Vec<(Vec<u32>, Vec<u16>, Vec<u8>)> = Vec::new();
+    let mut open: (Vec<u32>, Vec<u16>, Vec<u8>) = Default::default();
+    let mut next_seg = 0u16;
+    let mut tokens = 0;
     for r in order {
         if tokens >= budget {
             break;
@@ -429,15 +438,34 @@ fn importance_matrix(
         if n == 0 {
             continue;
         }
-        let hb = HostBatch::new(&[(&row.ids[..n], &row.seg[..n], &row.mask[..n])]);
-        if in_group > 0 && in_group + n > group_tokens {
+        if !open.0.is_empty() && open.0.len() + n > IMATRIX_PACK {
+            sequences.push(std::mem::take(&mut open));
+        }
+        // The row's own documents (a packed row holds several) keep their boundaries.
+        for j in 0..n {
+            if j == 0 || row.seg[j] != row.seg[j - 1] {
+                next_seg = next_seg.wrapping_add(1);
+            }
+            open.1.push(next_seg);
+        }
+        open.0.extend(&row.ids[..n]);
+        open.2.extend(&row.mask[..n]);
+        tokens += n;
+    }
+    if !open.0.is_empty() {
+        sequences.push(open);
+    }
+    let mut groups: Vec<Vec<Batch>> = vec![Vec::new()];
+    let mut in_group = 0;
+    for (ids, seg, mask) in &sequences {
+        let hb = HostBatch::new(&[(ids.as_slice(), seg.as_slice(), mask.as_slice())]);
+        if in_group > 0 && in_group + ids.len() > group_tokens {
             groups.push(Vec::new());
             in_group = 0;
         }
         let batch = Batch::from_layout(&hb.ids, hb.b, hb.t, &hb.layout, device).map_err(err("batch"))?;
         groups.last_mut().expect("one group at least").push(batch);
-        tokens += n;
-        in_group += n;
+        in_group += ids.len();
     }
     let mut im = gguf::Imatrix::new(format!("{recipe}: the train split, {tokens} tokens"));
     let model = merged.streamed(Form::Adapter, device)?;
