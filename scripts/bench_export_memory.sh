@@ -15,6 +15,10 @@
 # every projection, trained 2 steps so that its B matrices are not zero; the eval split is small
 # (the GGUF self-check decodes every eval token on the CPU).
 #
+# IMATRIX=1 times only the importance matrix's pass (16,384 train tokens through the adapter model,
+# one layer at a time): each run stops once the stage reports `imatrix.gguf` and prints that line
+# (the default FORMATS becomes `["gguf-q4_k_m"]`; ROWS=3000 gives it the tokens to take).
+#
 # Prints one line per binary: wall seconds, peak anonymous memory (RssAnon sampled every 50 ms:
 # what the process itself allocated) and peak RSS (`/usr/bin/time`: that plus the pages of mapped
 # checkpoint files, which the kernel can drop and re-read).
@@ -26,12 +30,15 @@ mkdir -p "$work/data"
 grep "model name" /proc/cpuinfo | head -1 || true
 case "$shape" in
   1b) scratch='{ arch = "llama", hidden_size = 2048, num_layers = 22, num_heads = 32, num_kv_heads = 4, intermediate_size = 5632, vocab_size = 32000, max_position_embeddings = 2048 }' ;;
+  135m) scratch='{ arch = "llama", hidden_size = 576, num_layers = 30, num_heads = 9, num_kv_heads = 3, intermediate_size = 1536, vocab_size = 8192 }' ;;
   tiny) scratch='{ arch = "llama", hidden_size = 64, num_layers = 2, num_heads = 4, num_kv_heads = 2, intermediate_size = 128, vocab_size = 512 }' ;;
-  *) echo "unknown shape $shape (1b, tiny)" >&2; exit 2 ;;
+  *) echo "unknown shape $shape (1b, 135m, tiny)" >&2; exit 2 ;;
 esac
-head -300 "$root/recipes/data/synthetic-alpaca.jsonl" > "$work/data/rows.jsonl"
+head -"${ROWS:-300}" "$root/recipes/data/synthetic-alpaca.jsonl" > "$work/data/rows.jsonl"
 # (Outside the here-document: inside it, the default's quotes would be removed.)
-formats=${FORMATS:-'["safetensors-merged", "gguf-q8_0"]'}
+default='["safetensors-merged", "gguf-q8_0"]'
+[ -z "${IMATRIX:-}" ] || default='["gguf-q4_k_m"]'
+formats=${FORMATS:-$default}
 cat > "$work/bench.toml" <<TOML
 [recipe]
 name = "export-bench"
@@ -65,6 +72,17 @@ export RTUNE_CACHE_DIR="$work/cache" RTUNE_NO_PROGRESS=1
 timer=()
 [ ! -x /usr/bin/time ] || timer=(/usr/bin/time -f "%M" -o "$work/rss")
 gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; }
+if [ -n "${IMATRIX:-}" ]; then
+  for bin in "$@"; do
+    (cd "$work" && exec "$bin" run bench.toml --only quantize --force quantize) >"$work/log" 2>&1 &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null && ! grep -q "imatrix.gguf" "$work/log"; do sleep 0.2; done
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    echo "$bin: $(grep -o "imatrix.gguf: .*" "$work/log" || echo "no importance matrix (see $work/log)")"
+  done
+  exit 0
+fi
 for bin in "$@"; do
   if [ "${DEVICE:-cpu}" != cpu ]; then
     idle=$(gpu_used)
