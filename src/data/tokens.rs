@@ -206,15 +206,26 @@ impl Packer {
         Packer { max, ids: Vec::new(), mask: Vec::new(), seg: Vec::new() }
     }
 
-    /// Add a row; when it does not fit beside the rows held, the held rows come back as one
-    /// sequence first.
+    /// Add a row (one document); when it does not fit beside the rows held, the held rows come
+    /// back as one sequence first.
     pub fn add(&mut self, ids: &[u32], mask: &[u8]) -> Option<Packed> {
+        self.add_documents(ids, mask, None)
+    }
+
+    /// [`Self::add`] for a row that may already hold several documents (`seg`, a packed row's
+    /// indices): each of them keeps an index of its own.
+    pub fn add_documents(&mut self, ids: &[u32], mask: &[u8], seg: Option<&[u16]>) -> Option<Packed> {
         let out = if !self.ids.is_empty() && self.ids.len() + ids.len() > self.max { self.flush() } else { None };
-        // Neighbouring rows only need different indices, so wrapping is fine.
-        let s = self.seg.last().map(|s| s.wrapping_add(1)).unwrap_or(0);
+        // Neighbouring documents only need different indices, so wrapping is fine.
+        let mut s = self.seg.last().map(|s| s.wrapping_add(1)).unwrap_or(0);
+        for j in 0..ids.len() {
+            if j > 0 && seg.is_some_and(|seg| seg[j] != seg[j - 1]) {
+                s = s.wrapping_add(1);
+            }
+            self.seg.push(s);
+        }
         self.ids.extend(ids);
         self.mask.extend(mask);
-        self.seg.extend(std::iter::repeat_n(s, ids.len()));
         out
     }
 
@@ -230,6 +241,19 @@ impl Packer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packer_keeps_rows_and_their_documents_apart() {
+        let mut p = Packer::new(8);
+        assert_eq!(p.add(&[1, 2, 3], &[1, 1, 1]), None);
+        // A packed row of two documents beside it: each gets an index of its own.
+        assert_eq!(p.add_documents(&[4, 5, 6, 7], &[1, 0, 1, 1], Some(&[9, 9, 3, 3])), None);
+        let (ids, mask, seg) = p.add(&[8, 9], &[1, 1]).expect("does not fit: the held rows come back");
+        assert_eq!((ids, mask), (vec![1, 2, 3, 4, 5, 6, 7], vec![1, 1, 1, 1, 0, 1, 1]));
+        assert_eq!(seg, vec![0, 0, 0, 1, 1, 2, 2]);
+        assert_eq!(p.flush(), Some((vec![8, 9], vec![1, 1], vec![0, 0])));
+        assert_eq!(p.flush(), None);
+    }
 
     #[test]
     fn write_then_map() {

@@ -16,6 +16,7 @@ use serde_json::json;
 
 use super::{StageCtx, StageError, write_json};
 use crate::data::TokenStore;
+use crate::data::tokens::Packer;
 use crate::engine::HostBatch;
 use crate::model::merged::{Form, Merged};
 use crate::model::ops::cross_entropy;
@@ -423,11 +424,11 @@ fn importance_matrix(
     Rng::new(IMATRIX_SEED).shuffle(&mut order);
     let group_tokens = (IMATRIX_GROUP_BYTES / (4 * merged.config().hidden_size)).max(1);
     // Rows go through the model packed into sequences of up to IMATRIX_PACK tokens, each row its
-    // own document (attention and positions restart at every row, as in a row alone), so that
-    // the products run on hundreds of positions at once instead of one row's few dozen.
-    let mut sequences: Vec<(Vec<u32>, Vec<u16>, Vec<u8>)> = Vec::new();
-    let mut open: (Vec<u32>, Vec<u16>, Vec<u8>) = Default::default();
-    let mut next_seg = 0u16;
+    // own document (attention and positions restart at every row, as in a row alone; a packed
+    // row's documents keep their boundaries), so that the products run on hundreds of positions
+    // at once instead of one row's few dozen.
+    let mut packer = Packer::new(IMATRIX_PACK);
+    let mut sequences = Vec::new();
     let mut tokens = 0;
     for r in order {
         if tokens >= budget {
@@ -438,26 +439,13 @@ fn importance_matrix(
         if n == 0 {
             continue;
         }
-        if !open.0.is_empty() && open.0.len() + n > IMATRIX_PACK {
-            sequences.push(std::mem::take(&mut open));
-        }
-        // The row's own documents (a packed row holds several) keep their boundaries.
-        for j in 0..n {
-            if j == 0 || row.seg[j] != row.seg[j - 1] {
-                next_seg = next_seg.wrapping_add(1);
-            }
-            open.1.push(next_seg);
-        }
-        open.0.extend(&row.ids[..n]);
-        open.2.extend(&row.mask[..n]);
+        sequences.extend(packer.add_documents(&row.ids[..n], &row.mask[..n], Some(&row.seg[..n])));
         tokens += n;
     }
-    if !open.0.is_empty() {
-        sequences.push(open);
-    }
+    sequences.extend(packer.flush());
     let mut groups: Vec<Vec<Batch>> = vec![Vec::new()];
     let mut in_group = 0;
-    for (ids, seg, mask) in &sequences {
+    for (ids, mask, seg) in &sequences {
         let hb = HostBatch::new(&[(ids.as_slice(), seg.as_slice(), mask.as_slice())]);
         if in_group > 0 && in_group + ids.len() > group_tokens {
             groups.push(Vec::new());
