@@ -207,6 +207,18 @@ fn attention_tile(shape: [u32; 3], d: u32, max_shared: u32) -> Option<u32> {
     [32, 16].into_iter().find(|&bc| m <= 16 && n <= bc && k <= bc && attention_shared_bytes(d, bc) <= max_shared)
 }
 
+/// What [`VulkanGpu::matrix_loads`] found, in words: `None` when row- and column-major loads are
+/// both right.
+fn loads_report(dt: Dt, found: Option<[usize; 3]>) -> Option<String> {
+    let Some([row, col, n]) = found else { return Some(format!("no matrix units for {dt:?} to probe")) };
+    let wrong: Vec<String> = [("row-major", row), ("column-major", col)]
+        .iter()
+        .filter(|(_, bad)| *bad > 0)
+        .map(|(how, bad)| format!("{how} matrix loads give {bad} of {n} values wrong"))
+        .collect();
+    (!wrong.is_empty()).then(|| wrong.join(", "))
+}
+
 /// Device memory for a first-use check, freed when dropped.
 struct Scratch<'g> {
     gpu: &'g VulkanGpu,
@@ -592,8 +604,8 @@ impl VulkanGpu {
         if probe.is_err() && self.state.borrow().lost.is_some() {
             return probe.map(|_| None);
         }
-        if let Ok(Some([0, col, n])) = probe
-            && col > 0
+        if let Ok(Some([0, col, n])) = &probe
+            && *col > 0
             && !self.row_loads.get()
         {
             eprintln!(
@@ -652,9 +664,10 @@ impl VulkanGpu {
                 report.push(format!("{name} {err:.3} (position {row}, head {head}, column {col})"));
             }
             if failed {
-                let loads = match self.matrix_load_probe(dt) {
-                    Ok(None) => "row- and column-major matrix loads are right".to_string(),
-                    Ok(Some(wrong)) => wrong,
+                let loads = match &probe {
+                    Ok(found) => {
+                        loads_report(dt, *found).unwrap_or("row- and column-major matrix loads are right".into())
+                    }
                     Err(e) => format!("the matrix-load probe failed ({e})"),
                 };
                 let form = if self.row_loads.get() { " (the `_rows` kernels)" } else { "" };
@@ -676,15 +689,7 @@ impl VulkanGpu {
     /// column-major loads are wrong) and says what the probe found if it still fails; the tests
     /// probe at the shapes GPUs list.
     pub fn matrix_load_probe(&self, dt: Dt) -> Result<Option<String>, GpuError> {
-        let Some([row, col, n]) = self.matrix_loads(dt)? else {
-            return Ok(Some(format!("no matrix units for {dt:?} to probe")));
-        };
-        let wrong: Vec<String> = [("row-major", row), ("column-major", col)]
-            .iter()
-            .filter(|(_, bad)| *bad > 0)
-            .map(|(how, bad)| format!("{how} matrix loads give {bad} of {n} values wrong"))
-            .collect();
-        Ok((!wrong.is_empty()).then(|| wrong.join(", ")))
+        Ok(loads_report(dt, self.matrix_loads(dt)?))
     }
 
     /// `cm_probe`'s wrong values, row-major and column-major, of how many; `None` without
