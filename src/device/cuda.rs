@@ -34,14 +34,21 @@ fn machine_code_runs(built: u32, major: i32, minor: i32) -> bool {
 /// Returns whether it switched.
 pub fn use_gguf_kernels_that_run(ordinal: usize) -> bool {
     let Ok(ctx) = CudaContext::new(ordinal) else { return false };
-    let attr = |a| ctx.attribute(a).unwrap_or(0);
-    let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
-    let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+    let (major, minor) = compute_capability(&ctx);
     let portable = !runs_candle_gguf_kernels(major, minor);
     if portable {
         candle_core::quantized::cuda::set_force_dmmv(true);
     }
     portable
+}
+
+/// The device's compute capability, `(major, minor)` (zeros where the driver will not say).
+fn compute_capability(ctx: &CudaContext) -> (i32, i32) {
+    let attr = |a| ctx.attribute(a).unwrap_or(0);
+    (
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+    )
 }
 
 /// What `rtune doctor` shows of a CUDA device.
@@ -65,13 +72,9 @@ pub fn devices() -> Vec<CudaInfo> {
     (0..n as usize)
         .filter_map(|i| {
             let ctx = CudaContext::new(i).ok()?;
-            let attr = |a| ctx.attribute(a).unwrap_or(0);
             Some(CudaInfo {
                 name: ctx.name().unwrap_or_default(),
-                compute_capability: (
-                    attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-                    attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
-                ),
+                compute_capability: compute_capability(&ctx),
                 memory_bytes: ctx.total_mem().unwrap_or(0) as u64,
                 driver: driver.clone(),
             })
