@@ -763,6 +763,18 @@ fn small_base_project(p: &Path) {
     transformers5_folder(&p.join("base"), &rows);
 }
 
+/// `small_base_project`'s base weights stored again in `dtype`, after `edit`.
+fn rewrite_base_weights(
+    p: &Path,
+    dtype: candle_core::DType,
+    edit: impl FnOnce(&mut std::collections::BTreeMap<String, candle_core::Tensor>),
+) {
+    let base = rtune::model::ModelFolder::open(&p.join("base")).unwrap();
+    let mut weights = base.load_weights(&candle_core::Device::Cpu, dtype).unwrap();
+    edit(&mut weights);
+    rtune::model::folder::save_safetensors(&p.join("base/model.safetensors"), &weights).unwrap();
+}
+
 /// Mistral v0.1's sliding window (here 128 tokens): rtune attends over whole sequences, exact only
 /// within the window, so rows longer than it are a clear error before training, naming the
 /// setting; rows that fit train.
@@ -793,13 +805,10 @@ fn rows_longer_than_a_sliding_window_are_refused_before_training() {
 /// writes f32 and says so in config.json.
 #[test]
 fn a_bf16_base_merges_into_bf16_unless_told_otherwise() {
-    use candle_core::{DType, Device};
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
     small_base_project(p);
-    let base = rtune::model::ModelFolder::open(&p.join("base")).unwrap();
-    let bf16 = base.load_weights(&Device::Cpu, DType::BF16).unwrap();
-    rtune::model::folder::save_safetensors(&p.join("base/model.safetensors"), &bf16).unwrap();
+    rewrite_base_weights(p, candle_core::DType::BF16, |_| {});
     let recipe = "[recipe]\nname = \"bf16\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\nformat = \"alpaca\"\n\
                   [device]\nprefer = [\"cpu\"]\ndtype = [\"f32\"]\n[stages.train]\nmax_steps = 3\nlearning_rate = 1e-2\n\
                   [stages.quantize]\nformats = [\"safetensors-merged\"]\n";
@@ -840,16 +849,14 @@ fn a_bf16_base_merges_into_bf16_unless_told_otherwise() {
 /// file holds infinities), as a broken GPU kernel did on an H200. Training stays cached.
 #[test]
 fn a_gguf_whose_self_check_is_not_a_number_fails_the_stage() {
-    use candle_core::{DType, Device};
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
     small_base_project(p);
-    let base = rtune::model::ModelFolder::open(&p.join("base")).unwrap();
-    let mut weights = base.load_weights(&Device::Cpu, DType::F32).unwrap();
-    let name = "model.layers.0.mlp.down_proj.weight";
-    let scaled = (weights[name].clone() * 1e7).unwrap();
-    weights.insert(name.to_string(), scaled);
-    rtune::model::folder::save_safetensors(&p.join("base/model.safetensors"), &weights).unwrap();
+    rewrite_base_weights(p, candle_core::DType::F32, |weights| {
+        let name = "model.layers.0.mlp.down_proj.weight";
+        let scaled = (weights[name].clone() * 1e7).unwrap();
+        weights.insert(name.to_string(), scaled);
+    });
     let recipe = "[recipe]\nname = \"big\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\nformat = \"alpaca\"\n\
                   [device]\nprefer = [\"cpu\"]\n[stages.train]\nmax_steps = 1\n\
                   [stages.quantize]\nformats = [\"gguf-f16\"]\n";
