@@ -35,6 +35,13 @@ def cargo_bench(name, *bench_args, env=None):
     ).stdout
 
 
+def table(title, *columns):
+    """A table's title, header and separator, as docs/benchmarks.md lays them out."""
+    print(f"{title}:\n")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
 def python(script, *script_args):
     out = subprocess.run([sys.executable, str(ROOT / script), *script_args], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -48,9 +55,8 @@ for shape in shapes:
     ref = python("benches/reference/peft_bench.py", shape, str(STEPS[shape]))
     rows.append((shape, rt, ref))
 
-print("Train step (4 x 128 tokens):\n")
-print("| shape | rtune s/step | rtune tok/s | rtune GFLOP/s | rtune peak RSS | PyTorch+PEFT s/step | tok/s | peak RSS | speed ratio | RSS ratio |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+table("Train step (4 x 128 tokens)", "shape", "rtune s/step", "rtune tok/s", "rtune GFLOP/s", "rtune peak RSS",
+      "PyTorch+PEFT s/step", "tok/s", "peak RSS", "speed ratio", "RSS ratio")
 for shape, rt, ref in rows:
     print(
         f"| {shape} | {rt['s']:.4f} | {rt['tps']:,.0f} | {rt['gflops']:.0f} | {rt['rss'] / 2**20:,.0f} MiB | {ref['s_per_step']:.4f} | "
@@ -60,9 +66,8 @@ for shape, rt, ref in rows:
 print(f"\n({rows[-1][2]['impl']})")
 
 if epoch:
-    print("\nOne epoch of variable-length rows (batch 8):\n")
-    print("| shape | rtune shuffled s | rtune group_by_length s | PyTorch+PEFT s | ratio (grouped / PyTorch) | rtune peak RSS | PyTorch peak RSS |")
-    print("|---|---|---|---|---|---|---|")
+    table("\nOne epoch of variable-length rows (batch 8)", "shape", "rtune shuffled s", "rtune group_by_length s",
+          "PyTorch+PEFT s", "ratio (grouped / PyTorch)", "rtune peak RSS", "PyTorch peak RSS")
     for shape in shapes:
         out = cargo_bench("epoch", shape)
         loops = {m.group(1): float(m.group(2)) for m in re.finditer(r"(shuffled|group_by_length)\s+loop ([\d.]+) s", out)}
@@ -74,9 +79,8 @@ if epoch:
         )
 
 if evaluate:
-    print("\nEvaluate (mean loss of a 4 x 128 batch, no gradients, median of 5):\n")
-    print("| shape | rtune tok/s | PyTorch+PEFT tok/s | speed ratio |")
-    print("|---|---|---|---|")
+    table("\nEvaluate (mean loss of a 4 x 128 batch, no gradients, median of 5)", "shape", "rtune tok/s",
+          "PyTorch+PEFT tok/s", "speed ratio")
     for shape in shapes:
         out = cargo_bench("export", shape)
         tps = float(re.search(r"evaluate fused engine\s+[\d.]+ s/batch\s+(\d+) tokens/s", out).group(1))
