@@ -121,7 +121,13 @@ unsafe impl vk::ExtendsDeviceCreateInfo for Bf16Features {}
 /// The matrix-unit products of device `pd` that the engine's cooperative-matrix GEMM can run:
 /// subgroup scope, f16 or bf16 inputs, f32 accumulator and result, not saturating. The kernel
 /// needs `shaderFloat16` and `vulkanMemoryModel`, and bf16 `shaderBFloat16Type` and
-/// `shaderBFloat16CooperativeMatrix`, which the engine enables. Empty without
+/// `shaderBFloat16CooperativeMatrix`, which the engine enables; and, which the spec asks of any
+/// device running them, `vulkanMemoryModelDeviceScope` (once the memory model is enabled, the
+/// engine's other kernels' `memoryBarrierShared()`, Device scope in SPIR-V, need it:
+/// VUID-RuntimeSpirv-vulkanMemoryModel-06265) and `VK_EXT_subgroup_size_control`'s
+/// `computeFullSubgroups` (a pipeline with cooperative-matrix instructions from SPIR-V before 1.6
+/// must require full subgroups: VUID-RuntimeSpirv-OpTypeCooperativeMatrixKHR-10770; the
+/// extension, not Vulkan 1.3's core, since the instance asks for Vulkan 1.2). Empty without
 /// `VK_KHR_cooperative_matrix` or those features.
 ///
 /// # Safety
@@ -136,13 +142,23 @@ pub unsafe fn matrix_shapes(entry: &ash::Entry, instance: &ash::Instance, pd: vk
     let mut f16 = vk::PhysicalDeviceShaderFloat16Int8Features::default();
     let mut model = vk::PhysicalDeviceVulkanMemoryModelFeatures::default();
     let mut bf16 = Bf16Features::default();
+    let mut full = vk::PhysicalDeviceSubgroupSizeControlFeatures::default();
+    let size_control = unsafe { has_extension(instance, pd, ash::ext::subgroup_size_control::NAME) };
     let mut features =
         vk::PhysicalDeviceFeatures2::default().push_next(&mut cm).push_next(&mut f16).push_next(&mut model);
     if bf16_listed {
         features = features.push_next(&mut bf16);
     }
+    if size_control {
+        features = features.push_next(&mut full);
+    }
     unsafe { instance.get_physical_device_features2(pd, &mut features) };
-    if cm.cooperative_matrix != vk::TRUE || f16.shader_float16 != vk::TRUE || model.vulkan_memory_model != vk::TRUE {
+    if cm.cooperative_matrix != vk::TRUE
+        || f16.shader_float16 != vk::TRUE
+        || model.vulkan_memory_model != vk::TRUE
+        || model.vulkan_memory_model_device_scope != vk::TRUE
+        || full.compute_full_subgroups != vk::TRUE
+    {
         return Vec::new();
     }
     let ext = ash::khr::cooperative_matrix::Instance::new(entry, instance);

@@ -1272,6 +1272,11 @@ void main() {
 // are staged in shared memory in the input type, BK deep, rows padded by 8 elements (16 bytes,
 // the alignment of matrix loads); the accumulators pass through shared memory one at a time on
 // their way out, where α, β, the bounds and the conversion of C are applied.
+// Matrix loads and stores need 16-byte aligned addresses and strides
+// (VUID-RuntimeSpirv-OpCooperativeMatrixLoadKHR-08986), and GLSL cannot place a shared array:
+// the driver lays them out in an order of its own. So every shared array of the kernels on the
+// matrix units is a whole number of 16 bytes long (tests/gpu_engine.rs reads the sizes from the
+// SPIR-V), and each then starts 16-byte aligned whatever the order.
 // Built by tools/glslc (glslang with GL_KHR_cooperative_matrix and GL_EXT_bfloat16).
 #if defined(K_gemm_cm) || defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma) || defined(K_attn_bwd_dkv_mma) || defined(K_cm_probe)
 #extension GL_KHR_cooperative_matrix : require
@@ -1441,7 +1446,7 @@ shared ET kv[BR * SD];
 // Each subgroup's part: a tile's scores (and on the way out its outputs), its probabilities.
 shared float s_sh[4 * RS * BC];
 shared ET p_sh[4 * RS * SP];
-shared int span_sh[2];
+shared int span_sh[4];  // two used; four keep every shared array a multiple of 16 bytes
 
 // Rows r0 .. r0 + n of a [.., stride] matrix of T from column `col` into kv from element `at`;
 // rows at or past t are zeros.

@@ -345,18 +345,20 @@ impl VulkanGpu {
             let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(qfi).queue_priorities(&prio)];
             // The cooperative-matrix product: a shape per input type, and a workgroup of four
             // subgroups of a known size — fixed by the device, or required of the pipeline where
-            // the device may choose (subgroup size control, Vulkan 1.3).
+            // the device may choose (subgroup size control: VK_EXT_subgroup_size_control, which a
+            // Vulkan 1.2 instance — rtune's — must enable even on a Vulkan 1.3 device).
             let sub = crate::device::vulkan::subgroups(&instance, pd);
-            let v13 = vk::api_version_minor(props.api_version) >= 3;
             let max_alloc = crate::device::vulkan::max_allocation(&instance, pd);
+            let size_ext = ash::ext::subgroup_size_control::NAME;
+            let has_size_ext = crate::device::vulkan::has_extension(&instance, pd, size_ext);
             let mut size_control = vk::PhysicalDeviceSubgroupSizeControlFeatures::default();
-            if v13 {
+            if has_size_ext {
                 instance.get_physical_device_features2(
                     pd,
                     &mut vk::PhysicalDeviceFeatures2::default().push_next(&mut size_control),
                 );
             }
-            let varies = v13 && sub.range.is_some();
+            let varies = sub.range.is_some();
             let require_subgroup = varies && size_control.subgroup_size_control == vk::TRUE;
             let shapes = if (varies && !require_subgroup)
                 || sub.size == 0
@@ -372,8 +374,13 @@ impl VulkanGpu {
             let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
                 .buffer_device_address(true)
                 .shader_float16(cm)
-                .vulkan_memory_model(cm);
-            let mut v13f = vk::PhysicalDeviceSubgroupSizeControlFeatures::default().subgroup_size_control(true);
+                .vulkan_memory_model(cm)
+                .vulkan_memory_model_device_scope(cm);
+            // Pipelines with cooperative-matrix instructions require full subgroups (see
+            // `matrix_shapes`, which lists shapes only where the device supports this).
+            let mut size_features = vk::PhysicalDeviceSubgroupSizeControlFeatures::default()
+                .subgroup_size_control(require_subgroup)
+                .compute_full_subgroups(true);
             let mut cm_features = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
             let mut bf16_features = crate::device::vulkan::Bf16Features {
                 shader_bfloat16_type: vk::TRUE,
@@ -391,6 +398,8 @@ impl VulkanGpu {
             };
             if cm {
                 extensions.push(ash::khr::cooperative_matrix::NAME.as_ptr());
+                // Listed: `matrix_shapes` finds no shape without it.
+                extensions.push(size_ext.as_ptr());
             }
             if matrix[0].is_some() {
                 extensions.push(c"VK_KHR_shader_bfloat16".as_ptr());
@@ -402,10 +411,7 @@ impl VulkanGpu {
                 .push_next(&mut v12)
                 .push_next(&mut v11);
             if cm {
-                create = create.push_next(&mut cm_features);
-                if require_subgroup {
-                    create = create.push_next(&mut v13f);
-                }
+                create = create.push_next(&mut cm_features).push_next(&mut size_features);
             }
             if matrix[0].is_some() {
                 create = create.push_next(&mut bf16_features);
@@ -1057,8 +1063,11 @@ impl VulkanGpu {
             .module(module)
             .name(c"main")
             .specialization_info(&info);
-        if cm.is_some() && self.require_subgroup {
-            stage = stage.push_next(&mut required);
+        if cm.is_some() {
+            stage = stage.flags(vk::PipelineShaderStageCreateFlags::REQUIRE_FULL_SUBGROUPS);
+            if self.require_subgroup {
+                stage = stage.push_next(&mut required);
+            }
         }
         // SAFETY: the module and layout are live; the pipeline is destroyed in `drop`.
         let p = unsafe {
@@ -1411,22 +1420,117 @@ impl Drop for VulkanGpu {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::index::KERNELS;
     use super::{Dt, matrix_module};
 
-    /// The capabilities a SPIR-V module declares (`OpCapability` operands).
-    fn capabilities(spv: &[u8]) -> Vec<u32> {
+    /// A SPIR-V module's instructions: (opcode, operands).
+    fn instructions(spv: &[u8]) -> Vec<(u32, Vec<u32>)> {
         let words: Vec<u32> = spv.chunks_exact(4).map(|w| u32::from_le_bytes(w.try_into().unwrap())).collect();
         assert_eq!(words[0], 0x0723_0203, "SPIR-V magic");
-        let (mut caps, mut i) = (Vec::new(), 5);
+        let (mut out, mut i) = (Vec::new(), 5);
         while i < words.len() {
-            let (len, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
-            if op == 17 {
-                caps.push(words[i + 1]);
-            }
-            i += len.max(1);
+            let (len, op) = (((words[i] >> 16) as usize).max(1), words[i] & 0xffff);
+            out.push((op, words[i + 1..(i + len).min(words.len())].to_vec()));
+            i += len;
         }
-        caps
+        out
+    }
+
+    /// The capabilities a SPIR-V module declares (`OpCapability` operands).
+    fn capabilities(spv: &[u8]) -> Vec<u32> {
+        instructions(spv).into_iter().filter(|(op, _)| *op == 17).map(|(_, a)| a[0]).collect()
+    }
+
+    /// The byte size of each shared (Workgroup) array of a module, by name, with specialisation
+    /// constants `spec` (SpecId → value; others keep their defaults). Knows what kernels.comp
+    /// declares: arrays of scalars whose lengths are constants or integer arithmetic on them.
+    fn shared_bytes(spv: &[u8], spec: &[(u32, u32)]) -> Vec<(String, u64)> {
+        let code = instructions(spv);
+        let (mut names, mut spec_ids) = (HashMap::new(), HashMap::new());
+        let (mut sizes, mut values, mut composites) = (HashMap::new(), HashMap::new(), HashMap::new());
+        let (mut arrays, mut pointers, mut out) = (HashMap::new(), HashMap::new(), Vec::new());
+        for (op, a) in &code {
+            match op {
+                // OpName: the id and a nul-terminated string.
+                5 => {
+                    let bytes: Vec<u8> = a[1..].iter().flat_map(|w| w.to_le_bytes()).take_while(|b| *b != 0).collect();
+                    names.insert(a[0], String::from_utf8(bytes).unwrap());
+                }
+                // OpDecorate … SpecId n.
+                71 if a[1] == 1 => {
+                    spec_ids.insert(a[0], a[2]);
+                }
+                // OpTypeInt, OpTypeFloat: their width.
+                21 | 22 => {
+                    sizes.insert(a[0], u64::from(a[1] / 8));
+                }
+                28 => {
+                    arrays.insert(a[0], (a[1], a[2]));
+                }
+                32 => {
+                    pointers.insert(a[0], (a[1], a[2]));
+                }
+                // OpConstant, OpSpecConstant (the value the engine specialises it to).
+                43 | 50 => {
+                    let given = spec_ids.get(&a[1]).and_then(|id| spec.iter().find(|(s, _)| s == id));
+                    values.insert(a[1], given.map_or(a[2], |(_, v)| *v));
+                }
+                51 => {
+                    composites.insert(a[1], a[2..].to_vec());
+                }
+                // OpSpecConstantOp: integer arithmetic, and gl_WorkGroupSize's components.
+                52 => {
+                    let v = |i: usize| values[&a[i]];
+                    let r = match a[2] {
+                        128 => v(3).wrapping_add(v(4)),
+                        130 => v(3).wrapping_sub(v(4)),
+                        132 => v(3).wrapping_mul(v(4)),
+                        134 | 135 => v(3) / v(4),
+                        81 => values[&composites[&a[3]][a[4] as usize]],
+                        other => panic!("OpSpecConstantOp with opcode {other} is not evaluated here"),
+                    };
+                    values.insert(a[1], r);
+                }
+                // OpVariable in the Workgroup storage class.
+                59 if a[2] == 4 => {
+                    let (_, ty) = pointers[&a[0]];
+                    let (elem, len) = arrays[&ty];
+                    let bytes = sizes[&elem] * u64::from(values[&len]);
+                    out.push((names.get(&a[1]).cloned().unwrap_or_else(|| format!("%{}", a[1])), bytes));
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// Every shared array of the kernels on the matrix units is a whole number of 16 bytes, at
+    /// every head size, matrix shape and key tile the engine specialises them to, so that each
+    /// starts 16-byte aligned, as matrix loads and stores require
+    /// (VUID-RuntimeSpirv-OpCooperativeMatrixLoadKHR-08986), in whatever order a driver lays the
+    /// arrays out (kernels.comp, before `gemm_cm`).
+    #[test]
+    fn shared_arrays_of_the_matrix_kernels_keep_16_byte_alignment() {
+        let shapes = [[16, 16, 16], [16, 8, 16], [16, 8, 8], [8, 8, 16], [8, 8, 8]];
+        let mut checked = 0;
+        for (name, spv) in KERNELS.iter().filter(|(name, _)| matrix_module(name).is_some()) {
+            for [m, n, k] in shapes {
+                for (d, bc) in [(64, 32), (64, 16), (128, 32), (128, 16)] {
+                    let spec = [(0, 4 * 32), (1, d), (2, m), (3, n), (4, k), (5, bc)];
+                    for (array, bytes) in shared_bytes(spv, &spec) {
+                        assert!(
+                            bytes % 16 == 0,
+                            "{name}: shared array `{array}` takes {bytes} bytes with D = {d}, key tile {bc}, \
+                             shape {m}×{n}×{k}: not a multiple of 16, so a driver may place a later array unaligned"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 500, "only {checked} arrays checked: did the modules or their names change?");
     }
 
     /// `gemm_cm` takes 16 × 16 × 16 where a device lists it (NVIDIA, AMD), else the largest shape
