@@ -5,8 +5,10 @@
 # installed, into target/newer-mesa with the Debian 13 libraries they need (glibc included), and
 # a program runs under that root's dynamic loader, beside nothing of the system's.
 #
-#   scripts/newer-mesa.sh install                 # download and unpack (~70 MB; once)
-#   scripts/newer-mesa.sh run <program> [args…]   # run a program on that lavapipe
+#   scripts/newer-mesa.sh install                      # download and unpack (~90 MB; once)
+#   scripts/newer-mesa.sh run <program> [args…]        # run a program on that lavapipe
+#   scripts/newer-mesa.sh validate <program> [args…]   # the same under Khronos' validation layer:
+#                                                      # fails if the layer reports an error
 #
 # As cargo's runner, so that tests run on it:
 #   CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/scripts/newer-mesa.sh run" cargo test …
@@ -38,7 +40,7 @@ install() {
   # Packages whose files lavapipe does not load (maintainer scripts, data, alternatives).
   local skip=" debconf dpkg perl-base libc-bin base-files tzdata debianutils mawk install-info
     gcc-14-base libc-gconv-modules-extra libx11-data libdrm-common "
-  local queue=(mesa-vulkan-drivers libvulkan1 libc6 libstdc++6) seen=" " p entry file deps d
+  local queue=(mesa-vulkan-drivers libvulkan1 vulkan-validationlayers libc6 libstdc++6) seen=" " p entry file deps d
   while [ ${#queue[@]} -gt 0 ]; do
     p=${queue[0]}
     queue=("${queue[@]:1}")
@@ -72,5 +74,28 @@ case "${1:-}" in
     exec env VK_ICD_FILENAMES="$root/lvp_icd.json" VK_DRIVER_FILES="$root/lvp_icd.json" \
       "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$@"
     ;;
-  *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+  validate)
+    # Every Vulkan call and every SPIR-V module the engine creates is checked against the spec
+    # (Debian 13's Vulkan-ValidationLayers; its messages go to a log, shown when there are
+    # errors). A driver may run invalid usage as intended — lavapipe often does — and another
+    # not, so the tests fail on any error.
+    shift
+    [ -e "$root/lvp_icd.json" ] || { echo "newer-mesa: run \`scripts/newer-mesa.sh install\` first" >&2; exit 1; }
+    log=$(mktemp)
+    rc=0
+    env VK_ICD_FILENAMES="$root/lvp_icd.json" VK_DRIVER_FILES="$root/lvp_icd.json" \
+      VK_LAYER_PATH="$root/usr/share/vulkan/explicit_layer.d" VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation \
+      VK_KHRONOS_VALIDATION_LOG_FILENAME="$log" \
+      "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$@" |
+      sed -u '/^Validation Layer Info - Logging validation error to/d' || rc=$?
+    errors=$(grep -c "Validation Error" "$log" || true)
+    if [ "$errors" -gt 0 ]; then
+      head -c 20000 "$log" >&2
+      echo "newer-mesa: the validation layer reported $errors errors (above)" >&2
+      [ $rc -ne 0 ] || rc=1
+    fi
+    rm -f "$log"
+    exit $rc
+    ;;
+  *) sed -n '2,20p' "$0" >&2; exit 2 ;;
 esac
