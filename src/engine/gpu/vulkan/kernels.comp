@@ -1275,8 +1275,8 @@ void main() {
 // Matrix loads and stores need 16-byte aligned addresses and strides
 // (VUID-RuntimeSpirv-OpCooperativeMatrixLoadKHR-08986), and GLSL cannot place a shared array:
 // the driver lays them out in an order of its own. So every shared array of the kernels on the
-// matrix units is a whole number of 16 bytes long (tests/gpu_engine.rs reads the sizes from the
-// SPIR-V), and each then starts 16-byte aligned whatever the order.
+// matrix units is a whole number of 16 bytes long (a unit test in vulkan/mod.rs reads the sizes
+// from the SPIR-V), and each then starts 16-byte aligned whatever the order.
 // Built by tools/glslc (glslang with GL_KHR_cooperative_matrix and GL_EXT_bfloat16).
 #if defined(K_gemm_cm) || defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma) || defined(K_attn_bwd_dkv_mma) || defined(K_cm_probe)
 #extension GL_KHR_cooperative_matrix : require
