@@ -571,6 +571,9 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
             d.subgroup_range.map(|(lo, hi)| format!(" ({lo}–{hi})")).unwrap_or_default(),
             match (d.cooperative_matrix, d.matrix_shapes.is_empty()) {
                 (false, _) => "no".to_string(),
+                (true, true) if !d.matrix_missing.is_empty() => {
+                    format!("listed, but the engine's kernels need {}", d.matrix_missing.join(", "))
+                }
                 (true, true) => "none the engine can use".to_string(),
                 (true, false) => d.matrix_shapes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", "),
             },
@@ -623,7 +626,7 @@ mod tests {
     #[test]
     fn a_vulkan_device_line_names_its_allocation_limit_where_it_binds() {
         let gib = 1u64 << 30;
-        let info = |max_allocation_bytes| vulkan::VulkanInfo {
+        let info = |max_allocation_bytes, matrix_missing| vulkan::VulkanInfo {
             name: "AMD Radeon RX 7900 XTX (RADV NAVI31)".into(),
             vendor_id: VENDOR_AMD,
             kind: "discrete",
@@ -635,16 +638,23 @@ mod tests {
             bf16: false,
             cooperative_matrix: true,
             matrix_shapes: vec![],
+            matrix_missing,
             subgroup: 64,
             subgroup_range: Some((32, 64)),
             max_allocation_bytes,
             missing: vec![],
         };
-        let capped = vulkan_device(0, info(4 * gib)).details.unwrap();
+        let capped = vulkan_device(0, info(4 * gib, vec![])).details.unwrap();
         assert!(capped.ends_with("; one allocation at most 4.0 GiB"), "{capped}");
         assert!(capped.contains("subgroups of 64 (32–64); cooperative matrices: none the engine can use"), "{capped}");
-        let whole = vulkan_device(0, info(24 * gib)).details.unwrap();
+        let whole = vulkan_device(0, info(24 * gib, vec![])).details.unwrap();
         assert!(!whole.contains("allocation"), "{whole}");
+        // A driver listing the extension without what the kernels need says what it lacks.
+        let lacking = vulkan_device(0, info(24 * gib, vec!["computeFullSubgroups"])).details.unwrap();
+        assert!(
+            lacking.contains("cooperative matrices: listed, but the engine's kernels need computeFullSubgroups"),
+            "{lacking}"
+        );
     }
 
     #[test]

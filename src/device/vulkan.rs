@@ -34,8 +34,11 @@ pub struct VulkanInfo {
     /// `VK_KHR_cooperative_matrix`: tensor-core / matrix-core GEMMs from shaders.
     pub cooperative_matrix: bool,
     /// The products the device runs on its matrix units that the engine's GEMM can use
-    /// ([`matrix_shapes`]); empty where there are none.
+    /// ([`matrix_units`]); empty where there are none.
     pub matrix_shapes: Vec<MatrixShape>,
+    /// Where the device lists cooperative matrices but lacks features the engine's kernels on
+    /// them need, those features.
+    pub matrix_missing: Vec<&'static str>,
     /// Invocations per subgroup (a warp, a wavefront; the SIMD width of a CPU implementation),
     /// and where the device can run others (`VK_EXT_subgroup_size_control`), the range.
     pub subgroup: u32,
@@ -128,14 +131,14 @@ unsafe impl vk::ExtendsDeviceCreateInfo for Bf16Features {}
 /// `computeFullSubgroups` (a pipeline with cooperative-matrix instructions from SPIR-V before 1.6
 /// must require full subgroups: VUID-RuntimeSpirv-OpTypeCooperativeMatrixKHR-10770; the
 /// extension, not Vulkan 1.3's core, since the instance asks for Vulkan 1.2). Empty without
-/// `VK_KHR_cooperative_matrix` or those features.
+/// `VK_KHR_cooperative_matrix` or those features, which [`MatrixUnits::missing`] then names.
 ///
 /// # Safety
 /// `pd` must be a physical device of the live `instance`, created from `entry`.
-pub unsafe fn matrix_shapes(entry: &ash::Entry, instance: &ash::Instance, pd: vk::PhysicalDevice) -> Vec<MatrixShape> {
+pub unsafe fn matrix_units(entry: &ash::Entry, instance: &ash::Instance, pd: vk::PhysicalDevice) -> MatrixUnits {
     // SAFETY (all calls): the caller's contract; chained structures outlive the calls.
     if !unsafe { has_extension(instance, pd, ash::khr::cooperative_matrix::NAME) } {
-        return Vec::new();
+        return MatrixUnits::default();
     }
     let bf16_listed = unsafe { has_extension(instance, pd, c"VK_KHR_shader_bfloat16") };
     let mut cm = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
@@ -153,13 +156,19 @@ pub unsafe fn matrix_shapes(entry: &ash::Entry, instance: &ash::Instance, pd: vk
         features = features.push_next(&mut full);
     }
     unsafe { instance.get_physical_device_features2(pd, &mut features) };
-    if cm.cooperative_matrix != vk::TRUE
-        || f16.shader_float16 != vk::TRUE
-        || model.vulkan_memory_model != vk::TRUE
-        || model.vulkan_memory_model_device_scope != vk::TRUE
-        || full.compute_full_subgroups != vk::TRUE
-    {
-        return Vec::new();
+    let missing: Vec<&'static str> = [
+        (cm.cooperative_matrix, "cooperativeMatrix"),
+        (f16.shader_float16, "shaderFloat16"),
+        (model.vulkan_memory_model, "vulkanMemoryModel"),
+        (model.vulkan_memory_model_device_scope, "vulkanMemoryModelDeviceScope"),
+        (full.compute_full_subgroups, "computeFullSubgroups"),
+    ]
+    .into_iter()
+    .filter(|(has, _)| *has != vk::TRUE)
+    .map(|(_, name)| name)
+    .collect();
+    if !missing.is_empty() {
+        return MatrixUnits { shapes: Vec::new(), missing };
     }
     let ext = ash::khr::cooperative_matrix::Instance::new(entry, instance);
     let props = unsafe { ext.get_physical_device_cooperative_matrix_properties(pd) }.unwrap_or_default();
@@ -187,7 +196,16 @@ pub unsafe fn matrix_shapes(entry: &ash::Entry, instance: &ash::Instance, pd: vk
         })
         .collect();
     shapes.dedup();
-    shapes
+    MatrixUnits { shapes, missing }
+}
+
+/// What [`matrix_units`] found.
+#[derive(Default)]
+pub struct MatrixUnits {
+    /// The products the engine's kernels can run on the device's matrix units.
+    pub shapes: Vec<MatrixShape>,
+    /// The features the kernels need that a device listing `VK_KHR_cooperative_matrix` lacks.
+    pub missing: Vec<&'static str>,
 }
 
 /// The environment variable naming the Vulkan library to open, alone (a loader, or a driver
@@ -406,6 +424,7 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
     let support = unsafe { engine_support(instance, pd) };
     let memory = unsafe { TensorMemory::read(instance, pd, &props) };
     let subgroups = unsafe { subgroups(instance, pd) };
+    let units = unsafe { matrix_units(entry, instance, pd) };
     VulkanInfo {
         name: text(props.device_name_as_c_str()),
         vendor_id: props.vendor_id,
@@ -423,7 +442,8 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
         storage16: support.storage16,
         bf16: has("VK_KHR_shader_bfloat16"),
         cooperative_matrix: has("VK_KHR_cooperative_matrix"),
-        matrix_shapes: unsafe { matrix_shapes(entry, instance, pd) },
+        matrix_shapes: units.shapes,
+        matrix_missing: units.missing,
         missing: support.missing,
         subgroup: subgroups.size,
         subgroup_range: subgroups.range,

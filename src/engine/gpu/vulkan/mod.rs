@@ -366,7 +366,7 @@ impl VulkanGpu {
             {
                 Vec::new()
             } else {
-                crate::device::vulkan::matrix_shapes(&entry, &instance, pd)
+                crate::device::vulkan::matrix_units(&entry, &instance, pd).shapes
             };
             let matrix = [choose_shape(&shapes, "bf16"), choose_shape(&shapes, "f16")];
             let cm = matrix.iter().any(Option::is_some);
@@ -377,7 +377,7 @@ impl VulkanGpu {
                 .vulkan_memory_model(cm)
                 .vulkan_memory_model_device_scope(cm);
             // Pipelines with cooperative-matrix instructions require full subgroups (see
-            // `matrix_shapes`, which lists shapes only where the device supports this).
+            // `matrix_units`, which lists shapes only where the device supports this).
             let mut size_features = vk::PhysicalDeviceSubgroupSizeControlFeatures::default()
                 .subgroup_size_control(require_subgroup)
                 .compute_full_subgroups(true);
@@ -398,7 +398,7 @@ impl VulkanGpu {
             };
             if cm {
                 extensions.push(ash::khr::cooperative_matrix::NAME.as_ptr());
-                // Listed: `matrix_shapes` finds no shape without it.
+                // Listed: `matrix_units` finds no shape without it.
                 extensions.push(size_ext.as_ptr());
             }
             if matrix[0].is_some() {
@@ -1587,7 +1587,7 @@ mod tests {
                     // kernels on the matrix units.
                     61 => name.contains("_sg") || matrix_module(name).is_some(),
                     // Float16, VulkanMemoryModel, CooperativeMatrixKHR: the kernels on the matrix
-                    // units (products and attention), run only on a shape `matrix_shapes` found
+                    // units (products and attention), run only on a shape `matrix_units` found
                     // with `shaderFloat16` and `vulkanMemoryModel`, which `open` then enables.
                     9 | 5345 | 6022 => matrix_module(name).is_some(),
                     // BFloat16TypeKHR, BFloat16CooperativeMatrixKHR: their bf16 forms, run only
