@@ -37,3 +37,8 @@ fi
 if [ -f .gpu/manifest-dir ] && [ ! -e "$(cat .gpu/manifest-dir)" ]; then
   mkdir -p "$(dirname "$(cat .gpu/manifest-dir)")" && ln -s "$PWD" "$(cat .gpu/manifest-dir)"
 fi
+# bitsandbytes for PyTorch's QLoRA reference, where the machine has none (gpu-prep.sh packs it).
+if [ -f .gpu/bitsandbytes.tgz ] && ! python3 -c 'import bitsandbytes' 2>/dev/null; then
+  [ -d .gpu/py ] || { mkdir -p .gpu/py && tar -xzf .gpu/bitsandbytes.tgz -C .gpu/py; }
+  export PYTHONPATH="$PWD/.gpu/py${PYTHONPATH:+:$PYTHONPATH}"
+fi

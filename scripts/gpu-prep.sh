@@ -5,7 +5,7 @@
 #   .gl/          the Vulkan loader (Debian's libvulkan1) and glvnd (libglvnd0 and friends): the GPU
 #                 machine has the NVIDIA driver's Vulkan ICD but neither
 #   .gpu/         rtune and the GPU engine's tests built with CUDA (scripts/build-cuda.sh:
-#                 ~20 minutes cold on 2 cores)
+#                 ~20 minutes cold on 2 cores), and bitsandbytes for PyTorch's QLoRA reference
 #   .gpu-spike/   with SPIKE=1 only (the spike ran on an H200 on 2026-11-27; `first` runs it
 #                 again only with SPIKE=1): the GEMM spike's candidates
 #                 (spikes/vulkan-gemm/build.sh): ash and wgsl, and burn with SPIKE_BURN=1 (a
@@ -29,6 +29,22 @@ fi
 # Always: cargo rebuilds only what changed, so the binaries are never older than the tree.
 scripts/build-cuda.sh
 git describe --always --dirty >.gpu/commit
+# bitsandbytes, which PyTorch's QLoRA reference needs and the GPU machine lacks (PyPI's wheel,
+# pinned; 43 MB with a library per CUDA and ROCm release, so only CUDA 13's and the CPU's are
+# kept: 7 MB packed). gpu-env.sh puts it on PYTHONPATH there.
+bnb=bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl
+bnb_sha=55348a9a4a21bfd99cf8c7b32fe67b4030ae5c2a05738e03c1747f65fa6ec283
+if [ ! -f .gpu/bitsandbytes.tgz ]; then
+  dl=$(mktemp -d)
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_24_x86_64 \
+    --dest "$dl" bitsandbytes==0.50.2
+  echo "$bnb_sha  $dl/$bnb" | sha256sum -c --quiet
+  mkdir "$dl/py"
+  (cd "$dl/py" && unzip -q "../$bnb" && find bitsandbytes -name 'libbitsandbytes_*.so' \
+    ! -name 'libbitsandbytes_cuda13*.so' ! -name 'libbitsandbytes_cpu.so' -delete)
+  tar -czf .gpu/bitsandbytes.tgz -C "$dl/py" .
+  rm -rf "$dl"
+fi
 spike=
 if [ "${SPIKE:-0}" = 1 ]; then
   spike=.gpu-spike
@@ -41,7 +57,8 @@ fi
 
 # Only the gzipped binaries travel: copies unpacked by a dry run here (gpu-env.sh and the spike's
 # gpu.sh unpack them on the GPU machine) would count against the limit.
-find .gpu $spike -maxdepth 1 -type f ! -name '*.gz' ! -name commit ! -name manifest-dir -delete
+find .gpu $spike -maxdepth 1 -type f ! -name '*.gz' ! -name '*.tgz' ! -name commit ! -name manifest-dir -delete
+rm -rf .gpu/py
 # What each part of scripts/gpu-session.sh carries, with the tracked files that travel anyway.
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 limit=$((64 * 1024 * 1024))

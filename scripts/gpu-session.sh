@@ -18,7 +18,8 @@
 #                                   # on an H200 on 2026-11-27 — NO-GO — so off by default)
 #   BUDGET=120 scripts/gpu-session.sh second   # carry .gpu .gl: what `first` leaves, most
 #                                   # wanted first: Vulkan f16, QLoRA and the full fine-tune on
-#                                   # CUDA and Vulkan against the CPU, rtune on CUDA, the scalar
+#                                   # CUDA and Vulkan against the CPU, QLoRA on CUDA against
+#                                   # PyTorch + bitsandbytes, rtune on CUDA, the scalar
 #                                   # attention's share, QLoRA through Vulkan, the exports' GPU
 #                                   # memory for a 1.1B model
 #
@@ -137,6 +138,10 @@ second)
   bench_table bench-vulkan-f16
   OUT="$work/verify-cuda" CHECKS="cpu qlora full vulkan" TESTS=0 step verify-cuda 240 90 scripts/gpu-verify.sh
   show verify-cuda "eval loss|perplexity|within|vs CPU|rror|FAIL|passed"
+  # QLoRA on CUDA against PyTorch + PEFT + bitsandbytes (carried by gpu-prep.sh), 135M at 4 × 512.
+  OUT="$work/bench-cuda-qlora" DEVICE=cuda TRAIN=qlora step bench-cuda-qlora 120 60 \
+    scripts/gpu_bench.sh smollm2-135m:4x512
+  bench_table bench-cuda-qlora
   OUT="$work/bench-cuda-bf16" DEVICE=cuda SKIP_TORCH=1 step bench-cuda-bf16 60 30 scripts/gpu_bench.sh "${shapes[0]}"
   bench_table bench-cuda-bf16
   OUT="$work/bench-vulkan-f16-scalar" RTUNE_GPU_ATTENTION=scalar DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 \
