@@ -1004,6 +1004,7 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
     }
     let gpu = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
         Ok(g) => g.with_gpu_kernels().with_matrix_shape(Dt::F16, shape),
+        Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
         Err(e) => return eprintln!("no Vulkan device: {e}"),
     };
     match gpu.matrix_shape(Dt::F16).unwrap() {
@@ -1034,6 +1035,20 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
         let rows: Rc<dyn Gpu> = Rc::new(rows);
         assert!(rows.tensor_core_attention(Dt::F16), "{}: the `_rows` attention failed its check", rows.name());
         check_attention(&rows, &[(Dt::F16, 64, true), (Dt::F16, 128, true)]);
+        // Where the direct form fails its check for a reason the load probe does not see, the
+        // check tries the `_rows` form, which then stands in.
+        let fallback = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal())
+            .unwrap()
+            .with_gpu_kernels()
+            .with_matrix_shape(Dt::F16, shape)
+            .with_direct_attention_rejected();
+        let fallback: Rc<dyn Gpu> = Rc::new(fallback);
+        assert!(
+            fallback.tensor_core_attention(Dt::F16),
+            "{}: with the direct form rejected, the `_rows` form did not stand in",
+            fallback.name()
+        );
+        check_attention(&fallback, &[(Dt::F16, 64, true)]);
     }
 }
 

@@ -95,10 +95,9 @@ pub struct VulkanGpu {
     /// The matrix units for bf16 and f16 inputs and the state of their kernels' first-use
     /// checks; `None` where the device has none for that type (see [`choose_shape`]).
     matrix: Cell<[Option<MatrixUnits>; 2]>,
-    /// The attention kernels on the matrix units run their `_rows` form, which stages the tiles a
-    /// score product reads transposed and loads only row-major: set where this driver's
-    /// column-major loads are wrong ([`Self::matrix_load_probe`]), or by a test.
-    row_loads: Cell<bool>,
+    /// For tests: the attention's first-use check treats the kernels' direct form as failed
+    /// ([`Self::with_direct_attention_rejected`]).
+    reject_direct_attention: bool,
     /// Shared memory a workgroup may use, in bytes.
     max_shared: u32,
     /// The largest single allocation (`maxMemoryAllocationSize`, and `maxBufferSize` on Vulkan
@@ -157,6 +156,11 @@ struct MatrixUnits {
     shape: [u32; 3],
     product: Check,
     attention: Check,
+    /// The attention kernels run their `_rows` form, which stages the tiles a score product
+    /// reads transposed and loads only row-major: chosen by the attention's first-use check
+    /// where the direct form fails and this one passes (a driver whose column-major loads are
+    /// wrong, [`VulkanGpu::matrix_load_probe`]), or by a test.
+    rows: bool,
 }
 
 impl MatrixUnits {
@@ -165,7 +169,8 @@ impl MatrixUnits {
     /// stays scalar.
     fn untried(shape: [u32; 3], max_shared: u32) -> MatrixUnits {
         let fits = [64, 128].iter().all(|&d| attention_tile(shape, d, max_shared).is_some());
-        MatrixUnits { shape, product: Check::Untried, attention: if fits { Check::Untried } else { Check::Failed } }
+        let attention = if fits { Check::Untried } else { Check::Failed };
+        MatrixUnits { shape, product: Check::Untried, attention, rows: false }
     }
 }
 
@@ -462,7 +467,7 @@ impl VulkanGpu {
                 storage16: support.storage16,
                 cpu_subgroup,
                 software: props.device_type == vk::PhysicalDeviceType::CPU,
-                row_loads: Cell::new(false),
+                reject_direct_attention: false,
                 matrix: Cell::new(
                     matrix.map(|m| {
                         m.map(|shape| MatrixUnits::untried(shape, props.limits.max_compute_shared_memory_size))
@@ -493,7 +498,18 @@ impl VulkanGpu {
     /// For tests: the attention kernels on the matrix units in their `_rows` form (row-major
     /// loads only), as a driver whose column-major loads are wrong gets them.
     pub fn with_row_loads(self) -> VulkanGpu {
-        self.row_loads.set(true);
+        for dt in [Dt::Bf16, Dt::F16] {
+            self.set_units(dt, |u| u.rows = true);
+        }
+        self
+    }
+
+    /// For tests: the attention's first-use check counts the kernels' direct form as failed
+    /// whatever it computes, so that the check goes on to their `_rows` form, as on a driver
+    /// where the direct form is wrong.
+    #[doc(hidden)]
+    pub fn with_direct_attention_rejected(mut self) -> VulkanGpu {
+        self.reject_direct_attention = true;
         self
     }
 
@@ -602,26 +618,67 @@ impl VulkanGpu {
 
     /// `None` when the attention kernels on the matrix units give what the scalar kernels give
     /// (within the rounding of the probabilities to `dt` that they add), else how they differ.
+    /// The kernels read K (Q, dO) column-major to form QKᵀ; where the driver's column-major
+    /// loads are wrong and its row-major ones right, or where the direct form fails for any
+    /// other reason and the `_rows` form passes, the `_rows` form stands in.
     fn attention_check(&self, dt: Dt) -> Result<Option<String>, GpuError> {
-        // The kernels read K (Q, dO) column-major to form QKᵀ; where the driver's column-major
-        // loads are wrong and its row-major ones right, their `_rows` form stands in. A probe that
-        // cannot run decides nothing (the check below still does), unless the device is lost.
+        // A probe that cannot run decides nothing (the checks below still do), unless the device
+        // is lost.
         let probe = self.matrix_loads(dt);
         if probe.is_err() && self.state.borrow().lost.is_some() {
             return probe.map(|_| None);
         }
-        if let Ok(Some([0, col, n])) = &probe
-            && *col > 0
-            && !self.row_loads.get()
-        {
-            eprintln!(
-                "rtune: {}: {} column-major matrix loads give {col} of {n} values wrong; the attention kernels \
-                 stage their tiles transposed and load row-major",
-                self.name,
-                dt.suffix()
-            );
-            self.row_loads.set(true);
+        let rows_form = |rows| self.set_units(dt, |u| u.rows = rows);
+        let loads_wrong = matches!(&probe, Ok(Some([0, col, _])) if *col > 0);
+        if loads_wrong && !self.units(dt).is_some_and(|u| u.rows) {
+            if let Ok(Some([_, col, n])) = &probe {
+                eprintln!(
+                    "rtune: {}: {} column-major matrix loads give {col} of {n} values wrong; the attention \
+                     kernels stage their tiles transposed and load row-major",
+                    self.name,
+                    dt.suffix()
+                );
+            }
+            rows_form(true);
         }
+        let loads = match &probe {
+            Ok(found) => loads_report(dt, *found).unwrap_or("row- and column-major matrix loads are right".into()),
+            Err(e) => format!("the matrix-load probe failed ({e})"),
+        };
+        let direct = !self.units(dt).is_some_and(|u| u.rows);
+        let first = match self.attention_compare(dt)? {
+            None if direct && self.reject_direct_attention => Some("rejected by a test".to_string()),
+            other => other,
+        };
+        let Some(why) = first else { return Ok(None) };
+        if !direct {
+            return Ok(Some(format!("the `_rows` kernels {why}; {loads}")));
+        }
+        // The direct form failed although the probe found its loads right (or could not tell):
+        // the `_rows` form, whose loads are all row-major, may still be right on this driver.
+        rows_form(true);
+        match self.attention_compare(dt)? {
+            None => {
+                eprintln!(
+                    "rtune: {}: {} attention on the matrix units failed a check ({why}; {loads}); their `_rows` \
+                     form passed it and stands in",
+                    self.name,
+                    dt.suffix()
+                );
+                Ok(None)
+            }
+            Some(again) => {
+                rows_form(false);
+                Ok(Some(format!("{why}; the `_rows` kernels too: {again}; {loads}")))
+            }
+        }
+    }
+
+    /// `None` when the attention kernels on the matrix units, in the form `dt`'s units are set
+    /// to, give what the scalar kernels give on a small problem (two packed documents, both head
+    /// sizes, grouped query heads, partial tiles), else every output's largest difference and
+    /// where.
+    fn attention_compare(&self, dt: Dt) -> Result<Option<String>, GpuError> {
         let (t, hq, hk) = (80usize, 2usize, 1usize);
         // Two packed documents, rows 0..40 and 40..80, each causal.
         let lo: Vec<i32> = (0..t as i32).map(|i| if i < 40 { 0 } else { 40 }).collect();
@@ -670,17 +727,9 @@ impl VulkanGpu {
                 report.push(format!("{name} {err:.3} (position {row}, head {head}, column {col})"));
             }
             if failed {
-                let loads = match &probe {
-                    Ok(found) => {
-                        loads_report(dt, *found).unwrap_or("row- and column-major matrix loads are right".into())
-                    }
-                    Err(e) => format!("the matrix-load probe failed ({e})"),
-                };
-                let form = if self.row_loads.get() { " (the `_rows` kernels)" } else { "" };
-                let loads = format!("{loads}{form}");
                 return Ok(Some(format!(
                     "with head size {d}, largest differences from the scalar kernels' as a fraction of each output's \
-                     largest value: {}; {loads}",
+                     largest value: {}",
                     report.join(", ")
                 )));
             }
@@ -1295,8 +1344,8 @@ impl Gpu for VulkanGpu {
         // assume (ops.rs asks for four warps).
         let block = if matrix_module(kernel).is_some() { 4 * self.subgroup } else { block };
         // `attn_<pass>_mma_<t>_<d>` → `attn_<pass>_mma_<t>_rows_<d>` (kernels.comp, ROW_LOADS).
-        if self.row_loads.get()
-            && kernel.contains("_mma_")
+        if kernel.contains("_mma_")
+            && matrix_module(kernel).and_then(|dt| self.units(dt)).is_some_and(|u| u.rows)
             && let Some((module, d)) = kernel.rsplit_once('_')
         {
             return self.dispatch(&format!("{module}_rows_{d}"), grid, block, args);
