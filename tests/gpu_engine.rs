@@ -1027,22 +1027,18 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
     // The attention kernels' `_rows` form, which a driver whose column-major loads are wrong
     // gets (NVIDIA's shape; the form's staging does not depend on it).
     if shape == [16, 16, 16] {
-        let rows = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal())
-            .unwrap()
-            .with_gpu_kernels()
-            .with_matrix_shape(Dt::F16, shape)
-            .with_row_loads();
-        let rows: Rc<dyn Gpu> = Rc::new(rows);
+        // A fresh device with this shape, set up by `how`.
+        let fresh = |how: fn(rtune::engine::gpu::vulkan::VulkanGpu) -> rtune::engine::gpu::vulkan::VulkanGpu| {
+            let gpu = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap();
+            let gpu: Rc<dyn Gpu> = Rc::new(how(gpu.with_gpu_kernels().with_matrix_shape(Dt::F16, shape)));
+            gpu
+        };
+        let rows = fresh(|g| g.with_row_loads());
         assert!(rows.tensor_core_attention(Dt::F16), "{}: the `_rows` attention failed its check", rows.name());
         check_attention(&rows, &[(Dt::F16, 64, true), (Dt::F16, 128, true)]);
         // Where the direct form fails its check for a reason the load probe does not see, the
         // check tries the `_rows` form, which then stands in.
-        let fallback = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal())
-            .unwrap()
-            .with_gpu_kernels()
-            .with_matrix_shape(Dt::F16, shape)
-            .with_direct_attention_rejected();
-        let fallback: Rc<dyn Gpu> = Rc::new(fallback);
+        let fallback = fresh(|g| g.with_direct_attention_rejected());
         assert!(
             fallback.tensor_core_attention(Dt::F16),
             "{}: with the direct form rejected, the `_rows` form did not stand in",
