@@ -551,6 +551,11 @@ impl VulkanGpu {
         matrix_slot(dt).and_then(|i| self.matrix.get()[i])
     }
 
+    /// Whether `dt`'s attention kernels on the matrix units run their `_rows` form.
+    fn rows_form(&self, dt: Dt) -> bool {
+        self.units(dt).is_some_and(|u| u.rows)
+    }
+
     fn set_units(&self, dt: Dt, f: impl FnOnce(&mut MatrixUnits)) {
         let mut all = self.matrix.get();
         if let Some(u) = matrix_slot(dt).and_then(|i| all[i].as_mut()) {
@@ -629,23 +634,23 @@ impl VulkanGpu {
             return probe.map(|_| None);
         }
         let rows_form = |rows| self.set_units(dt, |u| u.rows = rows);
-        let loads_wrong = matches!(&probe, Ok(Some([0, col, _])) if *col > 0);
-        if loads_wrong && !self.units(dt).is_some_and(|u| u.rows) {
-            if let Ok(Some([_, col, n])) = &probe {
-                eprintln!(
-                    "rtune: {}: {} column-major matrix loads give {col} of {n} values wrong; the attention \
-                     kernels stage their tiles transposed and load row-major",
-                    self.name,
-                    dt.suffix()
-                );
-            }
+        if let Ok(Some([0, col, n])) = &probe
+            && *col > 0
+            && !self.rows_form(dt)
+        {
+            eprintln!(
+                "rtune: {}: {} column-major matrix loads give {col} of {n} values wrong; the attention kernels \
+                 stage their tiles transposed and load row-major",
+                self.name,
+                dt.suffix()
+            );
             rows_form(true);
         }
         let loads = match &probe {
             Ok(found) => loads_report(dt, *found).unwrap_or("row- and column-major matrix loads are right".into()),
             Err(e) => format!("the matrix-load probe failed ({e})"),
         };
-        let direct = !self.units(dt).is_some_and(|u| u.rows);
+        let direct = !self.rows_form(dt);
         let first = match self.attention_compare(dt)? {
             None if direct && self.reject_direct_attention => Some("rejected by a test".to_string()),
             other => other,
@@ -1345,7 +1350,7 @@ impl Gpu for VulkanGpu {
         let block = if matrix_module(kernel).is_some() { 4 * self.subgroup } else { block };
         // `attn_<pass>_mma_<t>_<d>` → `attn_<pass>_mma_<t>_rows_<d>` (kernels.comp, ROW_LOADS).
         if kernel.contains("_mma_")
-            && matrix_module(kernel).and_then(|dt| self.units(dt)).is_some_and(|u| u.rows)
+            && matrix_module(kernel).is_some_and(|dt| self.rows_form(dt))
             && let Some((module, d)) = kernel.rsplit_once('_')
         {
             return self.dispatch(&format!("{module}_rows_{d}"), grid, block, args);
