@@ -66,13 +66,18 @@ install() {
   echo "newer-mesa: $(ls "$root"/usr/share/doc | grep -c .) packages in $root ($(du -sh "$root" | cut -f1))"
 }
 
+# A program on this root's lavapipe: its driver only, under its own dynamic loader.
+on_root() {
+  [ -e "$root/lvp_icd.json" ] || { echo "newer-mesa: run \`scripts/newer-mesa.sh install\` first" >&2; exit 1; }
+  exec env VK_ICD_FILENAMES="$root/lvp_icd.json" VK_DRIVER_FILES="$root/lvp_icd.json" \
+    "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$@"
+}
+
 case "${1:-}" in
   install) install ;;
   run)
     shift
-    [ -e "$root/lvp_icd.json" ] || { echo "newer-mesa: run \`scripts/newer-mesa.sh install\` first" >&2; exit 1; }
-    exec env VK_ICD_FILENAMES="$root/lvp_icd.json" VK_DRIVER_FILES="$root/lvp_icd.json" \
-      "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$@"
+    on_root "$@"
     ;;
   validate)
     # Every Vulkan call and every SPIR-V module the engine creates is checked against the spec
@@ -80,13 +85,10 @@ case "${1:-}" in
     # errors). A driver may run invalid usage as intended — lavapipe often does — and another
     # not, so the tests fail on any error.
     shift
-    [ -e "$root/lvp_icd.json" ] || { echo "newer-mesa: run \`scripts/newer-mesa.sh install\` first" >&2; exit 1; }
     log=$(mktemp)
     rc=0
-    env VK_ICD_FILENAMES="$root/lvp_icd.json" VK_DRIVER_FILES="$root/lvp_icd.json" \
-      VK_LAYER_PATH="$root/usr/share/vulkan/explicit_layer.d" VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation \
-      VK_KHRONOS_VALIDATION_LOG_FILENAME="$log" \
-      "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$@" |
+    VK_LAYER_PATH="$root/usr/share/vulkan/explicit_layer.d" VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation \
+      VK_KHRONOS_VALIDATION_LOG_FILENAME="$log" on_root "$@" |
       sed -u '/^Validation Layer Info - Logging validation error to/d' || rc=$?
     errors=$(grep -c "Validation Error" "$log" || true)
     if [ "$errors" -gt 0 ]; then
