@@ -8,7 +8,8 @@
 #   scripts/gpu-session.sh first    # carry .gpu .gl (timeout_s 600):
 #                                   # rtune doctor through Vulkan; rtune's own products and
 #                                   # attention on CUDA and Vulkan (gpu_timings: the matrix-unit
-#                                   # attention's check); SmolLM2-360M at 4×512 through Vulkan
+#                                   # attention's check); the products with each of gemm_cm's
+#                                   # tiles (gpu_product_tiles); SmolLM2-360M at 4×512 through Vulkan
 #                                   # against PyTorch + PEFT on CUDA; the GPU engine's tests through
 #                                   # Vulkan; the default recipe through Vulkan against the CPU;
 #                                   # SmolLM2-135M as the 360M; the engine's tests on CUDA; a
@@ -17,7 +18,8 @@
 #                                   # bf16 beside each candidate: issue 18's go/no-go, decided
 #                                   # on an H200 on 2026-11-27 — NO-GO — so off by default)
 #   BUDGET=120 scripts/gpu-session.sh second   # carry .gpu .gl: what `first` leaves, most
-#                                   # wanted first: Vulkan f16, QLoRA and the full fine-tune on
+#                                   # wanted first: the 360M through Vulkan with the tile `first`
+#                                   # found fastest, Vulkan f16, QLoRA and the full fine-tune on
 #                                   # CUDA and Vulkan against the CPU, QLoRA on CUDA against
 #                                   # PyTorch + bitsandbytes, rtune on CUDA, the scalar
 #                                   # attention's share, QLoRA through Vulkan, the exports' GPU
@@ -106,6 +108,9 @@ first)
   fi
   step timings 100 30 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings
   show timings "^\||did not run|panicked|failed a check|matrix loads"
+  # The products on the matrix units with each of gemm_cm's tiles beside the one the engine picks.
+  step tiles 60 20 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_product_tiles
+  show tiles "^\||fastest tile|no Vulkan|panicked|failed"
   # The speed goal: ≥ 0.5× PyTorch + PEFT on CUDA for the 360M shape at 4 × 512.
   OUT="$work/bench-vulkan-bf16" DEVICE=vulkan step bench-vulkan-bf16 170 60 scripts/gpu_bench.sh "${shapes[0]}"
   bench_table bench-vulkan-bf16
@@ -133,6 +138,16 @@ first)
   ;;
 second)
   step doctor 30 5 .gpu/rtune doctor
+  # The 360M shape with the tile `first` found fastest over the products for every product, where
+  # the machine kept `first`'s logs: does the engine's per-product pick lose to one fixed tile?
+  tile=$(grep -o "fastest tile over the bf16 products: [0-9]*x[0-9]*" "${WORK:-/tmp/rtune-gpu-session}/first/tiles.txt" \
+    2>/dev/null | grep -o "[0-9]*x[0-9]*$" || true)
+  if [ -n "$tile" ]; then
+    say "== the fastest tile in first: $tile"
+    OUT="$work/bench-vulkan-tile" RTUNE_VULKAN_GEMM_TILE=$tile DEVICE=vulkan SKIP_TORCH=1 step bench-vulkan-tile 80 40 \
+      scripts/gpu_bench.sh "${shapes[0]}"
+    bench_table bench-vulkan-tile
+  fi
   OUT="$work/bench-vulkan-f16" DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 step bench-vulkan-f16 80 40 \
     scripts/gpu_bench.sh "${shapes[0]}"
   bench_table bench-vulkan-f16

@@ -310,12 +310,19 @@ fn products_match_a_reference() {
 /// [`products_match_a_reference`] on `gpu` for products of (input type, output type) `types`.
 fn check_products(gpu: &Rc<dyn Gpu>, types: &[(Dt, Dt)]) {
     for &(dt, c_dt) in types {
-        for (m, n, k) in [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130), (130, 129, 70)] {
+        // Pitches past the rows' ends by a few values, or rounded up to 16 bytes (where the
+        // kernels on the matrix units load 16 bytes at a time).
+        for ((m, n, k), aligned) in [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130), (130, 129, 70)]
+            .into_iter()
+            .zip([false, true, false, true, true])
+        {
             for (a_trans, b_trans, beta) in
                 [(false, false, 0.0), (false, true, 0.5), (true, false, 0.0), (true, true, -1.0)]
             {
                 let mut rng = Rng::new((m * 1000 + n * 10 + k) as u64);
-                let (lda, ldb, ldc) = (if a_trans { m } else { k } + 3, if b_trans { k } else { n } + 2, n + 1);
+                let pitch = |v: usize, extra: usize| if aligned { v.next_multiple_of(8) } else { v + extra };
+                let (lda, ldb, ldc) =
+                    (pitch(if a_trans { m } else { k }, 3), pitch(if b_trans { k } else { n }, 2), n + 1);
                 let a = rounded(dt, &rand_vec(&mut rng, (if a_trans { k } else { m }) * lda, 1.0));
                 let b = rounded(dt, &rand_vec(&mut rng, (if b_trans { n } else { k }) * ldb, 1.0));
                 let c0 = rounded(c_dt, &rand_vec(&mut rng, m * ldc, 1.0));
@@ -1866,6 +1873,131 @@ fn running_out_of_gpu_memory_is_a_clear_error_that_says_what_would_fit() {
     assert!(help.contains("watchdog") && help.contains("run the same command again to resume"), "{help}");
 }
 
+/// A rate in TFLOP/s, to three figures or so.
+fn rate(t: f64) -> String {
+    if t >= 10.0 {
+        format!("{t:.0}")
+    } else if t >= 1.0 {
+        format!("{t:.1}")
+    } else {
+        format!("{t:.3}")
+    }
+}
+
+/// Median seconds per call over 5 runs of `reps` calls each, after a warm-up call (first-use
+/// checks, pipeline compilation); each run ends with a device sync.
+fn median_secs(gpu: &Rc<dyn Gpu>, reps: usize, f: &dyn Fn() -> Result<(), String>) -> Result<f64, String> {
+    f()?;
+    gpu.synchronize().map_err(|e| e.to_string())?;
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        gpu.synchronize().map_err(|e| e.to_string())?;
+        runs.push(start.elapsed().as_secs_f64() / reps as f64);
+    }
+    runs.sort_by(f64::total_cmp);
+    Ok(runs[2])
+}
+
+/// The products of a LoRA step of SmolLM2-135M and -360M over `tokens` tokens, as (what, m, n,
+/// k, b_trans): forward x·Wᵀ, backward dy·W (the input's gradient).
+fn product_shapes(tokens: usize) -> Vec<(String, usize, usize, usize, bool)> {
+    let mut v = Vec::new();
+    for (model, h, inter) in [("135M", 576, 1536), ("360M", 960, 2560)] {
+        for (name, n, k, b_trans) in [
+            ("q/o x·Wᵀ", h, h, true),
+            ("gate/up x·Wᵀ", inter, h, true),
+            ("down x·Wᵀ", h, inter, true),
+            ("gate/up dy·W", h, inter, false),
+            ("LM head chunk x·Wᵀ", 8192, h, true),
+        ] {
+            v.push((format!("{model} {name} {tokens}×{n}×{k}"), tokens, n, k, b_trans));
+        }
+    }
+    v
+}
+
+/// TFLOP/s of one product `[m, n, k]` of `dt` inputs into `dt` on `gpu` (random inputs;
+/// [`median_secs`] of `reps` calls).
+fn product_rate(gpu: &Rc<dyn Gpu>, dt: Dt, [m, n, k]: [usize; 3], b_trans: bool, reps: usize) -> Result<f64, String> {
+    let e = |e: rtune::engine::gpu::GpuError| e.to_string();
+    let up = |n: usize, seed: u64| Buf::from_f32(gpu, &rand_vec(&mut Rng::new(seed), n, 1.0), dt);
+    let (a, w, c) = (up(m * k, 1).map_err(e)?, up(n * k, 2).map_err(e)?, Buf::new(gpu, m * n, dt).map_err(e)?);
+    let o = Ops { gpu: &**gpu, dt };
+    let s = median_secs(gpu, reps, &|| {
+        o.gemm(c.ptr(), dt, a.ptr(), false, w.ptr(), b_trans, m, n, k, 1.0, 0.0).map_err(e)
+    })?;
+    Ok(2.0 * (m * n * k) as f64 / s / 1e12)
+}
+
+/// The products of `product_shapes` on the Vulkan device's matrix units with each tile
+/// `gemm_cm` has, beside the tile the engine picks (`RTUNE_TIMING_TOKENS` tokens, default
+/// 2048): which tile is fastest where, to settle `choose_gemm_tile` on hardware. Prints one table
+/// and the tile fastest over all shapes (geometric mean, bf16), for `RTUNE_VULKAN_GEMM_TILE`.
+#[cfg(feature = "vulkan")]
+#[test]
+#[ignore = "timing on a GPU: cargo test --test gpu_engine -- --ignored --nocapture gpu_product_tiles"]
+fn gpu_product_tiles() {
+    use rtune::engine::gpu::vulkan::VulkanGpu;
+    let tokens: usize = std::env::var("RTUNE_TIMING_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
+    let reps = if tokens < 512 { 1 } else { 10 };
+    let tiles: [Option<[u32; 2]>; 5] = [None, Some([64, 64]), Some([64, 32]), Some([32, 64]), Some([32, 32])];
+    let mut log_sums = vec![(0.0f64, 0usize); tiles.len()];
+    println!("| product | type | picked | 64×64 | 64×32 | 32×64 | 32×32 |\n|---|---|---|---|---|---|---|");
+    for dt in [Dt::Bf16, Dt::F16] {
+        let gpus: Vec<Option<Rc<dyn Gpu>>> = tiles
+            .iter()
+            .map(|t| {
+                let g = VulkanGpu::new(vulkan_ordinal()).ok()?.with_gpu_kernels();
+                let g = match t {
+                    Some(t) => g.with_gemm_tile(*t),
+                    None => g,
+                };
+                // No matrix units, or a forced tile the device cannot run: nothing to time.
+                g.matrix_shape(dt).ok()??;
+                (t.is_none() || g.gemm_tile(dt).is_some()).then(|| Rc::new(g) as Rc<dyn Gpu>)
+            })
+            .collect();
+        if gpus[0].is_none() {
+            println!("no Vulkan device with {dt:?} matrix units");
+            continue;
+        }
+        for (what, m, n, k, b_trans) in product_shapes(tokens) {
+            let cells: Vec<String> = gpus
+                .iter()
+                .enumerate()
+                .map(|(i, g)| match g.as_ref().map(|g| product_rate(g, dt, [m, n, k], b_trans, reps)) {
+                    Some(Ok(t)) => {
+                        if dt == Dt::Bf16 {
+                            log_sums[i].0 += t.ln();
+                            log_sums[i].1 += 1;
+                        }
+                        rate(t)
+                    }
+                    Some(Err(e)) => format!("failed: {e}"),
+                    None => "—".into(),
+                })
+                .collect();
+            println!("| {what} | {dt:?} | {} |", cells.join(" | "));
+        }
+    }
+    let best = (1..tiles.len())
+        .filter(|&i| log_sums[i].1 > 0 && log_sums[i].1 == log_sums[0].1)
+        .max_by(|&a, &b| log_sums[a].0.total_cmp(&log_sums[b].0));
+    if let Some(i) = best {
+        let [wm, wn] = tiles[i].unwrap();
+        let mean = |i: usize| (log_sums[i].0 / log_sums[i].1 as f64).exp();
+        println!(
+            "fastest tile over the bf16 products: {wm}x{wn} ({} TFLOP/s geometric mean; picked per product: {})",
+            rate(mean(i)),
+            rate(mean(0))
+        );
+    }
+}
+
 /// Product and attention timings on every device this build and machine have (CUDA through
 /// cuBLAS, Vulkan through the engine's own kernels), for each compute type, at the train-step
 /// shapes of the benchmark: SmolLM2-135M and -360M at 4 × 512 tokens (the GEMM spike's shapes,
@@ -1882,58 +2014,18 @@ fn gpu_timings() {
         eprintln!("no GPU device");
         return;
     }
-    // Median over 5 runs of `reps` calls each, after a warm-up call (first-use checks, pipeline
-    // compilation); each run ends with a device sync.
-    let time = |gpu: &Rc<dyn Gpu>, reps: usize, f: &dyn Fn() -> Result<(), String>| -> Result<f64, String> {
-        f()?;
-        gpu.synchronize().map_err(|e| e.to_string())?;
-        let mut runs = Vec::new();
-        for _ in 0..5 {
-            let start = std::time::Instant::now();
-            for _ in 0..reps {
-                f()?;
-            }
-            gpu.synchronize().map_err(|e| e.to_string())?;
-            runs.push(start.elapsed().as_secs_f64() / reps as f64);
-        }
-        runs.sort_by(f64::total_cmp);
-        Ok(runs[2])
-    };
     // (what, dtype, device) → TFLOP/s, or why it did not run.
     let mut rates: Vec<(String, Dt, String, Result<f64, String>)> = Vec::new();
     for gpu in &gpus {
         let tokens: usize = std::env::var("RTUNE_TIMING_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
         let small = tokens < 512;
         let reps = if small { 1 } else { 10 };
-        let up = |n: usize, seed: u64, dt: Dt| Buf::from_f32(gpu, &rand_vec(&mut Rng::new(seed), n, 1.0), dt);
         for dt in [Dt::Bf16, Dt::F16, Dt::F32] {
             let o = Ops { gpu: &**gpu, dt };
-            for (model, h, inter) in [("135M", 576, 1536), ("360M", 960, 2560)] {
-                // (name, m, n, k, b_trans): forward x·Wᵀ, backward dy·W (the input's gradient).
-                let shapes = [
-                    ("q/o x·Wᵀ", tokens, h, h, true),
-                    ("gate/up x·Wᵀ", tokens, inter, h, true),
-                    ("down x·Wᵀ", tokens, h, inter, true),
-                    ("gate/up dy·W", tokens, h, inter, false),
-                    ("LM head chunk x·Wᵀ", tokens, 8192, h, true),
-                ];
-                for (name, m, n, k, b_trans) in shapes {
-                    let what = format!("{model} {name} {m}×{n}×{k}");
-                    let r = (|| -> Result<f64, String> {
-                        let e = |e: rtune::engine::gpu::GpuError| e.to_string();
-                        let (a, w, c) = (
-                            up(m * k, 1, dt).map_err(e)?,
-                            up(n * k, 2, dt).map_err(e)?,
-                            Buf::new(gpu, m * n, dt).map_err(e)?,
-                        );
-                        let s = time(gpu, reps, &|| {
-                            o.gemm(c.ptr(), dt, a.ptr(), false, w.ptr(), b_trans, m, n, k, 1.0, 0.0).map_err(e)
-                        })?;
-                        Ok(2.0 * (m * n * k) as f64 / s / 1e12)
-                    })();
-                    println!("{}: {dt:?} product {what}: {}", gpu.name(), show(&r));
-                    rates.push((what, dt, gpu.name(), r));
-                }
+            for (what, m, n, k, b_trans) in product_shapes(tokens) {
+                let r = product_rate(gpu, dt, [m, n, k], b_trans, reps);
+                println!("{}: {dt:?} product {what}: {}", gpu.name(), show(&r));
+                rates.push((what, dt, gpu.name(), r));
             }
             if dt == Dt::F32 {
                 continue;
@@ -1949,7 +2041,7 @@ fn gpu_timings() {
                     let r = |n: usize, seed: u64| rand_vec(&mut Rng::new(seed), n, 1.0);
                     let (q, k, v, dout) = (r(nq, 3), r(nk, 4), r(nk, 5), r(nq, 6));
                     let bufs = AttnBufs::new(gpu, &s, dt, (&q, &k, &v, &dout), &layout).map_err(e)?;
-                    let secs = time(gpu, reps, &|| {
+                    let secs = median_secs(gpu, reps, &|| {
                         bufs.fwd(&o, &s).map_err(e)?;
                         bufs.bwd(&o, &s).map_err(e)
                     })?;
@@ -1965,15 +2057,6 @@ fn gpu_timings() {
                 );
                 rates.push((what, dt, gpu.name(), r));
             }
-        }
-    }
-    fn rate(t: f64) -> String {
-        if t >= 10.0 {
-            format!("{t:.0}")
-        } else if t >= 1.0 {
-            format!("{t:.1}")
-        } else {
-            format!("{t:.3}")
         }
     }
     fn show(r: &Result<f64, String>) -> String {

@@ -1298,52 +1298,129 @@ layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
     float beta;
 } p;
-#define BM 64
-#define BN 64
+// The tile: four subgroups in a 2 × 2 grid, each computing WM × WN of C (constants 1 and 6, the
+// `_<WM>x<WN>` suffix the host launches it under), so a workgroup computes BM × BN, walking the
+// inner dimension BK at a time. A subgroup's part is FM × FN accumulators of the device's
+// TM × TN shape: at 64 × 64, sixteen of 16 × 16, so each matrix load from shared memory feeds
+// four products.
+layout(constant_id = 1) const uint WM = 32;
+layout(constant_id = 6) const uint WN = 32;
+const uint BM = 2 * WM;
+const uint BN = 2 * WN;
+const uint FM = WM / TM;
+const uint FN = WN / TN;
 #define BK 32
-#define SA (BK + 8)
-#define SB (BN + 8)
-const uint FM = 32 / TM;
-const uint FN = 32 / TN;
-shared ET sa[BM * SA];
-shared ET sb[BK * SB];
+// The shared tiles hold the 16-bit values eight to a uvec4, so they are written 16 bytes at a
+// time (as NVIDIA's vk_cooperative_matrix_perf does): A as BM rows of BK values, B as BK rows of
+// BN, each row padded by eight values against bank conflicts; matrix loads read them row-major,
+// with offsets and pitches in uvec4s.
+const uint PA = (BK + 8) / 8;
+const uint PB = (BN + 8) / 8;
+shared uvec4 sa[BM * PA];
+shared uvec4 sb[BK * PB];
 shared float sc[4 * TM * TN];
+// Each invocation carries NA uvec4s of A's tile and NB of B's from global to shared memory,
+// loaded one tile ahead so that the loads overlap the products of the tile before.
+const uint NA = BM * BK / 8 / gl_WorkGroupSize.x;
+const uint NB = BN * BK / 8 / gl_WorkGroupSize.x;
+const uint NP = NA > NB ? NA : NB;
+layout(buffer_reference, std430, buffer_reference_align = 2) buffer U16 { uint16_t v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer W32 { uint v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4 { uvec4 v[]; };
+
+// An operand's part of a tile S (`rows` × `cols`, S[r][c] at element `base` + r·`rs` + c·`cs`
+// of `buf`, zero outside the first `r_valid` rows and `c_valid` columns) into `pre`, `count`
+// uvec4s per invocation. Stored along S's rows (`cs` = 1), each uvec4 is eight consecutive
+// values of a row: one 16-byte load inside the matrix where the operand is aligned (`vec`: its
+// address and pitch multiples of 16 bytes). Stored across them (`rs` = 1, a transposed
+// operand), an invocation takes two rows × eight columns at a time, loading eight pairs of
+// values (consecutive invocations read consecutive pairs) and transposing them into two rows of
+// eight, so shared memory is still written 16 bytes at a time and read row-major.
+void fetch(uint64_t buf, bool vec, int base, int rs, int cs, int rows, int cols, int r_valid, int c_valid,
+           uint count, inout uvec4 pre[NP]) {
+    U16 h = U16(buf);
+    if (cs == 1) {
+        [[unroll]] for (uint l = 0; l < count; l++) {
+            int e = TID + int(l) * BLOCK;
+            int r = e / (cols / 8), c = (e % (cols / 8)) * 8;
+            int at = base + r * rs + c;
+            if (vec && r < r_valid && c + 8 <= c_valid) {
+                pre[l] = V4(buf).v[at / 8];
+            } else {
+                uint w[8];
+                [[unroll]] for (int i = 0; i < 8; i++) w[i] = r < r_valid && c + i < c_valid ? uint(h.v[at + i]) : 0u;
+                pre[l] = uvec4(w[0] | (w[1] << 16), w[2] | (w[3] << 16), w[4] | (w[5] << 16), w[6] | (w[7] << 16));
+            }
+        }
+    } else {
+        [[unroll]] for (uint l = 0; l < count; l += 2) {
+            int e = TID + int(l / 2) * BLOCK;
+            int r = (e % (rows / 2)) * 2, c = (e / (rows / 2)) * 8;
+            // w[i]: S[r][c + i] in the low half, S[r + 1][c + i] in the high half.
+            uint w[8];
+            [[unroll]] for (int i = 0; i < 8; i++) {
+                int at = base + r + (c + i) * cs;
+                if (c + i >= c_valid || r >= r_valid) {
+                    w[i] = 0u;
+                } else if (vec && r + 1 < r_valid) {
+                    w[i] = W32(buf).v[at / 2];
+                } else {
+                    w[i] = uint(h.v[at]) | (r + 1 < r_valid ? uint(h.v[at + 1]) << 16 : 0u);
+                }
+            }
+            pre[l] = uvec4((w[0] & 0xffffu) | (w[1] << 16), (w[2] & 0xffffu) | (w[3] << 16),
+                           (w[4] & 0xffffu) | (w[5] << 16), (w[6] & 0xffffu) | (w[7] << 16));
+            pre[l + 1] = uvec4((w[0] >> 16) | (w[1] & 0xffff0000u), (w[2] >> 16) | (w[3] & 0xffff0000u),
+                               (w[4] >> 16) | (w[5] & 0xffff0000u), (w[6] >> 16) | (w[7] & 0xffff0000u));
+        }
+    }
+}
+
+// Where `fetch` put each uvec4 of `pre`: its index in a shared tile of `cols` + 8 values a row.
+uint slot(bool along, uint l, int rows, int cols) {
+    if (along) {
+        int e = TID + int(l) * BLOCK;
+        return uint(e / (cols / 8) * (cols + 8) / 8 + e % (cols / 8));
+    }
+    int e = TID + int(l / 2) * BLOCK;
+    int r = (e % (rows / 2)) * 2 + int(l % 2), c = (e / (rows / 2)) * 8;
+    return uint((r * (cols + 8) + c) / 8);
+}
+
 void main() {
-    int row0 = int(gl_WorkGroupID.y) * BM, col0 = int(gl_WorkGroupID.x) * BN;
+    int row0 = int(gl_WorkGroupID.y * BM), col0 = int(gl_WorkGroupID.x * BN);
     uint sg = gl_SubgroupID;
-    uint wr = (sg / 2) * 32, wc = (sg % 2) * 32;
+    uint wr = (sg / 2) * WM, wc = (sg % 2) * WN;
     bool at = p.a_trans != 0, bt = p.b_trans != 0;
+    uint64_t pa = uint64_t(p.a), pb = uint64_t(p.b);
+    bool va = (pa & 15ul) == 0ul && p.lda % 8 == 0, vb = (pb & 15ul) == 0ul && p.ldb % 8 == 0;
+    // op(A)[row0 + r][k0 + c] and op(B)[k0 + r][col0 + c] as S[r][c] of each tile.
+    int ars = at ? 1 : p.lda, acs = at ? p.lda : 1, brs = bt ? 1 : p.ldb, bcs = bt ? p.ldb : 1;
+    uvec4 ra[NP], rb[NP];
     coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator> acc[FM * FN];
     [[unroll]] for (uint i = 0; i < FM * FN; i++) acc[i] = coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator>(0.0);
+    fetch(pa, va, row0 * ars, ars, acs, int(BM), BK, p.m - row0, p.k, NA, ra);
+    fetch(pb, vb, col0 * bcs, brs, bcs, BK, int(BN), p.k, p.n - col0, NB, rb);
     for (int k0 = 0; k0 < p.k; k0 += BK) {
-        // Consecutive invocations read consecutive addresses of A and B whichever way each is
-        // stored.
-        for (int e = TID; e < BM * BK; e += BLOCK) {
-            int r = at ? e % BM : e / BK, kk = at ? e / BM : e % BK;
-            int gr = row0 + r, gk = k0 + kk;
-            float v = 0.0;
-            if (gr < p.m && gk < p.k) v = ld(p.a, at ? gk * p.lda + gr : gr * p.lda + gk);
-            sa[r * SA + kk] = ET(v);
-        }
-        for (int e = TID; e < BK * BN; e += BLOCK) {
-            int kk = bt ? e % BK : e / BN, c = bt ? e / BK : e % BN;
-            int gk = k0 + kk, gc = col0 + c;
-            float v = 0.0;
-            if (gk < p.k && gc < p.n) v = ld(p.b, bt ? gc * p.ldb + gk : gk * p.ldb + gc);
-            sb[kk * SB + c] = ET(v);
-        }
         barrier();
+        [[unroll]] for (uint l = 0; l < NA; l++) sa[slot(!at, l, int(BM), BK)] = ra[l];
+        [[unroll]] for (uint l = 0; l < NB; l++) sb[slot(!bt, l, BK, int(BN))] = rb[l];
+        barrier();
+        int k1 = k0 + BK;
+        if (k1 < p.k) {
+            fetch(pa, va, row0 * ars + k1 * acs, ars, acs, int(BM), BK, p.m - row0, p.k - k1, NA, ra);
+            fetch(pb, vb, k1 * brs + col0 * bcs, brs, bcs, BK, int(BN), p.k - k1, p.n - col0, NB, rb);
+        }
         [[unroll]] for (uint kk = 0; kk < BK; kk += TK) {
             coopmat<ET, gl_ScopeSubgroup, TM, TK, gl_MatrixUseA> fa[FM];
-            coopmat<ET, gl_ScopeSubgroup, TK, TN, gl_MatrixUseB> fb[FN];
             [[unroll]] for (uint i = 0; i < FM; i++)
-                coopMatLoad(fa[i], sa, (wr + i * TM) * SA + kk, SA, gl_CooperativeMatrixLayoutRowMajor);
-            [[unroll]] for (uint j = 0; j < FN; j++)
-                coopMatLoad(fb[j], sb, kk * SB + wc + j * TN, SB, gl_CooperativeMatrixLayoutRowMajor);
-            [[unroll]] for (uint i = 0; i < FM; i++)
-                [[unroll]] for (uint j = 0; j < FN; j++) acc[i * FN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * FN + j]);
+                coopMatLoad(fa[i], sa, ((wr + i * TM) * (BK + 8) + kk) / 8, PA, gl_CooperativeMatrixLayoutRowMajor);
+            [[unroll]] for (uint j = 0; j < FN; j++) {
+                coopmat<ET, gl_ScopeSubgroup, TK, TN, gl_MatrixUseB> fb;
+                coopMatLoad(fb, sb, (kk * (BN + 8) + wc + j * TN) / 8, PB, gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (uint i = 0; i < FM; i++) acc[i * FN + j] = coopMatMulAdd(fa[i], fb, acc[i * FN + j]);
+            }
         }
-        barrier();
     }
     uint own = sg * TM * TN;
     [[unroll]] for (uint i = 0; i < FM; i++)

@@ -98,6 +98,10 @@ pub struct VulkanGpu {
     /// For tests: the attention's first-use check treats the kernels' direct form as failed
     /// ([`Self::with_direct_attention_rejected`]).
     reject_direct_attention: bool,
+    /// The tile every product on the matrix units runs with, where one is forced
+    /// (`RTUNE_VULKAN_GEMM_TILE`, [`Self::with_gemm_tile`]); else [`choose_gemm_tile`] picks per
+    /// product.
+    gemm_tile: Option<[u32; 2]>,
     /// Shared memory a workgroup may use, in bytes.
     max_shared: u32,
     /// The largest single allocation (`maxMemoryAllocationSize`, and `maxBufferSize` on Vulkan
@@ -112,7 +116,7 @@ pub struct VulkanGpu {
 }
 
 /// The shape `gemm_cm` runs with among those the device lists for one input type: each side a
-/// divisor of the 32 × 32 quarter a subgroup computes and of the 32-deep tiles, at most 16 × 16
+/// divisor of 32 (the smallest part of C a subgroup computes, and the tiles' depth), at most 16 × 16
 /// (the staging of one accumulator in shared memory), 16 × 16 × 16 where listed, else the largest.
 pub fn choose_shape(shapes: &[crate::device::vulkan::MatrixShape], ab: &str) -> Option<[u32; 3]> {
     let fits = |v: u32| [8, 16, 32].contains(&v);
@@ -143,9 +147,61 @@ fn gemm_args(g: &Gemm) -> Vec<Arg> {
     ]
 }
 
-/// One 64 × 64 tile of C per workgroup (`K_gemm`, `K_gemm_cm`).
+/// One 64 × 64 tile of C per workgroup (`K_gemm`).
 fn gemm_grid(g: &Gemm) -> [u32; 3] {
     [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1]
+}
+
+/// The tiles `gemm_cm` can run with, largest first: each of its four subgroups computes
+/// `WM` × `WN` of C, so a workgroup computes twice that each way (kernels.comp).
+const GEMM_TILES: [[u32; 2]; 4] = [[64, 64], [64, 32], [32, 64], [32, 32]];
+
+/// Fewer workgroups than this leave a large GPU's compute units idle for part of a product, so
+/// [`choose_gemm_tile`] takes a smaller tile where the larger would launch fewer. A first guess
+/// (an H100 has 132 units, each holding two of the largest tile's workgroups), to be settled by
+/// measurement (docs/devices.md, *The owed GPU checks*).
+const GEMM_MIN_GROUPS: usize = 256;
+
+/// `64x32` → `[64, 32]`, for a tile among [`GEMM_TILES`].
+fn parse_tile(v: &str) -> Option<[u32; 2]> {
+    let (m, n) = v.split_once('x')?;
+    let t = [m.parse().ok()?, n.parse().ok()?];
+    GEMM_TILES.contains(&t).then_some(t)
+}
+
+/// Shared-memory bytes of `gemm_cm` with tile `[wm, wn]` and matrix shape `shape`: A's tile
+/// (2·wm rows of 32 + 8 values), B's (32 rows of 2·wn + 8) and four accumulators' staging.
+fn gemm_cm_shared_bytes([wm, wn]: [u32; 2], shape: [u32; 3]) -> u32 {
+    2 * wm * 40 * 2 + 32 * (2 * wn + 8) * 2 + 4 * shape[0] * shape[1] * 4
+}
+
+/// The tiles of [`GEMM_TILES`] `gemm_cm` can run with on a device: the matrix shape divides them,
+/// they fit in `max_shared` bytes, and each invocation of the four subgroups of `subgroup` lanes
+/// carries a whole, even number of 16-byte pieces of each operand's tile (a transposed operand
+/// goes two rows at a time).
+fn gemm_tiles(shape: [u32; 3], subgroup: u32, max_shared: u32) -> Vec<[u32; 2]> {
+    GEMM_TILES
+        .into_iter()
+        .filter(|&[wm, wn]| {
+            wm % shape[0] == 0
+                && wn % shape[1] == 0
+                && [wm, wn].iter().all(|&w| w % subgroup == 0)
+                && gemm_cm_shared_bytes([wm, wn], shape) <= max_shared
+        })
+        .collect()
+}
+
+/// The tile of `tiles` for an `m` × `n` product: the one doing the most useful work per workgroup
+/// (its area times the share of it inside C) among those launching at least
+/// [`GEMM_MIN_GROUPS`] workgroups, else the one launching the most.
+fn choose_gemm_tile(m: usize, n: usize, tiles: &[[u32; 2]]) -> Option<[u32; 2]> {
+    let groups = |[wm, wn]: [u32; 2]| m.div_ceil(2 * wm as usize) * n.div_ceil(2 * wn as usize);
+    let useful = |t: [u32; 2]| (m * n) as f64 / groups(t) as f64;
+    let enough: Vec<[u32; 2]> = tiles.iter().copied().filter(|&t| groups(t) >= GEMM_MIN_GROUPS).collect();
+    if enough.is_empty() {
+        return tiles.iter().copied().max_by_key(|&t| (groups(t), std::cmp::Reverse(t)));
+    }
+    enough.into_iter().max_by(|&a, &b| useful(a).total_cmp(&useful(b)))
 }
 
 /// The matrix units of one input type: the shape (`TM`, `TN`, `TK`) the cooperative-matrix
@@ -468,6 +524,7 @@ impl VulkanGpu {
                 cpu_subgroup,
                 software: props.device_type == vk::PhysicalDeviceType::CPU,
                 reject_direct_attention: false,
+                gemm_tile: std::env::var("RTUNE_VULKAN_GEMM_TILE").ok().and_then(|v| parse_tile(&v)),
                 matrix: Cell::new(
                     matrix.map(|m| {
                         m.map(|shape| MatrixUnits::untried(shape, props.limits.max_compute_shared_memory_size))
@@ -778,48 +835,78 @@ impl VulkanGpu {
         Ok(Some([bad[0], bad[1], n]))
     }
 
-    /// `None` when `gemm_cm` agrees with an f64 product, else how it differs.
+    /// `None` when `gemm_cm` agrees with an f64 product with every tile the device can run, else
+    /// how it differs. The sides are not multiples of 8, so tiles and the kernel's 16-byte
+    /// pieces end inside the matrices; each product runs with the operands as given and both
+    /// transposed, and aligned (16-byte loads; the pitches' padding holds values that must not
+    /// leak into C) and 2 bytes off (loads value by value).
     fn matrix_check(&self, dt: Dt) -> Result<Option<String>, GpuError> {
-        let (m, n, k) = (72usize, 80usize, 40usize);
-        // Values exactly representable in bf16 and f16, so the host computes the same product.
-        let a: Vec<f32> = dt.decode(&dt.encode(&(0..m * k).map(check_value).collect::<Vec<_>>()));
-        let b: Vec<f32> = dt.decode(&dt.encode(&(0..k * n).map(|i| check_value(i + 7919)).collect::<Vec<_>>()));
+        let (m, n, k) = (70usize, 78usize, 44usize);
+        // Values exactly representable in bf16 and f16, so the host computes the same product;
+        // the padding 512.
+        let stored = |rows: usize, cols: usize, pitch: usize, seed: usize| -> Vec<f32> {
+            let v: Vec<f32> =
+                (0..rows * pitch).map(|i| if i % pitch < cols { check_value(seed + i) } else { 512.0 }).collect();
+            dt.decode(&dt.encode(&v))
+        };
+        let tiles = self.gemm_cm_tiles(dt);
+        if tiles.is_empty() {
+            return Ok(Some(format!(
+                "no tile fits {} KiB of shared memory with {}-lane subgroups",
+                self.max_shared / 1024,
+                self.subgroup
+            )));
+        }
         let scratch = Scratch { gpu: self, held: RefCell::default() };
-        let (pa, pb, pc) =
-            (scratch.upload(&dt.encode(&a))?, scratch.upload(&dt.encode(&b))?, scratch.alloc(m * n * 4)?);
+        let pc = scratch.alloc(m * n * 4)?;
         for trans in [false, true] {
-            // Stored as given when `trans` is false, else as the transposes of op(A), op(B).
-            let (lda, ldb) = if trans { (m, k) } else { (k, n) };
-            let at = |r: usize, kk: usize| if trans { a[kk * m + r] } else { a[r * k + kk] };
-            let bt = |kk: usize, c: usize| if trans { b[c * k + kk] } else { b[kk * n + c] };
-            self.gemm_cm(&Gemm {
-                m,
-                n,
-                k,
-                a: pa,
-                a_trans: trans,
-                lda,
-                b: pb,
-                b_trans: trans,
-                ldb,
-                c: pc,
-                ldc: n,
-                alpha: 1.0,
-                beta: 0.0,
-                ab: dt,
-                c_dt: Dt::F32,
-            })?;
-            let out = scratch.read(pc, m * n, Dt::F32)?;
-            for r in 0..m {
-                for c in 0..n {
-                    let (want, scale) = (0..k).fold((0.0f64, 0.0f64), |(s, t), kk| {
-                        let p = at(r, kk) as f64 * bt(kk, c) as f64;
-                        (s + p, t + p.abs())
-                    });
-                    let got = out[r * n + c] as f64;
-                    if got.is_nan() || (got - want).abs() > 1e-5 * scale + 1e-30 {
-                        let t = if trans { ", operands transposed" } else { "" };
-                        return Ok(Some(format!("C[{r}][{c}] = {got}, expected {want}{t}")));
+            // op(A) is m × k and op(B) k × n; stored as given, or as their transposes.
+            let ([ar, ac], [br, bc]) = if trans { ([k, m], [n, k]) } else { ([m, k], [k, n]) };
+            let (lda, ldb) = (ac.next_multiple_of(8) + 8, bc.next_multiple_of(8) + 8);
+            let (a, b) = (stored(ar, ac, lda, 0), stored(br, bc, ldb, 7919));
+            let at = |r: usize, kk: usize| if trans { a[kk * lda + r] } else { a[r * lda + kk] };
+            let bt = |kk: usize, c: usize| if trans { b[c * ldb + kk] } else { b[kk * ldb + c] };
+            for off in [0usize, 1] {
+                // `off` values in front: the operands start 2 bytes past a 16-byte boundary.
+                let pad = |v: &[f32]| [vec![0.0; off], v.to_vec()].concat();
+                let (pa, pb) = (scratch.upload(&dt.encode(&pad(&a)))?, scratch.upload(&dt.encode(&pad(&b)))?);
+                let (pa, pb) = (pa + (off * dt.size()) as u64, pb + (off * dt.size()) as u64);
+                for &tile in &tiles {
+                    let g = Gemm {
+                        m,
+                        n,
+                        k,
+                        a: pa,
+                        a_trans: trans,
+                        lda,
+                        b: pb,
+                        b_trans: trans,
+                        ldb,
+                        c: pc,
+                        ldc: n,
+                        alpha: 1.0,
+                        beta: 0.0,
+                        ab: dt,
+                        c_dt: Dt::F32,
+                    };
+                    self.gemm_cm(&g, Some(tile))?;
+                    let out = scratch.read(pc, m * n, Dt::F32)?;
+                    for r in 0..m {
+                        for c in 0..n {
+                            let (want, scale) = (0..k).fold((0.0f64, 0.0f64), |(s, t), kk| {
+                                let p = at(r, kk) as f64 * bt(kk, c) as f64;
+                                (s + p, t + p.abs())
+                            });
+                            let got = out[r * n + c] as f64;
+                            if got.is_nan() || (got - want).abs() > 1e-5 * scale + 1e-30 {
+                                let t = if trans { ", operands transposed" } else { "" };
+                                let al = if off == 0 { "aligned" } else { "unaligned" };
+                                let [wm, wn] = tile;
+                                return Ok(Some(format!(
+                                    "C[{r}][{c}] = {got}, expected {want} (tile {wm}×{wn}, {al}{t})"
+                                )));
+                            }
+                        }
                     }
                 }
             }
@@ -828,10 +915,43 @@ impl VulkanGpu {
     }
 
     /// The product on the matrix units (`K_gemm_cm`), whose shape for `g.ab` [`VulkanGpu::open`]
-    /// chose: workgroups of four subgroups.
-    fn gemm_cm(&self, g: &Gemm) -> Result<(), GpuError> {
-        let c = g.c_dt.suffix();
-        self.dispatch(&format!("gemm_cm_{}_{c}", g.ab.suffix()), gemm_grid(g), 4 * self.subgroup, &gemm_args(g))
+    /// chose: workgroups of four subgroups, with the tile `tile` or else the one
+    /// [`choose_gemm_tile`] picks for the product.
+    fn gemm_cm(&self, g: &Gemm, tile: Option<[u32; 2]>) -> Result<(), GpuError> {
+        let tiles = self.gemm_cm_tiles(g.ab);
+        let Some([wm, wn]) =
+            tile.or(self.gemm_tile.filter(|t| tiles.contains(t))).or_else(|| choose_gemm_tile(g.m, g.n, &tiles))
+        else {
+            return Err(GpuError::Device(format!(
+                "no product tile fits this device's {} KiB of shared memory and {}-lane subgroups",
+                self.max_shared / 1024,
+                self.subgroup
+            )));
+        };
+        let kernel = format!("gemm_cm_{}_{}_{wm}x{wn}", g.ab.suffix(), g.c_dt.suffix());
+        let grid = [g.n.div_ceil(2 * wn as usize) as u32, g.m.div_ceil(2 * wm as usize) as u32, 1];
+        self.dispatch(&kernel, grid, 4 * self.subgroup, &gemm_args(g))
+    }
+
+    /// The tiles `gemm_cm` can run with here for `dt` inputs ([`gemm_tiles`]).
+    fn gemm_cm_tiles(&self, dt: Dt) -> Vec<[u32; 2]> {
+        self.units(dt).map_or_else(Vec::new, |u| gemm_tiles(u.shape, self.subgroup, self.max_shared))
+    }
+
+    /// For tests and measurements: every product on the matrix units runs with tile `tile`
+    /// (`[64, 32]`: each subgroup computes 64 × 32 of C), where the device can run it; as
+    /// `RTUNE_VULKAN_GEMM_TILE=64x32` does.
+    #[doc(hidden)]
+    pub fn with_gemm_tile(mut self, tile: [u32; 2]) -> VulkanGpu {
+        self.gemm_tile = Some(tile);
+        self
+    }
+
+    /// The tile products of `dt` inputs on the matrix units run with where one is forced and the
+    /// device can run it.
+    #[doc(hidden)]
+    pub fn gemm_tile(&self, dt: Dt) -> Option<[u32; 2]> {
+        self.gemm_tile.filter(|t| self.gemm_cm_tiles(dt).contains(t))
     }
 
     /// Whether the device can run kernels of `dt` (bf16 and f16 need 16-bit storage buffers).
@@ -1077,11 +1197,16 @@ impl VulkanGpu {
             return Ok(*p);
         }
         let module_of = |k: &str| index::KERNELS.iter().find(|(n, _)| *n == k);
-        let (&(name, spv), variant) = module_of(kernel)
-            .map(|m| (m, 0))
+        // `_<a>x<b>` (gemm_cm's tiles) sets constants 1 and 6.
+        let (&(name, spv), (variant, variant2)) = module_of(kernel)
+            .map(|m| (m, (0, 0)))
             .or_else(|| {
                 let (m, n) = kernel.rsplit_once('_')?;
-                Some((module_of(m)?, n.parse::<u32>().ok()?))
+                let v = match n.split_once('x') {
+                    Some((a, b)) => (a.parse::<u32>().ok()?, b.parse::<u32>().ok()?),
+                    None => (n.parse::<u32>().ok()?, 0),
+                };
+                Some((module_of(m)?, v))
             })
             .ok_or_else(|| GpuError::Device(format!("kernel `{kernel}` has no Vulkan version")))?;
         let module = match st.modules.get(name) {
@@ -1101,14 +1226,17 @@ impl VulkanGpu {
         // Constants 2–4: the matrix-unit shape of the input type of a kernel on the matrix units
         // (see `matrix_module`); modules without them ignore them.
         // Constant 5: the attention kernels' key tile for their head size (constant 1).
+        // Constant 6: the second number of a `_<a>x<b>` suffix.
         let cm = matrix_module(name);
         let shape = cm.and_then(|dt| self.units(dt)).map_or([16, 16, 16], |u| u.shape);
         let tile =
             if name.contains("_mma_") { attention_tile(shape, variant, self.max_shared).unwrap_or(32) } else { 0 };
-        let data: Vec<u8> =
-            [block, variant, shape[0], shape[1], shape[2], tile].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let data: Vec<u8> = [block, variant, shape[0], shape[1], shape[2], tile, variant2]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         let entries: Vec<vk::SpecializationMapEntry> =
-            (0..6).map(|i| vk::SpecializationMapEntry::default().constant_id(i).offset(4 * i).size(4)).collect();
+            (0..7).map(|i| vk::SpecializationMapEntry::default().constant_id(i).offset(4 * i).size(4)).collect();
         let info = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
         let mut required =
             vk::PipelineShaderStageRequiredSubgroupSizeCreateInfo::default().required_subgroup_size(self.subgroup);
@@ -1365,7 +1493,7 @@ impl Gpu for VulkanGpu {
         }
         let Some(sg) = self.cpu_subgroup.map(|s| s as usize) else {
             if self.matrix_units(g.ab)? {
-                return self.gemm_cm(g);
+                return self.gemm_cm(g, None);
             }
             return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), gemm_grid(g), 256, &gemm_args(g));
         };
@@ -1520,6 +1648,10 @@ mod tests {
                 21 | 22 => {
                     sizes.insert(a[0], u64::from(a[1] / 8));
                 }
+                // OpTypeVector: its components'.
+                23 => {
+                    sizes.insert(a[0], sizes[&a[1]] * u64::from(a[2]));
+                }
                 28 => {
                     arrays.insert(a[0], (a[1], a[2]));
                 }
@@ -1534,7 +1666,8 @@ mod tests {
                 51 => {
                     composites.insert(a[1], a[2..].to_vec());
                 }
-                // OpSpecConstantOp: integer arithmetic, and gl_WorkGroupSize's components.
+                // OpSpecConstantOp: integer arithmetic, comparison and selection, and
+                // gl_WorkGroupSize's components.
                 52 => {
                     let v = |i: usize| values[&a[i]];
                     let r = match a[2] {
@@ -1542,6 +1675,8 @@ mod tests {
                         130 => v(3).wrapping_sub(v(4)),
                         132 => v(3).wrapping_mul(v(4)),
                         134 | 135 => v(3) / v(4),
+                        169 => v(if v(3) != 0 { 4 } else { 5 }),
+                        172 => u32::from(v(3) > v(4)),
                         81 => values[&composites[&a[3]][a[4] as usize]],
                         other => panic!("OpSpecConstantOp with opcode {other} is not evaluated here"),
                     };
@@ -1571,13 +1706,17 @@ mod tests {
         let mut checked = 0;
         for (name, spv) in KERNELS.iter().filter(|(name, _)| matrix_module(name).is_some()) {
             for [m, n, k] in shapes {
-                for (d, bc) in [(64, 32), (64, 16), (128, 32), (128, 16)] {
-                    let spec = [(0, 4 * 32), (1, d), (2, m), (3, n), (4, k), (5, bc)];
+                // Constant 1 is the attention's head size or gemm_cm's tile height, 6 its width.
+                for (d, bc, wn) in
+                    [(64, 32, 64), (64, 16, 32), (128, 32, 32), (128, 16, 64), (32, 32, 64), (32, 16, 32)]
+                {
+                    let spec = [(0, 4 * 32), (1, d), (2, m), (3, n), (4, k), (5, bc), (6, wn)];
                     for (array, bytes) in shared_bytes(spv, &spec) {
                         assert!(
                             bytes % 16 == 0,
-                            "{name}: shared array `{array}` takes {bytes} bytes with D = {d}, key tile {bc}, \
-                             shape {m}×{n}×{k}: not a multiple of 16, so a driver may place a later array unaligned"
+                            "{name}: shared array `{array}` takes {bytes} bytes with D or WM = {d}, key tile {bc}, \
+                             WN = {wn}, shape {m}×{n}×{k}: not a multiple of 16, so a driver may place a later \
+                             array unaligned"
                         );
                         checked += 1;
                     }
@@ -1604,6 +1743,33 @@ mod tests {
             super::choose_shape(&[s(16, 16, 24, "f16"), s(32, 32, 16, "f16"), s(64, 8, 16, "f16")], "f16"),
             None
         );
+    }
+
+    /// The product's tiles: the shape divides them, they fit the device's shared memory and its
+    /// subgroups carry whole, even numbers of 16-byte pieces; per product the largest tile that
+    /// still launches enough workgroups, else the one launching the most.
+    #[test]
+    fn products_take_the_largest_tile_that_fills_the_device() {
+        use super::{choose_gemm_tile, gemm_tiles, parse_tile};
+        let nvidia = gemm_tiles([16, 16, 16], 32, 49152);
+        assert_eq!(nvidia, [[64, 64], [64, 32], [32, 64], [32, 32]]);
+        // AMD in wave64: only the largest; 16 KiB of shared memory (the least Vulkan allows):
+        // the smallest; 128-lane subgroups: none.
+        assert_eq!(gemm_tiles([16, 16, 16], 64, 65536), [[64, 64]]);
+        assert_eq!(gemm_tiles([16, 16, 16], 32, 16384), [[32, 32]]);
+        assert_eq!(gemm_tiles([16, 16, 16], 128, 65536), Vec::<[u32; 2]>::new());
+        // 360M at 4 × 512 tokens: gate/up (2048 × 2560) and the LM head's chunks fill 264+
+        // workgroups with the largest tile; q/o (2048 × 960) with 64 × 128 (256; 128 × 64 would
+        // launch 240); k/v (2048 × 320) with none, so the smallest.
+        assert_eq!(choose_gemm_tile(2048, 2560, &nvidia), Some([64, 64]));
+        assert_eq!(choose_gemm_tile(2048, 8192, &nvidia), Some([64, 64]));
+        assert_eq!(choose_gemm_tile(2048, 960, &nvidia), Some([32, 64]));
+        assert_eq!(choose_gemm_tile(2048, 320, &nvidia), Some([32, 32]));
+        assert_eq!(choose_gemm_tile(70, 78, &[[64, 64]]), Some([64, 64]));
+        assert_eq!(choose_gemm_tile(70, 78, &[]), None);
+        assert_eq!(parse_tile("64x32"), Some([64, 32]));
+        assert_eq!(parse_tile("48x32"), None);
+        assert_eq!(parse_tile("64"), None);
     }
 
     /// Attention on the matrix units takes tiles of 32 keys where they fit in shared memory
