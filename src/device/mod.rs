@@ -562,11 +562,12 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
         memory_bytes: Some(d.memory_bytes),
         memory_free_bytes: d.memory_free_bytes,
         details: Some(format!(
-            "{} {} device, Vulkan {}, {}; subgroups of {}{}; cooperative matrices: {}{}",
+            "{} {} device, Vulkan {}, {}; {}subgroups of {}{}; cooperative matrices: {}{}",
             d.vendor(),
             d.kind,
             d.api,
             d.driver,
+            d.compute_units.map(|n| format!("{n} compute units, ")).unwrap_or_default(),
             d.subgroup,
             d.subgroup_range.map(|(lo, hi)| format!(" ({lo}–{hi})")).unwrap_or_default(),
             match (d.cooperative_matrix, d.matrix_shapes.is_empty()) {
@@ -641,12 +642,16 @@ mod tests {
             matrix_missing,
             subgroup: 64,
             subgroup_range: Some((32, 64)),
+            compute_units: Some(96),
             max_allocation_bytes,
             missing: vec![],
         };
         let capped = vulkan_device(0, info(4 * gib, vec![])).details.unwrap();
         assert!(capped.ends_with("; one allocation at most 4.0 GiB"), "{capped}");
-        assert!(capped.contains("subgroups of 64 (32–64); cooperative matrices: none the engine can use"), "{capped}");
+        assert!(
+            capped.contains("96 compute units, subgroups of 64 (32–64); cooperative matrices: none the engine can use"),
+            "{capped}"
+        );
         let whole = vulkan_device(0, info(24 * gib, vec![])).details.unwrap();
         assert!(!whole.contains("allocation"), "{whole}");
         // A driver listing the extension without what the kernels need says what it lacks.

@@ -43,6 +43,8 @@ pub struct VulkanInfo {
     /// and where the device can run others (`VK_EXT_subgroup_size_control`), the range.
     pub subgroup: u32,
     pub subgroup_range: Option<(u32, u32)>,
+    /// Compute units (SMs, CUs, shader cores) where the driver says ([`compute_units`]).
+    pub compute_units: Option<u32>,
     /// The largest single allocation ([`max_allocation`]).
     pub max_allocation_bytes: u64,
     /// Features the GPU engine needs that the device lacks (Vulkan 1.2, buffer device
@@ -362,6 +364,47 @@ pub unsafe fn subgroups(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Sub
     }
 }
 
+/// The device's compute units — NVIDIA's SMs, AMD's compute units, Arm's shader cores — where the
+/// driver says (`VK_NV_shader_sm_builtins`, `VK_AMD_shader_core_properties`/`2`,
+/// `VK_ARM_shader_core_builtins`); `None` elsewhere (Intel, Apple, lavapipe). The engine sizes
+/// its product tiles by it.
+///
+/// # Safety
+/// `pd` must be a physical device of the live `instance`.
+pub unsafe fn compute_units(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Option<u32> {
+    // SAFETY (all calls): the caller's contract; the chained structures outlive the call.
+    let has = |name: &CStr| unsafe { has_extension(instance, pd, name) };
+    let (nv, amd, amd2, arm) = (
+        has(ash::nv::shader_sm_builtins::NAME),
+        has(ash::amd::shader_core_properties::NAME),
+        has(ash::amd::shader_core_properties2::NAME),
+        has(ash::arm::shader_core_builtins::NAME),
+    );
+    let mut sm = vk::PhysicalDeviceShaderSMBuiltinsPropertiesNV::default();
+    let mut cu = vk::PhysicalDeviceShaderCorePropertiesAMD::default();
+    let mut cu2 = vk::PhysicalDeviceShaderCoreProperties2AMD::default();
+    let mut cores = vk::PhysicalDeviceShaderCoreBuiltinsPropertiesARM::default();
+    let mut props2 = vk::PhysicalDeviceProperties2::default();
+    if nv {
+        props2 = props2.push_next(&mut sm);
+    }
+    if amd {
+        props2 = props2.push_next(&mut cu);
+    }
+    if amd2 {
+        props2 = props2.push_next(&mut cu2);
+    }
+    if arm {
+        props2 = props2.push_next(&mut cores);
+    }
+    if !(nv || amd || amd2 || arm) {
+        return None;
+    }
+    unsafe { instance.get_physical_device_properties2(pd, &mut props2) };
+    let amd_total = cu.shader_engine_count * cu.shader_arrays_per_engine_count * cu.compute_units_per_shader_array;
+    [sm.shader_sm_count, cu2.active_compute_unit_count, amd_total, cores.shader_core_count].into_iter().find(|&n| n > 0)
+}
+
 /// The largest single allocation the device allows: `maxMemoryAllocationSize`, and
 /// `maxBufferSize` on Vulkan 1.3 (some drivers cap both at 4 GiB, below their memory).
 ///
@@ -447,6 +490,7 @@ unsafe fn describe(entry: &ash::Entry, instance: &ash::Instance, pd: vk::Physica
         missing: support.missing,
         subgroup: subgroups.size,
         subgroup_range: subgroups.range,
+        compute_units: unsafe { compute_units(instance, pd) },
         max_allocation_bytes: unsafe { max_allocation(instance, pd) },
     }
 }

@@ -107,6 +107,8 @@ pub struct VulkanGpu {
     /// The largest single allocation (`maxMemoryAllocationSize`, and `maxBufferSize` on Vulkan
     /// 1.3): 4 GiB on some drivers, so a large flat buffer can fail with memory to spare.
     max_alloc: u64,
+    /// Compute units where the driver says ([`crate::device::vulkan::compute_units`]).
+    compute_units: Option<u32>,
     /// The subgroup size `gemm_cm`'s workgroups of four subgroups are built for, and whether its
     /// pipelines must require it (where the device may choose among sizes).
     subgroup: u32,
@@ -156,11 +158,13 @@ fn gemm_grid(g: &Gemm) -> [u32; 3] {
 /// `WM` × `WN` of C, so a workgroup computes twice that each way (kernels.comp).
 const GEMM_TILES: [[u32; 2]; 4] = [[64, 64], [64, 32], [32, 64], [32, 32]];
 
-/// Fewer workgroups than this leave a large GPU's compute units idle for part of a product, so
-/// [`choose_gemm_tile`] takes a smaller tile where the larger would launch fewer. A first guess
-/// (an H100 has 132 units, each holding two of the largest tile's workgroups), to be settled by
+/// [`choose_gemm_tile`] takes a smaller tile where the larger would launch fewer workgroups than
+/// this many per compute unit (each can hold about two of the largest tile's), so that no unit
+/// idles for long; where the driver does not say how many units there are (Intel, Apple), it
+/// assumes [`GEMM_UNITS_UNKNOWN`] (an H100's 132, rounded down). A first guess, to be settled by
 /// measurement (docs/devices.md, *The owed GPU checks*).
-const GEMM_MIN_GROUPS: usize = 256;
+const GEMM_GROUPS_PER_UNIT: usize = 2;
+const GEMM_UNITS_UNKNOWN: usize = 128;
 
 /// `64x32` → `[64, 32]`, for a tile among [`GEMM_TILES`].
 fn parse_tile(v: &str) -> Option<[u32; 2]> {
@@ -191,13 +195,15 @@ fn gemm_tiles(shape: [u32; 3], subgroup: u32, max_shared: u32) -> Vec<[u32; 2]> 
         .collect()
 }
 
-/// The tile of `tiles` for an `m` × `n` product: the one doing the most useful work per workgroup
-/// (its area times the share of it inside C) among those launching at least
-/// [`GEMM_MIN_GROUPS`] workgroups, else the one launching the most.
-fn choose_gemm_tile(m: usize, n: usize, tiles: &[[u32; 2]]) -> Option<[u32; 2]> {
+/// The tile of `tiles` for an `m` × `n` product on a device of `units` compute units (`None`:
+/// unknown): the one doing the most useful work per workgroup (its area times the share of it
+/// inside C) among those launching at least [`GEMM_GROUPS_PER_UNIT`] workgroups per unit, else
+/// the one launching the most.
+fn choose_gemm_tile(m: usize, n: usize, tiles: &[[u32; 2]], units: Option<u32>) -> Option<[u32; 2]> {
+    let min_groups = GEMM_GROUPS_PER_UNIT * units.map_or(GEMM_UNITS_UNKNOWN, |u| u as usize);
     let groups = |[wm, wn]: [u32; 2]| m.div_ceil(2 * wm as usize) * n.div_ceil(2 * wn as usize);
     let useful = |t: [u32; 2]| (m * n) as f64 / groups(t) as f64;
-    let enough: Vec<[u32; 2]> = tiles.iter().copied().filter(|&t| groups(t) >= GEMM_MIN_GROUPS).collect();
+    let enough: Vec<[u32; 2]> = tiles.iter().copied().filter(|&t| groups(t) >= min_groups).collect();
     if enough.is_empty() {
         return tiles.iter().copied().max_by_key(|&t| (groups(t), std::cmp::Reverse(t)));
     }
@@ -410,6 +416,7 @@ impl VulkanGpu {
             // Vulkan 1.2 instance — rtune's — must enable even on a Vulkan 1.3 device).
             let sub = crate::device::vulkan::subgroups(&instance, pd);
             let max_alloc = crate::device::vulkan::max_allocation(&instance, pd);
+            let compute_units = crate::device::vulkan::compute_units(&instance, pd);
             let size_ext = ash::ext::subgroup_size_control::NAME;
             let has_size_ext = crate::device::vulkan::has_extension(&instance, pd, size_ext);
             let mut size_control = vk::PhysicalDeviceSubgroupSizeControlFeatures::default();
@@ -532,6 +539,7 @@ impl VulkanGpu {
                 ),
                 max_shared: props.limits.max_compute_shared_memory_size,
                 max_alloc,
+                compute_units,
                 subgroup: sub.size,
                 require_subgroup,
                 name,
@@ -919,8 +927,9 @@ impl VulkanGpu {
     /// [`choose_gemm_tile`] picks for the product.
     fn gemm_cm(&self, g: &Gemm, tile: Option<[u32; 2]>) -> Result<(), GpuError> {
         let tiles = self.gemm_cm_tiles(g.ab);
-        let Some([wm, wn]) =
-            tile.or(self.gemm_tile.filter(|t| tiles.contains(t))).or_else(|| choose_gemm_tile(g.m, g.n, &tiles))
+        let Some([wm, wn]) = tile
+            .or(self.gemm_tile.filter(|t| tiles.contains(t)))
+            .or_else(|| choose_gemm_tile(g.m, g.n, &tiles, self.compute_units))
         else {
             return Err(GpuError::Device(format!(
                 "no product tile fits this device's {} KiB of shared memory and {}-lane subgroups",
@@ -1758,15 +1767,18 @@ mod tests {
         assert_eq!(gemm_tiles([16, 16, 16], 64, 65536), [[64, 64]]);
         assert_eq!(gemm_tiles([16, 16, 16], 32, 16384), [[32, 32]]);
         assert_eq!(gemm_tiles([16, 16, 16], 128, 65536), Vec::<[u32; 2]>::new());
-        // 360M at 4 × 512 tokens: gate/up (2048 × 2560) and the LM head's chunks fill 264+
-        // workgroups with the largest tile; q/o (2048 × 960) with 64 × 128 (256; 128 × 64 would
-        // launch 240); k/v (2048 × 320) with none, so the smallest.
-        assert_eq!(choose_gemm_tile(2048, 2560, &nvidia), Some([64, 64]));
-        assert_eq!(choose_gemm_tile(2048, 8192, &nvidia), Some([64, 64]));
-        assert_eq!(choose_gemm_tile(2048, 960, &nvidia), Some([32, 64]));
-        assert_eq!(choose_gemm_tile(2048, 320, &nvidia), Some([32, 32]));
-        assert_eq!(choose_gemm_tile(70, 78, &[[64, 64]]), Some([64, 64]));
-        assert_eq!(choose_gemm_tile(70, 78, &[]), None);
+        // 360M at 4 × 512 tokens on 128 units (two workgroups each): gate/up (2048 × 2560) and
+        // the LM head's chunks fill them with the largest tile; q/o (2048 × 960) with 64 × 128
+        // (256; 128 × 64 would launch 240); k/v (2048 × 320) with none, so the smallest.
+        let (h100, small_gpu) = (Some(128), Some(12));
+        assert_eq!(choose_gemm_tile(2048, 2560, &nvidia, h100), Some([64, 64]));
+        assert_eq!(choose_gemm_tile(2048, 8192, &nvidia, None), Some([64, 64]));
+        assert_eq!(choose_gemm_tile(2048, 960, &nvidia, h100), Some([32, 64]));
+        assert_eq!(choose_gemm_tile(2048, 320, &nvidia, h100), Some([32, 32]));
+        // An integrated GPU of 12 units: the largest tile wherever it launches 24 workgroups.
+        assert_eq!(choose_gemm_tile(2048, 320, &nvidia, small_gpu), Some([64, 64]));
+        assert_eq!(choose_gemm_tile(70, 78, &[[64, 64]], h100), Some([64, 64]));
+        assert_eq!(choose_gemm_tile(70, 78, &[], h100), None);
         assert_eq!(parse_tile("64x32"), Some([64, 32]));
         assert_eq!(parse_tile("48x32"), None);
         assert_eq!(parse_tile("64"), None);
