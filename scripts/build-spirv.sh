@@ -43,6 +43,8 @@ done
 for t in bf16 f16; do
   compile "gemm_cm_${t}_f32" -DK_gemm_cm "-DT_${t^^}" -DC_F32
   compile "gemm_cm_${t}_$t" -DK_gemm_cm "-DT_${t^^}"
+  compile "gemm_cm1_${t}_f32" -DK_gemm_cm1 "-DT_${t^^}" -DC_F32
+  compile "gemm_cm1_${t}_$t" -DK_gemm_cm1 "-DT_${t^^}"
   for k in attn_fwd_mma attn_bwd_dq_mma attn_bwd_dkv_mma; do
     compile "${k}_$t" "-DK_$k" "-DT_${t^^}"
     compile "${k}_${t}_rows" "-DK_$k" "-DT_${t^^}" -DROW_LOADS

@@ -1052,6 +1052,12 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
             fallback.name()
         );
         check_attention(&fallback, &[(Dt::F16, 64, true)]);
+        // Where the products' current kernel fails its check, its first form stands in.
+        let gpu = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap();
+        let first = gpu.with_gpu_kernels().with_matrix_shape(Dt::F16, shape).with_current_products_rejected();
+        assert!(first.matrix_shape(Dt::F16).unwrap().is_some(), "{}: the first form did not stand in", first.name());
+        assert!(first.first_form_products(Dt::F16), "{}: the products did not switch to the first form", first.name());
+        check_products(&(Rc::new(first) as Rc<dyn Gpu>), &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
     }
 }
 
@@ -1964,6 +1970,10 @@ fn gpu_product_tiles() {
         if gpus[0].is_none() {
             println!("no Vulkan device with {dt:?} matrix units");
             continue;
+        }
+        let probe = VulkanGpu::new(vulkan_ordinal()).unwrap().with_gpu_kernels();
+        if probe.matrix_shape(dt).unwrap().is_some() && probe.first_form_products(dt) {
+            println!("{dt:?}: the current product kernel failed its check; every column is its first form");
         }
         for (what, m, n, k, b_trans) in product_shapes(tokens) {
             let cells: Vec<String> = gpus

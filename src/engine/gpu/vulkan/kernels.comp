@@ -956,7 +956,7 @@ void main() {
 // the compute dtype T, C in f32 (`-DC_F32`) or T; f32 accumulation. 64×64 tiles of C per
 // workgroup of 256 invocations, 4×4 outputs each. Grid (⌈n/64⌉, ⌈m/64⌉).
 
-#if defined(K_gemm) || defined(K_gemm_sg) || defined(K_gemm_cm)
+#if defined(K_gemm) || defined(K_gemm_sg) || defined(K_gemm_cm) || defined(K_gemm_cm1)
 // C is f32 (`-DC_F32`) or the compute dtype.
 #ifdef C_F32
 #define CB F32
@@ -1278,7 +1278,7 @@ void main() {
 // matrix units is a whole number of 16 bytes long (a unit test in vulkan/mod.rs reads the sizes
 // from the SPIR-V), and each then starts 16-byte aligned whatever the order.
 // Built by tools/glslc (glslang with GL_KHR_cooperative_matrix and GL_EXT_bfloat16).
-#if defined(K_gemm_cm) || defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma) || defined(K_attn_bwd_dkv_mma) || defined(K_cm_probe)
+#if defined(K_gemm_cm) || defined(K_gemm_cm1) || defined(K_attn_fwd_mma) || defined(K_attn_bwd_dq_mma) || defined(K_attn_bwd_dkv_mma) || defined(K_cm_probe)
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -1421,6 +1421,82 @@ void main() {
                 [[unroll]] for (uint i = 0; i < FM; i++) acc[i * FN + j] = coopMatMulAdd(fa[i], fb, acc[i * FN + j]);
             }
         }
+    }
+    uint own = sg * TM * TN;
+    [[unroll]] for (uint i = 0; i < FM; i++)
+        [[unroll]] for (uint j = 0; j < FN; j++) {
+            coopMatStore(acc[i * FN + j], sc, own, TN, gl_CooperativeMatrixLayoutRowMajor);
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            for (uint e = gl_SubgroupInvocationID; e < TM * TN; e += gl_SubgroupSize) {
+                int r = row0 + int(wr + i * TM + e / TN), cc = col0 + int(wc + j * TN + e % TN);
+                if (r < p.m && cc < p.n) {
+                    int at_ = r * p.ldc + cc;
+                    float out_ = p.alpha * sc[own + e];
+                    if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at_);
+                    stc_(p.c, at_, out_);
+                }
+            }
+            subgroupBarrier();
+        }
+}
+#endif
+
+// The first form of gemm_cm (`gemm_cm1`), kept as the stand-in where the form above fails its
+// first-use check on a driver: a 64 × 64 tile of C per workgroup, each subgroup a 32 × 32
+// quarter, operands loaded value by value, nothing loaded ahead (13–22 TFLOP/s on an H200, where
+// it passed its check).
+#if defined(K_gemm_cm1)
+layout(push_constant) uniform P {
+    TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
+    float beta;
+} p;
+#define BM 64
+#define BN 64
+#define BK 32
+#define SA (BK + 8)
+#define SB (BN + 8)
+const uint FM = 32 / TM;
+const uint FN = 32 / TN;
+shared ET sa[BM * SA];
+shared ET sb[BK * SB];
+shared float sc[4 * TM * TN];
+void main() {
+    int row0 = int(gl_WorkGroupID.y) * BM, col0 = int(gl_WorkGroupID.x) * BN;
+    uint sg = gl_SubgroupID;
+    uint wr = (sg / 2) * 32, wc = (sg % 2) * 32;
+    bool at = p.a_trans != 0, bt = p.b_trans != 0;
+    coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator> acc[FM * FN];
+    [[unroll]] for (uint i = 0; i < FM * FN; i++) acc[i] = coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator>(0.0);
+    for (int k0 = 0; k0 < p.k; k0 += BK) {
+        // Consecutive invocations read consecutive addresses of A and B whichever way each is
+        // stored.
+        for (int e = TID; e < BM * BK; e += BLOCK) {
+            int r = at ? e % BM : e / BK, kk = at ? e / BM : e % BK;
+            int gr = row0 + r, gk = k0 + kk;
+            float v = 0.0;
+            if (gr < p.m && gk < p.k) v = ld(p.a, at ? gk * p.lda + gr : gr * p.lda + gk);
+            sa[r * SA + kk] = ET(v);
+        }
+        for (int e = TID; e < BK * BN; e += BLOCK) {
+            int kk = bt ? e % BK : e / BN, c = bt ? e / BK : e % BN;
+            int gk = k0 + kk, gc = col0 + c;
+            float v = 0.0;
+            if (gk < p.k && gc < p.n) v = ld(p.b, bt ? gc * p.ldb + gk : gk * p.ldb + gc);
+            sb[kk * SB + c] = ET(v);
+        }
+        barrier();
+        [[unroll]] for (uint kk = 0; kk < BK; kk += TK) {
+            coopmat<ET, gl_ScopeSubgroup, TM, TK, gl_MatrixUseA> fa[FM];
+            coopmat<ET, gl_ScopeSubgroup, TK, TN, gl_MatrixUseB> fb[FN];
+            [[unroll]] for (uint i = 0; i < FM; i++)
+                coopMatLoad(fa[i], sa, (wr + i * TM) * SA + kk, SA, gl_CooperativeMatrixLayoutRowMajor);
+            [[unroll]] for (uint j = 0; j < FN; j++)
+                coopMatLoad(fb[j], sb, kk * SB + wc + j * TN, SB, gl_CooperativeMatrixLayoutRowMajor);
+            [[unroll]] for (uint i = 0; i < FM; i++)
+                [[unroll]] for (uint j = 0; j < FN; j++) acc[i * FN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * FN + j]);
+        }
+        barrier();
     }
     uint own = sg * TM * TN;
     [[unroll]] for (uint i = 0; i < FM; i++)

@@ -98,6 +98,9 @@ pub struct VulkanGpu {
     /// For tests: the attention's first-use check treats the kernels' direct form as failed
     /// ([`Self::with_direct_attention_rejected`]).
     reject_direct_attention: bool,
+    /// For tests: the products' first-use check treats the current `gemm_cm` as failed
+    /// ([`Self::with_current_products_rejected`]).
+    reject_current_products: bool,
     /// The tile every product on the matrix units runs with, where one is forced
     /// (`RTUNE_VULKAN_GEMM_TILE`, [`Self::with_gemm_tile`]); else [`choose_gemm_tile`] picks per
     /// product.
@@ -149,7 +152,7 @@ fn gemm_args(g: &Gemm) -> Vec<Arg> {
     ]
 }
 
-/// One 64 × 64 tile of C per workgroup (`K_gemm`).
+/// One 64 × 64 tile of C per workgroup (`K_gemm`, `K_gemm_cm1`).
 fn gemm_grid(g: &Gemm) -> [u32; 3] {
     [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1]
 }
@@ -223,6 +226,9 @@ struct MatrixUnits {
     /// where the direct form fails and this one passes (a driver whose column-major loads are
     /// wrong, [`VulkanGpu::matrix_load_probe`]), or by a test.
     rows: bool,
+    /// The products run the kernel's first form (`gemm_cm1`, measured on an H200): chosen by
+    /// the products' first-use check where the current form fails and this one passes.
+    first_form: bool,
 }
 
 impl MatrixUnits {
@@ -232,7 +238,7 @@ impl MatrixUnits {
     fn untried(shape: [u32; 3], max_shared: u32) -> MatrixUnits {
         let fits = [64, 128].iter().all(|&d| attention_tile(shape, d, max_shared).is_some());
         let attention = if fits { Check::Untried } else { Check::Failed };
-        MatrixUnits { shape, product: Check::Untried, attention, rows: false }
+        MatrixUnits { shape, product: Check::Untried, attention, rows: false, first_form: false }
     }
 }
 
@@ -252,6 +258,7 @@ enum Check {
 fn matrix_module(module: &str) -> Option<Dt> {
     let t = module
         .strip_prefix("gemm_cm_")
+        .or_else(|| module.strip_prefix("gemm_cm1_"))
         .or_else(|| module.strip_prefix("cm_probe_"))
         .or_else(|| Some(module.split_once("_mma_")?.1))?;
     [Dt::Bf16, Dt::F16].into_iter().find(|dt| t.starts_with(dt.suffix()))
@@ -531,6 +538,7 @@ impl VulkanGpu {
                 cpu_subgroup,
                 software: props.device_type == vk::PhysicalDeviceType::CPU,
                 reject_direct_attention: false,
+                reject_current_products: false,
                 gemm_tile: std::env::var("RTUNE_VULKAN_GEMM_TILE").ok().and_then(|v| parse_tile(&v)),
                 matrix: Cell::new(
                     matrix.map(|m| {
@@ -668,10 +676,53 @@ impl VulkanGpu {
     }
 
     /// Whether products of `dt` inputs run on the device's matrix units (`gemm_cm`). The first
-    /// time, the kernel's result on two small products with partial tiles (one with both
-    /// operands transposed) is compared with an f64 product on the host ([`Self::first_use`]).
+    /// time, the kernel's results on small products with partial tiles are compared with f64
+    /// products on the host ([`Self::first_use`], [`Self::matrix_check`]); where they differ,
+    /// the kernel's first form (`gemm_cm1`) is checked and, if right, stands in (said once).
     fn matrix_units(&self, dt: Dt) -> Result<bool, GpuError> {
-        self.first_use(dt, "products", |u| &mut u.product, || self.matrix_check(dt))
+        self.first_use(
+            dt,
+            "products",
+            |u| &mut u.product,
+            || {
+                let current = match self.matrix_check(dt)? {
+                    None if !self.reject_current_products => return Ok(None),
+                    None => "rejected by a test".to_string(),
+                    Some(why) => why,
+                };
+                self.set_units(dt, |u| u.first_form = true);
+                match self.matrix_check(dt)? {
+                    None => {
+                        eprintln!(
+                            "rtune: {}: {} products on the matrix units failed a check ({current}); the kernel's \
+                         first form passed and stands in",
+                            self.name,
+                            dt.suffix()
+                        );
+                        Ok(None)
+                    }
+                    Some(first) => {
+                        self.set_units(dt, |u| u.first_form = false);
+                        Ok(Some(format!("{current}; its first form: {first}")))
+                    }
+                }
+            },
+        )
+    }
+
+    /// Whether products of `dt` inputs on the matrix units run the kernel's first form
+    /// (`gemm_cm1`), which stands in where the current one fails its check.
+    #[doc(hidden)]
+    pub fn first_form_products(&self, dt: Dt) -> bool {
+        self.units(dt).is_some_and(|u| u.first_form)
+    }
+
+    /// For tests: the products' first-use check counts the current `gemm_cm` as failed, so that
+    /// the check goes on to its first form, as on a driver where the current one is wrong.
+    #[doc(hidden)]
+    pub fn with_current_products_rejected(mut self) -> VulkanGpu {
+        self.reject_current_products = true;
+        self
     }
 
     /// Whether attention with `dt` inputs runs on the device's matrix units (`attn_*_mma_*`):
@@ -857,7 +908,10 @@ impl VulkanGpu {
                 (0..rows * pitch).map(|i| if i % pitch < cols { check_value(seed + i) } else { 512.0 }).collect();
             dt.decode(&dt.encode(&v))
         };
-        let tiles = self.gemm_cm_tiles(dt);
+        // The first form has one tile of its own.
+        let first_form = self.units(dt).is_some_and(|u| u.first_form);
+        let tiles: Vec<Option<[u32; 2]>> =
+            if first_form { vec![None] } else { self.gemm_cm_tiles(dt).into_iter().map(Some).collect() };
         if tiles.is_empty() {
             return Ok(Some(format!(
                 "no tile fits {} KiB of shared memory with {}-lane subgroups",
@@ -897,7 +951,7 @@ impl VulkanGpu {
                         ab: dt,
                         c_dt: Dt::F32,
                     };
-                    self.gemm_cm(&g, Some(tile))?;
+                    self.gemm_cm(&g, tile)?;
                     let out = scratch.read(pc, m * n, Dt::F32)?;
                     for r in 0..m {
                         for c in 0..n {
@@ -909,10 +963,9 @@ impl VulkanGpu {
                             if got.is_nan() || (got - want).abs() > 1e-5 * scale + 1e-30 {
                                 let t = if trans { ", operands transposed" } else { "" };
                                 let al = if off == 0 { "aligned" } else { "unaligned" };
-                                let [wm, wn] = tile;
-                                return Ok(Some(format!(
-                                    "C[{r}][{c}] = {got}, expected {want} (tile {wm}×{wn}, {al}{t})"
-                                )));
+                                let how =
+                                    tile.map_or("first form".to_string(), |[wm, wn]| format!("{wm}×{wn} a subgroup"));
+                                return Ok(Some(format!("C[{r}][{c}] = {got}, expected {want} ({how}, {al}{t})")));
                             }
                         }
                     }
@@ -926,6 +979,10 @@ impl VulkanGpu {
     /// chose: workgroups of four subgroups, with the tile `tile` or else the one
     /// [`choose_gemm_tile`] picks for the product.
     fn gemm_cm(&self, g: &Gemm, tile: Option<[u32; 2]>) -> Result<(), GpuError> {
+        if self.units(g.ab).is_some_and(|u| u.first_form) {
+            let kernel = format!("gemm_cm1_{}_{}", g.ab.suffix(), g.c_dt.suffix());
+            return self.dispatch(&kernel, gemm_grid(g), 4 * self.subgroup, &gemm_args(g));
+        }
         let tiles = self.gemm_cm_tiles(g.ab);
         let Some([wm, wn]) = tile
             .or(self.gemm_tile.filter(|t| tiles.contains(t)))
