@@ -685,10 +685,18 @@ impl VulkanGpu {
             "products",
             |u| &mut u.product,
             || {
-                let current = match self.matrix_check(dt)? {
-                    None if !self.reject_current_products => return Ok(None),
-                    None => "rejected by a test".to_string(),
-                    Some(why) => why,
+                // A kernel that cannot run here (a driver that fails to compile it) fails like a
+                // wrong one; a lost device is not the kernel's doing.
+                let checked = if self.reject_current_products {
+                    Err(GpuError::Device("rejected by a test".to_string()))
+                } else {
+                    self.matrix_check(dt)
+                };
+                let current = match checked {
+                    Ok(None) => return Ok(None),
+                    Ok(Some(why)) => why,
+                    Err(e) if self.state.borrow().lost.is_some() => return Err(e),
+                    Err(e) => e.to_string(),
                 };
                 self.set_units(dt, |u| u.first_form = true);
                 match self.matrix_check(dt)? {
@@ -717,8 +725,9 @@ impl VulkanGpu {
         self.units(dt).is_some_and(|u| u.first_form)
     }
 
-    /// For tests: the products' first-use check counts the current `gemm_cm` as failed, so that
-    /// the check goes on to its first form, as on a driver where the current one is wrong.
+    /// For tests: the products' first-use check counts the current `gemm_cm` as failed to run,
+    /// so that the check goes on to its first form, as on a driver that cannot compile the
+    /// current one or gets it wrong.
     #[doc(hidden)]
     pub fn with_current_products_rejected(mut self) -> VulkanGpu {
         self.reject_current_products = true;
