@@ -19,7 +19,7 @@
 #                                   # on an H200 on 2026-11-27 — NO-GO — so off by default)
 #   BUDGET=120 scripts/gpu-session.sh second   # carry .gpu .gl: what `first` leaves, most
 #                                   # wanted first: the 360M through Vulkan with the tile `first`
-#                                   # found fastest, Vulkan f16, QLoRA and the full fine-tune on
+#                                   # found fastest, a kernel profile of its steps, Vulkan f16, QLoRA and the full fine-tune on
 #                                   # CUDA and Vulkan against the CPU, QLoRA on CUDA against
 #                                   # PyTorch + bitsandbytes, rtune on CUDA, the scalar
 #                                   # attention's share, QLoRA through Vulkan, the exports' GPU
@@ -148,6 +148,11 @@ second)
       scripts/gpu_bench.sh "${shapes[0]}"
     bench_table bench-vulkan-tile
   fi
+  # Where a Vulkan step's time goes, kernel by kernel (each dispatch waited for, so slower than the
+  # benchmark; 5 steps): what to speed up next once products and attention are fast.
+  OUT="$work/profile-vulkan" RTUNE_PROFILE=kernels STEPS=5 DEVICE=vulkan SKIP_TORCH=1 step profile-vulkan 60 30 \
+    scripts/gpu_bench.sh "${shapes[0]}"
+  grep -hE "in kernels|µs/call" "$work"/profile-vulkan/*.log 2>/dev/null | head -30 | tee -a "$summary"
   OUT="$work/bench-vulkan-f16" DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 step bench-vulkan-f16 80 40 \
     scripts/gpu_bench.sh "${shapes[0]}"
   bench_table bench-vulkan-f16

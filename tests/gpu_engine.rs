@@ -999,6 +999,63 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
     }
 }
 
+/// A product large enough to have its tile timed (here any: `with_tuning_from(0)`) times every
+/// tile once, into scratch memory, keeps the fastest for its shape, and computes what the
+/// reference does — C's prior values (β ≠ 0) untouched by the timing runs. On a Vulkan device
+/// with f16 matrix units (required where `RTUNE_REQUIRE_MATRIX_UNITS` names f16).
+#[cfg(feature = "vulkan")]
+#[test]
+fn products_time_their_tile_once_per_shape_and_keep_c() {
+    if !testing("vulkan") {
+        return;
+    }
+    let gpu = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
+        Ok(g) => g.with_gpu_kernels().with_tuning_from(0),
+        Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
+        Err(e) => return eprintln!("no Vulkan device: {e}"),
+    };
+    if gpu.matrix_shape(Dt::F16).unwrap().is_none() {
+        assert!(!required_matrix_units().contains(&Dt::F16), "{}: no f16 matrix units", gpu.name());
+        return eprintln!("{}: no f16 matrix units", gpu.name());
+    }
+    let (m, n, k) = (150, 140, 72);
+    let mut rng = Rng::new(7);
+    let a = rounded(Dt::F16, &rand_vec(&mut rng, m * k, 1.0));
+    let b = rounded(Dt::F16, &rand_vec(&mut rng, n * k, 1.0));
+    let c0 = rand_vec(&mut rng, m * n, 1.0);
+    let vk = Rc::new(gpu);
+    let gpu: Rc<dyn Gpu> = vk.clone();
+    let (ab, bb) = (Buf::from_f32(&gpu, &a, Dt::F16).unwrap(), Buf::from_f32(&gpu, &b, Dt::F16).unwrap());
+    let cb = Buf::from_f32(&gpu, &c0, Dt::F32).unwrap();
+    let g = Gemm {
+        m,
+        n,
+        k,
+        a: ab.ptr(),
+        a_trans: false,
+        lda: k,
+        b: bb.ptr(),
+        b_trans: true,
+        ldb: k,
+        c: cb.ptr(),
+        ldc: n,
+        ab: Dt::F16,
+        c_dt: Dt::F32,
+        alpha: 1.0,
+        beta: 0.5,
+    };
+    gpu.gemm(&g).unwrap();
+    let want: Vec<f32> = (0..m * n)
+        .map(|i| {
+            let (r, c) = (i / n, i % n);
+            let dot: f64 = (0..k).map(|p| a[r * k + p] as f64 * b[c * k + p] as f64).sum();
+            (dot + 0.5 * c0[i] as f64) as f32
+        })
+        .collect();
+    assert_close(&format!("{}: timed product", gpu.name()), &cb.to_vec().unwrap(), &want, 1e-5);
+    assert!(vk.product_tile(Dt::F16, Dt::F32, [m, n, k], false, true).is_some(), "{}: no tile kept", gpu.name());
+}
+
 /// The matrix-unit kernels (`gemm_cm`, `attn_*_mma`) with a matrix shape that GPUs list and
 /// CI's lavapipe does not (it lists 8 × 8 × 8 but lowers any shape): products and attention in
 /// f16 against the references. Runs on a CPU implementation of Vulkan with f16 matrix units
@@ -1940,7 +1997,8 @@ fn product_rate(gpu: &Rc<dyn Gpu>, dt: Dt, [m, n, k]: [usize; 3], b_trans: bool,
 }
 
 /// The products of `product_shapes` on the Vulkan device's matrix units with each tile
-/// `gemm_cm` has, beside the tile the engine picks (`RTUNE_TIMING_TOKENS` tokens, default
+/// `gemm_cm` has, beside the tile the engine picks (by timing each on the first product of a
+/// shape) (`RTUNE_TIMING_TOKENS` tokens, default
 /// 2048): which tile is fastest where, to settle `choose_gemm_tile` on hardware. Prints one table
 /// and the tile fastest over all shapes (geometric mean, bf16), for `RTUNE_VULKAN_GEMM_TILE`.
 #[cfg(feature = "vulkan")]

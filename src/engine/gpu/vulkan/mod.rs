@@ -52,6 +52,11 @@ struct Batch {
 #[derive(Default)]
 struct State {
     pipelines: HashMap<(String, u32), vk::Pipeline>,
+    /// The tile each product shape on the matrix units runs with, once chosen
+    /// ([`VulkanGpu::tuned_tile`]): by kernel (`<t>_<c>`), `[m, n, k]` and the transposes.
+    tiles: HashMap<(String, [usize; 3], bool, bool), [u32; 2]>,
+    /// Two timestamps ([`VulkanGpu::gpu_seconds`]), made on first use.
+    query_pool: Option<vk::QueryPool>,
     modules: HashMap<&'static str, vk::ShaderModule>,
     /// Live blocks by device address.
     live: BTreeMap<u64, Block>,
@@ -112,6 +117,10 @@ pub struct VulkanGpu {
     max_alloc: u64,
     /// Compute units where the driver says ([`crate::device::vulkan::compute_units`]).
     compute_units: Option<u32>,
+    /// Nanoseconds per timestamp tick where the compute queue writes timestamps.
+    timestamp_ns: Option<f64>,
+    /// Products of at least this many multiply-adds have their tile timed ([`Self::tuned_tile`]).
+    tune_from: usize,
     /// The subgroup size `gemm_cm`'s workgroups of four subgroups are built for, and whether its
     /// pipelines must require it (where the device may choose among sizes).
     subgroup: u32,
@@ -168,6 +177,10 @@ const GEMM_TILES: [[u32; 2]; 4] = [[64, 64], [64, 32], [32, 64], [32, 32]];
 /// measurement (docs/devices.md, *The owed GPU checks*).
 const GEMM_GROUPS_PER_UNIT: usize = 2;
 const GEMM_UNITS_UNKNOWN: usize = 128;
+
+/// Products of fewer multiply-adds than this (LoRA's, a test's) take [`choose_gemm_tile`]'s tile
+/// untimed: timing them would cost more than a better tile could save.
+const TUNE_FROM: usize = 1 << 27;
 
 /// `64x32` → `[64, 32]`, for a tile among [`GEMM_TILES`].
 fn parse_tile(v: &str) -> Option<[u32; 2]> {
@@ -410,11 +423,14 @@ impl VulkanGpu {
                     support.missing.join(", ")
                 )));
             }
-            let qfi = instance
-                .get_physical_device_queue_family_properties(pd)
+            let families = instance.get_physical_device_queue_family_properties(pd);
+            let qfi = families
                 .iter()
                 .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE))
                 .ok_or_else(|| GpuError::Device(format!("{name} has no compute queue")))? as u32;
+            let timestamp_ns = (families[qfi as usize].timestamp_valid_bits >= 36)
+                .then_some(f64::from(props.limits.timestamp_period))
+                .filter(|&ns| ns > 0.0);
             let prio = [1.0f32];
             let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(qfi).queue_priorities(&prio)];
             // The cooperative-matrix product: a shape per input type, and a workgroup of four
@@ -548,6 +564,8 @@ impl VulkanGpu {
                 max_shared: props.limits.max_compute_shared_memory_size,
                 max_alloc,
                 compute_units,
+                timestamp_ns,
+                tune_from: TUNE_FROM,
                 subgroup: sub.size,
                 require_subgroup,
                 name,
@@ -993,10 +1011,11 @@ impl VulkanGpu {
             return self.dispatch(&kernel, gemm_grid(g), 4 * self.subgroup, &gemm_args(g));
         }
         let tiles = self.gemm_cm_tiles(g.ab);
-        let Some([wm, wn]) = tile
-            .or(self.gemm_tile.filter(|t| tiles.contains(t)))
-            .or_else(|| choose_gemm_tile(g.m, g.n, &tiles, self.compute_units))
-        else {
+        let tile = match tile.or(self.gemm_tile.filter(|t| tiles.contains(t))) {
+            Some(t) => Some(t),
+            None => self.tuned_tile(g, &tiles)?,
+        };
+        let Some([wm, wn]) = tile else {
             return Err(GpuError::Device(format!(
                 "no product tile fits this device's {} KiB of shared memory and {}-lane subgroups",
                 self.max_shared / 1024,
@@ -1006,6 +1025,115 @@ impl VulkanGpu {
         let kernel = format!("gemm_cm_{}_{}_{wm}x{wn}", g.ab.suffix(), g.c_dt.suffix());
         let grid = [g.n.div_ceil(2 * wn as usize) as u32, g.m.div_ceil(2 * wm as usize) as u32, 1];
         self.dispatch(&kernel, grid, 4 * self.subgroup, &gemm_args(g))
+    }
+
+    /// The tile for product `g` among `tiles`: the first product of its shape times each (into
+    /// scratch memory, so C is untouched) and keeps the fastest for every later one, so the tile
+    /// that suits a device is found on the device, whichever GPU it is — where the device writes
+    /// timestamps and the product is large enough ([`TUNE_FROM`]); else, or if timing fails,
+    /// [`choose_gemm_tile`]'s. Every tile sums each output over the inner dimension in the same
+    /// order, so the choice changes the speed, not the result.
+    fn tuned_tile(&self, g: &Gemm, tiles: &[[u32; 2]]) -> Result<Option<[u32; 2]>, GpuError> {
+        let key = (format!("{}_{}", g.ab.suffix(), g.c_dt.suffix()), [g.m, g.n, g.k], g.a_trans, g.b_trans);
+        if let Some(t) = self.state.borrow().tiles.get(&key) {
+            return Ok(Some(*t));
+        }
+        let guess = choose_gemm_tile(g.m, g.n, tiles, self.compute_units);
+        let chosen = if tiles.len() < 2 || g.m * g.n * g.k < self.tune_from || self.timestamp_ns.is_none() {
+            guess
+        } else {
+            match self.time_tiles(g, tiles) {
+                Ok(fastest) => fastest.or(guess),
+                Err(e) if self.state.borrow().lost.is_some() => return Err(e),
+                // No memory for the scratch C, say: the guess serves.
+                Err(_) => guess,
+            }
+        };
+        if let Some(t) = chosen {
+            self.state.borrow_mut().tiles.insert(key, t);
+        }
+        Ok(chosen)
+    }
+
+    /// The fastest of `tiles` for product `g` (three runs each after one that compiles its
+    /// pipeline, timed by the GPU's timestamps), writing into scratch memory in place of C.
+    fn time_tiles(&self, g: &Gemm, tiles: &[[u32; 2]]) -> Result<Option<[u32; 2]>, GpuError> {
+        let scratch = Scratch { gpu: self, held: RefCell::default() };
+        let c = scratch.alloc(((g.m - 1) * g.ldc + g.n) * g.c_dt.size())?;
+        let g = Gemm { c, beta: 0.0, ..*g };
+        let mut best: Option<([u32; 2], f64)> = None;
+        for &tile in tiles {
+            self.gemm_cm(&g, Some(tile))?;
+            let secs = self.gpu_seconds(|| (0..3).try_for_each(|_| self.gemm_cm(&g, Some(tile))))?;
+            if let Some(secs) = secs
+                && best.is_none_or(|(_, b)| secs < b)
+            {
+                best = Some((tile, secs));
+            }
+        }
+        Ok(best.map(|(t, _)| t))
+    }
+
+    /// Seconds the GPU takes for the work `f` records, between two timestamps (`None` where the
+    /// queue writes none). Waits for the device.
+    fn gpu_seconds(&self, f: impl FnOnce() -> Result<(), GpuError>) -> Result<Option<f64>, GpuError> {
+        let Some(tick_ns) = self.timestamp_ns else { return Ok(None) };
+        let pool = {
+            let st = &mut *self.state.borrow_mut();
+            match st.query_pool {
+                Some(p) => p,
+                None => {
+                    let info = vk::QueryPoolCreateInfo::default().query_type(vk::QueryType::TIMESTAMP).query_count(2);
+                    // SAFETY: a live device; the pool is destroyed in `drop`.
+                    let p = unsafe { self.device.create_query_pool(&info, None) }.map_err(verr("timestamp queries"))?;
+                    st.query_pool = Some(p);
+                    p
+                }
+            }
+        };
+        let stamp = |i: u32| {
+            let st = &mut *self.state.borrow_mut();
+            // SAFETY: a command buffer in the recording state; queries 0 and 1 of a live pool,
+            // reset before the first is written.
+            self.record(st, |d, cmd| unsafe {
+                if i == 0 {
+                    d.cmd_reset_query_pool(cmd, pool, 0, 2);
+                }
+                d.cmd_write_timestamp(cmd, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, i);
+            })
+        };
+        stamp(0)?;
+        f()?;
+        stamp(1)?;
+        self.sync(&mut self.state.borrow_mut())?;
+        let mut t = [0u64; 2];
+        // SAFETY: both queries were written by work the sync above waited for.
+        unsafe {
+            self.device.get_query_pool_results(
+                pool,
+                0,
+                &mut t,
+                vk::QueryResultFlags::TYPE_64 | vk::QueryResultFlags::WAIT,
+            )
+        }
+        .map_err(verr("timestamp queries"))?;
+        Ok(Some(t[1].wrapping_sub(t[0]) as f64 * tick_ns * 1e-9))
+    }
+
+    /// For tests: products of at least `work` multiply-adds have their tile timed ([`TUNE_FROM`]
+    /// by default).
+    #[doc(hidden)]
+    pub fn with_tuning_from(mut self, work: usize) -> VulkanGpu {
+        self.tune_from = work;
+        self
+    }
+
+    /// The tile an `m` × `n` × `k` product of `dt` inputs into `c_dt` (`a_trans`, `b_trans`) ran
+    /// with on the matrix units, once one has ([`Self::tuned_tile`]).
+    #[doc(hidden)]
+    pub fn product_tile(&self, dt: Dt, c_dt: Dt, mnk: [usize; 3], a_trans: bool, b_trans: bool) -> Option<[u32; 2]> {
+        let key = (format!("{}_{}", dt.suffix(), c_dt.suffix()), mnk, a_trans, b_trans);
+        self.state.borrow().tiles.get(&key).copied()
     }
 
     /// The tiles `gemm_cm` can run with here for `dt` inputs ([`gemm_tiles`]).
@@ -1660,6 +1788,9 @@ impl Drop for VulkanGpu {
             }
             for (_, p) in st.pipelines.drain() {
                 self.device.destroy_pipeline(p, None);
+            }
+            if let Some(p) = st.query_pool.take() {
+                self.device.destroy_query_pool(p, None);
             }
             for (_, m) in st.modules.drain() {
                 self.device.destroy_shader_module(m, None);
