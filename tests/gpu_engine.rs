@@ -217,6 +217,13 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
                     "{}: no matrix units for {dt:?} products, or they failed their check",
                     with_gpu_kernels.name()
                 );
+                // The kernel's first form stands in for a failing current one in training; here
+                // that is a failure to see.
+                assert!(
+                    !with_gpu_kernels.first_form_products(dt),
+                    "{}: the {dt:?} product kernel failed its check (its first form stood in)",
+                    with_gpu_kernels.name()
+                );
             }
             v.extend(gpu_kernels.map(|g| Rc::new(g) as Rc<dyn Gpu>));
             v.push(Rc::new(g));
@@ -311,10 +318,12 @@ fn products_match_a_reference() {
 fn check_products(gpu: &Rc<dyn Gpu>, types: &[(Dt, Dt)]) {
     for &(dt, c_dt) in types {
         // Pitches past the rows' ends by a few values, or rounded up to 16 bytes (where the
-        // kernels on the matrix units load 16 bytes at a time).
-        for ((m, n, k), aligned) in [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130), (130, 129, 70)]
-            .into_iter()
-            .zip([false, true, false, true, true])
+        // kernels on the matrix units load 16 bytes at a time). The last is long and narrow
+        // enough for the kernel on the matrix units to split its sums (`split_k`).
+        for ((m, n, k), aligned) in
+            [(37, 5, 19), (5, 70, 33), (70, 66, 17), (8, 9, 130), (130, 129, 70), (20, 30, 1100)]
+                .into_iter()
+                .zip([false, true, false, true, true, true])
         {
             for (a_trans, b_trans, beta) in
                 [(false, false, 0.0), (false, true, 0.5), (true, false, 0.0), (true, true, -1.0)]
@@ -1081,6 +1090,11 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
         }
         None => return eprintln!("{}: no f16 matrix units", gpu.name()),
     }
+    assert!(
+        !gpu.first_form_products(Dt::F16),
+        "{}: the product kernel failed its check with shape {shape:?}",
+        gpu.name()
+    );
     // The matrix loads the attention kernels rely on, probed alone (what a failed attention check
     // on a driver reports): row-major, and column-major as QKᵀ reads K.
     assert_eq!(gpu.matrix_load_probe(Dt::F16).unwrap(), None, "{}: matrix loads with shape {shape:?}", gpu.name());

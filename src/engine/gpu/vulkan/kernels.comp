@@ -177,6 +177,23 @@ void main() {
 }
 #endif
 
+// The end of a product split over its inner dimension (gemm_cm with `k_split`): C (m × n, row
+// pitch ldc, in T) = alpha · Σ_z parts[z] + beta · C, the parts (m × n, f32, packed) summed in
+// order of z.
+#ifdef K_split_sum
+layout(push_constant) uniform P { F32 parts; TB c; int m; int n; int ldc; int splits; float alpha; float beta; } p;
+void main() {
+    FOR_EACH(i, p.m * p.n) {
+        float s = 0.0;
+        for (int z = 0; z < p.splits; z++) s += p.parts.v[z * p.m * p.n + i];
+        int at = (i / p.n) * p.ldc + i % p.n;
+        float out_ = p.alpha * s;
+        if (p.beta != 0.0) out_ += p.beta * ld(p.c, at);
+        st(p.c, at, out_);
+    }
+}
+#endif
+
 // ------------------------------------------------------------------------------------------------
 // RMSNorm as transformers computes it: y = w · T(x · inv), inv = 1/√(mean(x²) + eps) in f32.
 // One workgroup per row.
@@ -1294,9 +1311,11 @@ layout(constant_id = 4) const uint TK = 16;
 #endif
 
 #if defined(K_gemm_cm)
+// `k_split` > 0: workgroup z takes the inner dimension's values z·k_split .. (z + 1)·k_split − 1
+// (a multiple of BK) and writes its part of the product at C + z·m·ldc (split_sum adds them).
 layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
-    float beta;
+    float beta; int k_split;
 } p;
 // The tile: four subgroups in a 2 × 2 grid, each computing WM × WN of C (constants 1 and 6, the
 // `_<WM>x<WN>` suffix the host launches it under), so a workgroup computes BM × BN, walking the
@@ -1399,17 +1418,19 @@ void main() {
     uvec4 ra[NP], rb[NP];
     coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator> acc[FM * FN];
     [[unroll]] for (uint i = 0; i < FM * FN; i++) acc[i] = coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator>(0.0);
-    fetch(pa, va, row0 * ars, ars, acs, int(BM), BK, p.m - row0, p.k, NA, ra);
-    fetch(pb, vb, col0 * bcs, brs, bcs, BK, int(BN), p.k, p.n - col0, NB, rb);
-    for (int k0 = 0; k0 < p.k; k0 += BK) {
+    int kb = p.k_split > 0 ? int(gl_WorkGroupID.z) * p.k_split : 0;
+    int ke = p.k_split > 0 ? min(p.k, kb + p.k_split) : p.k;
+    fetch(pa, va, row0 * ars + kb * acs, ars, acs, int(BM), BK, p.m - row0, ke - kb, NA, ra);
+    fetch(pb, vb, kb * brs + col0 * bcs, brs, bcs, BK, int(BN), ke - kb, p.n - col0, NB, rb);
+    for (int k0 = kb; k0 < ke; k0 += BK) {
         barrier();
         [[unroll]] for (uint l = 0; l < NA; l++) sa[slot(!at, l, int(BM), BK)] = ra[l];
         [[unroll]] for (uint l = 0; l < NB; l++) sb[slot(!bt, l, BK, int(BN))] = rb[l];
         barrier();
         int k1 = k0 + BK;
-        if (k1 < p.k) {
-            fetch(pa, va, row0 * ars + k1 * acs, ars, acs, int(BM), BK, p.m - row0, p.k - k1, NA, ra);
-            fetch(pb, vb, k1 * brs + col0 * bcs, brs, bcs, BK, int(BN), p.k - k1, p.n - col0, NB, rb);
+        if (k1 < ke) {
+            fetch(pa, va, row0 * ars + k1 * acs, ars, acs, int(BM), BK, p.m - row0, ke - k1, NA, ra);
+            fetch(pb, vb, k1 * brs + col0 * bcs, brs, bcs, BK, int(BN), ke - k1, p.n - col0, NB, rb);
         }
         [[unroll]] for (uint kk = 0; kk < BK; kk += TK) {
             coopmat<ET, gl_ScopeSubgroup, TM, TK, gl_MatrixUseA> fa[FM];
@@ -1431,7 +1452,7 @@ void main() {
             for (uint e = gl_SubgroupInvocationID; e < TM * TN; e += gl_SubgroupSize) {
                 int r = row0 + int(wr + i * TM + e / TN), cc = col0 + int(wc + j * TN + e % TN);
                 if (r < p.m && cc < p.n) {
-                    int at_ = r * p.ldc + cc;
+                    int at_ = int(gl_WorkGroupID.z) * p.m * p.ldc + r * p.ldc + cc;
                     float out_ = p.alpha * sc[own + e];
                     if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at_);
                     stc_(p.c, at_, out_);

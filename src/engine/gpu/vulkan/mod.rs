@@ -182,6 +182,29 @@ const GEMM_UNITS_UNKNOWN: usize = 128;
 /// untimed: timing them would cost more than a better tile could save.
 const TUNE_FROM: usize = 1 << 27;
 
+/// A product whose output leaves compute units idle even with the smallest tile (LoRA's weight
+/// gradients: 960 × 16 outputs summed over 2048 tokens, 15 workgroups) is split over its inner
+/// dimension: into parts of at least [`SPLIT_MIN`] values, as many as bring it to two workgroups
+/// per unit (at most [`SPLIT_MAX`]). `None`: not split. A function of the shape and the device
+/// alone — not of the tile, which is timed — so a run's sums are the same every time.
+fn split_k(m: usize, n: usize, k: usize, units: Option<u32>) -> Option<usize> {
+    let units = units.map_or(GEMM_UNITS_UNKNOWN, |u| u as usize);
+    let groups = m.div_ceil(64) * n.div_ceil(64);
+    if groups >= units {
+        return None;
+    }
+    let parts = (GEMM_GROUPS_PER_UNIT * units).div_ceil(groups).min(k / SPLIT_MIN).min(SPLIT_MAX);
+    if parts < 2 {
+        return None;
+    }
+    Some(k.div_ceil(parts).next_multiple_of(32))
+}
+
+/// The fewest inner-dimension values a part of a split product takes ([`split_k`]).
+const SPLIT_MIN: usize = 256;
+/// The most parts a product is split into.
+const SPLIT_MAX: usize = 32;
+
 /// `64x32` → `[64, 32]`, for a tile among [`GEMM_TILES`].
 fn parse_tile(v: &str) -> Option<[u32; 2]> {
     let (m, n) = v.split_once('x')?;
@@ -960,7 +983,13 @@ impl VulkanGpu {
                 let pad = |v: &[f32]| [vec![0.0; off], v.to_vec()].concat();
                 let (pa, pb) = (scratch.upload(&dt.encode(&pad(&a)))?, scratch.upload(&dt.encode(&pad(&b)))?);
                 let (pa, pb) = (pa + (off * dt.size()) as u64, pb + (off * dt.size()) as u64);
-                for &tile in &tiles {
+                // The current form also with the inner dimension split in two (32 + 12).
+                let runs: Vec<(Option<[u32; 2]>, Option<usize>)> = tiles
+                    .iter()
+                    .flat_map(|&t| [(t, None), (t, Some(32))])
+                    .filter(|(t, s)| t.is_some() || s.is_none())
+                    .collect();
+                for &(tile, split) in &runs {
                     let g = Gemm {
                         m,
                         n,
@@ -978,7 +1007,10 @@ impl VulkanGpu {
                         ab: dt,
                         c_dt: Dt::F32,
                     };
-                    self.gemm_cm(&g, tile)?;
+                    match (tile, split) {
+                        (Some(t), Some(_)) => self.gemm_cm_split(&g, t, split)?,
+                        _ => self.gemm_cm(&g, tile)?,
+                    }
                     let out = scratch.read(pc, m * n, Dt::F32)?;
                     for r in 0..m {
                         for c in 0..n {
@@ -992,6 +1024,7 @@ impl VulkanGpu {
                                 let al = if off == 0 { "aligned" } else { "unaligned" };
                                 let how =
                                     tile.map_or("first form".to_string(), |[wm, wn]| format!("{wm}×{wn} a subgroup"));
+                                let how = if split.is_some() { format!("{how}, split") } else { how };
                                 return Ok(Some(format!("C[{r}][{c}] = {got}, expected {want} ({how}, {al}{t})")));
                             }
                         }
@@ -1022,9 +1055,35 @@ impl VulkanGpu {
                 self.subgroup
             )));
         };
-        let kernel = format!("gemm_cm_{}_{}_{wm}x{wn}", g.ab.suffix(), g.c_dt.suffix());
-        let grid = [g.n.div_ceil(2 * wn as usize) as u32, g.m.div_ceil(2 * wm as usize) as u32, 1];
-        self.dispatch(&kernel, grid, 4 * self.subgroup, &gemm_args(g))
+        self.gemm_cm_split(g, [wm, wn], split_k(g.m, g.n, g.k, self.compute_units))
+    }
+
+    /// `g` on the matrix units with tile `[wm, wn]`, its inner dimension split in parts of
+    /// `split` values (a multiple of 32; `None`: whole): the parts go to scratch memory in f32
+    /// and `split_sum` adds them into C in order.
+    fn gemm_cm_split(&self, g: &Gemm, [wm, wn]: [u32; 2], split: Option<usize>) -> Result<(), GpuError> {
+        let kernel = |c: Dt| format!("gemm_cm_{}_{}_{wm}x{wn}", g.ab.suffix(), c.suffix());
+        let grid = |z: usize| [g.n.div_ceil(2 * wn as usize) as u32, g.m.div_ceil(2 * wm as usize) as u32, z as u32];
+        let Some(ks) = split.filter(|&ks| ks < g.k) else {
+            let args = [gemm_args(g), vec![Arg::I32(0)]].concat();
+            return self.dispatch(&kernel(g.c_dt), grid(1), 4 * self.subgroup, &args);
+        };
+        let parts = g.k.div_ceil(ks);
+        let scratch = Scratch { gpu: self, held: RefCell::default() };
+        let c = scratch.alloc(parts * g.m * g.n * 4)?;
+        let pg = Gemm { c, ldc: g.n, alpha: 1.0, beta: 0.0, c_dt: Dt::F32, ..*g };
+        let args = [gemm_args(&pg), vec![Arg::I32(ks as i32)]].concat();
+        self.dispatch(&kernel(Dt::F32), grid(parts), 4 * self.subgroup, &args)?;
+        let i = |v: usize| Arg::I32(v as i32);
+        let n = g.m * g.n;
+        let sum_args =
+            [Arg::Ptr(c), Arg::Ptr(g.c), i(g.m), i(g.n), i(g.ldc), i(parts), Arg::F32(g.alpha), Arg::F32(g.beta)];
+        self.dispatch(
+            &format!("split_sum_{}", g.c_dt.suffix()),
+            [n.div_ceil(256).clamp(1, 16384) as u32, 1, 1],
+            256,
+            &sum_args,
+        )
     }
 
     /// The tile for product `g` among `tiles`: the first product of its shape times each (into
@@ -1976,6 +2035,16 @@ mod tests {
         assert_eq!(choose_gemm_tile(2048, 320, &nvidia, small_gpu), Some([64, 64]));
         assert_eq!(choose_gemm_tile(70, 78, &[[64, 64]], h100), Some([64, 64]));
         assert_eq!(choose_gemm_tile(70, 78, &[], h100), None);
+        // Split over the inner dimension: LoRA's weight gradients (15 workgroups), in parts of
+        // 256 (8 parts, not the 18 that would fill 132 units); not q/o (480 workgroups) nor k/v
+        // (160); not a short sum; at most 32 parts.
+        use super::split_k;
+        assert_eq!(split_k(960, 16, 2048, Some(132)), Some(256));
+        assert_eq!(split_k(16, 960, 2048, None), Some(256));
+        assert_eq!(split_k(2048, 960, 960, Some(132)), None);
+        assert_eq!(split_k(2048, 320, 960, Some(132)), None);
+        assert_eq!(split_k(960, 16, 300, Some(132)), None);
+        assert_eq!(split_k(16, 16, 1 << 20, Some(132)), Some(32768));
         assert_eq!(parse_tile("64x32"), Some([64, 32]));
         assert_eq!(parse_tile("48x32"), None);
         assert_eq!(parse_tile("64"), None);
