@@ -53,7 +53,7 @@ struct Batch {
 struct State {
     pipelines: HashMap<(String, u32), vk::Pipeline>,
     /// The tile each product shape on the matrix units runs with, once chosen
-    /// ([`VulkanGpu::tuned_tile`]): by kernel (`<t>_<c>`), `[m, n, k]` and the transposes.
+    /// ([`VulkanGpu::tuned_tile`]): by kernel (`<t>_<c>`), [`shape_class`] and the transposes.
     tiles: HashMap<(String, [usize; 3], bool, bool), [u32; 2]>,
     /// Two timestamps ([`VulkanGpu::gpu_seconds`]), made on first use.
     query_pool: Option<vk::QueryPool>,
@@ -204,6 +204,13 @@ fn split_k(m: usize, n: usize, k: usize, units: Option<u32>) -> Option<usize> {
 const SPLIT_MIN: usize = 256;
 /// The most parts a product is split into.
 const SPLIT_MAX: usize = 32;
+
+/// The products that share a timed tile ([`VulkanGpu::tuned_tile`]): each side rounded up to a
+/// power of two, so that batches padded to their longest row (a new number of tokens each step)
+/// are timed a handful of times, not at every step.
+fn shape_class(mnk: [usize; 3]) -> [usize; 3] {
+    mnk.map(usize::next_power_of_two)
+}
 
 /// `64x32` → `[64, 32]`, for a tile among [`GEMM_TILES`].
 fn parse_tile(v: &str) -> Option<[u32; 2]> {
@@ -1086,14 +1093,15 @@ impl VulkanGpu {
         )
     }
 
-    /// The tile for product `g` among `tiles`: the first product of its shape times each (into
-    /// scratch memory, so C is untouched) and keeps the fastest for every later one, so the tile
-    /// that suits a device is found on the device, whichever GPU it is — where the device writes
-    /// timestamps and the product is large enough ([`TUNE_FROM`]); else, or if timing fails,
-    /// [`choose_gemm_tile`]'s. Every tile sums each output over the inner dimension in the same
-    /// order, so the choice changes the speed, not the result.
+    /// The tile for product `g` among `tiles`: the first product of its shape ([`shape_class`])
+    /// times each (into scratch memory, so C is untouched) and keeps the fastest for every later
+    /// one, so the tile that suits a device is found on the device, whichever GPU it is — where
+    /// the device writes timestamps and the product is large enough ([`TUNE_FROM`]); else, or if
+    /// timing fails, [`choose_gemm_tile`]'s. Every tile sums each output over the inner dimension
+    /// in the same order, so the choice changes the speed, not the result.
     fn tuned_tile(&self, g: &Gemm, tiles: &[[u32; 2]]) -> Result<Option<[u32; 2]>, GpuError> {
-        let key = (format!("{}_{}", g.ab.suffix(), g.c_dt.suffix()), [g.m, g.n, g.k], g.a_trans, g.b_trans);
+        let key =
+            (format!("{}_{}", g.ab.suffix(), g.c_dt.suffix()), shape_class([g.m, g.n, g.k]), g.a_trans, g.b_trans);
         if let Some(t) = self.state.borrow().tiles.get(&key) {
             return Ok(Some(*t));
         }
@@ -1191,7 +1199,7 @@ impl VulkanGpu {
     /// with on the matrix units, once one has ([`Self::tuned_tile`]).
     #[doc(hidden)]
     pub fn product_tile(&self, dt: Dt, c_dt: Dt, mnk: [usize; 3], a_trans: bool, b_trans: bool) -> Option<[u32; 2]> {
-        let key = (format!("{}_{}", dt.suffix(), c_dt.suffix()), mnk, a_trans, b_trans);
+        let key = (format!("{}_{}", dt.suffix(), c_dt.suffix()), shape_class(mnk), a_trans, b_trans);
         self.state.borrow().tiles.get(&key).copied()
     }
 
@@ -2045,6 +2053,9 @@ mod tests {
         assert_eq!(split_k(2048, 320, 960, Some(132)), None);
         assert_eq!(split_k(960, 16, 300, Some(132)), None);
         assert_eq!(split_k(16, 16, 1 << 20, Some(132)), Some(32768));
+        // Timed tiles are shared by products within a power of two of each other.
+        assert_eq!(super::shape_class([2048, 960, 960]), [2048, 1024, 1024]);
+        assert_eq!(super::shape_class([1500, 960, 960]), super::shape_class([1100, 1000, 1024]));
         assert_eq!(parse_tile("64x32"), Some([64, 32]));
         assert_eq!(parse_tile("48x32"), None);
         assert_eq!(parse_tile("64"), None);
