@@ -1018,6 +1018,9 @@ fn products_time_their_tile_once_per_shape_and_keep_c() {
     if !testing("vulkan") {
         return;
     }
+    if std::env::var_os("RTUNE_VULKAN_GEMM_TILE").is_some() {
+        return eprintln!("RTUNE_VULKAN_GEMM_TILE forces a tile: nothing is timed");
+    }
     let gpu = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
         Ok(g) => g.with_gpu_kernels().with_tuning_from(0),
         Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),

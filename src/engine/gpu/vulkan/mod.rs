@@ -212,6 +212,21 @@ fn shape_class(mnk: [usize; 3]) -> [usize; 3] {
     mnk.map(usize::next_power_of_two)
 }
 
+/// The tile `RTUNE_VULKAN_GEMM_TILE` forces on device `name` (matrix shapes `matrix`), if any;
+/// one that is not a tile, or that the device cannot run, is ignored with a word why.
+fn forced_tile(name: &str, matrix: &[Option<[u32; 3]>], subgroup: u32, max_shared: u32) -> Option<[u32; 2]> {
+    let v = std::env::var("RTUNE_VULKAN_GEMM_TILE").ok()?;
+    let Some(t) = parse_tile(&v) else {
+        eprintln!("rtune: RTUNE_VULKAN_GEMM_TILE={v} is not one of 64x64, 64x32, 32x64, 32x32; ignored");
+        return None;
+    };
+    let runs = matrix.iter().flatten().any(|&shape| gemm_tiles(shape, subgroup, max_shared).contains(&t));
+    if !runs && matrix.iter().any(Option::is_some) {
+        eprintln!("rtune: {name}: cannot run products with tile {v} (RTUNE_VULKAN_GEMM_TILE); ignored");
+    }
+    Some(t)
+}
+
 /// `64x32` → `[64, 32]`, for a tile among [`GEMM_TILES`].
 fn parse_tile(v: &str) -> Option<[u32; 2]> {
     let (m, n) = v.split_once('x')?;
@@ -490,6 +505,7 @@ impl VulkanGpu {
                 crate::device::vulkan::matrix_units(&entry, &instance, pd).shapes
             };
             let matrix = [choose_shape(&shapes, "bf16"), choose_shape(&shapes, "f16")];
+            let gemm_tile = forced_tile(&name, &matrix, sub.size, props.limits.max_compute_shared_memory_size);
             let cm = matrix.iter().any(Option::is_some);
             let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(support.storage16);
             let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
@@ -585,7 +601,7 @@ impl VulkanGpu {
                 software: props.device_type == vk::PhysicalDeviceType::CPU,
                 reject_direct_attention: false,
                 reject_current_products: false,
-                gemm_tile: std::env::var("RTUNE_VULKAN_GEMM_TILE").ok().and_then(|v| parse_tile(&v)),
+                gemm_tile,
                 matrix: Cell::new(
                     matrix.map(|m| {
                         m.map(|shape| MatrixUnits::untried(shape, props.limits.max_compute_shared_memory_size))
