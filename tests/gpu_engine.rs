@@ -2027,19 +2027,24 @@ fn gpu_product_tiles() {
     let reps = if tokens < 512 { 1 } else { 10 };
     let tiles: [Option<[u32; 2]>; 5] = [None, Some([64, 64]), Some([64, 32]), Some([32, 64]), Some([32, 32])];
     let mut log_sums = vec![(0.0f64, 0usize); tiles.len()];
-    println!("| product | type | picked | 64×64 | 64×32 | 32×64 | 32×32 |\n|---|---|---|---|---|---|---|");
+    println!(
+        "| product | type | picked (tile it ran; the guess) | 64×64 | 64×32 | 32×64 | 32×32 |\n|---|---|---|---|---|---|---|"
+    );
+    let show_tile = |t: Option<[u32; 2]>| t.map_or("—".to_string(), |[m, n]| format!("{m}×{n}"));
     for dt in [Dt::Bf16, Dt::F16] {
+        // The engine's own pick, kept as a Vulkan device to ask which tile it took.
+        let picked = Rc::new(VulkanGpu::new(vulkan_ordinal()).unwrap().with_gpu_kernels());
         let gpus: Vec<Option<Rc<dyn Gpu>>> = tiles
             .iter()
             .map(|t| {
-                let g = VulkanGpu::new(vulkan_ordinal()).ok()?.with_gpu_kernels();
-                let g = match t {
-                    Some(t) => g.with_gemm_tile(*t),
-                    None => g,
-                };
                 // No matrix units, or a forced tile the device cannot run: nothing to time.
+                let Some(t) = t else {
+                    picked.matrix_shape(dt).ok()??;
+                    return Some(picked.clone() as Rc<dyn Gpu>);
+                };
+                let g = VulkanGpu::new(vulkan_ordinal()).ok()?.with_gpu_kernels().with_gemm_tile(*t);
                 g.matrix_shape(dt).ok()??;
-                (t.is_none() || g.gemm_tile(dt).is_some()).then(|| Rc::new(g) as Rc<dyn Gpu>)
+                g.gemm_tile(dt).is_some().then(|| Rc::new(g) as Rc<dyn Gpu>)
             })
             .collect();
         if gpus[0].is_none() {
@@ -2060,7 +2065,11 @@ fn gpu_product_tiles() {
                             log_sums[i].0 += t.ln();
                             log_sums[i].1 += 1;
                         }
-                        rate(t)
+                        if i > 0 {
+                            return rate(t);
+                        }
+                        let timed = picked.product_tile(dt, dt, [m, n, k], false, b_trans);
+                        format!("{} ({}; {})", rate(t), show_tile(timed), show_tile(picked.guessed_tile(dt, m, n)))
                     }
                     Some(Err(e)) => format!("failed: {e}"),
                     None => "—".into(),

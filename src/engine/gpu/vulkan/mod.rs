@@ -1219,6 +1219,13 @@ impl VulkanGpu {
         self.state.borrow().tiles.get(&key).copied()
     }
 
+    /// The tile [`choose_gemm_tile`] guesses for an `m` × `n` product of `dt` inputs here (what
+    /// a product too small to time, or on a device without timestamps, runs with).
+    #[doc(hidden)]
+    pub fn guessed_tile(&self, dt: Dt, m: usize, n: usize) -> Option<[u32; 2]> {
+        choose_gemm_tile(m, n, &self.gemm_cm_tiles(dt), self.compute_units)
+    }
+
     /// The tiles `gemm_cm` can run with here for `dt` inputs ([`gemm_tiles`]).
     fn gemm_cm_tiles(&self, dt: Dt) -> Vec<[u32; 2]> {
         self.units(dt).map_or_else(Vec::new, |u| gemm_tiles(u.shape, self.subgroup, self.max_shared))
