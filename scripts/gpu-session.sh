@@ -9,9 +9,10 @@
 #                                   # rtune doctor through Vulkan; rtune's own products and
 #                                   # attention on CUDA and Vulkan (gpu_timings: the matrix-unit
 #                                   # attention's check); the products with each of gemm_cm's
-#                                   # tiles (gpu_product_tiles); SmolLM2-360M at 4×512 through Vulkan
-#                                   # against PyTorch + PEFT on CUDA; the GPU engine's tests through
-#                                   # Vulkan; the default recipe through Vulkan against the CPU;
+#                                   # tiles (gpu_product_tiles); SmolLM2-360M at 4×512 through
+#                                   # Vulkan against PyTorch + PEFT on CUDA; the GPU engine's
+#                                   # tests through Vulkan; the default recipe through Vulkan
+#                                   # against the CPU;
 #                                   # SmolLM2-135M as the 360M; the engine's tests on CUDA; a
 #                                   # calibrated q4_k_m on CUDA against the CPU's
 #   SPIKE=1 scripts/gpu-session.sh first   # carry .gpu-spike too: also the GEMM spike (cuBLAS
@@ -19,8 +20,9 @@
 #                                   # on an H200 on 2026-11-27 — NO-GO — so off by default)
 #   BUDGET=120 scripts/gpu-session.sh second   # carry .gpu .gl: what `first` leaves, most
 #                                   # wanted first: the 360M through Vulkan with the tile `first`
-#                                   # found fastest, a kernel profile of its steps, Vulkan f16, QLoRA and the full fine-tune on
-#                                   # CUDA and Vulkan against the CPU, QLoRA on CUDA against
+#                                   # found fastest, a kernel profile of its steps, Vulkan f16,
+#                                   # QLoRA and the full fine-tune on CUDA and Vulkan against
+#                                   # the CPU, QLoRA on CUDA against
 #                                   # PyTorch + bitsandbytes, rtune on CUDA, the scalar
 #                                   # attention's share, QLoRA through Vulkan, the exports' GPU
 #                                   # memory for a 1.1B model
