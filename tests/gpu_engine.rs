@@ -1008,10 +1008,10 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
     }
 }
 
-/// A product large enough to have its tile timed (here any: `with_tuning_from(0)`) times every
-/// tile once, into scratch memory, keeps the fastest for its shape, and computes what the
-/// reference does — C's prior values (β ≠ 0) untouched by the timing runs. On a Vulkan device
-/// with f16 matrix units (required where `RTUNE_REQUIRE_MATRIX_UNITS` names f16).
+/// Products large enough to have their tile timed (here any: `with_tuning_from(0)`) time every
+/// tile once per shape, into scratch memory, keep the fastest, and compute what the reference does
+/// ([`check_products`]) — C's prior values (β ≠ 0) untouched by the timing runs. On a Vulkan
+/// device with f16 matrix units (required where `RTUNE_REQUIRE_MATRIX_UNITS` names f16).
 #[cfg(feature = "vulkan")]
 #[test]
 fn products_time_their_tile_once_per_shape_and_keep_c() {
@@ -1030,42 +1030,10 @@ fn products_time_their_tile_once_per_shape_and_keep_c() {
         assert!(!required_matrix_units().contains(&Dt::F16), "{}: no f16 matrix units", gpu.name());
         return eprintln!("{}: no f16 matrix units", gpu.name());
     }
-    let (m, n, k) = (150, 140, 72);
-    let mut rng = Rng::new(7);
-    let a = rounded(Dt::F16, &rand_vec(&mut rng, m * k, 1.0));
-    let b = rounded(Dt::F16, &rand_vec(&mut rng, n * k, 1.0));
-    let c0 = rand_vec(&mut rng, m * n, 1.0);
     let vk = Rc::new(gpu);
-    let gpu: Rc<dyn Gpu> = vk.clone();
-    let (ab, bb) = (Buf::from_f32(&gpu, &a, Dt::F16).unwrap(), Buf::from_f32(&gpu, &b, Dt::F16).unwrap());
-    let cb = Buf::from_f32(&gpu, &c0, Dt::F32).unwrap();
-    let g = Gemm {
-        m,
-        n,
-        k,
-        a: ab.ptr(),
-        a_trans: false,
-        lda: k,
-        b: bb.ptr(),
-        b_trans: true,
-        ldb: k,
-        c: cb.ptr(),
-        ldc: n,
-        ab: Dt::F16,
-        c_dt: Dt::F32,
-        alpha: 1.0,
-        beta: 0.5,
-    };
-    gpu.gemm(&g).unwrap();
-    let want: Vec<f32> = (0..m * n)
-        .map(|i| {
-            let (r, c) = (i / n, i % n);
-            let dot: f64 = (0..k).map(|p| a[r * k + p] as f64 * b[c * k + p] as f64).sum();
-            (dot + 0.5 * c0[i] as f64) as f32
-        })
-        .collect();
-    assert_close(&format!("{}: timed product", gpu.name()), &cb.to_vec().unwrap(), &want, 1e-5);
-    assert!(vk.product_tile(Dt::F16, Dt::F32, [m, n, k], false, true).is_some(), "{}: no tile kept", gpu.name());
+    check_products(&(vk.clone() as Rc<dyn Gpu>), &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
+    // One of check_products' shapes, x·Wᵀ with β = 0.5.
+    assert!(vk.product_tile(Dt::F16, Dt::F32, [130, 129, 70], false, true).is_some(), "{}: no tile kept", vk.name());
 }
 
 /// The matrix-unit kernels (`gemm_cm`, `attn_*_mma`) with a matrix shape that GPUs list and

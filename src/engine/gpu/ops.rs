@@ -7,7 +7,7 @@ use super::device::{Arg, Dt, Gemm, Gpu, GpuError};
 
 type R = Result<(), GpuError>;
 
-const BLOCK: u32 = 256;
+pub(crate) const BLOCK: u32 = 256;
 /// Threads per block of the row kernels (norms, cross-entropy).
 const ROW_BLOCK: u32 = 256;
 /// Threads per block of the attention kernels (4 warps).
@@ -24,7 +24,9 @@ const MAX_GRID_X: usize = 65535;
 /// 32 times more threads than a thread per column would.
 const COL_CHUNK: usize = 64;
 
-fn grid(n: usize) -> [u32; 3] {
+/// The grid of an element-wise kernel over `n` elements in workgroups of [`BLOCK`] (a grid-stride
+/// loop covers what 16,384 workgroups do not).
+pub(crate) fn grid(n: usize) -> [u32; 3] {
     [n.div_ceil(BLOCK as usize).clamp(1, 16384) as u32, 1, 1]
 }
 

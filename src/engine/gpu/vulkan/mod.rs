@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use ash::vk;
 
 use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory, size_class};
+use super::ops;
 
 /// Commands recorded into one command buffer before it is submitted.
 const BATCH: usize = 256;
@@ -53,8 +54,8 @@ struct Batch {
 struct State {
     pipelines: HashMap<(String, u32), vk::Pipeline>,
     /// The tile each product shape on the matrix units runs with, once chosen
-    /// ([`VulkanGpu::tuned_tile`]): by kernel (`<t>_<c>`), [`shape_class`] and the transposes.
-    tiles: HashMap<(String, [usize; 3], bool, bool), [u32; 2]>,
+    /// ([`VulkanGpu::tuned_tile`]).
+    tiles: HashMap<TileKey, [u32; 2]>,
     /// Two timestamps ([`VulkanGpu::gpu_seconds`]), made on first use.
     query_pool: Option<vk::QueryPool>,
     modules: HashMap<&'static str, vk::ShaderModule>,
@@ -205,7 +206,15 @@ const SPLIT_MIN: usize = 256;
 /// The most parts a product is split into.
 const SPLIT_MAX: usize = 32;
 
-/// The products that share a timed tile ([`VulkanGpu::tuned_tile`]): each side rounded up to a
+/// The products that share a timed tile ([`VulkanGpu::tuned_tile`]): by input and output type,
+/// [`shape_class`] and the transposes.
+type TileKey = (Dt, Dt, [usize; 3], bool, bool);
+
+fn tile_key(ab: Dt, c: Dt, mnk: [usize; 3], a_trans: bool, b_trans: bool) -> TileKey {
+    (ab, c, shape_class(mnk), a_trans, b_trans)
+}
+
+/// The sides of products that share a timed tile ([`VulkanGpu::tuned_tile`]): each rounded up to a
 /// power of two, so that batches padded to their longest row (a new number of tokens each step)
 /// are timed a handful of times, not at every step.
 fn shape_class(mnk: [usize; 3]) -> [usize; 3] {
@@ -981,11 +990,14 @@ impl VulkanGpu {
                 (0..rows * pitch).map(|i| if i % pitch < cols { check_value(seed + i) } else { 512.0 }).collect();
             dt.decode(&dt.encode(&v))
         };
-        // The first form has one tile of its own.
-        let first_form = self.units(dt).is_some_and(|u| u.first_form);
-        let tiles: Vec<Option<[u32; 2]>> =
-            if first_form { vec![None] } else { self.gemm_cm_tiles(dt).into_iter().map(Some).collect() };
-        if tiles.is_empty() {
+        // (tile, split): the first form has one tile of its own; the current form runs every
+        // tile, whole and with the inner dimension split in two (32 + 12).
+        let runs: Vec<(Option<[u32; 2]>, Option<usize>)> = if self.units(dt).is_some_and(|u| u.first_form) {
+            vec![(None, None)]
+        } else {
+            self.gemm_cm_tiles(dt).into_iter().flat_map(|t| [(Some(t), None), (Some(t), Some(32))]).collect()
+        };
+        if runs.is_empty() {
             return Ok(Some(format!(
                 "no tile fits {} KiB of shared memory with {}-lane subgroups",
                 self.max_shared / 1024,
@@ -1006,12 +1018,6 @@ impl VulkanGpu {
                 let pad = |v: &[f32]| [vec![0.0; off], v.to_vec()].concat();
                 let (pa, pb) = (scratch.upload(&dt.encode(&pad(&a)))?, scratch.upload(&dt.encode(&pad(&b)))?);
                 let (pa, pb) = (pa + (off * dt.size()) as u64, pb + (off * dt.size()) as u64);
-                // The current form also with the inner dimension split in two (32 + 12).
-                let runs: Vec<(Option<[u32; 2]>, Option<usize>)> = tiles
-                    .iter()
-                    .flat_map(|&t| [(t, None), (t, Some(32))])
-                    .filter(|(t, s)| t.is_some() || s.is_none())
-                    .collect();
                 for &(tile, split) in &runs {
                     let g = Gemm {
                         m,
@@ -1066,10 +1072,9 @@ impl VulkanGpu {
             let kernel = format!("gemm_cm1_{}_{}", g.ab.suffix(), g.c_dt.suffix());
             return self.dispatch(&kernel, gemm_grid(g), 4 * self.subgroup, &gemm_args(g));
         }
-        let tiles = self.gemm_cm_tiles(g.ab);
-        let tile = match tile.or(self.gemm_tile.filter(|t| tiles.contains(t))) {
+        let tile = match tile.or_else(|| self.gemm_tile(g.ab)) {
             Some(t) => Some(t),
-            None => self.tuned_tile(g, &tiles)?,
+            None => self.tuned_tile(g, &self.gemm_cm_tiles(g.ab))?,
         };
         let Some([wm, wn]) = tile else {
             return Err(GpuError::Device(format!(
@@ -1101,12 +1106,7 @@ impl VulkanGpu {
         let n = g.m * g.n;
         let sum_args =
             [Arg::Ptr(c), Arg::Ptr(g.c), i(g.m), i(g.n), i(g.ldc), i(parts), Arg::F32(g.alpha), Arg::F32(g.beta)];
-        self.dispatch(
-            &format!("split_sum_{}", g.c_dt.suffix()),
-            [n.div_ceil(256).clamp(1, 16384) as u32, 1, 1],
-            256,
-            &sum_args,
-        )
+        self.dispatch(&format!("split_sum_{}", g.c_dt.suffix()), ops::grid(n), ops::BLOCK, &sum_args)
     }
 
     /// The tile for product `g` among `tiles`: the first product of its shape ([`shape_class`])
@@ -1116,8 +1116,7 @@ impl VulkanGpu {
     /// timing fails, [`choose_gemm_tile`]'s. Every tile sums each output over the inner dimension
     /// in the same order, so the choice changes the speed, not the result.
     fn tuned_tile(&self, g: &Gemm, tiles: &[[u32; 2]]) -> Result<Option<[u32; 2]>, GpuError> {
-        let key =
-            (format!("{}_{}", g.ab.suffix(), g.c_dt.suffix()), shape_class([g.m, g.n, g.k]), g.a_trans, g.b_trans);
+        let key = tile_key(g.ab, g.c_dt, [g.m, g.n, g.k], g.a_trans, g.b_trans);
         if let Some(t) = self.state.borrow().tiles.get(&key) {
             return Ok(Some(*t));
         }
@@ -1215,8 +1214,7 @@ impl VulkanGpu {
     /// with on the matrix units, once one has ([`Self::tuned_tile`]).
     #[doc(hidden)]
     pub fn product_tile(&self, dt: Dt, c_dt: Dt, mnk: [usize; 3], a_trans: bool, b_trans: bool) -> Option<[u32; 2]> {
-        let key = (format!("{}_{}", dt.suffix(), c_dt.suffix()), shape_class(mnk), a_trans, b_trans);
-        self.state.borrow().tiles.get(&key).copied()
+        self.state.borrow().tiles.get(&tile_key(dt, c_dt, mnk, a_trans, b_trans)).copied()
     }
 
     /// The tile [`choose_gemm_tile`] guesses for an `m` × `n` product of `dt` inputs here (what
@@ -1756,8 +1754,7 @@ impl Gpu for VulkanGpu {
                 return Err(GpuError::Device(format!("cannot clear {bytes} bytes at odd address {dst:#x}")));
             }
             let n = bytes / 2;
-            let grid = [n.div_ceil(256).clamp(1, 16384) as u32, 1, 1];
-            return self.dispatch("zero16", grid, 256, &[Arg::Ptr(dst), Arg::I32(n as i32)]);
+            return self.dispatch("zero16", ops::grid(n), ops::BLOCK, &[Arg::Ptr(dst), Arg::I32(n as i32)]);
         }
         let st = &mut *self.state.borrow_mut();
         let (buf, offset) = Self::find(st, dst, bytes)?;
