@@ -21,7 +21,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 typed="embed embed_bwd col_grad gather_rows scatter_add_rows add add_bias cast_from_f32 split_sum nf4_dequant rmsnorm_fwd rmsnorm_apply rmsnorm_bwd rope
   swiglu swiglu_bwd dropout dropout_acc cross_entropy attn_fwd attn_bwd_pre attn_bwd_dq attn_bwd_dkv
-  attn_reduce_heads attn_fwd_sg attn_bwd_dq_sg attn_bwd_dkv_sg"
+  attn_reduce_heads attn_probs attn_dscores attn_fwd_sg attn_bwd_dq_sg attn_bwd_dkv_sg"
 plain="sum_scaled sum_squares col_sum adamw ema zero16 rounding_probe nf4_scales"
 compile() { # name, defines...
   local name=$1

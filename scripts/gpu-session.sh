@@ -20,7 +20,8 @@
 #                                   # on an H200 on 2026-11-27 — NO-GO — so off by default)
 #   BUDGET=120 scripts/gpu-session.sh second   # carry .gpu .gl: what `first` leaves, most
 #                                   # wanted first: the 360M through Vulkan with the tile `first`
-#                                   # found fastest, a kernel profile of its steps, Vulkan f16,
+#                                   # found fastest, and with attention through products, a
+#                                   # kernel profile of its steps, Vulkan f16,
 #                                   # QLoRA and the full fine-tune on CUDA and Vulkan against
 #                                   # the CPU, QLoRA on CUDA against
 #                                   # PyTorch + bitsandbytes, rtune on CUDA, the scalar
@@ -150,6 +151,11 @@ second)
       scripts/gpu_bench.sh "${shapes[0]}"
     bench_table bench-vulkan-tile
   fi
+  # Attention through matrix products (the engine's choice where the matrix-unit attention
+  # fails its check or does not exist) against what the engine picks (bench-vulkan-bf16 in first).
+  OUT="$work/bench-vulkan-products" RTUNE_GPU_ATTENTION=products DEVICE=vulkan SKIP_TORCH=1 \
+    step bench-vulkan-products 80 40 scripts/gpu_bench.sh "${shapes[0]}"
+  bench_table bench-vulkan-products
   # Where a Vulkan step's time goes, kernel by kernel (each dispatch waited for, so slower than the
   # benchmark; 5 steps): what to speed up next once products and attention are fast.
   OUT="$work/profile-vulkan" RTUNE_PROFILE=kernels STEPS=5 DEVICE=vulkan SKIP_TORCH=1 step profile-vulkan 60 30 \

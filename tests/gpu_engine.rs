@@ -15,8 +15,8 @@ use std::rc::Rc;
 use candle_core::{Device, Tensor};
 use rtune::device::{DeviceClass, Resolution};
 use rtune::engine::candle::CandleEngine;
-use rtune::engine::gpu::ops::{AttnShape, Ops};
-use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, Gpu, GpuEngine, GpuError, Memory, Replicas};
+use rtune::engine::gpu::ops::{AttnKernels, AttnShape, Ops};
+use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, GemmBatch, Gpu, GpuEngine, GpuError, Memory, Replicas};
 use rtune::engine::optim::AdamWConfig;
 use rtune::engine::{Checkpointing, Engine, HostBatch, Setup};
 use rtune::model::{LoraSpec, ModelFolder, Trainable, peft};
@@ -375,6 +375,75 @@ fn check_products(gpu: &Rc<dyn Gpu>, types: &[(Dt, Dt)]) {
                 assert_close(&what, &cb.to_vec().unwrap(), &want, if c_dt == Dt::F32 { 1e-5 } else { 1e-2 });
             }
         }
+        check_batched_products(gpu, dt, c_dt);
+    }
+}
+
+/// A batch of 2 × 3 products in one call, as attention makes them: A per (row, head), B shared
+/// by groups of 3 heads (`b_group`), C per (row, head) at pitches and strides wider than the
+/// products, both transposes of each operand, β ≠ 0 — against the same products one at a time
+/// in f64.
+fn check_batched_products(gpu: &Rc<dyn Gpu>, dt: Dt, c_dt: Dt) {
+    let (m, n, k, heads, outer) = (37, 70, 40, 3, 2);
+    for (a_trans, b_trans) in [(false, true), (true, false), (false, false), (true, true)] {
+        let (lda, ldb, ldc) = (if a_trans { m } else { k } + 3, if b_trans { k } else { n } + 5, n + 2);
+        let (a_len, b_len, c_len) = ((if a_trans { k } else { m }) * lda, (if b_trans { n } else { k }) * ldb, m * ldc);
+        // Products of one outer index lie `heads` (A, C) or 1 (B) apart, plus a gap.
+        let batch = GemmBatch {
+            count: outer * heads,
+            heads,
+            a: [heads * a_len + 11, a_len],
+            a_group: 1,
+            b: [b_len + 7, b_len],
+            b_group: heads,
+            c: [heads * c_len + 5, c_len],
+        };
+        let mut rng = Rng::new(4242 + a_trans as u64 * 2 + b_trans as u64);
+        let a = rounded(dt, &rand_vec(&mut rng, outer * batch.a[0], 1.0));
+        let b = rounded(dt, &rand_vec(&mut rng, outer * batch.b[0], 1.0));
+        let c0 = rounded(c_dt, &rand_vec(&mut rng, outer * batch.c[0], 1.0));
+        let (ab, bb, cb) = (
+            Buf::from_f32(gpu, &a, dt).unwrap(),
+            Buf::from_f32(gpu, &b, dt).unwrap(),
+            Buf::from_f32(gpu, &c0, c_dt).unwrap(),
+        );
+        let g = Gemm {
+            m,
+            n,
+            k,
+            a: ab.ptr(),
+            a_trans,
+            lda,
+            b: bb.ptr(),
+            b_trans,
+            ldb,
+            c: cb.ptr(),
+            ldc,
+            ab: dt,
+            c_dt,
+            alpha: 0.75,
+            beta: 0.5,
+        };
+        gpu.gemm_batched(&g, &batch).unwrap();
+        let mut want = c0.clone();
+        for z in 0..batch.count {
+            let [ao, bo, co] = batch.offsets(z);
+            for r in 0..m {
+                for c in 0..n {
+                    let dot: f64 = (0..k)
+                        .map(|p| {
+                            let x = a[ao + if a_trans { p * lda + r } else { r * lda + p }];
+                            let y = b[bo + if b_trans { c * ldb + p } else { p * ldb + c }];
+                            x as f64 * y as f64
+                        })
+                        .sum();
+                    want[co + r * ldc + c] = (0.75 * dot + 0.5 * c0[co + r * ldc + c] as f64) as f32;
+                }
+            }
+        }
+        let what =
+            format!("{}: {dt:?}→{c_dt:?} batch of {} {m}×{n}×{k} trans {a_trans}/{b_trans}", gpu.name(), batch.count);
+        assert_close(&what, &cb.to_vec().unwrap(), &want, if c_dt == Dt::F32 { 1e-5 } else { 1e-2 });
     }
 }
 
@@ -887,22 +956,29 @@ fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
                 assert!(gpu.tensor_core_attention(dt), "{}: {dt:?} attention is not on the matrix units", gpu.name());
             }
         }
+        // Products in chunks of 48 query rows: the row of 150 takes four, the last partial.
+        let (tc, products, chunks) =
+            (AttnKernels::TensorCores, AttnKernels::Products { rows: 0 }, AttnKernels::Products { rows: 48 });
         check_attention(
             &gpu,
             &[
-                (Dt::F32, 16, false),
-                (Dt::Bf16, 64, false),
-                (Dt::Bf16, 64, true),
-                (Dt::F16, 64, true),
-                (Dt::F16, 128, true),
-                (Dt::Bf16, 128, true),
+                (Dt::F32, 16, AttnKernels::Scalar),
+                (Dt::Bf16, 64, AttnKernels::Scalar),
+                (Dt::Bf16, 64, tc),
+                (Dt::F16, 64, tc),
+                (Dt::F16, 128, tc),
+                (Dt::Bf16, 128, tc),
+                (Dt::F32, 16, products),
+                (Dt::F32, 16, chunks),
+                (Dt::Bf16, 64, chunks),
+                (Dt::F16, 128, products),
             ],
         );
     }
 }
 
 /// [`attention_kernels_match_a_reference_on_packed_and_padded_rows`] on `gpu` for (compute
-/// type, head size, tensor-core kernels) `cases`.
+/// type, head size, kernels) `cases`.
 /// The buffers of one attention call, forward and backward: inputs, output and gradients in
 /// the compute type, per-row statistics in f32, the rows' key ranges.
 struct AttnBufs {
@@ -913,7 +989,7 @@ struct AttnBufs {
     out: Buf,
     lse: Buf,
     delta: Buf,
-    partial: Buf,
+    scratch: Buf,
     dq: Buf,
     dk: Buf,
     dv: Buf,
@@ -938,7 +1014,7 @@ impl AttnBufs {
             out: Buf::new(gpu, nq, dt)?,
             lse: Buf::new(gpu, rows, Dt::F32)?,
             delta: Buf::new(gpu, rows, Dt::F32)?,
-            partial: Buf::new(gpu, s.partial_len(), Dt::F32)?,
+            scratch: Buf::new(gpu, s.scratch_len(dt, &**gpu, true), Dt::F32)?,
             dq: Buf::new(gpu, nq, dt)?,
             dk: Buf::new(gpu, nk, dt)?,
             dv: Buf::new(gpu, nk, dt)?,
@@ -949,7 +1025,17 @@ impl AttnBufs {
 
     fn fwd(&self, o: &Ops, s: &AttnShape) -> Result<(), rtune::engine::gpu::GpuError> {
         let b = self;
-        o.attn_fwd(s, b.q.ptr(), b.k.ptr(), b.v.ptr(), b.out.ptr(), b.lse.ptr(), b.lo.ptr(), b.hi.ptr())
+        o.attn_fwd(
+            s,
+            b.q.ptr(),
+            b.k.ptr(),
+            b.v.ptr(),
+            b.out.ptr(),
+            b.lse.ptr(),
+            b.lo.ptr(),
+            b.hi.ptr(),
+            b.scratch.ptr(),
+        )
     }
 
     fn bwd(&self, o: &Ops, s: &AttnShape) -> Result<(), rtune::engine::gpu::GpuError> {
@@ -963,7 +1049,7 @@ impl AttnBufs {
             b.dout.ptr(),
             b.lse.ptr(),
             b.delta.ptr(),
-            b.partial.ptr(),
+            b.scratch.ptr(),
             b.dq.ptr(),
             b.dk.ptr(),
             b.dv.ptr(),
@@ -973,7 +1059,7 @@ impl AttnBufs {
     }
 }
 
-fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
+fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, AttnKernels)]) {
     // Two rows of 37: two packed documents, and one padded after 29 tokens; and one row longer
     // than the tensor-core kernels' blocks of 64 queries and tiles of 32 keys, padded after 140.
     let segs = vec![(0..37).map(|i| (i >= 15) as u16).collect::<Vec<_>>(), vec![0; 29]];
@@ -981,10 +1067,10 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
         (37, rtune::model::batch::attention_layout(37, &[37, 29], Some(&segs))),
         (150, rtune::model::batch::attention_layout(150, &[140], None)),
     ];
-    for (&(dt, d, tensor_cores), (t, layout)) in cases.iter().flat_map(|c| batches.iter().map(move |b| (c, b))) {
+    for (&(dt, d, kernels), (t, layout)) in cases.iter().flat_map(|c| batches.iter().map(move |b| (c, b))) {
         let t = *t;
         let b = layout.lo.len() / t;
-        let s = AttnShape { b, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
+        let s = AttnShape { b, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), kernels };
         let o = Ops { gpu: &**gpu, dt };
         let mut rng = Rng::new(d as u64);
         let nq = s.b * t * s.hq * d;
@@ -997,7 +1083,7 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, bool)]) {
         bufs.fwd(&o, &s).unwrap();
         let (want_o, want_lse, want_dq, want_dk, want_dv) =
             attention_reference(&s, &q, &k, &v, &dout, &layout.lo, &layout.hi);
-        let what = format!("{}: {dt:?} d={d} t={t} tensor cores {tensor_cores}", gpu.name());
+        let what = format!("{}: {dt:?} d={d} t={t} {kernels:?}", gpu.name());
         assert_close(&format!("{what} O"), &bufs.out.to_vec().unwrap(), &want_o, tol(dt));
         assert_close(&format!("{what} lse"), &bufs.lse.to_vec().unwrap(), &want_lse, 1e-3);
         bufs.bwd(&o, &s).unwrap();
@@ -1072,7 +1158,8 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
     let gpu: Rc<dyn Gpu> = Rc::new(gpu);
     assert!(gpu.tensor_core_attention(Dt::F16), "{}: f16 attention with shape {shape:?} failed its check", gpu.name());
     check_products(&gpu, &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
-    check_attention(&gpu, &[(Dt::F16, 64, true), (Dt::F16, 128, true)]);
+    let tc = AttnKernels::TensorCores;
+    check_attention(&gpu, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc), (Dt::F16, 64, AttnKernels::Products { rows: 48 })]);
     // The attention kernels' `_rows` form, which a driver whose column-major loads are wrong
     // gets (NVIDIA's shape; the form's staging does not depend on it).
     if shape == [16, 16, 16] {
@@ -1084,7 +1171,7 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
         };
         let rows = fresh(|g| g.with_row_loads());
         assert!(rows.tensor_core_attention(Dt::F16), "{}: the `_rows` attention failed its check", rows.name());
-        check_attention(&rows, &[(Dt::F16, 64, true), (Dt::F16, 128, true)]);
+        check_attention(&rows, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc)]);
         // Where the direct form fails its check for a reason the load probe does not see, the
         // check tries the `_rows` form, which then stands in.
         let fallback = fresh(|g| g.with_direct_attention_rejected());
@@ -1093,7 +1180,7 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
             "{}: with the direct form rejected, the `_rows` form did not stand in",
             fallback.name()
         );
-        check_attention(&fallback, &[(Dt::F16, 64, true)]);
+        check_attention(&fallback, &[(Dt::F16, 64, tc)]);
         // Where the products' current kernel fails its check, its first form stands in.
         let gpu = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap();
         let first = gpu.with_gpu_kernels().with_matrix_shape(Dt::F16, shape).with_current_products_rejected();
@@ -1271,7 +1358,12 @@ fn qlora_engine_matches_autograd_over_the_4bit_base() {
     for gpu in devices() {
         for adapter in [fixture("tiny-qlora").join("adapter"), every.path().to_path_buf()] {
             let lora = Trainable::lora(peft::read_config(&adapter).unwrap());
-            for (dt, tol) in [(Dtype::F32, 2e-5), (Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
+            // bf16 over a 4-bit base: the gradients' largest errors are 0.074 of their largest
+            // values with the scalar attention kernels (layer 1's k_proj lora_B on lavapipe), 0.104
+            // where attention goes through products, which round the probabilities to bf16 as
+            // FlashAttention and the tensor-core kernels do (the attention test above finds
+            // that rounding alone at 0.3–0.4%, twice the scalar kernels'): 2.5e-2 × 5 holds both.
+            for (dt, tol) in [(Dtype::F32, 2e-5), (Dtype::Bf16, 2.5e-2), (Dtype::F16, 5e-3)] {
                 for quant in [BaseQuant::Nf4, BaseQuant::Nf4Dq] {
                     assert_base_matches(
                         &gpu,
@@ -2092,12 +2184,15 @@ fn gpu_timings() {
             if dt == Dt::F32 {
                 continue;
             }
-            for (name, hq, hk, d) in [("135M", 9, 3, 64), ("3B", 16, 2, 128)] {
+            let kernels = [(AttnKernels::TensorCores, ""), (AttnKernels::Products { rows: 0 }, " through products")];
+            for ((name, hq, hk, d), (kernels, how)) in
+                [("135M", 9, 3, 64), ("3B", 16, 2, 128)].into_iter().flat_map(|s| kernels.map(|k| (s, k)))
+            {
                 let (b, t) = if small { (1, 64) } else { (4, 1024) };
-                let what = format!("{name} attention {b}×{t} fwd+bwd");
+                let what = format!("{name} attention {b}×{t} fwd+bwd{how}");
                 let r = (|| -> Result<f64, String> {
                     let e = |e: rtune::engine::gpu::GpuError| e.to_string();
-                    let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores: true };
+                    let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), kernels };
                     let layout = rtune::model::batch::attention_layout(t, &vec![t; b], None);
                     let (nq, nk) = (b * t * hq * d, b * t * hk * d);
                     let r = |n: usize, seed: u64| rand_vec(&mut Rng::new(seed), n, 1.0);
@@ -2114,7 +2209,7 @@ fn gpu_timings() {
                 println!(
                     "{}: {dt:?} {what}{}: {}",
                     gpu.name(),
-                    if s_tc(&**gpu, dt, d) { " (matrix units)" } else { "" },
+                    if how.is_empty() && s_tc(&**gpu, dt, d) { " (matrix units)" } else { "" },
                     show(&r)
                 );
                 rates.push((what, dt, gpu.name(), r));

@@ -93,6 +93,44 @@ pub struct Gemm {
     pub c_dt: Dt,
 }
 
+/// A batch of products of one shape ([`Gpu::gemm_batched`]): product `z = o · heads + h` of
+/// `count` takes A at element `o · a[0] + (h / a_group) · a[1]` past [`Gemm::a`], B likewise, and
+/// C at `o · c[0] + h · c[1]` — attention's products over a batch's rows (`o`) and heads (`h`),
+/// `a_group` or `b_group` query heads sharing one key/value head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmBatch {
+    pub count: usize,
+    pub heads: usize,
+    pub a: [usize; 2],
+    pub a_group: usize,
+    pub b: [usize; 2],
+    pub b_group: usize,
+    pub c: [usize; 2],
+}
+
+impl GemmBatch {
+    /// One product.
+    pub const ONE: GemmBatch =
+        GemmBatch { count: 1, heads: 1, a: [0, 0], a_group: 1, b: [0, 0], b_group: 1, c: [0, 0] };
+
+    /// Elements past the start of A, B and C of product `z`.
+    pub fn offsets(&self, z: usize) -> [usize; 3] {
+        let (o, h) = (z / self.heads, z % self.heads);
+        [
+            o * self.a[0] + h / self.a_group * self.a[1],
+            o * self.b[0] + h / self.b_group * self.b[1],
+            o * self.c[0] + h * self.c[1],
+        ]
+    }
+
+    /// Product `z` of `g`'s batch as a product of its own.
+    pub fn product(&self, g: &Gemm, z: usize) -> Gemm {
+        let [a, b, c] = self.offsets(z);
+        let at = |p: u64, i: usize, dt: Dt| p + (i * dt.size()) as u64;
+        Gemm { a: at(g.a, a, g.ab), b: at(g.b, b, g.ab), c: at(g.c, c, g.c_dt), ..*g }
+    }
+}
+
 /// Device memory as the allocator sees it, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Memory {
@@ -127,6 +165,11 @@ pub trait Gpu {
     /// Launch `kernel` from kernels.cu over `grid` blocks of `block` threads (1-D blocks).
     fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, args: &[Arg]) -> Result<(), GpuError>;
     fn gemm(&self, g: &Gemm) -> Result<(), GpuError>;
+    /// `batch.count` products of `g`'s shape ([`GemmBatch`]); C of one may not overlap another's.
+    /// One product after another unless the device runs them as one launch.
+    fn gemm_batched(&self, g: &Gemm, batch: &GemmBatch) -> Result<(), GpuError> {
+        (0..batch.count).try_for_each(|z| self.gemm(&batch.product(g, z)))
+    }
     /// Wait for all queued work; errors of earlier asynchronous work surface here.
     fn synchronize(&self) -> Result<(), GpuError>;
     /// Start the queued work without waiting for it, where the device holds work back until
@@ -148,6 +191,13 @@ pub trait Gpu {
     /// inputs; without them attention runs on the scalar kernels.
     fn tensor_core_attention(&self, _dt: Dt) -> bool {
         true
+    }
+
+    /// Whether attention runs through matrix products ([`super::ops::Ops::attn_fwd`]) where the
+    /// tensor-core kernels do not run: on devices whose products are far faster than the scalar
+    /// attention kernels (Vulkan GPUs, whose batched products are one launch each).
+    fn product_attention(&self) -> bool {
+        false
     }
 
     /// Bytes of the largest single allocation the device allows (Vulkan drivers may cap it

@@ -560,7 +560,18 @@ impl GpuEngine {
         // A 4-bit weight dequantized for its product.
         let dequantized = self.layers.iter().flat_map(|l| &l.lin).filter(|l| matches!(l.w, W::Nf4 { .. }));
         let dequantized = s * dequantized.map(|l| l.out * l.inp).max().unwrap_or(0);
-        (layer + chunk + 2 * s * n * c.hidden_size + dequantized) as u64
+        // Attention's backward scratch: per-query-head dK and dV in f32, and where attention runs
+        // through products a chunk's scores and probabilities (ops.rs; at most 256 query rows, and
+        // at most PRODUCT_SCORES_BYTES unless 16 rows need more).
+        let qd = c.num_heads * c.head_dim;
+        let per_row = n * c.num_heads * (4 + s);
+        let scores = if self.gpu.product_attention() {
+            (256 * per_row).min(super::ops::PRODUCT_SCORES_BYTES.max(16 * per_row))
+        } else {
+            0
+        };
+        let attention = 8 * n * qd + scores;
+        (layer + chunk + 2 * s * n * c.hidden_size + dequantized + attention) as u64
     }
 
     /// Bytes held whatever the batch: weights, trained parameters and their optimizer state.
@@ -752,7 +763,7 @@ impl GpuEngine {
             hk: c.num_kv_heads,
             d: c.head_dim,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
-            tensor_cores: !super::ops::force_scalar_attention(),
+            kernels: super::ops::attention_kernels(),
         }
     }
 
@@ -901,7 +912,9 @@ impl GpuEngine {
         let attn = self.buf(n * qd, dt)?;
         let lse = self.buf(bt.b * c.num_heads * bt.t, Dt::F32)?;
         let s = self.attn_shape(bt);
-        o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), attn.ptr(), lse.ptr(), bt.lo.ptr(), bt.hi.ptr())?;
+        let scratch = self.buf(s.scratch_len(dt, &*self.gpu, false), Dt::F32)?;
+        o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), attn.ptr(), lse.ptr(), bt.lo.ptr(), bt.hi.ptr(), scratch.ptr())?;
+        drop(scratch);
         // The residual: o_proj accumulates into a copy of the layer's input.
         let hid = self.copy(x)?;
         u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, hid.ptr(), true, dropout, row0)?;
@@ -986,7 +999,7 @@ impl GpuEngine {
         let (mut dq, mut dk, dv) = (self.buf(s.q.len, dt)?, self.buf(s.k.len, dt)?, self.buf(s.v.len, dt)?);
         let delta = self.buf(s.lse.len, Dt::F32)?;
         let shape = self.attn_shape(bt);
-        let partial = self.buf(shape.partial_len(), Dt::F32)?;
+        let scratch = self.buf(shape.scratch_len(dt, &*self.gpu, true), Dt::F32)?;
         o.attn_bwd(
             &shape,
             s.q.ptr(),
@@ -996,14 +1009,14 @@ impl GpuEngine {
             dattn.ptr(),
             s.lse.ptr(),
             delta.ptr(),
-            partial.ptr(),
+            scratch.ptr(),
             dq.ptr(),
             dk.ptr(),
             dv.ptr(),
             bt.lo.ptr(),
             bt.hi.ptr(),
         )?;
-        drop((dattn, delta, partial));
+        drop((dattn, delta, scratch));
         o.rope(dq.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, true)?;
         o.rope(dk.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, true)?;
         if let (Some(norms), Some(raw)) = (l.qk_norm, &s.qk) {

@@ -1141,6 +1141,58 @@ __device__ void attn_reduce_heads(const float* part_k, const float* part_v, T* d
 KERNEL_T(attn_reduce_heads, (const float* part_k, const float* part_v, T* dk, T* dv, int n, int hq, int hk, int d),
          (part_k, part_v, dk, dv, n, hq, hk, d))
 
+// ------------------------------------------------------------------------------------------------
+// Attention through matrix products (ops.rs, `attn_*_products`): a chunk of `rows` query rows
+// r0 .. r0 + rows sees keys 0 .. kn − 1 (kn = r0 + rows: no query sees a later key). For product
+// z = b · hq + h of the batch, S (f32) and P (T) hold its rows × kn scores and probabilities,
+// packed: element (z, r, j) at (z · rows + r) · kn + j.
+
+// P from S = scale · Q Kᵀ, zero outside each row's keys lo ..= hi. Forward (`fwd` ≠ 0): the
+// softmax of each row, and its log-sum-exp into lse (∞ for a row that sees no key); backward:
+// exp(S − lse) with the forward pass's lse. Grid (rows, b · hq); one block per row.
+template <typename T>
+__device__ void attn_probs(const float* s, T* pr, float* lse, const int* lo, const int* hi, int t, int hq, int r0,
+                           int rows, int kn, int fwd) {
+    __shared__ float red[33];
+    const int r = blockIdx.x, z = blockIdx.y, qi = r0 + r;
+    const long long tok = (long long)(z / hq) * t + qi, row = ((long long)z * rows + r) * kn;
+    const long long lrow = (long long)z * t + qi;
+    const int l0 = lo[tok], h0 = hi[tok] < kn - 1 ? hi[tok] : kn - 1;
+    float m, scale;
+    if (fwd) {
+        m = -INF_F;
+        for (int j = l0 + threadIdx.x; j <= h0; j += blockDim.x) m = fmaxf(m, s[row + j]);
+        m = block_reduce<true>(m, red);
+        float l = 0.0f;
+        if (m != -INF_F)
+            for (int j = l0 + threadIdx.x; j <= h0; j += blockDim.x) l += expf(s[row + j] - m);
+        l = block_reduce<false>(l, red);
+        if (threadIdx.x == 0) lse[lrow] = l > 0.0f ? m + logf(l) : INF_F;
+        scale = l > 0.0f ? 1.0f / l : 0.0f;
+    } else {
+        m = lse[lrow];
+        scale = m == INF_F ? 0.0f : 1.0f;
+    }
+    for (int j = threadIdx.x; j < kn; j += blockDim.x)
+        pr[row + j] = from_f<T>(j >= l0 && j <= h0 ? expf(s[row + j] - m) * scale : 0.0f);
+}
+KERNEL_T(attn_probs,
+         (const float* s, T* pr, float* lse, const int* lo, const int* hi, int t, int hq, int r0, int rows, int kn,
+          int fwd),
+         (s, pr, lse, lo, hi, t, hq, r0, rows, kn, fwd))
+
+// dS = P ⊙ (dP − delta) in place of P (dP = dO Vᵀ in f32, delta = Σ dO ⊙ O of each row); the
+// scale of S goes into the products that take dS.
+template <typename T>
+__device__ void attn_dscores(T* pr, const float* dp, const float* delta, int t, int r0, int rows, int kn, int n) {
+    FOR_EACH(i, n) {
+        const long long zr = i / kn, z = zr / rows, r = zr % rows;
+        pr[i] = from_f<T>(to_f(pr[i]) * (dp[i] - delta[z * t + r0 + r]));
+    }
+}
+KERNEL_T(attn_dscores, (T * pr, const float* dp, const float* delta, int t, int r0, int rows, int kn, int n),
+         (pr, dp, delta, t, r0, rows, kn, n))
+
 #define MMA_KERNELS(T, SUF, D)                                                                                       \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_##SUF##_##D(                                      \
         const T* q, const T* k, const T* v, T* o, float* lse, const int* lo, const int* hi, int t, int hq, int hk,   \

@@ -30,7 +30,7 @@ pub mod cuda;
 #[cfg(feature = "vulkan")]
 pub mod vulkan;
 
-pub use device::{Arg, Buf, Dt, Gemm, Gpu, GpuError, Memory};
+pub use device::{Arg, Buf, Dt, Gemm, GemmBatch, Gpu, GpuError, Memory};
 pub use engine::GpuEngine;
 pub use parallel::Replicas;
 

@@ -3,7 +3,7 @@
 // The methods mirror the kernels' signatures, argument for argument.
 #![allow(clippy::too_many_arguments)]
 
-use super::device::{Arg, Dt, Gemm, Gpu, GpuError};
+use super::device::{Arg, Dt, Gemm, GemmBatch, Gpu, GpuError};
 
 type R = Result<(), GpuError>;
 
@@ -50,9 +50,39 @@ pub struct AttnShape {
     pub hk: usize,
     pub d: usize,
     pub scale: f32,
-    /// Use the tensor-core kernels where they exist (else the scalar reference kernels).
-    pub tensor_cores: bool,
+    pub kernels: AttnKernels,
 }
+
+/// Which attention kernels run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKernels {
+    /// The tensor-core kernels where they run for the compute dtype and head size; else matrix
+    /// products on devices that prefer them ([`Gpu::product_attention`]); else the scalar kernels.
+    Auto,
+    /// The tensor-core kernels where they run, else the scalar ones.
+    TensorCores,
+    /// Matrix products over chunks of at most `rows` query rows (0: as many as
+    /// [`PRODUCT_SCORES_BYTES`] of scores hold).
+    Products { rows: usize },
+    /// The scalar reference kernels.
+    Scalar,
+}
+
+/// How one attention call runs (what [`AttnKernels`] resolves to on a device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Method {
+    TensorCores,
+    /// Products over chunks of this many query rows.
+    Products(usize),
+    Scalar,
+}
+
+/// Bytes of scores and probabilities a chunk of product attention may hold (the chunk shrinks to
+/// fit, down to 16 query rows).
+pub const PRODUCT_SCORES_BYTES: usize = 64 << 20;
+/// The most query rows in a chunk: smaller chunks skip more of the keys no query of theirs sees
+/// (a chunk's queries see keys up to its last row only).
+const PRODUCT_ROWS: usize = 256;
 
 impl AttnShape {
     /// Tensor-core kernels exist for bf16/f16 with these head sizes.
@@ -60,21 +90,61 @@ impl AttnShape {
         matches!(dt, Dt::Bf16 | Dt::F16) && matches!(d, 64 | 128)
     }
 
-    fn mma(&self, dt: Dt, gpu: &dyn Gpu) -> bool {
-        self.tensor_cores && Self::has_tensor_cores(dt, self.d) && gpu.tensor_core_attention(dt)
+    fn method(&self, dt: Dt, gpu: &dyn Gpu) -> Method {
+        let tensor_cores = || Self::has_tensor_cores(dt, self.d) && gpu.tensor_core_attention(dt);
+        match self.kernels {
+            AttnKernels::Scalar => Method::Scalar,
+            AttnKernels::Products { rows } => Method::Products(self.chunk_rows(rows, dt)),
+            AttnKernels::TensorCores | AttnKernels::Auto if tensor_cores() => Method::TensorCores,
+            AttnKernels::Auto if gpu.product_attention() => Method::Products(self.chunk_rows(0, dt)),
+            AttnKernels::TensorCores | AttnKernels::Auto => Method::Scalar,
+        }
     }
 
-    /// f32 elements of the backward pass's per-query-head scratch (dK and dV partials).
-    pub fn partial_len(&self) -> usize {
-        2 * self.b * self.t * self.hq * self.d
+    /// Query rows per chunk of product attention: `rows`, or (0) as many as fit
+    /// [`PRODUCT_SCORES_BYTES`], at most [`PRODUCT_ROWS`], in chunks of equal size.
+    fn chunk_rows(&self, rows: usize, dt: Dt) -> usize {
+        if rows > 0 {
+            return rows.min(self.t).max(1);
+        }
+        let per_row = self.b * self.hq * self.t * (4 + dt.size());
+        let most = (PRODUCT_SCORES_BYTES / per_row.max(1)).clamp(16, PRODUCT_ROWS);
+        self.t.div_ceil(self.t.div_ceil(most).max(1)).max(1)
+    }
+
+    /// f32 elements of the scratch memory [`Ops::attn_fwd`] (`backward` false) or
+    /// [`Ops::attn_bwd`] takes on `gpu` in `dt`: the backward pass's per-query-head dK and dV
+    /// before they are summed per kv head (tensor cores, products), a chunk's scores and
+    /// probabilities (products).
+    pub fn scratch_len(&self, dt: Dt, gpu: &dyn Gpu, backward: bool) -> usize {
+        let partial = if backward { 2 * self.b * self.t * self.hq * self.d } else { 0 };
+        match self.method(dt, gpu) {
+            Method::TensorCores => partial,
+            Method::Products(rows) => {
+                let (scores, probs) = self.chunk_layout(rows, dt);
+                scores + probs + partial
+            }
+            Method::Scalar => 0,
+        }
+    }
+
+    /// f32 elements of a chunk's scores (f32) and probabilities (`dt`), each a multiple of 16
+    /// bytes so that both regions start aligned.
+    fn chunk_layout(&self, rows: usize, dt: Dt) -> (usize, usize) {
+        let n = self.b * self.hq * rows * self.t;
+        (n.next_multiple_of(4), (n * dt.size()).div_ceil(4).next_multiple_of(4))
     }
 }
 
-/// `RTUNE_GPU_ATTENTION=scalar` runs the reference attention kernels instead of the tensor-core
-/// ones (to compare the two).
-pub fn force_scalar_attention() -> bool {
-    static FORCE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FORCE.get_or_init(|| std::env::var("RTUNE_GPU_ATTENTION").is_ok_and(|v| v == "scalar"))
+/// `RTUNE_GPU_ATTENTION=scalar` runs the reference attention kernels, `products` attention
+/// through matrix products, instead of the tensor-core ones (to compare them).
+pub fn attention_kernels() -> AttnKernels {
+    static KERNELS: std::sync::OnceLock<AttnKernels> = std::sync::OnceLock::new();
+    *KERNELS.get_or_init(|| match std::env::var("RTUNE_GPU_ATTENTION").as_deref() {
+        Ok("scalar") => AttnKernels::Scalar,
+        Ok("products") => AttnKernels::Products { rows: 0 },
+        _ => AttnKernels::Auto,
+    })
 }
 
 impl Ops<'_> {
@@ -321,11 +391,27 @@ impl Ops<'_> {
         self.gpu.launch("adamw", grid(n), BLOCK, &args)
     }
 
-    /// Attention forward: `o` and the log-sum-exp of every row.
-    pub fn attn_fwd(&self, s: &AttnShape, q: u64, k: u64, v: u64, o: u64, lse: u64, lo: u64, hi: u64) -> R {
+    /// Attention forward: `o` and the log-sum-exp of every row; `scratch` holds
+    /// [`AttnShape::scratch_len`] f32 values.
+    pub fn attn_fwd(
+        &self,
+        s: &AttnShape,
+        q: u64,
+        k: u64,
+        v: u64,
+        o: u64,
+        lse: u64,
+        lo: u64,
+        hi: u64,
+        scratch: u64,
+    ) -> R {
         let ptrs = [q, k, v, o, lse, lo, hi].map(Arg::Ptr);
         let dims = [i(s.t), i(s.hq), i(s.hk)];
-        if s.mma(self.dt, self.gpu) {
+        let method = s.method(self.dt, self.gpu);
+        if let Method::Products(rows) = method {
+            return self.attn_fwd_products(s, rows, [q, k, v, o, lse, lo, hi], scratch);
+        }
+        if method == Method::TensorCores {
             let name = format!("attn_fwd_mma_{}_{}", self.dt.suffix(), s.d);
             let grid = [s.t.div_ceil(MMA_ROWS) as u32, s.hq as u32, s.b as u32];
             let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([Arg::F32(s.scale)]).collect();
@@ -340,9 +426,8 @@ impl Ops<'_> {
         self.gpu.launch(&self.k("attn_fwd"), grid, ATT_BLOCK, &args)
     }
 
-    /// Attention backward: `delta` (scratch, `[b, hq, t]` f32), `partial` (scratch of
-    /// [`AttnShape::partial_len`] f32: per-query-head dK and dV before they are summed per kv
-    /// head) and the gradients of q, k and v.
+    /// Attention backward: `delta` (scratch, `[b, hq, t]` f32), `scratch` ([`AttnShape::scratch_len`]
+    /// f32 values) and the gradients of q, k and v.
     pub fn attn_bwd(
         &self,
         s: &AttnShape,
@@ -353,7 +438,7 @@ impl Ops<'_> {
         dout: u64,
         lse: u64,
         delta: u64,
-        partial: u64,
+        scratch: u64,
         dq: u64,
         dk: u64,
         dv: u64,
@@ -365,7 +450,11 @@ impl Ops<'_> {
         self.gpu.launch(&self.k("attn_bwd_pre"), pre_grid, ATT_BLOCK, &pre)?;
         let dims = [i(s.t), i(s.hq), i(s.hk)];
         let dq_args = [q, k, v, dout, lse, delta, dq, lo, hi].map(Arg::Ptr);
-        if s.mma(self.dt, self.gpu) {
+        let method = s.method(self.dt, self.gpu);
+        if let Method::Products(rows) = method {
+            return self.attn_bwd_products(s, rows, [q, k, v, dout, lse, delta, dq, dk, dv, lo, hi], scratch);
+        }
+        if method == Method::TensorCores {
             let suffix = format!("{}_{}", self.dt.suffix(), s.d);
             let tail = [Arg::F32(s.scale)];
             let a: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
@@ -373,13 +462,11 @@ impl Ops<'_> {
             self.gpu.launch(&format!("attn_bwd_dq_mma_{suffix}"), grid, ATT_BLOCK, &a)?;
             // One block per 64 keys and query head (a grid as wide as the forward pass's), then a
             // sum over the query heads that share each kv head.
-            let (part_k, part_v) = (partial, partial + (s.partial_len() / 2 * 4) as u64);
+            let (part_k, part_v) = (scratch, scratch + (s.b * s.t * s.hq * s.d * 4) as u64);
             let dkv = [q, k, v, dout, lse, delta, part_k, part_v, lo, hi].map(Arg::Ptr);
             let a: Vec<Arg> = dkv.into_iter().chain(dims).chain(tail).collect();
             self.gpu.launch(&format!("attn_bwd_dkv_mma_{suffix}"), grid, ATT_BLOCK, &a)?;
-            let n = s.b * s.t;
-            let args = [Arg::Ptr(part_k), Arg::Ptr(part_v), Arg::Ptr(dk), Arg::Ptr(dv), i(n), i(s.hq), i(s.hk), i(s.d)];
-            return self.run("attn_reduce_heads", n * s.hk * s.d, &args);
+            return self.reduce_heads(s, part_k, part_v, dk, dv);
         }
         let tail = [i(s.d), Arg::F32(s.scale)];
         let dq_args: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
@@ -394,6 +481,161 @@ impl Ops<'_> {
         let grid = [s.t.div_ceil(ATT_ROWS) as u32, s.hk as u32, s.b as u32];
         self.gpu.launch(&self.k("attn_bwd_dkv"), grid, ATT_BLOCK, &dkv_args)
     }
+
+    /// dK and dV per kv head from the per-query-head f32 partials `[b·t, hq, d]`.
+    fn reduce_heads(&self, s: &AttnShape, part_k: u64, part_v: u64, dk: u64, dv: u64) -> R {
+        let n = s.b * s.t;
+        let args = [Arg::Ptr(part_k), Arg::Ptr(part_v), Arg::Ptr(dk), Arg::Ptr(dv), i(n), i(s.hq), i(s.hk), i(s.d)];
+        self.run("attn_reduce_heads", n * s.hk * s.d, &args)
+    }
+
+    /// A batched product of attention: `m × n × k` for each of the `b · hq` heads. `a` and `b`
+    /// are `(address, [row pitch, batch stride, head stride], group)`: an operand read per query
+    /// head (group 1), per kv head (group hq / hk) or from the chunk's scores (`[kn, hq · rows · kn,
+    /// rows · kn]`); C likewise.
+    fn attn_product(
+        &self,
+        s: &AttnShape,
+        [m, n, k]: [usize; 3],
+        (a, a_trans, [lda, ao, ah], a_group): (u64, bool, [usize; 3], usize),
+        (b, b_trans, [ldb, bo, bh], b_group): (u64, bool, [usize; 3], usize),
+        (c, c_dt, [ldc, co, ch]): (u64, Dt, [usize; 3]),
+        alpha: f32,
+        beta: f32,
+    ) -> R {
+        let g = Gemm { m, n, k, a, a_trans, lda, b, b_trans, ldb, c, ldc, alpha, beta, ab: self.dt, c_dt };
+        let batch =
+            GemmBatch { count: s.b * s.hq, heads: s.hq, a: [ao, ah], a_group, b: [bo, bh], b_group, c: [co, ch] };
+        self.gpu.gemm_batched(&g, &batch)
+    }
+
+    /// Attention forward through matrix products, `rows` query rows at a time: S = scale · Q Kᵀ
+    /// for the keys the chunk's queries can see (f32), P = softmax(S) in the compute dtype (and
+    /// each row's log-sum-exp), O = P V.
+    fn attn_fwd_products(&self, s: &AttnShape, rows: usize, [q, k, v, o, lse, lo, hi]: [u64; 7], scratch: u64) -> R {
+        let (dt, d, rep) = (self.dt, s.d, s.hq / s.hk);
+        let (scores, probs) = (scratch, scratch + (s.chunk_layout(rows, dt).0 * 4) as u64);
+        let (qs, kvs) = ([s.hq * d, s.t * s.hq * d, d], [s.hk * d, s.t * s.hk * d, d]);
+        for r0 in (0..s.t).step_by(rows) {
+            let (r, row) = (rows.min(s.t - r0), (r0 * s.hq * d * dt.size()) as u64);
+            let kn = r0 + r;
+            let chunk = [kn, s.hq * r * kn, r * kn];
+            self.attn_product(
+                s,
+                [r, kn, d],
+                (q + row, false, qs, 1),
+                (k, true, kvs, rep),
+                (scores, Dt::F32, chunk),
+                s.scale,
+                0.0,
+            )?;
+            self.probs(s, scores, probs, lse, lo, hi, r0, r, true)?;
+            self.attn_product(
+                s,
+                [r, d, kn],
+                (probs, false, chunk, 1),
+                (v, false, kvs, rep),
+                (o + row, dt, qs),
+                1.0,
+                0.0,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The probabilities of a chunk of product attention from its scores (`attn_probs`).
+    fn probs(
+        &self,
+        s: &AttnShape,
+        scores: u64,
+        probs: u64,
+        lse: u64,
+        lo: u64,
+        hi: u64,
+        r0: usize,
+        r: usize,
+        fwd: bool,
+    ) -> R {
+        let args = [scores, probs, lse, lo, hi].map(Arg::Ptr).into_iter();
+        let args: Vec<Arg> = args.chain([i(s.t), i(s.hq), i(r0), i(r), i(r0 + r), Arg::I32(fwd as i32)]).collect();
+        self.gpu.launch(&self.k("attn_probs"), [r as u32, (s.b * s.hq) as u32, 1], self.row_block(ROW_BLOCK), &args)
+    }
+
+    /// Attention backward through matrix products, a chunk of `rows` query rows at a time from the
+    /// last: P recomputed from S and the forward pass's log-sum-exp, dV += Pᵀ dO, dP = dO Vᵀ,
+    /// dS = P ⊙ (dP − delta), dQ = scale · dS K, dK += scale · dSᵀ Q — dK and dV per query head in
+    /// f32 (the last chunk, which sees every key, writes them first), summed per kv head at the end.
+    fn attn_bwd_products(
+        &self,
+        s: &AttnShape,
+        rows: usize,
+        [q, k, v, dout, lse, delta, dq, dk, dv, lo, hi]: [u64; 11],
+        scratch: u64,
+    ) -> R {
+        let (dt, d, rep) = (self.dt, s.d, s.hq / s.hk);
+        let (scores_len, probs_len) = s.chunk_layout(rows, dt);
+        let (scores, probs) = (scratch, scratch + (scores_len * 4) as u64);
+        let part_k = scratch + ((scores_len + probs_len) * 4) as u64;
+        let part_v = part_k + (s.b * s.t * s.hq * d * 4) as u64;
+        let (qs, kvs) = ([s.hq * d, s.t * s.hq * d, d], [s.hk * d, s.t * s.hk * d, d]);
+        let chunks: Vec<usize> = (0..s.t).step_by(rows).collect();
+        for (n, &r0) in chunks.iter().rev().enumerate() {
+            let (r, row) = (rows.min(s.t - r0), (r0 * s.hq * d * dt.size()) as u64);
+            let kn = r0 + r;
+            let chunk = [kn, s.hq * r * kn, r * kn];
+            let beta = if n == 0 { 0.0 } else { 1.0 };
+            self.attn_product(
+                s,
+                [r, kn, d],
+                (q + row, false, qs, 1),
+                (k, true, kvs, rep),
+                (scores, Dt::F32, chunk),
+                s.scale,
+                0.0,
+            )?;
+            self.probs(s, scores, probs, lse, lo, hi, r0, r, false)?;
+            self.attn_product(
+                s,
+                [kn, d, r],
+                (probs, true, chunk, 1),
+                (dout + row, false, qs, 1),
+                (part_v, Dt::F32, qs),
+                1.0,
+                beta,
+            )?;
+            self.attn_product(
+                s,
+                [r, kn, d],
+                (dout + row, false, qs, 1),
+                (v, true, kvs, rep),
+                (scores, Dt::F32, chunk),
+                1.0,
+                0.0,
+            )?;
+            let total = s.b * s.hq * r * kn;
+            let args = [Arg::Ptr(probs), Arg::Ptr(scores), Arg::Ptr(delta), i(s.t), i(r0), i(r), i(kn), i(total)];
+            self.run("attn_dscores", total, &args)?;
+            self.attn_product(
+                s,
+                [r, d, kn],
+                (probs, false, chunk, 1),
+                (k, false, kvs, rep),
+                (dq + row, dt, qs),
+                s.scale,
+                0.0,
+            )?;
+            self.attn_product(
+                s,
+                [kn, d, r],
+                (probs, true, chunk, 1),
+                (q + row, false, qs, 1),
+                (part_k, Dt::F32, qs),
+                s.scale,
+                beta,
+            )?;
+        }
+        self.reduce_heads(s, part_k, part_v, dk, dv)
+    }
 }
 
 /// One AdamW step's coefficients, computed in f64 and rounded once, as src/train/optim.rs does.
@@ -407,4 +649,37 @@ pub struct AdamWCoefficients {
     pub bc2_sqrt: f32,
     pub eps: f32,
     pub grad_scale: f32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(b: usize, t: usize, hq: usize) -> AttnShape {
+        AttnShape { b, t, hq, hk: 1, d: 64, scale: 0.125, kernels: AttnKernels::Auto }
+    }
+
+    #[test]
+    fn product_attention_chunks_share_rows_evenly_within_their_scratch() {
+        // SmolLM2-360M at 4 × 512 in bf16: two chunks of 256 rows (47 MB each).
+        assert_eq!(shape(4, 512, 15).chunk_rows(0, Dt::Bf16), 256);
+        // A short row: one chunk; a forced size is kept.
+        assert_eq!(shape(1, 150, 4).chunk_rows(0, Dt::Bf16), 150);
+        assert_eq!(shape(1, 150, 4).chunk_rows(48, Dt::F32), 48);
+        // 2 × 2048 with 16 heads: 170 rows fit, so 13 chunks of 158.
+        assert_eq!(shape(2, 2048, 16).chunk_rows(0, Dt::Bf16), 158);
+        // 8 × 4096 with 32 heads: not even 16 rows fit; 16 it is.
+        assert_eq!(shape(8, 4096, 32).chunk_rows(0, Dt::Bf16), 16);
+        for (b, t, hq) in [(1, 7, 1), (4, 512, 15), (2, 2048, 16), (3, 1000, 9), (16, 1024, 32)] {
+            let s = shape(b, t, hq);
+            for dt in [Dt::F32, Dt::Bf16] {
+                let rows = s.chunk_rows(0, dt);
+                let (scores, probs) = s.chunk_layout(rows, dt);
+                assert!(rows == 16 || (scores + probs) * 4 <= PRODUCT_SCORES_BYTES + 32, "{b}×{t}×{hq}: {rows} rows");
+                assert!(scores % 4 == 0 && probs % 4 == 0 && scores * 4 >= b * hq * rows * t * 4);
+                // Equal chunks: the last is no more than one row shorter per chunk.
+                assert!(t.div_ceil(rows) * rows - t < t.div_ceil(rows), "{b}×{t}×{hq}: {rows} rows");
+            }
+        }
+    }
 }

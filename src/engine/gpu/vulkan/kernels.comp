@@ -49,11 +49,13 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[
 
 #if defined(T_F32)
 #define TB F32
+#define TSIZE 4
 float ld(TB b, int i) { return b.v[i]; }
 void st(TB b, int i, float x) { b.v[i] = x; }
 float rnd(float x) { return x; }
 #elif defined(T_BF16)
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer TB { uint16_t v[]; };
+#define TSIZE 2
 uint bf16_bits(float x) {
     uint u = floatBitsToUint(x);
     if (isnan(x)) return (u >> 16) | 0x40u;
@@ -64,6 +66,7 @@ void st(TB b, int i, float x) { b.v[i] = uint16_t(bf16_bits(x)); }
 float rnd(float x) { return uintBitsToFloat(bf16_bits(x) << 16); }
 #elif defined(T_F16)
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer TB { float16_t v[]; };
+#define TSIZE 2
 float ld(TB b, int i) { return float(b.v[i]); }
 void st(TB b, int i, float x) { b.v[i] = float16_t(x); }
 float rnd(float x) { return float(float16_t(x)); }
@@ -76,7 +79,7 @@ const float INF = 1.0 / 0.0;
 // Grid-stride loop over `n` elements.
 #define FOR_EACH(i, n) for (int i = int(gl_GlobalInvocationID.x); i < (n); i += int(gl_NumWorkGroups.x * gl_WorkGroupSize.x))
 
-#if defined(NEEDS_REDUCE) || defined(K_rmsnorm_fwd) || defined(K_rmsnorm_bwd) || defined(K_cross_entropy)
+#if defined(NEEDS_REDUCE) || defined(K_rmsnorm_fwd) || defined(K_rmsnorm_bwd) || defined(K_cross_entropy) || defined(K_attn_probs)
 // Sum or max over the workgroup (a power of two of at most 1024 invocations); every invocation
 // must call it (uniform control flow).
 shared float red[1024];
@@ -977,19 +980,33 @@ void main() {
 // C is f32 (`-DC_F32`) or the compute dtype.
 #ifdef C_F32
 #define CB F32
+#define CSIZE 4
 float ldc_(CB b, int i) { return b.v[i]; }
 void stc_(CB b, int i, float x) { b.v[i] = x; }
 #else
 #define CB TB
+#define CSIZE TSIZE
 float ldc_(CB b, int i) { return ld(b, i); }
 void stc_(CB b, int i, float x) { st(b, i, x); }
 #endif
+// A batch of products of one shape, one per workgroup z (gemm_cm: when not split): product
+// z = o · heads + h takes A at element o · sa_o + (h / a_group) · sa_i, B likewise and C at
+// o · sc_o + h · sc_i — attention's products over a batch's rows and heads, a group of query
+// heads sharing a key/value head. One product: heads 1, groups 1, strides 0. The fields end
+// every product kernel's push constants (BATCH); BATCHED(ptr, z, x, size) is the address of
+// product z's operand x (a, b or c) of `size`-byte elements.
+#define BATCH int heads; int a_group; int b_group; int sa_o; int sa_i; int sb_o; int sb_i; int sc_o; int sc_i
+#define BATCHED(ptr, z, so, si, group, size) \
+    (uint64_t(ptr) + uint64_t(int64_t((z) / p.heads) * (so) + int64_t(((z) % p.heads) / (group)) * (si)) * (size))
+#define BATCH_A(z) TB(BATCHED(p.a, z, p.sa_o, p.sa_i, p.a_group, TSIZE))
+#define BATCH_B(z) TB(BATCHED(p.b, z, p.sb_o, p.sb_i, p.b_group, TSIZE))
+#define BATCH_C(z) CB(BATCHED(p.c, z, p.sc_o, p.sc_i, 1, CSIZE))
 #endif
 
 #ifdef K_gemm
 layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
-    float beta;
+    float beta; BATCH;
 } p;
 #define GT 64
 #define GK 32
@@ -998,7 +1015,9 @@ layout(push_constant) uniform P {
 shared vec4 sa[GK * GT / 4];
 shared vec4 sb[GK * GT / 4];
 void main() {
-    int row0 = int(gl_WorkGroupID.y) * GT, col0 = int(gl_WorkGroupID.x) * GT;
+    int row0 = int(gl_WorkGroupID.y) * GT, col0 = int(gl_WorkGroupID.x) * GT, z = int(gl_WorkGroupID.z);
+    TB pa = BATCH_A(z), pb = BATCH_B(z);
+    CB pc = BATCH_C(z);
     int tx = TID % 16, ty = TID / 16;
     vec4 acc0 = vec4(0.0), acc1 = vec4(0.0), acc2 = vec4(0.0), acc3 = vec4(0.0);
     bool at = p.a_trans != 0, bt = p.b_trans != 0;
@@ -1009,12 +1028,12 @@ void main() {
             int ar = at ? e % GT : e / GK, ak = at ? e / GT : e % GK;
             int gr = row0 + ar, gk = k0 + ak;
             float av = 0.0;
-            if (gr < p.m && gk < p.k) av = ld(p.a, at ? gk * p.lda + gr : gr * p.lda + gk);
+            if (gr < p.m && gk < p.k) av = ld(pa, at ? gk * p.lda + gr : gr * p.lda + gk);
             sa[ak * (GT / 4) + ar / 4][ar % 4] = av;
             int bk = bt ? e % GK : e / GT, bc = bt ? e / GK : e % GT;
             int hk = k0 + bk, hc = col0 + bc;
             float bv = 0.0;
-            if (hk < p.k && hc < p.n) bv = ld(p.b, bt ? hc * p.ldb + hk : hk * p.ldb + hc);
+            if (hk < p.k && hc < p.n) bv = ld(pb, bt ? hc * p.ldb + hk : hk * p.ldb + hc);
             sb[bk * (GT / 4) + bc / 4][bc % 4] = bv;
         }
         memoryBarrierShared();
@@ -1035,8 +1054,8 @@ void main() {
             if (r < p.m && cc < p.n) {
                 int at_ = r * p.ldc + cc;
                 float out_ = p.alpha * acc[i][j];
-                if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at_);
-                stc_(p.c, at_, out_);
+                if (p.beta != 0.0) out_ += p.beta * ldc_(pc, at_);
+                stc_(pc, at_, out_);
             }
         }
 }
@@ -1051,13 +1070,16 @@ void main() {
 #if defined(K_gemm_sg)
 layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
-    float beta; int c_trans;
+    float beta; int c_trans; BATCH;
 } p;
 #define GR 32
 layout(constant_id = 1) const int GC = 4;
 void main() {
     int lane = TID;
     int row0 = int(gl_WorkGroupID.y) * GR, col0 = int(gl_WorkGroupID.x) * BLOCK * GC;
+    int z = int(gl_WorkGroupID.z);
+    TB pa = BATCH_A(z), pb = BATCH_B(z);
+    CB pc = BATCH_C(z);
     bool at = p.a_trans != 0, bt = p.b_trans != 0;
     // Element (r, k) of op(A) is at ra[q] + k·sa for r = row0 + lane + BLOCK·q; rows and columns
     // past the edge read the last valid one (no branches) and are not stored.
@@ -1075,8 +1097,8 @@ void main() {
     [[unroll]] for (int i = 0; i < GR * GC; i++) acc[i] = 0.0;
     for (int k = 0; k < p.k; k++) {
         float av[GR / BLOCK], bv[GC];
-        [[unroll]] for (int q = 0; q < GR / BLOCK; q++) av[q] = ld(p.a, ra[q] + k * sa);
-        [[unroll]] for (int c = 0; c < GC; c++) bv[c] = ld(p.b, cb[c] + k * sb);
+        [[unroll]] for (int q = 0; q < GR / BLOCK; q++) av[q] = ld(pa, ra[q] + k * sa);
+        [[unroll]] for (int c = 0; c < GC; c++) bv[c] = ld(pb, cb[c] + k * sb);
         [[unroll]] for (int i = 0; i < GR; i++) {
             float a = subgroupBroadcast(av[i / BLOCK], i % BLOCK);
             [[unroll]] for (int c = 0; c < GC; c++) acc[i * GC + c] = fma(a, bv[c], acc[i * GC + c]);
@@ -1088,8 +1110,8 @@ void main() {
             if (r < p.m && cc < p.n) {
                 int at_ = p.c_trans != 0 ? cc * p.ldc + r : r * p.ldc + cc;
                 float out_ = p.alpha * acc[i * GC + c];
-                if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at_);
-                stc_(p.c, at_, out_);
+                if (p.beta != 0.0) out_ += p.beta * ldc_(pc, at_);
+                stc_(pc, at_, out_);
             }
         }
 }
@@ -1312,10 +1334,11 @@ layout(constant_id = 4) const uint TK = 16;
 
 #if defined(K_gemm_cm)
 // `k_split` > 0: workgroup z takes the inner dimension's values z·k_split .. (z + 1)·k_split − 1
-// (a multiple of BK) and writes its part of the product at C + z·m·ldc (split_sum adds them).
+// (a multiple of BK) and writes its part of the product at C + z·m·ldc (split_sum adds them);
+// else z is the product of a batch.
 layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
-    float beta; int k_split;
+    float beta; int k_split; BATCH;
 } p;
 // The tile: four subgroups in a 2 × 2 grid, each computing WM × WN of C (constants 1 and 6, the
 // `_<WM>x<WN>` suffix the host launches it under), so a workgroup computes BM × BN, walking the
@@ -1411,14 +1434,16 @@ void main() {
     uint sg = gl_SubgroupID;
     uint wr = (sg / 2) * WM, wc = (sg % 2) * WN;
     bool at = p.a_trans != 0, bt = p.b_trans != 0;
-    uint64_t pa = uint64_t(p.a), pb = uint64_t(p.b);
+    int split = p.k_split > 0 ? int(gl_WorkGroupID.z) : 0, z = p.k_split > 0 ? 0 : int(gl_WorkGroupID.z);
+    uint64_t pa = uint64_t(BATCH_A(z)), pb = uint64_t(BATCH_B(z));
+    CB pc = BATCH_C(z);
     bool va = (pa & 15ul) == 0ul && p.lda % 8 == 0, vb = (pb & 15ul) == 0ul && p.ldb % 8 == 0;
     // op(A)[row0 + r][k0 + c] and op(B)[k0 + r][col0 + c] as S[r][c] of each tile.
     int ars = at ? 1 : p.lda, acs = at ? p.lda : 1, brs = bt ? 1 : p.ldb, bcs = bt ? p.ldb : 1;
     uvec4 ra[NP], rb[NP];
     coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator> acc[FM * FN];
     [[unroll]] for (uint i = 0; i < FM * FN; i++) acc[i] = coopmat<float, gl_ScopeSubgroup, TM, TN, gl_MatrixUseAccumulator>(0.0);
-    int kb = p.k_split > 0 ? int(gl_WorkGroupID.z) * p.k_split : 0;
+    int kb = split * p.k_split;
     int ke = p.k_split > 0 ? min(p.k, kb + p.k_split) : p.k;
     fetch(pa, va, row0 * ars + kb * acs, ars, acs, int(BM), BK, p.m - row0, ke - kb, NA, ra);
     fetch(pb, vb, kb * brs + col0 * bcs, brs, bcs, BK, int(BN), ke - kb, p.n - col0, NB, rb);
@@ -1452,10 +1477,10 @@ void main() {
             for (uint e = gl_SubgroupInvocationID; e < TM * TN; e += gl_SubgroupSize) {
                 int r = row0 + int(wr + i * TM + e / TN), cc = col0 + int(wc + j * TN + e % TN);
                 if (r < p.m && cc < p.n) {
-                    int at_ = int(gl_WorkGroupID.z) * p.m * p.ldc + r * p.ldc + cc;
+                    int at_ = split * p.m * p.ldc + r * p.ldc + cc;
                     float out_ = p.alpha * sc[own + e];
-                    if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at_);
-                    stc_(p.c, at_, out_);
+                    if (p.beta != 0.0) out_ += p.beta * ldc_(pc, at_);
+                    stc_(pc, at_, out_);
                 }
             }
             subgroupBarrier();
@@ -1470,7 +1495,7 @@ void main() {
 #if defined(K_gemm_cm1)
 layout(push_constant) uniform P {
     TB a; TB b; CB c; int m; int n; int k; int lda; int ldb; int ldc; int a_trans; int b_trans; float alpha;
-    float beta;
+    float beta; BATCH;
 } p;
 #define BM 64
 #define BN 64
@@ -1484,6 +1509,9 @@ shared ET sb[BK * SB];
 shared float sc[4 * TM * TN];
 void main() {
     int row0 = int(gl_WorkGroupID.y) * BM, col0 = int(gl_WorkGroupID.x) * BN;
+    int z = int(gl_WorkGroupID.z);
+    TB pa = BATCH_A(z), pb = BATCH_B(z);
+    CB pc = BATCH_C(z);
     uint sg = gl_SubgroupID;
     uint wr = (sg / 2) * 32, wc = (sg % 2) * 32;
     bool at = p.a_trans != 0, bt = p.b_trans != 0;
@@ -1496,14 +1524,14 @@ void main() {
             int r = at ? e % BM : e / BK, kk = at ? e / BM : e % BK;
             int gr = row0 + r, gk = k0 + kk;
             float v = 0.0;
-            if (gr < p.m && gk < p.k) v = ld(p.a, at ? gk * p.lda + gr : gr * p.lda + gk);
+            if (gr < p.m && gk < p.k) v = ld(pa, at ? gk * p.lda + gr : gr * p.lda + gk);
             sa[r * SA + kk] = ET(v);
         }
         for (int e = TID; e < BK * BN; e += BLOCK) {
             int kk = bt ? e % BK : e / BN, c = bt ? e / BK : e % BN;
             int gk = k0 + kk, gc = col0 + c;
             float v = 0.0;
-            if (gk < p.k && gc < p.n) v = ld(p.b, bt ? gc * p.ldb + gk : gk * p.ldb + gc);
+            if (gk < p.k && gc < p.n) v = ld(pb, bt ? gc * p.ldb + gk : gk * p.ldb + gc);
             sb[kk * SB + c] = ET(v);
         }
         barrier();
@@ -1530,8 +1558,8 @@ void main() {
                 if (r < p.m && cc < p.n) {
                     int at_ = r * p.ldc + cc;
                     float out_ = p.alpha * sc[own + e];
-                    if (p.beta != 0.0) out_ += p.beta * ldc_(p.c, at_);
-                    stc_(p.c, at_, out_);
+                    if (p.beta != 0.0) out_ += p.beta * ldc_(pc, at_);
+                    stc_(pc, at_, out_);
                 }
             }
             subgroupBarrier();
@@ -1980,6 +2008,57 @@ void main() {
         }
         st(p.dk, i, sk);
         st(p.dv, i, sv);
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Attention through matrix products (ops.rs, `attn_*_products`): a chunk of `rows` query rows
+// r0 .. r0 + rows sees keys 0 .. kn − 1 (kn = r0 + rows: no query sees a later key). For product
+// z = b · hq + h of the batch, S (f32) and P (T) hold its rows × kn scores and probabilities,
+// packed: element (z, r, j) at (z · rows + r) · kn + j.
+
+// P from S = scale · Q Kᵀ, zero outside each row's keys lo ..= hi. Forward (`fwd` ≠ 0): the
+// softmax of each row, and its log-sum-exp into lse (∞ for a row that sees no key); backward:
+// exp(S − lse) with the forward pass's lse. Grid (rows, b · hq); one workgroup per row.
+#ifdef K_attn_probs
+layout(push_constant) uniform P {
+    F32 s; TB pr; F32 lse; I32 lo; I32 hi; int t; int hq; int r0; int rows; int kn; int fwd;
+} p;
+void main() {
+    int r = int(gl_WorkGroupID.x), z = int(gl_WorkGroupID.y), qi = p.r0 + r;
+    int tok = (z / p.hq) * p.t + qi, row = (z * p.rows + r) * p.kn, lrow = z * p.t + qi;
+    int lo = p.lo.v[tok], hi = min(p.hi.v[tok], p.kn - 1);
+    float m, scale;
+    if (p.fwd != 0) {
+        m = -INF;
+        for (int j = lo + TID; j <= hi; j += BLOCK) m = max(m, p.s.v[row + j]);
+        m = block_reduce(m, true);
+        float l = 0.0;
+        if (m != -INF)
+            for (int j = lo + TID; j <= hi; j += BLOCK) l += exp(p.s.v[row + j] - m);
+        l = block_reduce(l, false);
+        if (TID == 0) p.lse.v[lrow] = l > 0.0 ? m + log(l) : INF;
+        scale = l > 0.0 ? 1.0 / l : 0.0;
+    } else {
+        m = p.lse.v[lrow];
+        scale = m == INF ? 0.0 : 1.0;
+    }
+    for (int j = TID; j < p.kn; j += BLOCK) {
+        float x = j >= lo && j <= hi ? exp(p.s.v[row + j] - m) * scale : 0.0;
+        st(p.pr, row + j, x);
+    }
+}
+#endif
+
+// dS = P ⊙ (dP − delta) in place of P (dP = dO Vᵀ in f32, delta = Σ dO ⊙ O of each row); the
+// scale of S goes into the products that take dS. Grid-stride over the chunk's elements.
+#ifdef K_attn_dscores
+layout(push_constant) uniform P { TB pr; F32 dp; F32 delta; int t; int r0; int rows; int kn; int n; } p;
+void main() {
+    FOR_EACH(i, p.n) {
+        int zr = i / p.kn, z = zr / p.rows, r = zr % p.rows;
+        st(p.pr, i, ld(p.pr, i) * (p.dp.v[i] - p.delta.v[z * p.t + p.r0 + r]));
     }
 }
 #endif

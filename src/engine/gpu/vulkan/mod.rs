@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use ash::vk;
 
-use super::device::{Arg, Dt, Gemm, Gpu, GpuError, Memory, size_class};
+use super::device::{Arg, Dt, Gemm, GemmBatch, Gpu, GpuError, Memory, size_class};
 use super::ops;
 
 /// Commands recorded into one command buffer before it is submitted.
@@ -162,10 +162,21 @@ fn gemm_args(g: &Gemm) -> Vec<Arg> {
     ]
 }
 
-/// One 64 × 64 tile of C per workgroup (`K_gemm`, `K_gemm_cm1`).
-fn gemm_grid(g: &Gemm) -> [u32; 3] {
-    [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1]
+/// The push constants every product kernel ends with (kernels.comp, `BATCH`).
+fn batch_args(b: &GemmBatch) -> Vec<Arg> {
+    let i = |v: usize| Arg::I32(i32::try_from(v).expect("batch strides fit in i32 (attention's shapes)"));
+    [b.heads, b.a_group, b.b_group, b.a[0], b.a[1], b.b[0], b.b[1], b.c[0], b.c[1]].map(i).to_vec()
 }
+
+/// One 64 × 64 tile of C per workgroup (`K_gemm`, `K_gemm_cm1`), a layer of them per product of
+/// the batch.
+fn gemm_grid(g: &Gemm, b: &GemmBatch) -> [u32; 3] {
+    [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, b.count as u32]
+}
+
+/// The most products one batched launch takes: the workgroups along z that every Vulkan device
+/// allows (a larger batch goes one product at a time).
+const MAX_BATCH: usize = 65535;
 
 /// The tiles `gemm_cm` can run with, largest first: each of its four subgroups computes
 /// `WM` × `WN` of C, so a workgroup computes twice that each way (kernels.comp).
@@ -208,10 +219,11 @@ const SPLIT_MAX: usize = 32;
 
 /// The products that share a timed tile ([`VulkanGpu::tuned_tile`]): by input and output type,
 /// [`shape_class`] and the transposes.
-type TileKey = (Dt, Dt, [usize; 3], bool, bool);
+/// A batch's products share a tile by the batch's size rounded up to a power of two too.
+type TileKey = (Dt, Dt, [usize; 3], bool, bool, usize);
 
-fn tile_key(ab: Dt, c: Dt, mnk: [usize; 3], a_trans: bool, b_trans: bool) -> TileKey {
-    (ab, c, shape_class(mnk), a_trans, b_trans)
+fn tile_key(ab: Dt, c: Dt, mnk: [usize; 3], a_trans: bool, b_trans: bool, count: usize) -> TileKey {
+    (ab, c, shape_class(mnk), a_trans, b_trans, count.next_power_of_two())
 }
 
 /// The sides of products that share a timed tile ([`VulkanGpu::tuned_tile`]): each rounded up to a
@@ -270,8 +282,13 @@ fn gemm_tiles(shape: [u32; 3], subgroup: u32, max_shared: u32) -> Vec<[u32; 2]> 
 /// inside C) among those launching at least [`GEMM_GROUPS_PER_UNIT`] workgroups per unit, else
 /// the one launching the most.
 fn choose_gemm_tile(m: usize, n: usize, tiles: &[[u32; 2]], units: Option<u32>) -> Option<[u32; 2]> {
+    choose_batch_tile(m, n, 1, tiles, units)
+}
+
+/// [`choose_gemm_tile`] for `count` products of a batch.
+fn choose_batch_tile(m: usize, n: usize, count: usize, tiles: &[[u32; 2]], units: Option<u32>) -> Option<[u32; 2]> {
     let min_groups = GEMM_GROUPS_PER_UNIT * units.map_or(GEMM_UNITS_UNKNOWN, |u| u as usize);
-    let groups = |[wm, wn]: [u32; 2]| m.div_ceil(2 * wm as usize) * n.div_ceil(2 * wn as usize);
+    let groups = |[wm, wn]: [u32; 2]| count * m.div_ceil(2 * wm as usize) * n.div_ceil(2 * wn as usize);
     let useful = |t: [u32; 2]| (m * n) as f64 / groups(t) as f64;
     let enough: Vec<[u32; 2]> = tiles.iter().copied().filter(|&t| groups(t) >= min_groups).collect();
     if enough.is_empty() {
@@ -897,15 +914,15 @@ impl VulkanGpu {
             };
             let (q, k, v, dout) = (values(nq, d)?, values(nk, 7919)?, values(nk, 2 * 7919)?, values(nq, 3 * 7919)?);
             let mut results = Vec::new();
-            for tensor_cores in [true, false] {
-                let s = super::ops::AttnShape { b: 1, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), tensor_cores };
+            for kernels in [ops::AttnKernels::TensorCores, ops::AttnKernels::Scalar] {
+                let s = super::ops::AttnShape { b: 1, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), kernels };
                 let (o, lse, delta) =
                     (scratch.alloc(nq * dt.size())?, scratch.alloc(t * hq * 4)?, scratch.alloc(t * hq * 4)?);
                 let (dq, dk, dv) =
                     (scratch.alloc(nq * dt.size())?, scratch.alloc(nk * dt.size())?, scratch.alloc(nk * dt.size())?);
-                let partial = scratch.alloc(s.partial_len() * 4)?;
-                ops.attn_fwd(&s, q, k, v, o, lse, plo, phi)?;
-                ops.attn_bwd(&s, q, k, v, o, dout, lse, delta, partial, dq, dk, dv, plo, phi)?;
+                let attn = scratch.alloc(s.scratch_len(dt, self, true).max(1) * 4)?;
+                ops.attn_fwd(&s, q, k, v, o, lse, plo, phi, attn)?;
+                ops.attn_bwd(&s, q, k, v, o, dout, lse, delta, attn, dq, dk, dv, plo, phi)?;
                 let outputs = [(o, nq, dt), (lse, t * hq, Dt::F32), (dq, nq, dt), (dk, nk, dt), (dv, nk, dt)];
                 results.push(outputs.iter().map(|&(p, n, dt)| scratch.read(p, n, dt)).collect::<Result<Vec<_>, _>>()?);
             }
@@ -1037,8 +1054,8 @@ impl VulkanGpu {
                         c_dt: Dt::F32,
                     };
                     match (tile, split) {
-                        (Some(t), Some(_)) => self.gemm_cm_split(&g, t, split)?,
-                        _ => self.gemm_cm(&g, tile)?,
+                        (Some(t), Some(_)) => self.gemm_cm_split(&g, &GemmBatch::ONE, t, split)?,
+                        _ => self.gemm_cm(&g, &GemmBatch::ONE, tile)?,
                     }
                     let out = scratch.read(pc, m * n, Dt::F32)?;
                     for r in 0..m {
@@ -1066,15 +1083,16 @@ impl VulkanGpu {
 
     /// The product on the matrix units (`K_gemm_cm`), whose shape for `g.ab` [`VulkanGpu::open`]
     /// chose: workgroups of four subgroups, with the tile `tile` or else the one
-    /// [`choose_gemm_tile`] picks for the product.
-    fn gemm_cm(&self, g: &Gemm, tile: Option<[u32; 2]>) -> Result<(), GpuError> {
+    /// [`choose_gemm_tile`] picks for the product; `batch.count` of them in one launch.
+    fn gemm_cm(&self, g: &Gemm, batch: &GemmBatch, tile: Option<[u32; 2]>) -> Result<(), GpuError> {
         if self.units(g.ab).is_some_and(|u| u.first_form) {
             let kernel = format!("gemm_cm1_{}_{}", g.ab.suffix(), g.c_dt.suffix());
-            return self.dispatch(&kernel, gemm_grid(g), 4 * self.subgroup, &gemm_args(g));
+            let args = [gemm_args(g), batch_args(batch)].concat();
+            return self.dispatch(&kernel, gemm_grid(g, batch), 4 * self.subgroup, &args);
         }
         let tile = match tile.or_else(|| self.gemm_tile(g.ab)) {
             Some(t) => Some(t),
-            None => self.tuned_tile(g, &self.gemm_cm_tiles(g.ab))?,
+            None => self.tuned_tile(g, batch, &self.gemm_cm_tiles(g.ab))?,
         };
         let Some([wm, wn]) = tile else {
             return Err(GpuError::Device(format!(
@@ -1083,24 +1101,32 @@ impl VulkanGpu {
                 self.subgroup
             )));
         };
-        self.gemm_cm_split(g, [wm, wn], split_k(g.m, g.n, g.k, self.compute_units))
+        // A batch fills the device by itself; only single products are split.
+        let split = if batch.count == 1 { split_k(g.m, g.n, g.k, self.compute_units) } else { None };
+        self.gemm_cm_split(g, batch, [wm, wn], split)
     }
 
     /// `g` on the matrix units with tile `[wm, wn]`, its inner dimension split in parts of
-    /// `split` values (a multiple of 32; `None`: whole): the parts go to scratch memory in f32
-    /// and `split_sum` adds them into C in order.
-    fn gemm_cm_split(&self, g: &Gemm, [wm, wn]: [u32; 2], split: Option<usize>) -> Result<(), GpuError> {
+    /// `split` values (a multiple of 32; `None`: whole; a single product only): the parts go to
+    /// scratch memory in f32 and `split_sum` adds them into C in order.
+    fn gemm_cm_split(
+        &self,
+        g: &Gemm,
+        batch: &GemmBatch,
+        [wm, wn]: [u32; 2],
+        split: Option<usize>,
+    ) -> Result<(), GpuError> {
         let kernel = |c: Dt| format!("gemm_cm_{}_{}_{wm}x{wn}", g.ab.suffix(), c.suffix());
         let grid = |z: usize| [g.n.div_ceil(2 * wn as usize) as u32, g.m.div_ceil(2 * wm as usize) as u32, z as u32];
-        let Some(ks) = split.filter(|&ks| ks < g.k) else {
-            let args = [gemm_args(g), vec![Arg::I32(0)]].concat();
-            return self.dispatch(&kernel(g.c_dt), grid(1), 4 * self.subgroup, &args);
+        let Some(ks) = split.filter(|&ks| ks < g.k && batch.count == 1) else {
+            let args = [gemm_args(g), vec![Arg::I32(0)], batch_args(batch)].concat();
+            return self.dispatch(&kernel(g.c_dt), grid(batch.count), 4 * self.subgroup, &args);
         };
         let parts = g.k.div_ceil(ks);
         let scratch = Scratch { gpu: self, held: RefCell::default() };
         let c = scratch.alloc(parts * g.m * g.n * 4)?;
         let pg = Gemm { c, ldc: g.n, alpha: 1.0, beta: 0.0, c_dt: Dt::F32, ..*g };
-        let args = [gemm_args(&pg), vec![Arg::I32(ks as i32)]].concat();
+        let args = [gemm_args(&pg), vec![Arg::I32(ks as i32)], batch_args(&GemmBatch::ONE)].concat();
         self.dispatch(&kernel(Dt::F32), grid(parts), 4 * self.subgroup, &args)?;
         let i = |v: usize| Arg::I32(v as i32);
         let n = g.m * g.n;
@@ -1109,22 +1135,24 @@ impl VulkanGpu {
         self.dispatch(&format!("split_sum_{}", g.c_dt.suffix()), ops::grid(n), ops::BLOCK, &sum_args)
     }
 
-    /// The tile for product `g` among `tiles`: the first product of its shape ([`shape_class`])
-    /// times each (into scratch memory, so C is untouched) and keeps the fastest for every later
-    /// one, so the tile that suits a device is found on the device, whichever GPU it is — where
-    /// the device writes timestamps and the product is large enough ([`TUNE_FROM`]); else, or if
-    /// timing fails, [`choose_gemm_tile`]'s. Every tile sums each output over the inner dimension
-    /// in the same order, so the choice changes the speed, not the result.
-    fn tuned_tile(&self, g: &Gemm, tiles: &[[u32; 2]]) -> Result<Option<[u32; 2]>, GpuError> {
-        let key = tile_key(g.ab, g.c_dt, [g.m, g.n, g.k], g.a_trans, g.b_trans);
+    /// The tile for product `g` (and its batch) among `tiles`: the first product of its shape
+    /// ([`shape_class`], the batch's size) times each (into scratch memory, so C is untouched)
+    /// and keeps the fastest for every later one, so the tile that suits a device is found on the
+    /// device, whichever GPU it is — where the device writes timestamps and the work is large
+    /// enough ([`TUNE_FROM`]); else, or if timing fails, [`choose_gemm_tile`]'s. Every tile sums
+    /// each output over the inner dimension in the same order, so the choice changes the speed,
+    /// not the result.
+    fn tuned_tile(&self, g: &Gemm, batch: &GemmBatch, tiles: &[[u32; 2]]) -> Result<Option<[u32; 2]>, GpuError> {
+        let key = tile_key(g.ab, g.c_dt, [g.m, g.n, g.k], g.a_trans, g.b_trans, batch.count);
         if let Some(t) = self.state.borrow().tiles.get(&key) {
             return Ok(Some(*t));
         }
-        let guess = choose_gemm_tile(g.m, g.n, tiles, self.compute_units);
-        let chosen = if tiles.len() < 2 || g.m * g.n * g.k < self.tune_from || self.timestamp_ns.is_none() {
+        let guess = choose_batch_tile(g.m, g.n, batch.count, tiles, self.compute_units);
+        let work = batch.count * g.m * g.n * g.k;
+        let chosen = if tiles.len() < 2 || work < self.tune_from || self.timestamp_ns.is_none() {
             guess
         } else {
-            match self.time_tiles(g, tiles) {
+            match self.time_tiles(g, batch, tiles) {
                 Ok(fastest) => fastest.or(guess),
                 Err(e) if self.state.borrow().lost.is_some() => return Err(e),
                 // No memory for the scratch C, say: the guess serves.
@@ -1137,16 +1165,18 @@ impl VulkanGpu {
         Ok(chosen)
     }
 
-    /// The fastest of `tiles` for product `g` (three runs each after one that compiles its
-    /// pipeline, timed by the GPU's timestamps), writing into scratch memory in place of C.
-    fn time_tiles(&self, g: &Gemm, tiles: &[[u32; 2]]) -> Result<Option<[u32; 2]>, GpuError> {
+    /// The fastest of `tiles` for product `g` and its batch (three runs each after one that
+    /// compiles its pipeline, timed by the GPU's timestamps), writing into scratch memory in place
+    /// of C.
+    fn time_tiles(&self, g: &Gemm, batch: &GemmBatch, tiles: &[[u32; 2]]) -> Result<Option<[u32; 2]>, GpuError> {
         let scratch = Scratch { gpu: self, held: RefCell::default() };
-        let c = scratch.alloc(((g.m - 1) * g.ldc + g.n) * g.c_dt.size())?;
+        let last = batch.offsets(batch.count - 1)[2];
+        let c = scratch.alloc((last + (g.m - 1) * g.ldc + g.n) * g.c_dt.size())?;
         let g = Gemm { c, beta: 0.0, ..*g };
         let mut best: Option<([u32; 2], f64)> = None;
         for &tile in tiles {
-            self.gemm_cm(&g, Some(tile))?;
-            let secs = self.gpu_seconds(|| (0..3).try_for_each(|_| self.gemm_cm(&g, Some(tile))))?;
+            self.gemm_cm(&g, batch, Some(tile))?;
+            let secs = self.gpu_seconds(|| (0..3).try_for_each(|_| self.gemm_cm(&g, batch, Some(tile))))?;
             if let Some(secs) = secs
                 && best.is_none_or(|(_, b)| secs < b)
             {
@@ -1214,7 +1244,7 @@ impl VulkanGpu {
     /// with on the matrix units, once one has ([`Self::tuned_tile`]).
     #[doc(hidden)]
     pub fn product_tile(&self, dt: Dt, c_dt: Dt, mnk: [usize; 3], a_trans: bool, b_trans: bool) -> Option<[u32; 2]> {
-        self.state.borrow().tiles.get(&tile_key(dt, c_dt, mnk, a_trans, b_trans)).copied()
+        self.state.borrow().tiles.get(&tile_key(dt, c_dt, mnk, a_trans, b_trans, 1)).copied()
     }
 
     /// The tile [`choose_gemm_tile`] guesses for an `m` × `n` product of `dt` inputs here (what
@@ -1777,22 +1807,33 @@ impl Gpu for VulkanGpu {
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), GpuError> {
+        self.gemm_batched(g, &GemmBatch::ONE)
+    }
+
+    fn gemm_batched(&self, g: &Gemm, batch: &GemmBatch) -> Result<(), GpuError> {
         let c = g.c_dt.suffix();
         if g.c_dt != Dt::F32 && g.c_dt != g.ab {
             return Err(GpuError::Device(format!("no product of {:?} inputs into {:?}", g.ab, g.c_dt)));
         }
+        if batch.count == 0 || g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        if batch.count > MAX_BATCH {
+            return (0..batch.count).try_for_each(|z| self.gemm(&batch.product(g, z)));
+        }
         let Some(sg) = self.cpu_subgroup.map(|s| s as usize) else {
             if self.matrix_units(g.ab)? {
-                return self.gemm_cm(g, None);
+                return self.gemm_cm(g, batch, None);
             }
-            return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), gemm_grid(g), 256, &gemm_args(g));
+            let args = [gemm_args(g), batch_args(batch)].concat();
+            return self.dispatch(&format!("gemm_{}_{c}", g.ab.suffix()), gemm_grid(g, batch), 256, &args);
         };
         // On CPU devices gemm_sg computes 32 rows × (subgroup · GC) columns per workgroup: the
         // longer side of C goes across (Cᵀ = op(B)ᵀ·op(A)ᵀ when m < n), GC as small as the
         // columns allow.
         let swap = g.m < g.n;
-        let g = &if swap {
-            Gemm {
+        let (g, batch) = &if swap {
+            let g = Gemm {
                 a: g.b,
                 a_trans: !g.b_trans,
                 lda: g.ldb,
@@ -1802,15 +1843,15 @@ impl Gpu for VulkanGpu {
                 m: g.n,
                 n: g.m,
                 ..*g
-            }
+            };
+            (g, GemmBatch { a: batch.b, a_group: batch.b_group, b: batch.a, b_group: batch.a_group, ..*batch })
         } else {
-            *g
+            (*g, *batch)
         };
         let (m, n) = (g.m, g.n);
-        let mut args = gemm_args(g);
-        args.push(Arg::I32(swap as i32));
+        let args = [gemm_args(g), vec![Arg::I32(swap as i32)], batch_args(batch)].concat();
         let gc = n.div_ceil(sg).clamp(1, 4);
-        let grid = [n.div_ceil(sg * gc) as u32, m.div_ceil(32) as u32, 1];
+        let grid = [n.div_ceil(sg * gc) as u32, m.div_ceil(32) as u32, batch.count as u32];
         self.dispatch(&format!("gemm_sg_{}_{c}_{gc}", g.ab.suffix()), grid, sg as u32, &args)
     }
 
@@ -1841,6 +1882,11 @@ impl Gpu for VulkanGpu {
     fn tensor_core_attention(&self, dt: Dt) -> bool {
         // A device lost during the first-use check shows in the next call's error.
         self.attention_units(dt).unwrap_or(false)
+    }
+
+    fn product_attention(&self) -> bool {
+        // On CPU devices the per-lane attention kernels are faster than products.
+        self.cpu_subgroup.is_none()
     }
 }
 
