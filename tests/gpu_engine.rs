@@ -335,29 +335,9 @@ fn check_products(gpu: &Rc<dyn Gpu>, types: &[(Dt, Dt)]) {
                 let a = rounded(dt, &rand_vec(&mut rng, (if a_trans { k } else { m }) * lda, 1.0));
                 let b = rounded(dt, &rand_vec(&mut rng, (if b_trans { n } else { k }) * ldb, 1.0));
                 let c0 = rounded(c_dt, &rand_vec(&mut rng, m * ldc, 1.0));
-                let (ab, bb, cb) = (
-                    Buf::from_f32(gpu, &a, dt).unwrap(),
-                    Buf::from_f32(gpu, &b, dt).unwrap(),
-                    Buf::from_f32(gpu, &c0, c_dt).unwrap(),
-                );
-                gpu.gemm(&Gemm {
-                    m,
-                    n,
-                    k,
-                    a: ab.ptr(),
-                    a_trans,
-                    lda,
-                    b: bb.ptr(),
-                    b_trans,
-                    ldb,
-                    c: cb.ptr(),
-                    ldc,
-                    ab: dt,
-                    c_dt,
-                    alpha: 1.5,
-                    beta,
-                })
-                .unwrap();
+                let (bufs, g) = product(gpu, (dt, c_dt), [&a, &b, &c0], [m, n, k], [lda, ldb, ldc], (a_trans, b_trans));
+                gpu.gemm(&Gemm { alpha: 1.5, beta, ..g }).unwrap();
+                let cb = &bufs[2];
                 let mut want = c0.clone();
                 for r in 0..m {
                     for c in 0..n {
@@ -377,6 +357,22 @@ fn check_products(gpu: &Rc<dyn Gpu>, types: &[(Dt, Dt)]) {
         }
         check_batched_products(gpu, dt, c_dt);
     }
+}
+
+/// A, B (in the input type) and C (in the output type) on `gpu`, and the product over them with
+/// pitches `[lda, ldb, ldc]` (α = 1, β = 0).
+fn product(
+    gpu: &Rc<dyn Gpu>,
+    (dt, c_dt): (Dt, Dt),
+    [a, b, c]: [&[f32]; 3],
+    [m, n, k]: [usize; 3],
+    [lda, ldb, ldc]: [usize; 3],
+    (a_trans, b_trans): (bool, bool),
+) -> ([Buf; 3], Gemm) {
+    let bufs = [(a, dt), (b, dt), (c, c_dt)].map(|(v, t)| Buf::from_f32(gpu, v, t).unwrap());
+    let (a, b, c) = (bufs[0].ptr(), bufs[1].ptr(), bufs[2].ptr());
+    let g = Gemm { m, n, k, a, a_trans, lda, b, b_trans, ldb, c, ldc, ab: dt, c_dt, alpha: 1.0, beta: 0.0 };
+    (bufs, g)
 }
 
 /// A batch of 2 × 3 products in one call, as attention makes them: A per (row, head), B shared
@@ -402,29 +398,9 @@ fn check_batched_products(gpu: &Rc<dyn Gpu>, dt: Dt, c_dt: Dt) {
         let a = rounded(dt, &rand_vec(&mut rng, outer * batch.a[0], 1.0));
         let b = rounded(dt, &rand_vec(&mut rng, outer * batch.b[0], 1.0));
         let c0 = rounded(c_dt, &rand_vec(&mut rng, outer * batch.c[0], 1.0));
-        let (ab, bb, cb) = (
-            Buf::from_f32(gpu, &a, dt).unwrap(),
-            Buf::from_f32(gpu, &b, dt).unwrap(),
-            Buf::from_f32(gpu, &c0, c_dt).unwrap(),
-        );
-        let g = Gemm {
-            m,
-            n,
-            k,
-            a: ab.ptr(),
-            a_trans,
-            lda,
-            b: bb.ptr(),
-            b_trans,
-            ldb,
-            c: cb.ptr(),
-            ldc,
-            ab: dt,
-            c_dt,
-            alpha: 0.75,
-            beta: 0.5,
-        };
-        gpu.gemm_batched(&g, &batch).unwrap();
+        let (bufs, g) = product(gpu, (dt, c_dt), [&a, &b, &c0], [m, n, k], [lda, ldb, ldc], (a_trans, b_trans));
+        gpu.gemm_batched(&Gemm { alpha: 0.75, beta: 0.5, ..g }, &batch).unwrap();
+        let cb = &bufs[2];
         let mut want = c0.clone();
         for z in 0..batch.count {
             let [ao, bo, co] = batch.offsets(z);

@@ -128,12 +128,29 @@ impl AttnShape {
         }
     }
 
+    /// [row pitch, batch stride, head stride] of `[b, t, heads, d]` tensors: query heads, kv heads.
+    fn pitches(&self) -> ([usize; 3], [usize; 3]) {
+        let d = self.d;
+        ([self.hq * d, self.t * self.hq * d, d], [self.hk * d, self.t * self.hk * d, d])
+    }
+
     /// f32 elements of a chunk's scores (f32) and probabilities (`dt`), each a multiple of 16
     /// bytes so that both regions start aligned.
     fn chunk_layout(&self, rows: usize, dt: Dt) -> (usize, usize) {
         let n = self.b * self.hq * rows * self.t;
         (n.next_multiple_of(4), (n * dt.size()).div_ceil(4).next_multiple_of(4))
     }
+}
+
+/// One chunk of product attention: query rows `r0 .. r0 + r` (at byte `row` of a `[b, t, hq, d]`
+/// tensor in the compute dtype), which see keys `0 .. kn`; `scores` is its scores' and
+/// probabilities' [row pitch, batch stride, head stride] (packed, per [`Ops::attn_product`]).
+struct Chunk {
+    r0: usize,
+    r: usize,
+    kn: usize,
+    row: u64,
+    scores: [usize; 3],
 }
 
 /// `RTUNE_GPU_ATTENTION=scalar` runs the reference attention kernels, `products` attention
@@ -509,56 +526,48 @@ impl Ops<'_> {
         self.gpu.gemm_batched(&g, &batch)
     }
 
+    /// The chunks of product attention over `rows` query rows each, in order.
+    fn chunks(&self, s: &AttnShape, rows: usize) -> Vec<Chunk> {
+        let rows = rows.max(1);
+        let chunk = |r0: usize| {
+            let (r, kn) = (rows.min(s.t - r0), (r0 + rows).min(s.t));
+            let row = (r0 * s.hq * s.d * self.dt.size()) as u64;
+            Chunk { r0, r, kn, row, scores: [kn, s.hq * r * kn, r * kn] }
+        };
+        (0..s.t).step_by(rows).map(chunk).collect()
+    }
+
+    /// S = scale · Q Kᵀ of chunk `c` into `scores` (f32), then P from it into `probs`
+    /// (`attn_probs`: forward, also each row's log-sum-exp into `lse`).
+    fn chunk_probs(
+        &self,
+        s: &AttnShape,
+        c: &Chunk,
+        [q, k]: [u64; 2],
+        [scores, probs, lse, lo, hi]: [u64; 5],
+        fwd: bool,
+    ) -> R {
+        let (qs, kvs) = s.pitches();
+        let qk = ((q + c.row, false, qs, 1), (k, true, kvs, s.hq / s.hk));
+        self.attn_product(s, [c.r, c.kn, s.d], qk.0, qk.1, (scores, Dt::F32, c.scores), s.scale, 0.0)?;
+        let args = [scores, probs, lse, lo, hi].map(Arg::Ptr).into_iter();
+        let args: Vec<Arg> = args.chain([i(s.t), i(s.hq), i(c.r0), i(c.r), i(c.kn), Arg::I32(fwd as i32)]).collect();
+        let grid = [c.r as u32, (s.b * s.hq) as u32, 1];
+        self.gpu.launch(&self.k("attn_probs"), grid, self.row_block(ROW_BLOCK), &args)
+    }
+
     /// Attention forward through matrix products, `rows` query rows at a time: S = scale · Q Kᵀ
     /// for the keys the chunk's queries can see (f32), P = softmax(S) in the compute dtype (and
     /// each row's log-sum-exp), O = P V.
     fn attn_fwd_products(&self, s: &AttnShape, rows: usize, [q, k, v, o, lse, lo, hi]: [u64; 7], scratch: u64) -> R {
-        let (dt, d, rep) = (self.dt, s.d, s.hq / s.hk);
-        let (scores, probs) = (scratch, scratch + (s.chunk_layout(rows, dt).0 * 4) as u64);
-        let (qs, kvs) = ([s.hq * d, s.t * s.hq * d, d], [s.hk * d, s.t * s.hk * d, d]);
-        for r0 in (0..s.t).step_by(rows) {
-            let (r, row) = (rows.min(s.t - r0), (r0 * s.hq * d * dt.size()) as u64);
-            let kn = r0 + r;
-            let chunk = [kn, s.hq * r * kn, r * kn];
-            self.attn_product(
-                s,
-                [r, kn, d],
-                (q + row, false, qs, 1),
-                (k, true, kvs, rep),
-                (scores, Dt::F32, chunk),
-                s.scale,
-                0.0,
-            )?;
-            self.probs(s, scores, probs, lse, lo, hi, r0, r, true)?;
-            self.attn_product(
-                s,
-                [r, d, kn],
-                (probs, false, chunk, 1),
-                (v, false, kvs, rep),
-                (o + row, dt, qs),
-                1.0,
-                0.0,
-            )?;
+        let (scores, probs) = (scratch, scratch + (s.chunk_layout(rows, self.dt).0 * 4) as u64);
+        let (qs, kvs) = s.pitches();
+        for c in self.chunks(s, rows) {
+            self.chunk_probs(s, &c, [q, k], [scores, probs, lse, lo, hi], true)?;
+            let (p, v) = ((probs, false, c.scores, 1), (v, false, kvs, s.hq / s.hk));
+            self.attn_product(s, [c.r, s.d, c.kn], p, v, (o + c.row, self.dt, qs), 1.0, 0.0)?;
         }
         Ok(())
-    }
-
-    /// The probabilities of a chunk of product attention from its scores (`attn_probs`).
-    fn probs(
-        &self,
-        s: &AttnShape,
-        scores: u64,
-        probs: u64,
-        lse: u64,
-        lo: u64,
-        hi: u64,
-        r0: usize,
-        r: usize,
-        fwd: bool,
-    ) -> R {
-        let args = [scores, probs, lse, lo, hi].map(Arg::Ptr).into_iter();
-        let args: Vec<Arg> = args.chain([i(s.t), i(s.hq), i(r0), i(r), i(r0 + r), Arg::I32(fwd as i32)]).collect();
-        self.gpu.launch(&self.k("attn_probs"), [r as u32, (s.b * s.hq) as u32, 1], self.row_block(ROW_BLOCK), &args)
     }
 
     /// Attention backward through matrix products, a chunk of `rows` query rows at a time from the
@@ -572,67 +581,25 @@ impl Ops<'_> {
         [q, k, v, dout, lse, delta, dq, dk, dv, lo, hi]: [u64; 11],
         scratch: u64,
     ) -> R {
-        let (dt, d, rep) = (self.dt, s.d, s.hq / s.hk);
+        let (dt, rep) = (self.dt, s.hq / s.hk);
         let (scores_len, probs_len) = s.chunk_layout(rows, dt);
         let (scores, probs) = (scratch, scratch + (scores_len * 4) as u64);
         let part_k = scratch + ((scores_len + probs_len) * 4) as u64;
-        let part_v = part_k + (s.b * s.t * s.hq * d * 4) as u64;
-        let (qs, kvs) = ([s.hq * d, s.t * s.hq * d, d], [s.hk * d, s.t * s.hk * d, d]);
-        let chunks: Vec<usize> = (0..s.t).step_by(rows).collect();
-        for (n, &r0) in chunks.iter().rev().enumerate() {
-            let (r, row) = (rows.min(s.t - r0), (r0 * s.hq * d * dt.size()) as u64);
-            let kn = r0 + r;
-            let chunk = [kn, s.hq * r * kn, r * kn];
+        let part_v = part_k + (s.b * s.t * s.hq * s.d * 4) as u64;
+        let (qs, kvs) = s.pitches();
+        for (n, c) in self.chunks(s, rows).iter().rev().enumerate() {
             let beta = if n == 0 { 0.0 } else { 1.0 };
-            self.attn_product(
-                s,
-                [r, kn, d],
-                (q + row, false, qs, 1),
-                (k, true, kvs, rep),
-                (scores, Dt::F32, chunk),
-                s.scale,
-                0.0,
-            )?;
-            self.probs(s, scores, probs, lse, lo, hi, r0, r, false)?;
-            self.attn_product(
-                s,
-                [kn, d, r],
-                (probs, true, chunk, 1),
-                (dout + row, false, qs, 1),
-                (part_v, Dt::F32, qs),
-                1.0,
-                beta,
-            )?;
-            self.attn_product(
-                s,
-                [r, kn, d],
-                (dout + row, false, qs, 1),
-                (v, true, kvs, rep),
-                (scores, Dt::F32, chunk),
-                1.0,
-                0.0,
-            )?;
+            let ([r, kn, d], row) = ([c.r, c.kn, s.d], c.row);
+            self.chunk_probs(s, c, [q, k], [scores, probs, lse, lo, hi], false)?;
+            let (p, p_t) = ((probs, false, c.scores, 1), (probs, true, c.scores, 1));
+            let do_rows = (dout + row, false, qs, 1);
+            self.attn_product(s, [kn, d, r], p_t, do_rows, (part_v, Dt::F32, qs), 1.0, beta)?;
+            self.attn_product(s, [r, kn, d], do_rows, (v, true, kvs, rep), (scores, Dt::F32, c.scores), 1.0, 0.0)?;
             let total = s.b * s.hq * r * kn;
-            let args = [Arg::Ptr(probs), Arg::Ptr(scores), Arg::Ptr(delta), i(s.t), i(r0), i(r), i(kn), i(total)];
+            let args = [Arg::Ptr(probs), Arg::Ptr(scores), Arg::Ptr(delta), i(s.t), i(c.r0), i(r), i(kn), i(total)];
             self.run("attn_dscores", total, &args)?;
-            self.attn_product(
-                s,
-                [r, d, kn],
-                (probs, false, chunk, 1),
-                (k, false, kvs, rep),
-                (dq + row, dt, qs),
-                s.scale,
-                0.0,
-            )?;
-            self.attn_product(
-                s,
-                [kn, d, r],
-                (probs, true, chunk, 1),
-                (q + row, false, qs, 1),
-                (part_k, Dt::F32, qs),
-                s.scale,
-                beta,
-            )?;
+            self.attn_product(s, [r, d, kn], p, (k, false, kvs, rep), (dq + row, dt, qs), s.scale, 0.0)?;
+            self.attn_product(s, [kn, d, r], p_t, (q + row, false, qs, 1), (part_k, Dt::F32, qs), s.scale, beta)?;
         }
         self.reduce_heads(s, part_k, part_v, dk, dv)
     }
