@@ -6,7 +6,9 @@
 //!   SiLU gating, dropout from a counter-based generator, cross-entropy, AdamW, and attention
 //!   (FlashAttention-2's structure on tensor cores for bf16/f16 with head size 64 or 128, a scalar
 //!   reference kernel otherwise). Attention keeps only each row's log-sum-exp; the backward pass
-//!   recomputes probabilities, so memory never grows with t².
+//!   recomputes probabilities. Where the tensor-core kernels do not run on a device whose products
+//!   are fast (Vulkan GPUs), attention goes through batched products instead, chunk by chunk of
+//!   query rows (`ops.rs`; the chunk's scores in memory, at most 64 MiB).
 //! - Frozen and adapter products go to the device's GEMM (cuBLAS) with f32 accumulation; frozen
 //!   weights get no gradient, residual adds and adapter outputs accumulate into the products'
 //!   outputs. Trained base weights keep f32 master copies in the flat parameters and get their
