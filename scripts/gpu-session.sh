@@ -109,7 +109,7 @@ first)
     CUBLAS_DTYPES=bf16 CANDIDATE_TIMEOUT=40 step spike 110 30 spikes/vulkan-gemm/gpu.sh
     show spike "^==|GFLOP|TFLOP|rror|skipped|not carried|failed"
   fi
-  step timings 100 30 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings
+  step timings 120 30 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings
   show timings "^\||did not run|panicked|failed a check|matrix loads"
   # The products on the matrix units with each of gemm_cm's tiles beside the one the engine picks.
   step tiles 60 20 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_product_tiles
