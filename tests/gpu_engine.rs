@@ -339,23 +339,30 @@ fn check_products(gpu: &Rc<dyn Gpu>, types: &[(Dt, Dt)]) {
                 gpu.gemm(&Gemm { alpha: 1.5, beta, ..g }).unwrap();
                 let cb = &bufs[2];
                 let mut want = c0.clone();
-                for r in 0..m {
-                    for c in 0..n {
-                        let dot: f64 = (0..k)
-                            .map(|p| {
-                                let x = if a_trans { a[p * lda + r] } else { a[r * lda + p] };
-                                let y = if b_trans { b[c * ldb + p] } else { b[p * ldb + c] };
-                                x as f64 * y as f64
-                            })
-                            .sum();
-                        want[r * ldc + c] = (1.5 * dot + beta as f64 * c0[r * ldc + c] as f64) as f32;
-                    }
-                }
+                reference_product(&mut want, [&a, &b], [0; 3], &Gemm { alpha: 1.5, beta, ..g });
                 let what = format!("{}: {dt:?}→{c_dt:?} {m}×{n}×{k} trans {a_trans}/{b_trans} β {beta}", gpu.name());
                 assert_close(&what, &cb.to_vec().unwrap(), &want, if c_dt == Dt::F32 { 1e-5 } else { 1e-2 });
             }
         }
         check_batched_products(gpu, dt, c_dt);
+    }
+}
+
+/// `g`'s product in f64 on the host, over `a` and `b` (its A and B) and into `c` (its C, whose
+/// values β scales), the operands starting `offsets` elements in (a product of a batch).
+fn reference_product(c: &mut [f32], [a, b]: [&[f32]; 2], [ao, bo, co]: [usize; 3], g: &Gemm) {
+    for r in 0..g.m {
+        for j in 0..g.n {
+            let dot: f64 = (0..g.k)
+                .map(|p| {
+                    let x = a[ao + if g.a_trans { p * g.lda + r } else { r * g.lda + p }];
+                    let y = b[bo + if g.b_trans { j * g.ldb + p } else { p * g.ldb + j }];
+                    x as f64 * y as f64
+                })
+                .sum();
+            let at = co + r * g.ldc + j;
+            c[at] = (g.alpha as f64 * dot + g.beta as f64 * c[at] as f64) as f32;
+        }
     }
 }
 
@@ -403,19 +410,7 @@ fn check_batched_products(gpu: &Rc<dyn Gpu>, dt: Dt, c_dt: Dt) {
         let cb = &bufs[2];
         let mut want = c0.clone();
         for z in 0..batch.count {
-            let [ao, bo, co] = batch.offsets(z);
-            for r in 0..m {
-                for c in 0..n {
-                    let dot: f64 = (0..k)
-                        .map(|p| {
-                            let x = a[ao + if a_trans { p * lda + r } else { r * lda + p }];
-                            let y = b[bo + if b_trans { c * ldb + p } else { p * ldb + c }];
-                            x as f64 * y as f64
-                        })
-                        .sum();
-                    want[co + r * ldc + c] = (0.75 * dot + 0.5 * c0[co + r * ldc + c] as f64) as f32;
-                }
-            }
+            reference_product(&mut want, [&a, &b], batch.offsets(z), &Gemm { alpha: 0.75, beta: 0.5, ..g });
         }
         let what =
             format!("{}: {dt:?}→{c_dt:?} batch of {} {m}×{n}×{k} trans {a_trans}/{b_trans}", gpu.name(), batch.count);

@@ -561,14 +561,11 @@ impl GpuEngine {
         let dequantized = self.layers.iter().flat_map(|l| &l.lin).filter(|l| matches!(l.w, W::Nf4 { .. }));
         let dequantized = s * dequantized.map(|l| l.out * l.inp).max().unwrap_or(0);
         // Attention's backward scratch: per-query-head dK and dV in f32, and where attention runs
-        // through products a chunk's scores and probabilities (ops.rs; at most 256 query rows, and
-        // at most PRODUCT_SCORES_BYTES unless 16 rows need more).
+        // through products a chunk's scores and probabilities.
         let qd = c.num_heads * c.head_dim;
-        let per_row = n * c.num_heads * (4 + s);
-        let scores = if self.gpu.product_attention() {
-            (256 * per_row).min(super::ops::PRODUCT_SCORES_BYTES.max(16 * per_row))
-        } else {
-            0
+        let scores = match self.gpu.product_attention() {
+            true => AttnShape::most_scores_bytes(n, c.num_heads, self.dt),
+            false => 0,
         };
         let attention = 8 * n * qd + scores;
         (layer + chunk + 2 * s * n * c.hidden_size + dequantized + attention) as u64

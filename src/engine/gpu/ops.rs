@@ -79,10 +79,12 @@ enum Method {
 
 /// Bytes of scores and probabilities a chunk of product attention may hold (the chunk shrinks to
 /// fit, down to 16 query rows).
-pub const PRODUCT_SCORES_BYTES: usize = 64 << 20;
+const PRODUCT_SCORES_BYTES: usize = 64 << 20;
 /// The most query rows in a chunk: smaller chunks skip more of the keys no query of theirs sees
 /// (a chunk's queries see keys up to its last row only).
 const PRODUCT_ROWS: usize = 256;
+/// The fewest query rows in a chunk, whatever their scores take.
+const PRODUCT_MIN_ROWS: usize = 16;
 
 impl AttnShape {
     /// Tensor-core kernels exist for bf16/f16 with these head sizes.
@@ -108,8 +110,17 @@ impl AttnShape {
             return rows.min(self.t).max(1);
         }
         let per_row = self.b * self.hq * self.t * (4 + dt.size());
-        let most = (PRODUCT_SCORES_BYTES / per_row.max(1)).clamp(16, PRODUCT_ROWS);
+        let most = (PRODUCT_SCORES_BYTES / per_row.max(1)).clamp(PRODUCT_MIN_ROWS, PRODUCT_ROWS);
         self.t.div_ceil(self.t.div_ceil(most).max(1)).max(1)
+    }
+
+    /// The most bytes of scores and probabilities a chunk of product attention holds for a batch
+    /// of `tokens` tokens (any shape) with `heads` query heads in `dt`: at most
+    /// [`PRODUCT_ROWS`] query rows, and at most [`PRODUCT_SCORES_BYTES`] unless
+    /// [`PRODUCT_MIN_ROWS`] need more ([`Self::chunk_rows`]).
+    pub fn most_scores_bytes(tokens: usize, heads: usize, dt: Dt) -> usize {
+        let per_row = tokens * heads * (4 + dt.size());
+        (PRODUCT_ROWS * per_row).min(PRODUCT_SCORES_BYTES.max(PRODUCT_MIN_ROWS * per_row))
     }
 
     /// f32 elements of the scratch memory [`Ops::attn_fwd`] (`backward` false) or
@@ -644,6 +655,8 @@ mod tests {
                 let (scores, probs) = s.chunk_layout(rows, dt);
                 assert!(rows == 16 || (scores + probs) * 4 <= PRODUCT_SCORES_BYTES + 32, "{b}×{t}×{hq}: {rows} rows");
                 assert!(scores % 4 == 0 && probs % 4 == 0 && scores * 4 >= b * hq * rows * t * 4);
+                // What the engine's memory model counts holds it.
+                assert!((scores + probs) * 4 <= AttnShape::most_scores_bytes(b * t, hq, dt) + 32, "{b}×{t}×{hq}");
                 // Equal chunks: the last is no more than one row shorter per chunk.
                 assert!(t.div_ceil(rows) * rows - t < t.div_ceil(rows), "{b}×{t}×{hq}: {rows} rows");
             }

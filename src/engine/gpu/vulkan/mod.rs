@@ -1118,7 +1118,8 @@ impl VulkanGpu {
     ) -> Result<(), GpuError> {
         let kernel = |c: Dt| format!("gemm_cm_{}_{}_{wm}x{wn}", g.ab.suffix(), c.suffix());
         let grid = |z: usize| [g.n.div_ceil(2 * wn as usize) as u32, g.m.div_ceil(2 * wm as usize) as u32, z as u32];
-        let Some(ks) = split.filter(|&ks| ks < g.k && batch.count == 1) else {
+        debug_assert!(split.is_none() || batch.count == 1, "a batch is never split (gemm_cm)");
+        let Some(ks) = split.filter(|&ks| ks < g.k) else {
             let args = [gemm_args(g), vec![Arg::I32(0)], batch_args(batch)].concat();
             return self.dispatch(&kernel(g.c_dt), grid(batch.count), 4 * self.subgroup, &args);
         };
