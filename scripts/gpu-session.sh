@@ -79,7 +79,7 @@ step() {
 # show NAME PATTERN: the lines of a step's log that say what it found.
 show() { grep -E "$2" "$work/$1.txt" 2>/dev/null | head -"${3:-60}" | tee -a "$summary"; }
 bench_table() { # the benchmark's table and each run's last training line
-  show "$1" "^\||MFU|rtune failed|train +eval loss|tok/s|[Ee]rror|Traceback"
+  show "$1" "^\||MFU|rtune failed|train +eval loss|tok/s|kernels |failed a check|[Ee]rror|Traceback"
 }
 
 # The loader into the system, as the device README says, so that every program finds it.

@@ -91,6 +91,8 @@ EOF
     echo "rtune failed on $shape $b×$t:" >&2
     tail -20 "$log" >&2
   fi
+  # Which kernels ran (the matrix units' first-use checks decide on Vulkan), then the speed.
+  grep -E "^ +kernels |failed a check|stands? in|instead" "$log" | head -4 >&2 || true
   grep -E "tok/s" "$log" | tail -2 >&2 || true
   if [ -n "${SKIP_TORCH:-}" ]; then
     continue

@@ -1055,6 +1055,27 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, AttnKernels)]) {
         let (want_o, want_lse, want_dq, want_dk, want_dv) =
             attention_reference(&s, &q, &k, &v, &dout, &layout.lo, &layout.hi);
         let what = format!("{}: {dt:?} d={d} t={t} {kernels:?}", gpu.name());
+        // The training log's account names the kernels asked for where they ran.
+        let account = s.account(dt, &**gpu);
+        match kernels {
+            // 0: as many rows as fit (here all of them).
+            AttnKernels::Products { rows } => assert_eq!(
+                account,
+                format!(
+                    "attention through matrix products ({} query rows at a time)",
+                    if rows == 0 { t } else { rows.min(t) }
+                ),
+                "{what}"
+            ),
+            AttnKernels::TensorCores if gpu.tensor_core_attention(dt) => {
+                assert_eq!(account, "attention on the matrix units", "{what}")
+            }
+            _ => assert!(
+                account == "attention on the scalar kernels"
+                    || account.starts_with("attention on the per-lane kernels"),
+                "{what}: {account}"
+            ),
+        }
         assert_close(&format!("{what} O"), &bufs.out.to_vec().unwrap(), &want_o, tol(dt));
         assert_close(&format!("{what} lse"), &bufs.lse.to_vec().unwrap(), &want_lse, 1e-3);
         bufs.bwd(&o, &s).unwrap();
@@ -1128,6 +1149,10 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
     assert_eq!(gpu.matrix_load_probe(Dt::F16).unwrap(), None, "{}: matrix loads with shape {shape:?}", gpu.name());
     let gpu: Rc<dyn Gpu> = Rc::new(gpu);
     assert!(gpu.tensor_core_attention(Dt::F16), "{}: f16 attention with shape {shape:?} failed its check", gpu.name());
+    // The training log's account of what ran.
+    let [m, n, k] = shape;
+    assert_eq!(gpu.products_account(Dt::F16), format!("products on the matrix units (gemm_cm, {m}×{n}×{k} f16)"));
+    assert!(gpu.products_account(Dt::F32).contains("(gemm: no f32 matrix units)"), "{}", gpu.products_account(Dt::F32));
     check_products(&gpu, &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
     let tc = AttnKernels::TensorCores;
     check_attention(&gpu, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc), (Dt::F16, 64, AttnKernels::Products { rows: 48 })]);
@@ -1157,6 +1182,11 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
         let first = gpu.with_gpu_kernels().with_matrix_shape(Dt::F16, shape).with_current_products_rejected();
         assert!(first.matrix_shape(Dt::F16).unwrap().is_some(), "{}: the first form did not stand in", first.name());
         assert!(first.first_form_products(Dt::F16), "{}: the products did not switch to the first form", first.name());
+        assert!(
+            first.products_account(Dt::F16).contains("first form (gemm_cm1"),
+            "{}",
+            first.products_account(Dt::F16)
+        );
         check_products(&(Rc::new(first) as Rc<dyn Gpu>), &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
     }
 }

@@ -1703,6 +1703,13 @@ fn default_recipe_on_vulkan(extra: &[&str]) -> (serde_json::Value, serde_json::V
         "train on Vulkan, quantize on the CPU:\n{plan}{log}"
     );
     assert_eq!(plan.contains("is a software Vulkan driver running on the CPU"), !info.gpu, "{plan}");
+    // The train stage says which kernels ran its products and attention (the CPU engine: none to
+    // choose); on a CPU device, the per-lane ones.
+    let kernels = |r: &serde_json::Value| stage(r, "train")["metrics"]["kernels"].clone();
+    assert!(kernels(&cpu).is_null(), "{}", kernels(&cpu));
+    let k = kernels(&vk).as_str().unwrap_or_default().to_string();
+    assert!(k.starts_with("products ") && k.contains("; attention "), "{k}");
+    assert_eq!(k.contains("(gemm_sg: a CPU device)"), !info.gpu, "{k}");
     assert!(vk_dir.path().join("out/tiny-offline/merged/model.safetensors").is_file());
     // Manifests record the device each stage computed on, as discovery described it.
     let run_of = |stage_name: &str| {

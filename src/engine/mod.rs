@@ -209,6 +209,12 @@ pub trait Engine {
         None
     }
 
+    /// Which kernels ran the last step's products and attention, in words, where the device
+    /// decides at run time (the GPU engine: first-use checks of the matrix units).
+    fn kernels(&self) -> Option<String> {
+        None
+    }
+
     /// Estimated device bytes of a training step of `rows × seq` tokens with or without
     /// activation checkpointing, and the device's total, where the engine models its memory.
     fn memory_estimate(&self, _rows: usize, _seq: usize, _checkpointing: bool) -> Option<(u64, u64)> {

@@ -425,6 +425,11 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
             t.timed_steps += 1;
         }
         let step = t.state.step;
+        if step == first_step + 1
+            && let Some(k) = t.engine.kernels()
+        {
+            bar.status("kernels", k);
+        }
         let rate = t.tokens_per_second().map(|r| format!(" {r:.0} tok/s")).unwrap_or_default();
         bar.set(step, &format!("loss {loss:.4} lr {lr:.2e}{rate}{}", t.memory_note()));
         let last = step == total_steps;
@@ -723,6 +728,7 @@ impl Trainer<'_> {
             },
             "ema": self.job.settings.ema.is_some(),
             "engine": self.engine.describe(),
+            "kernels": self.engine.kernels(),
             "peak_rss_bytes": crate::device::host::peak_rss_bytes(),
             "peak_gpu_bytes": peak_gpu,
         });

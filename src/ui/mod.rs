@@ -164,6 +164,15 @@ impl Bar {
         self.started.elapsed()
     }
 
+    /// A status line printed above the bar (or as a plain line when there is none).
+    pub fn status(&self, label: &str, msg: impl AsRef<str>) {
+        match &self.inner {
+            Some(pb) => pb.suspend(|| eprintln!("{label:>10}  {}", msg.as_ref())),
+            None if !self.quiet => eprintln!("{label:>10}  {}", msg.as_ref()),
+            None => {}
+        }
+    }
+
     pub fn finish(&self) {
         if let Some(pb) = &self.inner {
             pb.finish_and_clear();

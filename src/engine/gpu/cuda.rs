@@ -165,6 +165,11 @@ impl Gpu for CudaGpu {
         self.name.clone()
     }
 
+    fn products_account(&self, dt: Dt) -> String {
+        let tf32 = if dt == Dt::F32 && self.tf32 { " with TF32" } else { "" };
+        format!("products through cuBLAS{tf32}")
+    }
+
     fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
         self.bind()?;
         let class = size_class(bytes);

@@ -200,6 +200,12 @@ pub trait Gpu {
         false
     }
 
+    /// Which kernels run the products of `dt` inputs, in words, for the training log: where
+    /// first-use checks decide it (Vulkan's matrix units), as they decided once they have run.
+    fn products_account(&self, _dt: Dt) -> String {
+        "products one at a time".to_string()
+    }
+
     /// Bytes of the largest single allocation the device allows (Vulkan drivers may cap it
     /// below their memory, e.g. at 4 GiB).
     fn max_alloc(&self) -> u64 {

@@ -296,6 +296,8 @@ pub struct GpuEngine {
     rope: Option<(Buf, Buf, usize)>,
     checkpointing: bool,
     describe: String,
+    /// The last attention call's shape (for [`Engine::kernels`]).
+    last_attn: std::cell::Cell<Option<AttnShape>>,
 }
 
 fn gerr(context: &str) -> impl FnOnce(GpuError) -> EngineError + '_ {
@@ -505,6 +507,7 @@ impl GpuEngine {
             acc,
             rope: None,
             checkpointing: false,
+            last_attn: std::cell::Cell::new(None),
         };
         engine.checkpointing = match setup.checkpointing {
             Checkpointing::On => true,
@@ -753,7 +756,7 @@ impl GpuEngine {
 
     fn attn_shape(&self, bt: &DevBatch) -> AttnShape {
         let c = &self.cfg;
-        AttnShape {
+        let s = AttnShape {
             b: bt.b,
             t: bt.t,
             hq: c.num_heads,
@@ -761,7 +764,9 @@ impl GpuEngine {
             d: c.head_dim,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             kernels: super::ops::attention_kernels(),
-        }
+        };
+        self.last_attn.set(Some(s));
+        s
     }
 
     /// The adapter's dropout key in this micro-batch, when it drops anything.
@@ -1435,6 +1440,11 @@ impl Engine for GpuEngine {
 
     fn peak_memory(&self) -> Option<u64> {
         Some(self.gpu.memory().peak_used)
+    }
+
+    fn kernels(&self) -> Option<String> {
+        let s = self.last_attn.get()?;
+        Some(format!("{}; {}", self.gpu.products_account(self.dt), s.account(self.dt, &*self.gpu)))
     }
 
     fn memory_estimate(&self, rows: usize, seq: usize, checkpointing: bool) -> Option<(u64, u64)> {

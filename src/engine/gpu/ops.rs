@@ -103,6 +103,19 @@ impl AttnShape {
         }
     }
 
+    /// Which kernels run this attention call on `gpu` in `dt`, in words, for the training log
+    /// (run after the call: the tensor-core kernels' first-use check may decide it).
+    pub fn account(&self, dt: Dt, gpu: &dyn Gpu) -> String {
+        match self.method(dt, gpu) {
+            Method::TensorCores => "attention on the matrix units".to_string(),
+            Method::Products(rows) => format!("attention through matrix products ({rows} query rows at a time)"),
+            Method::Scalar if self.d.is_multiple_of(4) && gpu.cpu_lanes().is_some() => {
+                "attention on the per-lane kernels (a CPU device)".to_string()
+            }
+            Method::Scalar => "attention on the scalar kernels".to_string(),
+        }
+    }
+
     /// Query rows per chunk of product attention: `rows`, or (0) as many as fit
     /// [`PRODUCT_SCORES_BYTES`], at most [`PRODUCT_ROWS`], in chunks of equal size.
     fn chunk_rows(&self, rows: usize, dt: Dt) -> usize {

@@ -238,6 +238,13 @@ impl Engine for Replicas {
         self.engines.iter().filter_map(|e| e.peak_memory()).max()
     }
 
+    fn kernels(&self) -> Option<String> {
+        // One account where every device ran the same kernels, else each device's.
+        let each: Vec<String> = self.engines.iter().filter_map(|e| e.kernels()).collect();
+        let first = each.first()?;
+        if each.iter().all(|k| k == first) { Some(first.clone()) } else { Some(each.join(" | ")) }
+    }
+
     fn memory_estimate(&self, rows: usize, seq: usize, checkpointing: bool) -> Option<(u64, u64)> {
         // Each device takes its share of the rows.
         self.engines[0].memory_estimate(rows.div_ceil(self.engines.len()), seq, checkpointing)

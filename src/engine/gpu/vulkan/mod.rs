@@ -333,7 +333,7 @@ enum Check {
     /// Under way: the kernels run (for the check itself).
     Running,
     Passed,
-    /// Failed, or the kernels cannot run here: the scalar kernels stand in.
+    /// Failed, or the kernels cannot run here: others stand in (`first_use` says which).
     Failed,
 }
 
@@ -729,12 +729,13 @@ impl VulkanGpu {
 
     /// Runs the first-use check `check` of the matrix-unit kernels of `dt` (the products or
     /// attention, as `field` picks) if it has not run: `Ok(true)` if they pass. A device where
-    /// they fail — a driver's bug — is reported once and keeps the scalar kernels, so a wrong
-    /// matrix unit can slow training down but never make it wrong.
+    /// they fail — a driver's bug — is reported once (naming `stand_in`, the kernels that run
+    /// instead), so a wrong matrix unit can slow training down but never make it wrong.
     fn first_use(
         &self,
         dt: Dt,
         what: &str,
+        stand_in: &str,
         field: fn(&mut MatrixUnits) -> &mut Check,
         check: impl FnOnce() -> Result<Option<String>, GpuError>,
     ) -> Result<bool, GpuError> {
@@ -758,8 +759,7 @@ impl VulkanGpu {
         let [m, n, k] = u.shape;
         let t = dt.suffix();
         eprintln!(
-            "rtune: {}: {t} {what} on the matrix units ({m}×{n}×{k}) failed a check ({failure}); the scalar \
-             kernels stand in",
+            "rtune: {}: {t} {what} on the matrix units ({m}×{n}×{k}) failed a check ({failure}); {stand_in}",
             self.name
         );
         Ok(false)
@@ -773,6 +773,7 @@ impl VulkanGpu {
         self.first_use(
             dt,
             "products",
+            "the tiled kernel stands in",
             |u| &mut u.product,
             || {
                 // A kernel that cannot run here (a driver that fails to compile it) fails like a
@@ -833,7 +834,13 @@ impl VulkanGpu {
         if self.cpu_subgroup.is_some() || !self.matrix_units(dt)? {
             return Ok(false);
         }
-        self.first_use(dt, "attention", |u| &mut u.attention, || self.attention_check(dt))
+        // What stands in: `ops.rs` takes products where the device prefers them.
+        let stand_in = if self.product_attention() {
+            "attention goes through the matrix products instead"
+        } else {
+            "the scalar kernels stand in"
+        };
+        self.first_use(dt, "attention", stand_in, |u| &mut u.attention, || self.attention_check(dt))
     }
 
     /// `None` when the attention kernels on the matrix units give what the scalar kernels give
@@ -1888,6 +1895,28 @@ impl Gpu for VulkanGpu {
     fn product_attention(&self) -> bool {
         // On CPU devices the per-lane attention kernels are faster than products.
         self.cpu_subgroup.is_none()
+    }
+
+    fn products_account(&self, dt: Dt) -> String {
+        if self.cpu_subgroup.is_some() {
+            return "products on the per-lane kernel (gemm_sg: a CPU device)".to_string();
+        }
+        let t = dt.suffix();
+        let Some(u) = self.units(dt) else {
+            return format!("products on the tiled kernel (gemm: no {t} matrix units)");
+        };
+        let [m, n, k] = u.shape;
+        match (u.product, u.first_form) {
+            (Check::Untried | Check::Running, _) => format!("{t} products not run yet"),
+            (Check::Passed, false) => format!("products on the matrix units (gemm_cm, {m}×{n}×{k} {t})"),
+            (Check::Passed, true) => format!(
+                "products on the matrix units in the kernel's first form (gemm_cm1, {m}×{n}×{k} {t}: the current \
+                 form failed its check)"
+            ),
+            (Check::Failed, _) => {
+                format!("products on the tiled kernel (gemm: the {t} matrix-unit kernels failed their check)")
+            }
+        }
     }
 }
 
