@@ -800,6 +800,48 @@ fn rows_longer_than_a_sliding_window_are_refused_before_training() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// A dataset with no rows, or whose every row is bad, is an error naming the file as the user knows
+/// it (not the cache's copy) and pointing at `dataset.path`: before a scratch model's tokenizer
+/// learns from nothing (download), and at tokenize for a model of its own. Nothing is cached, and
+/// the same cache then runs the fixed recipe.
+#[test]
+fn an_empty_or_wholly_bad_dataset_is_a_located_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    small_base_project(p);
+    std::fs::write(p.join("empty.jsonl"), "").unwrap();
+    std::fs::write(p.join("bad.jsonl"), "garbage\n{\"instruction\": 1\n").unwrap();
+    let local = "[recipe]\nname = \"local\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\n\
+                 format = \"alpaca\"\n[device]\nprefer = [\"cpu\"]\n[stages.train]\nmax_steps = 1\n";
+    let scratch = std::fs::read_to_string(root().join("recipes/tiny-offline.toml")).unwrap();
+    let scratch = scratch.replace("data/synthetic-alpaca.jsonl", "data.jsonl");
+    std::fs::write(p.join("local.toml"), local).unwrap();
+    std::fs::write(p.join("scratch.toml"), &scratch).unwrap();
+    let cache = p.join("cache");
+    for (recipe, stage) in [("local.toml", "tokenize"), ("scratch.toml", "download")] {
+        for (file, code, message) in [
+            ("empty.jsonl", "rtune::data::empty", "the dataset `empty.jsonl` has no rows"),
+            ("bad.jsonl", "rtune::data::all_dropped", "every row of the dataset `bad.jsonl` was dropped (2 bad rows)"),
+        ] {
+            let text =
+                std::fs::read_to_string(p.join(recipe)).unwrap().replace("\"data.jsonl\"", &format!("\"{file}\""));
+            std::fs::write(p.join("broken.toml"), text).unwrap();
+            let o = rtune(p, &cache, &["run", "broken.toml", "--set", "dataset.skip_bad_rows=true"]);
+            let err = stderr(&o);
+            let what = format!("{recipe} with {file}");
+            assert_eq!(o.status.code(), Some(3), "{what}: {err}");
+            assert!(err.contains(&format!("stage `{stage}` failed")) && err.contains(code), "{what}: {err}");
+            assert!(err.contains(message) && err.contains(&format!("path = \"{file}\"")), "{what}: {err}");
+            assert!(err.contains("this dataset") && !err.contains("store-v1"), "{what}: {err}");
+            if file == "bad.jsonl" {
+                assert!(err.contains("the first: bad.jsonl:1: malformed JSON"), "{what}: {err}");
+            }
+        }
+        let o = rtune(p, &cache, &["run", recipe, "--set", "stages.train.max_steps=1"]);
+        assert!(o.status.success(), "{recipe}: {}", stderr(&o));
+    }
+}
+
 /// A bf16 checkpoint exports a bf16 merged folder (what PEFT's `merge_and_unload` leaves), read
 /// back bit for bit, with the logit difference its rounding costs reported; `merged_dtype = "f32"`
 /// writes f32 and says so in config.json.

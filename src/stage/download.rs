@@ -69,13 +69,26 @@ pub fn run(ctx: &StageCtx<'_>, key: &DownloadKey) -> Result<serde_json::Value, S
                         &mut |_| {},
                     );
                     drop(tx);
-                    r.map(|_| n)
+                    r.map(|skipped| (n, skipped))
                 });
                 let created = crate::model::scratch::create(&model_out, spec, rx.into_iter(), *seed);
                 (created, reader.join().expect("the row reader does not panic"))
             });
             let cfg = created?;
-            let rows = read?;
+            let (rows, skipped) = read?;
+            let (files, at) = (super::encode::dataset_files(&ds_out), super::encode::dataset_origin(ctx));
+            if rows == 0 && skipped.count > 0 {
+                super::encode::check_rows(0, 0, &skipped, &files, at)?;
+            }
+            if rows == 0 {
+                return Err(Problem::new(
+                    "rtune::data::empty",
+                    format!("the dataset {files} has no rows with text to train the scratch model's tokenizer on"),
+                )
+                .at(at, "this dataset")
+                .help("check the dataset's path and `dataset.format` (the tokenizer learns the rows as the format renders them)")
+                .into());
+            }
             ctx.ui.status("scratch", format!("tokenizer trained on {rows} rows"));
             json!({ "source": "scratch", "arch": cfg.arch, "vocab_size": cfg.vocab_size, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size })
         }

@@ -5,6 +5,7 @@ use super::{StageCtx, StageError};
 use crate::data::{DataError, Encoded, Renderer, Row, Skipped, for_each_row, total_bytes};
 use crate::model::ModelFolder;
 use crate::plan::key::Rendering;
+use crate::recipe::{Origin, Problem};
 
 const CHUNK: usize = 2048;
 
@@ -83,37 +84,59 @@ pub fn encode_each(
     Ok((all, rows))
 }
 
-/// [`encode_each`], collected (for small datasets: evaluate's own data).
+/// [`encode_each`], collected (for small datasets: evaluate's own data), which the recipe names
+/// as `name` at `at`.
 pub fn encode_dataset(
     ctx: &StageCtx<'_>,
     d: &Rendering,
     folder: &ModelFolder,
     data: &std::path::Path,
+    (name, at): (&str, Option<&Origin>),
 ) -> Result<(Vec<Encoded>, Vec<DataError>, usize), StageError> {
     let mut encoded = Vec::new();
     let (bad, rows) = encode_each(ctx, d, folder, data, &mut |e| {
         encoded.push(e);
         Ok(())
     })?;
-    check_rows(rows, encoded.len(), &bad, data)?;
+    check_rows(rows, encoded.len(), &bad, name, at)?;
     Ok((encoded, bad.first, rows))
 }
 
-/// A dataset with no rows, or with every row dropped, is an error.
-pub fn check_rows(rows: usize, used: usize, bad: &Skipped, data: &std::path::Path) -> Result<(), StageError> {
+/// A dataset with no rows, or with every row dropped, is an error, naming the dataset as `name`
+/// and located where the recipe names it (`at`).
+pub fn check_rows(rows: usize, used: usize, bad: &Skipped, name: &str, at: Option<&Origin>) -> Result<(), StageError> {
     if rows == 0 && bad.count == 0 {
-        return Err(DataError::Invalid {
-            message: format!("`{}` has no rows", data.display()),
-            help: Some("check the dataset's path and format".into()),
-        }
-        .into());
+        return Err(Problem::new("rtune::data::empty", format!("the dataset {name} has no rows"))
+            .at(at, "this dataset")
+            .help("check the dataset's path and `dataset.format`")
+            .into());
     }
     if used == 0 {
-        return Err(DataError::Invalid {
-            message: format!("every row was dropped ({} bad rows)", bad.count),
-            help: bad.first.first().map(|b| b.to_string()),
+        let mut p = Problem::new(
+            "rtune::data::all_dropped",
+            format!("every row of the dataset {name} was dropped ({} bad rows)", bad.count),
+        )
+        .at(at, "this dataset");
+        if let Some(first) = bad.first.first() {
+            p = p.help(format!("the first: {first}"));
         }
-        .into());
+        return Err(p.into());
     }
     Ok(())
+}
+
+/// Where the recipe names its dataset (`dataset.path` or `dataset.repo`).
+pub fn dataset_origin<'a>(ctx: &StageCtx<'a>) -> Option<&'a Origin> {
+    ctx.spans.origin(&["dataset", "path"]).or_else(|| ctx.spans.origin(&["dataset", "repo"]))
+}
+
+/// The files of a dataset folder as the recipe's user knows them: `` `a.jsonl` ``, or the first
+/// few of many (relative to the folder).
+pub fn dataset_files(dir: &std::path::Path) -> String {
+    let files = crate::store::walk(dir).unwrap_or_default();
+    let mut names: Vec<String> = files.iter().take(3).map(|f| format!("`{}`", f.display())).collect();
+    if files.len() > 3 {
+        names.push(format!("{} more", files.len() - 3));
+    }
+    if names.is_empty() { "(an empty folder)".to_string() } else { names.join(", ") }
 }

@@ -23,7 +23,11 @@ fn own_dataset(
     rendering: &Rendering,
 ) -> Result<TokenStore, StageError> {
     super::check_source(ctx, path, source)?;
-    let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, path)?;
+    let Source::Local { shown, at, .. } = source else {
+        return Err(StageError::Internal("an evaluate stage's dataset is a local file".into()));
+    };
+    let named = (&format!("`{shown}`")[..], ctx.spans.origin(at));
+    let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, path, named)?;
     for b in bad.iter().take(3) {
         ctx.ui.warn(format!("dropped: {b}"));
     }
