@@ -291,9 +291,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
         Command::Explain { recipe: args, stage, diff } => {
             let (loaded, _store, lock, plan) = make_plan(g, &args, &SelectArgs::default())?;
             let Some(s) = plan.stage(&stage) else {
-                return Err(
-                    Problem::new("rtune::plan::unknown_stage", format!("the recipe has no stage `{stage}`")).into()
-                );
+                return Err(rtune::plan::unknown_stage(&loaded, &stage).into());
             };
             let mut out = format!(
                 "stage `{}` ({}) fingerprint {}\nstatus: {}{}\n\nfingerprint inputs:\n{}\n",

@@ -176,6 +176,10 @@ fn explain_shows_fingerprint_inputs() {
     let o = p.run(&["explain", "tiny.toml", "upload"]);
     let text = stdout(&o);
     assert!(text.contains("\"card:train\": \"") && text.contains("\"card:eval:evaluate\": \""), "{text}");
+    // A misspelt stage gets the closest name, as `run --only` does.
+    let o = p.run(&["explain", "tiny.toml", "trian"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("the recipe has no stage `trian`") && stderr(&o).contains("did you mean `train`?"));
 }
 
 /// README promises two commands; CI must run the same test command.

@@ -150,6 +150,16 @@ pub fn port_name(p: Port) -> &'static str {
     }
 }
 
+/// `name` is no stage of the recipe: the closest stage's name, or all of them.
+pub fn unknown_stage(loaded: &LoadedRecipe, name: &str) -> Problem {
+    let names = loaded.stages.list.iter().map(|s| s.name.as_str());
+    let p = Problem::new("rtune::plan::unknown_stage", format!("the recipe has no stage `{name}`"));
+    match crate::recipe::diag::did_you_mean(name, names.clone()) {
+        Some(m) => p.help(format!("did you mean `{m}`?")),
+        None => p.help(format!("stages: {}", names.collect::<Vec<_>>().join(", "))),
+    }
+}
+
 /// Make the plan of a loaded recipe.
 pub fn make(
     loaded: &LoadedRecipe,
@@ -161,13 +171,7 @@ pub fn make(
     let recipe = &loaded.recipe;
     for name in sel.only.iter().chain(&sel.until).chain(&sel.from).chain(&sel.force) {
         if loaded.stages.get(name).is_none() {
-            let names = loaded.stages.list.iter().map(|s| s.name.as_str());
-            let mut p = Problem::new("rtune::plan::unknown_stage", format!("the recipe has no stage `{name}`"));
-            p = match crate::recipe::diag::did_you_mean(name, names.clone()) {
-                Some(m) => p.help(format!("did you mean `{m}`?")),
-                None => p.help(format!("stages: {}", names.collect::<Vec<_>>().join(", "))),
-            };
-            return Err(p);
+            return Err(unknown_stage(loaded, name));
         }
     }
     let device = device::resolve_with(&recipe.device.prefer, |d| recipe.device.dtypes_for(d), inv)
