@@ -842,6 +842,47 @@ fn an_empty_or_wholly_bad_dataset_is_a_located_error() {
     }
 }
 
+/// A model folder with a damaged or missing file is refused by the download stage, which names the
+/// file as the recipe names the folder (`base/model.safetensors`, not the cache's copy) and points
+/// at `model.path` — not a stage or two later. The folder mended, the same cache runs.
+#[test]
+fn a_damaged_model_folder_is_a_located_error_at_download() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    small_base_project(p);
+    let recipe = "[recipe]\nname = \"damaged\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\n\
+                  format = \"alpaca\"\n[device]\nprefer = [\"cpu\"]\n[stages.train]\nmax_steps = 1\n";
+    std::fs::write(p.join("damaged.toml"), recipe).unwrap();
+    let cache = p.join("cache");
+    let weights = p.join("base/model.safetensors");
+    let tokenizer = p.join("base/tokenizer.json");
+    let (good_weights, good_tokenizer) = (std::fs::read(&weights).unwrap(), std::fs::read(&tokenizer).unwrap());
+    let cases: [(&str, &dyn Fn(), &str); 3] = [
+        (
+            "truncated weights",
+            &|| std::fs::write(&weights, &good_weights[..good_weights.len() / 2]).unwrap(),
+            "cannot read `base/model.safetensors`: ",
+        ),
+        ("a broken tokenizer", &|| std::fs::write(&tokenizer, "{").unwrap(), "cannot read `base/tokenizer.json`: "),
+        ("no tokenizer", &|| std::fs::remove_file(&tokenizer).unwrap(), "model folder `base` has no `tokenizer.json`"),
+    ];
+    for (what, damage, message) in cases {
+        damage();
+        let o = rtune(p, &cache, &["run", "damaged.toml"]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(3), "{what}: {err}");
+        assert!(err.contains("stage `download` failed") && err.contains(message), "{what}: {err}");
+        assert!(
+            err.contains("path = \"base\"") && err.contains("this model") && !err.contains("store-v1"),
+            "{what}: {err}"
+        );
+        std::fs::write(&weights, &good_weights).unwrap();
+        std::fs::write(&tokenizer, &good_tokenizer).unwrap();
+    }
+    let o = rtune(p, &cache, &["run", "damaged.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 /// A bf16 checkpoint exports a bf16 merged folder (what PEFT's `merge_and_unload` leaves), read
 /// back bit for bit, with the logit difference its rounding costs reported; `merged_dtype = "f32"`
 /// writes f32 and says so in config.json.

@@ -13,6 +13,7 @@ use serde_json::json;
 use super::{StageCtx, StageError};
 use crate::data::format::alpaca_prompt;
 use crate::data::{DataError, Row, for_each_row};
+use crate::model::{ModelError, ModelFolder};
 use crate::plan::key::{Corpus, DownloadKey, ModelKey, Source};
 use crate::recipe::{DataFormat, Problem};
 
@@ -93,16 +94,52 @@ pub fn run(ctx: &StageCtx<'_>, key: &DownloadKey) -> Result<serde_json::Value, S
             json!({ "source": "scratch", "arch": cfg.arch, "vocab_size": cfg.vocab_size, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size })
         }
         ModelKey::Path { .. } => {
-            let folder = crate::model::ModelFolder::open(&model_out)?;
+            let folder = checked_model(ctx, &model_out, key.sources.model.as_ref())?;
             json!({ "source": "path", "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
         }
         ModelKey::Repo { .. } => {
-            let folder = crate::model::ModelFolder::open(&model_out)?;
+            let folder = checked_model(ctx, &model_out, key.sources.model.as_ref())?;
             json!({ "source": "hub", "hub": fetched.get("model"), "arch": folder.config.arch, "vocab_size": folder.config.vocab_size, "layers": folder.config.num_layers })
         }
     };
     let files = crate::store::walk(&ds_out).map_err(StageError::io("cannot list the dataset"))?;
     Ok(json!({ "model": model, "dataset": { "files": files.len(), "hub": fetched.get("dataset") } }))
+}
+
+/// The model folder copied to `copy`, read as far as later stages will: config.json, the
+/// tokenizer and the safetensors headers (each file whole). A damaged or missing file is an error
+/// here, naming it as the recipe names the model (`bm/model.safetensors`, not the cache's copy)
+/// and pointing at the recipe's `model.path` or `model.repo` — not stages later.
+fn checked_model(ctx: &StageCtx<'_>, copy: &Path, source: Option<&Source>) -> Result<ModelFolder, StageError> {
+    let check = || -> Result<ModelFolder, ModelError> {
+        let folder = ModelFolder::open(copy)?;
+        folder.tokenizer()?;
+        folder.stored()?;
+        Ok(folder)
+    };
+    let (shown, at) = match source {
+        Some(Source::Local { shown, at, .. }) => (shown.clone(), ctx.spans.origin(at)),
+        Some(Source::Hub { source, .. }) => (source.repo.display(), ctx.spans.origin(&source.at)),
+        None => return Ok(check()?),
+    };
+    let rename = |p: &str| match Path::new(p).strip_prefix(copy) {
+        Ok(rest) if rest.as_os_str().is_empty() => shown.clone(),
+        Ok(rest) => format!("{shown}/{}", rest.display()),
+        Err(_) => p.to_string(),
+    };
+    let problem = match check() {
+        Ok(folder) => return Ok(folder),
+        Err(ModelError::BadFile { path, source }) => {
+            Problem::new("rtune::model::bad_file", format!("cannot read `{}`: {source}", rename(&path)))
+                .help("the file is damaged or not what its name says: copy or download it again")
+        }
+        Err(ModelError::MissingFile { dir, file }) => {
+            Problem::new("rtune::model::missing_file", format!("model folder `{}` has no `{file}`", rename(&dir)))
+                .help("a Hugging Face model folder holds config.json, *.safetensors and tokenizer.json")
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Err(problem.at(at, "this model").into())
 }
 
 /// Fetch a Hub source at the planned commit into the HF cache (reused blobs re-verified), then
