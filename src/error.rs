@@ -30,6 +30,9 @@ pub enum Error {
         #[source]
         #[diagnostic_source]
         source: crate::stage::StageError,
+        /// What to do where the cause says (a full disk).
+        #[help]
+        help: Option<String>,
     },
     #[error("`{path}` does not match this plan (`--locked`)")]
     #[diagnostic(code(rtune::lock::mismatch), help("run without `--locked` to update the lock file, and commit it"))]
@@ -66,8 +69,48 @@ impl Error {
         }
     }
 
+    /// Stage `stage` failed with `source`.
+    pub fn stage(stage: &str, source: crate::stage::StageError) -> Error {
+        let help = disk_full(&source).then(|| {
+            "the disk is full: free space, or put the cache on a larger disk (`--cache-dir`, RTUNE_CACHE_DIR); \
+             finished stages stay cached, and `rtune cache prune --keep RECIPE` removes what no recipe of yours uses"
+                .to_string()
+        });
+        Error::Stage { stage: stage.to_string(), source, help }
+    }
+
     pub fn io(message: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
         let message = message.into();
         move |source| Error::Io { message, source }
+    }
+}
+
+/// Whether an I/O error in `e`'s chain of causes is a full disk (or quota).
+fn disk_full(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| matches!(io.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded))
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stage_that_fills_the_disk_says_what_to_do() {
+        let full = std::io::Error::from_raw_os_error(28); // ENOSPC
+        let data = crate::data::DataError::Io { path: "train".into(), source: full };
+        let Error::Stage { help, .. } = Error::stage("tokenize", data.into()) else { unreachable!() };
+        assert!(help.is_some_and(|h| h.starts_with("the disk is full")));
+        let other = crate::data::DataError::Io { path: "train".into(), source: std::io::ErrorKind::NotFound.into() };
+        let Error::Stage { help, .. } = Error::stage("tokenize", other.into()) else { unreachable!() };
+        assert!(help.is_none());
     }
 }

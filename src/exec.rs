@@ -194,8 +194,7 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         ui.status("running", format!("{} ({}) — {}", planned.name, planned.short(), planned.reason));
         let staging = store.staging()?;
         let ctx = StageCtx::new(planned, loaded.spans(), plan.offline, store, staging.path(), ui);
-        let metrics =
-            stage::run(&ctx, &planned.key).map_err(|source| Error::Stage { stage: planned.name.clone(), source })?;
+        let metrics = stage::run(&ctx, &planned.key).map_err(|source| Error::stage(&planned.name, source))?;
         let mut manifest = Manifest::new(fp, planned.kind.as_str(), &planned.name);
         manifest.inputs = planned.doc.clone();
         manifest.metrics = metrics.clone();
@@ -264,7 +263,7 @@ fn restore(
         return Ok(());
     }
     let summary = destination::restore(loaded, store, &planned.fingerprint, &hub, ui)
-        .map_err(|e| Error::Stage { stage: planned.name.clone(), source: e.into() })?;
+        .map_err(|e| Error::stage(&planned.name, e.into()))?;
     ui.status(planned.kind.as_str(), &summary);
     Ok(())
 }

@@ -35,6 +35,12 @@ pub enum DataError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot write `{path}`")]
+    Write {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("tokenizer failed while {context}")]
     Tokenizer {
         context: String,
@@ -48,7 +54,7 @@ impl Diagnostic for DataError {
         Some(Box::new(match self {
             DataError::BadRow { .. } => "rtune::data::bad_row",
             DataError::Invalid { .. } => "rtune::data::invalid",
-            DataError::Io { .. } => "rtune::data::io",
+            DataError::Io { .. } | DataError::Write { .. } => "rtune::data::io",
             DataError::Tokenizer { .. } => "rtune::data::tokenizer",
         }))
     }

@@ -26,11 +26,15 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
     move |e| DataError::Io { path: path.display().to_string(), source: e }
 }
 
+fn write(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
+    move |e| DataError::Write { path: path.display().to_string(), source: e }
+}
+
 impl TokenWriter {
     pub fn create(dir: &Path, split: &str) -> Result<TokenWriter, DataError> {
         let open = |ext: &str| -> Result<BufWriter<File>, DataError> {
             let p = dir.join(format!("{split}.{ext}"));
-            Ok(BufWriter::new(File::create(&p).map_err(io(&p))?))
+            Ok(BufWriter::new(File::create(&p).map_err(write(&p))?))
         };
         Ok(TokenWriter {
             ids: open("ids")?,
@@ -43,7 +47,7 @@ impl TokenWriter {
 
     /// Append one row (a sequence the model sees as a whole).
     pub fn push(&mut self, ids: &[u32], mask: &[u8], seg: &[u16]) -> Result<(), DataError> {
-        let err = |e| DataError::Io { path: self.path.clone(), source: e };
+        let err = |e| DataError::Write { path: self.path.clone(), source: e };
         for id in ids {
             self.ids.write_all(&id.to_le_bytes()).map_err(err)?;
         }
@@ -57,13 +61,13 @@ impl TokenWriter {
     }
 
     pub fn finish(mut self, dir: &Path, split: &str) -> Result<usize, DataError> {
-        let err = |e| DataError::Io { path: self.path.clone(), source: e };
+        let err = |e| DataError::Write { path: self.path.clone(), source: e };
         self.ids.flush().map_err(err)?;
         self.mask.flush().map_err(err)?;
         self.seg.flush().map_err(err)?;
         let p = dir.join(format!("{split}.offsets"));
         let bytes: Vec<u8> = self.offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
-        std::fs::write(&p, bytes).map_err(io(&p))?;
+        std::fs::write(&p, bytes).map_err(write(&p))?;
         Ok(self.offsets.len() - 1)
     }
 }
