@@ -19,7 +19,9 @@
 #                                   # bf16 beside each candidate: issue 18's go/no-go, decided
 #                                   # on an H200 on 2026-11-27 — NO-GO — so off by default)
 #   BUDGET=120 scripts/gpu-session.sh second   # carry .gpu .gl: what `first` leaves, most
-#                                   # wanted first: the 360M through Vulkan with the tile `first`
+#                                   # wanted first: `rtune doctor --check` (which kernels each
+#                                   # GPU runs per dtype, the products' rate); the 360M through
+#                                   # Vulkan with the tile `first`
 #                                   # found fastest, and with attention through products, a
 #                                   # kernel profile of its steps, Vulkan f16,
 #                                   # QLoRA and the full fine-tune on CUDA and Vulkan against
@@ -140,7 +142,9 @@ first)
   fi
   ;;
 second)
-  step doctor 30 5 .gpu/rtune doctor
+  # Which kernels each GPU runs in each dtype after the first-use checks, and the products' rate.
+  step doctor-check 45 15 .gpu/rtune doctor --check
+  show doctor-check "^  (vulkan|cuda)|^ +(products|attention)|error|failed a check" 30
   # The 360M shape with the tile `first` found fastest over the products for every product, where
   # the machine kept `first`'s logs: does the engine's per-product pick lose to one fixed tile?
   tile=$(grep -o "fastest tile over the bf16 products: [0-9]*x[0-9]*" "${WORK:-/tmp/rtune-gpu-session}/first/tiles.txt" \

@@ -176,7 +176,13 @@ pub enum Command {
     /// Print the JSON Schema of recipes
     Schema,
     /// Show the devices this build can use, their dtypes and build features
-    Doctor,
+    Doctor {
+        /// Also run each GPU's products and attention in every dtype it trains in: which kernels
+        /// run (matrix units after their first-use checks, or what stands in) and the products'
+        /// rate (a few seconds per GPU)
+        #[arg(long)]
+        check: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]

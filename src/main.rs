@@ -472,10 +472,15 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             ui.out(schema_text());
             Ok(0)
         }
-        Command::Doctor => {
+        Command::Doctor { check } => {
             let inv = Inventory::probe(true);
+            let checks = if check { kernel_checks(&inv, ui) } else { Vec::new() };
             if g.json {
-                ui.out(format!("{}\n", serde_json::to_string_pretty(&inv).expect("json")));
+                let mut v = serde_json::to_value(&inv).expect("json");
+                if check {
+                    v["checks"] = serde_json::to_value(&checks).expect("json");
+                }
+                ui.out(format!("{}\n", serde_json::to_string_pretty(&v).expect("json")));
                 return Ok(0);
             }
             let mut out = format!(
@@ -522,10 +527,67 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
                     Ok(_) => {}
                 }
             }
+            if check {
+                out.push_str(&checks_text(&checks));
+            }
             ui.out(out);
             Ok(0)
         }
     }
+}
+
+/// `doctor --check` on one device: its name, and what it found or why it could not open.
+#[derive(serde::Serialize)]
+struct DeviceCheck {
+    device: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    dtypes: Vec<rtune::engine::gpu::check::KernelCheck>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// Run the kernel checks on every usable GPU the GPU engine runs on.
+fn kernel_checks(inv: &Inventory, ui: &Ui) -> Vec<DeviceCheck> {
+    use rtune::device::DeviceClass;
+    let gpus = inv.devices.iter().filter(|d| matches!(d.class, DeviceClass::Cuda | DeviceClass::Vulkan));
+    gpus.filter(|d| d.unusable.is_none())
+        .map(|d| {
+            let device = d.class.device_name(d.ordinal);
+            ui.status("checking", format!("{device} ({})", d.name));
+            match rtune::engine::gpu::open_device(d.class, d.ordinal, false) {
+                Ok(gpu) => {
+                    let dts: Vec<_> = d.dtypes.iter().map(|&t| rtune::engine::gpu::compute_dtype(t)).collect();
+                    DeviceCheck { device, dtypes: rtune::engine::gpu::check::check(&gpu, &dts), error: None }
+                }
+                Err(e) => DeviceCheck { device, dtypes: Vec::new(), error: Some(e.to_string()) },
+            }
+        })
+        .collect()
+}
+
+/// `doctor --check`'s findings as text.
+fn checks_text(checks: &[DeviceCheck]) -> String {
+    let mut out = String::from("\nkernel checks:\n");
+    if checks.is_empty() {
+        out.push_str("  no GPU for the GPU engine\n");
+    }
+    for c in checks {
+        if let Some(e) = &c.error {
+            out.push_str(&format!("  {:<8} cannot open: {e}\n", c.device));
+        }
+        for k in &c.dtypes {
+            let rate = match (k.tflops, k.size) {
+                (Some(r), Some(n)) => format!(", {r:.3} TFLOP/s ({n}³)"),
+                _ => String::new(),
+            };
+            out.push_str(&format!("  {:<8} {:<5} {}{rate}\n", c.device, k.dtype, k.products));
+            out.push_str(&format!("  {:<8} {:<5} {}\n", "", "", k.attention));
+            if let Some(e) = &k.error {
+                out.push_str(&format!("  {:<8} {:<5} error: {e}\n", "", ""));
+            }
+        }
+    }
+    out
 }
 
 /// The JSON Schema as checked in under schemas/.

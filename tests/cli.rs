@@ -163,6 +163,42 @@ fn the_vulkan_library_can_be_named() {
     }
 }
 
+/// `doctor --check` runs each GPU's products and attention in every dtype it trains in and says
+/// which kernels ran, with the products' rate; without a GPU it says there is none to check.
+#[test]
+fn doctor_check_says_which_kernels_run_on_each_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let doctor = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = rtune_cmd();
+        cmd.args(["doctor", "--check"]).args(args).current_dir(dir.path()).env("RTUNE_CACHE_DIR", dir.path());
+        let o = cmd.envs(env.iter().copied()).env_remove("RTUNE_VULKAN_LIBRARY").output().expect("rtune runs");
+        assert!(o.status.success(), "{}", stderr(&o));
+        o
+    };
+    let none = [("VK_ICD_FILENAMES", "/nonexistent.json"), ("VK_DRIVER_FILES", "/nonexistent.json")];
+    if !cfg!(feature = "cuda") {
+        let text = stdout(&doctor(&[], &none));
+        assert!(text.contains("kernel checks:\n  no GPU for the GPU engine\n"), "{text}");
+    }
+    if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_none() {
+        return;
+    }
+    let v: serde_json::Value = serde_json::from_slice(&doctor(&["--json"], &[]).stdout).unwrap();
+    let checks = v["checks"].as_array().unwrap();
+    let vk = checks.iter().find(|c| c["device"] == "vulkan:0").unwrap_or_else(|| panic!("{v}"));
+    let dtypes: Vec<&str> = vk["dtypes"].as_array().unwrap().iter().map(|d| d["dtype"].as_str().unwrap()).collect();
+    let listed = v["devices"].as_array().unwrap().iter().find(|d| d["class"] == "vulkan" && d["ordinal"] == 0).unwrap();
+    assert_eq!(serde_json::json!(dtypes), listed["dtypes"], "every dtype the device trains in: {v}");
+    for d in vk["dtypes"].as_array().unwrap() {
+        assert!(d["products"].as_str().unwrap().starts_with("products "), "{d}");
+        assert!(d["attention"].as_str().unwrap().starts_with("attention "), "{d}");
+        assert!(d["tflops"].as_f64().unwrap() > 0.0 && d["size"].as_u64().unwrap() >= 256, "{d}");
+        assert!(d["error"].is_null(), "{d}");
+    }
+    let text = stdout(&doctor(&[], &[]));
+    assert!(text.contains("kernel checks:\n  vulkan:0 ") && text.contains(" TFLOP/s ("), "{text}");
+}
+
 #[test]
 fn explain_shows_fingerprint_inputs() {
     let p = Project::tiny_offline();

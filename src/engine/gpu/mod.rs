@@ -22,6 +22,7 @@
 //! `vulkan/kernels.comp`), and the tests drive the same engine on the CPU emulator of
 //! `kernels.cu` (crates/gpu-emu) as well as on both.
 
+pub mod check;
 pub mod device;
 mod engine;
 pub mod ops;
@@ -33,7 +34,7 @@ pub mod cuda;
 pub mod vulkan;
 
 pub use device::{Arg, Buf, Dt, Gemm, GemmBatch, Gpu, GpuError, Memory};
-pub use engine::GpuEngine;
+pub use engine::{GpuEngine, compute_dtype};
 pub use parallel::Replicas;
 
 use crate::device::{DeviceClass, Resolution};
@@ -76,6 +77,20 @@ pub fn build(setup: &super::Setup<'_>) -> Result<Box<dyn super::Engine>, super::
     };
     let engines = setup.device.ordinals().map(|o| GpuEngine::new(open(setup, o)?, &share)).collect::<Result<_, _>>()?;
     Ok(Box::new(Replicas::new(engines)))
+}
+
+/// GPU `ordinal` of `class` as the GPU engine opens it (CUDA with TF32 products where `tf32`).
+pub fn open_device(class: DeviceClass, ordinal: usize, tf32: bool) -> Result<std::rc::Rc<dyn Gpu>, GpuError> {
+    match class {
+        #[cfg(feature = "cuda")]
+        DeviceClass::Cuda => Ok(std::rc::Rc::new(cuda::CudaGpu::new(ordinal, tf32)?)),
+        #[cfg(feature = "vulkan")]
+        DeviceClass::Vulkan => Ok(std::rc::Rc::new(vulkan::VulkanGpu::new(ordinal)?)),
+        other => {
+            let _ = (ordinal, tf32);
+            Err(GpuError::Device(format!("the GPU engine does not run on {} in this build", other.as_str())))
+        }
+    }
 }
 
 /// Device `ordinal` of the class `setup` names.
