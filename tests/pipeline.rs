@@ -801,8 +801,9 @@ fn rows_longer_than_a_sliding_window_are_refused_before_training() {
 }
 
 /// A dataset with no rows, or whose every row is bad, is an error naming the file as the user knows
-/// it (not the cache's copy) and pointing at `dataset.path`: before a scratch model's tokenizer
-/// learns from nothing (download), and at tokenize for a model of its own. Nothing is cached, and
+/// it (not the cache's copy) and pointing at `dataset.path`: an empty file when the plan is made,
+/// before any stage runs; a file of blank lines or bad rows before a scratch model's tokenizer
+/// learns from nothing (download), or at tokenize for a model of its own. Nothing is cached, and
 /// the same cache then runs the fixed recipe.
 #[test]
 fn an_empty_or_wholly_bad_dataset_is_a_located_error() {
@@ -810,6 +811,7 @@ fn an_empty_or_wholly_bad_dataset_is_a_located_error() {
     let p = dir.path();
     small_base_project(p);
     std::fs::write(p.join("empty.jsonl"), "").unwrap();
+    std::fs::write(p.join("blank.jsonl"), "\n\n").unwrap();
     std::fs::write(p.join("bad.jsonl"), "garbage\n{\"instruction\": 1\n").unwrap();
     let local = "[recipe]\nname = \"local\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\n\
                  format = \"alpaca\"\n[device]\nprefer = [\"cpu\"]\n[stages.train]\nmax_steps = 1\n";
@@ -819,9 +821,15 @@ fn an_empty_or_wholly_bad_dataset_is_a_located_error() {
     std::fs::write(p.join("scratch.toml"), &scratch).unwrap();
     let cache = p.join("cache");
     for (recipe, stage) in [("local.toml", "tokenize"), ("scratch.toml", "download")] {
-        for (file, code, message) in [
-            ("empty.jsonl", "rtune::data::empty", "the dataset `empty.jsonl` has no rows"),
-            ("bad.jsonl", "rtune::data::all_dropped", "every row of the dataset `bad.jsonl` was dropped (2 bad rows)"),
+        for (file, failed, code, message) in [
+            ("empty.jsonl", None, "rtune::data::empty", "the dataset `empty.jsonl` is empty"),
+            ("blank.jsonl", Some(stage), "rtune::data::empty", "the dataset `blank.jsonl` has no rows"),
+            (
+                "bad.jsonl",
+                Some(stage),
+                "rtune::data::all_dropped",
+                "every row of the dataset `bad.jsonl` was dropped (2 bad rows)",
+            ),
         ] {
             let text =
                 std::fs::read_to_string(p.join(recipe)).unwrap().replace("\"data.jsonl\"", &format!("\"{file}\""));
@@ -829,9 +837,12 @@ fn an_empty_or_wholly_bad_dataset_is_a_located_error() {
             let o = rtune(p, &cache, &["run", "broken.toml", "--set", "dataset.skip_bad_rows=true"]);
             let err = stderr(&o);
             let what = format!("{recipe} with {file}");
-            assert_eq!(o.status.code(), Some(3), "{what}: {err}");
-            assert!(err.contains(&format!("stage `{stage}` failed")) && err.contains(code), "{what}: {err}");
-            assert!(err.contains(message) && err.contains(&format!("path = \"{file}\"")), "{what}: {err}");
+            // An empty file is refused by the plan (invalid input), the others by a stage.
+            assert_eq!(o.status.code(), Some(if failed.is_some() { 3 } else { 1 }), "{what}: {err}");
+            assert_eq!(err.contains(" failed"), failed.is_some(), "{what}: {err}");
+            assert!(failed.is_none_or(|s| err.contains(&format!("stage `{s}` failed"))), "{what}: {err}");
+            assert!(err.contains(code) && err.contains(message), "{what}: {err}");
+            assert!(err.contains(&format!("path = \"{file}\"")), "{what}: {err}");
             assert!(err.contains("this dataset") && !err.contains("store-v1"), "{what}: {err}");
             if file == "bad.jsonl" {
                 assert!(err.contains("the first: bad.jsonl:1: malformed JSON"), "{what}: {err}");

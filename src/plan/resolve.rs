@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::key::{self, StageKey};
-use super::sources::{hub_sources, local_source, resolve_hub};
+use super::sources::{dataset_source, hub_sources, local_source, resolve_hub};
 use crate::device::Resolution;
 use crate::hub::HubEnv;
 use crate::recipe::{
@@ -82,7 +82,7 @@ pub(super) fn resolve_key(
                 sources.model = Some(local_source(loaded, "model", p, &["model", "path"])?);
             }
             if let Some(p) = &d.path {
-                sources.dataset = Some(local_source(loaded, "dataset", p, &["dataset", "path"])?);
+                sources.dataset = Some(dataset_source(loaded, p, &["dataset", "path"])?);
             }
             for (name, source) in hub_sources(loaded) {
                 let commit = resolve_hub(loaded, hub, &source, locked_sources.and_then(|p| p.get(name)))?;
@@ -111,7 +111,7 @@ pub(super) fn resolve_key(
             let (data, sources) = match &evaluate.dataset {
                 Some(rel) => {
                     let at = ["stages", spec.name.as_str(), "dataset"];
-                    let own = local_source(loaded, "dataset", rel, &at)?;
+                    let own = dataset_source(loaded, rel, &at)?;
                     (Some(rendering()), Some(Sources { dataset: Some(own), ..Sources::default() }))
                 }
                 None => (None, None),

@@ -31,6 +31,18 @@ pub(super) fn local_source(loaded: &LoadedRecipe, what: &str, rel: &str, at: &[&
     })
 }
 
+/// A local dataset named at `at` ([`local_source`]): one without data — an empty file, or a folder
+/// without a data file in it — is an error here, before any stage runs.
+pub(super) fn dataset_source(loaded: &LoadedRecipe, rel: &str, at: &[&str]) -> Result<key::Source, Problem> {
+    let source = local_source(loaded, "dataset", rel, at)?;
+    if crate::data::total_bytes(&loaded.resolve_path(rel)) == 0 {
+        return Err(Problem::new("rtune::data::empty", format!("the dataset `{rel}` is empty"))
+            .at(loaded.origin(at), "this dataset")
+            .help("a dataset is a .jsonl, .json, .csv, .txt or .parquet file, or a folder holding them"));
+    }
+    Ok(source)
+}
+
 /// A Hub repo a recipe reads, with the files wanted from it.
 #[derive(Debug, Clone)]
 pub struct HubSource {
