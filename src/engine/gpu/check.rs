@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::ops::{AttnKernels, AttnShape};
+use super::ops::{AttnShape, attention_kernels};
 use super::{Buf, Dt, Gemm, Gpu, GpuError};
 
 /// What the check found for one dtype on one device.
@@ -52,8 +52,10 @@ pub fn check(gpu: &Rc<dyn Gpu>, dtypes: &[Dt]) -> Vec<KernelCheck> {
                 Err(e) => c.error = Some(e.to_string()),
             }
             c.products = gpu.products_account(dt);
-            // Settles the matrix-unit attention's first-use check where it applies.
-            let shape = AttnShape { b: 1, t: 512, hq: 8, hk: 8, d: 64, scale: 0.125, kernels: AttnKernels::Auto };
+            // Settles the matrix-unit attention's first-use check where it applies; the kernels
+            // training would take (`RTUNE_GPU_ATTENTION` included).
+            let kernels = attention_kernels();
+            let shape = AttnShape { b: 1, t: 512, hq: 8, hk: 8, d: 64, scale: 0.125, kernels };
             c.attention = shape.account(dt, &**gpu);
             c
         })
