@@ -218,6 +218,20 @@ fn explain_shows_fingerprint_inputs() {
     assert!(stderr(&o).contains("the recipe has no stage `trian`") && stderr(&o).contains("did you mean `train`?"));
 }
 
+/// An upload into a path that is a file is refused by the plan, located at `to`, before any
+/// stage runs.
+#[test]
+fn an_upload_into_a_file_is_refused_by_the_plan() {
+    let p = Project::tiny_offline();
+    std::fs::write(p.path().join("afile"), b"x").unwrap();
+    let o = p.plan(&["stages.upload.to=\"dir://afile\""]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("rtune::plan::bad_destination") && err.contains("afile` is a file"), "{err}");
+    assert!(err.contains("names a file"), "{err}");
+    assert!(p.plan(&["stages.upload.to=\"dir://a-folder\""]).status.success());
+}
+
 /// README promises two commands; CI must run the same test command.
 #[test]
 fn readme_commands_are_the_ones_ci_runs() {

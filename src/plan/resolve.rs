@@ -200,6 +200,15 @@ pub(super) fn resolve_key(
             };
             let card = Card { qlora: recipe.adapter.quantize_base.filter(|_| card.lora), ..card };
             let dir = upload.to.strip_prefix("dir://").map(|rel| loaded.resolve_path(rel));
+            // A file where the folder would go: said now, not after every stage before it ran.
+            if let Some(d) = dir.as_ref().filter(|d| d.exists() && !d.is_dir()) {
+                return Err(Problem::new(
+                    "rtune::plan::bad_destination",
+                    format!("`{}` is a file, not a folder to upload into", d.display()),
+                )
+                .at(loaded.origin(&["stages", spec.name.as_str(), "to"]), "names a file")
+                .help("name a folder (it is created if missing), or move the file"));
+            }
             StageKey::Upload(UploadKey { settings: UploadKeySettings { upload, card }, dir })
         }
     })
