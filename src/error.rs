@@ -105,7 +105,8 @@ mod tests {
 
     #[test]
     fn a_stage_that_fills_the_disk_says_what_to_do() {
-        let full = std::io::Error::from_raw_os_error(28); // ENOSPC
+        // ENOSPC on Unix, ERROR_DISK_FULL on Windows: both are this kind.
+        let full = std::io::Error::from(std::io::ErrorKind::StorageFull);
         let data = crate::data::DataError::Io { path: "train".into(), source: full };
         let Error::Stage { help, .. } = Error::stage("tokenize", data.into()) else { unreachable!() };
         assert!(help.is_some_and(|h| h.starts_with("the disk is full")));
