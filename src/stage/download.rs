@@ -77,11 +77,12 @@ pub fn run(ctx: &StageCtx<'_>, key: &DownloadKey) -> Result<serde_json::Value, S
             });
             let cfg = created?;
             let (rows, skipped) = read?;
-            let (files, at) = (super::encode::dataset_files(&ds_out), super::encode::dataset_origin(ctx));
-            if rows == 0 && skipped.count > 0 {
-                super::encode::check_rows(0, 0, &skipped, &files, at)?;
-            }
             if rows == 0 {
+                // Only bad rows: said as tokenize says it; else no row has text.
+                let (files, at) = (super::encode::shown_files(&ds_out), super::encode::dataset_origin(ctx));
+                if skipped.count > 0 {
+                    super::encode::check_rows(0, 0, &skipped, || files.clone(), at)?;
+                }
                 return Err(Problem::new(
                     "rtune::data::empty",
                     format!("the dataset {files} has no rows with text to train the scratch model's tokenizer on"),

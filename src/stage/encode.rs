@@ -98,31 +98,38 @@ pub fn encode_dataset(
         encoded.push(e);
         Ok(())
     })?;
-    check_rows(rows, encoded.len(), &bad, name, at)?;
+    check_rows(rows, encoded.len(), &bad, || name.to_string(), at)?;
     Ok((encoded, bad.first, rows))
 }
 
-/// A dataset with no rows, or with every row dropped, is an error, naming the dataset as `name`
-/// and located where the recipe names it (`at`).
-pub fn check_rows(rows: usize, used: usize, bad: &Skipped, name: &str, at: Option<&Origin>) -> Result<(), StageError> {
+/// A dataset with no rows, or with every row dropped, is an error, naming the dataset as `name()`
+/// says (asked only then) and located where the recipe names it (`at`).
+pub fn check_rows(
+    rows: usize,
+    used: usize,
+    bad: &Skipped,
+    name: impl FnOnce() -> String,
+    at: Option<&Origin>,
+) -> Result<(), StageError> {
+    if used > 0 {
+        return Ok(());
+    }
+    let name = name();
     if rows == 0 && bad.count == 0 {
         return Err(Problem::new("rtune::data::empty", format!("the dataset {name} has no rows"))
             .at(at, "this dataset")
             .help("check the dataset's path and `dataset.format`")
             .into());
     }
-    if used == 0 {
-        let mut p = Problem::new(
-            "rtune::data::all_dropped",
-            format!("every row of the dataset {name} was dropped ({} bad rows)", bad.count),
-        )
-        .at(at, "this dataset");
-        if let Some(first) = bad.first.first() {
-            p = p.help(format!("the first: {first}"));
-        }
-        return Err(p.into());
+    let mut p = Problem::new(
+        "rtune::data::all_dropped",
+        format!("every row of the dataset {name} was dropped ({} bad rows)", bad.count),
+    )
+    .at(at, "this dataset");
+    if let Some(first) = bad.first.first() {
+        p = p.help(format!("the first: {first}"));
     }
-    Ok(())
+    Err(p.into())
 }
 
 /// Where the recipe names its dataset (`dataset.path` or `dataset.repo`).
@@ -132,7 +139,7 @@ pub fn dataset_origin<'a>(ctx: &StageCtx<'a>) -> Option<&'a Origin> {
 
 /// The files of a dataset folder as the recipe's user knows them: `` `a.jsonl` ``, or the first
 /// few of many (relative to the folder).
-pub fn dataset_files(dir: &std::path::Path) -> String {
+pub fn shown_files(dir: &std::path::Path) -> String {
     let files = crate::store::walk(dir).unwrap_or_default();
     let mut names: Vec<String> = files.iter().take(3).map(|f| format!("`{}`", f.display())).collect();
     if files.len() > 3 {

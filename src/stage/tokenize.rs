@@ -3,7 +3,7 @@
 
 use serde_json::json;
 
-use super::encode::{check_rows, dataset_files, dataset_origin, encode_each};
+use super::encode::{check_rows, dataset_origin, encode_each, shown_files};
 use super::{StageCtx, StageError, write_json};
 use crate::data::tokens::Packer;
 use crate::data::{Encoded, TokenWriter};
@@ -27,7 +27,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, S
     })?;
     all.finish(scratch.path(), "all")?;
     let used = acc.rows;
-    check_rows(rows, used, &bad, &dataset_files(&data_dir), dataset_origin(ctx))?;
+    check_rows(rows, used, &bad, || shown_files(&data_dir), dataset_origin(ctx))?;
     // Seeded split by row.
     let mut order: Vec<usize> = (0..used).collect();
     Rng::derive(d.seed, "split").shuffle(&mut order);
