@@ -286,7 +286,7 @@ pub fn restore(
         let commit_files: Vec<crate::hub::CommitFile> =
             files.iter().map(|(p, l, _)| crate::hub::CommitFile { path: p.clone(), local: l.clone() }).collect();
         let message = format!("Restore {} with rtune", loaded.recipe.recipe.name);
-        let report = crate::hub::commit(&client, &repo, &commit_files, &message, ui)?;
+        let report = crate::hub::commit(&client, &repo, &commit_files, &message, crate::hub::Ignored::Refuse, ui)?;
         return Ok(format!(
             "re-uploaded {} → {} (commit {})",
             crate::ui::count(files.len(), "file"),

@@ -379,8 +379,9 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
             if create {
                 hub::create_repo(&client, &repo, !public)?;
             }
-            let report = hub::commit(&client, &repo, &files, &message, ui)?;
-            ui.status("upload", format!("{} files → {} (commit {})", files.len(), repo.display(), &report.commit));
+            let report = hub::commit(&client, &repo, &files, &message, hub::Ignored::Skip, ui)?;
+            let sent = files.len() - report.ignored.len();
+            ui.status("upload", format!("{} → {} (commit {})", count(sent, "file"), repo.display(), &report.commit));
             if g.json {
                 ui.out(format!("{}\n", serde_json::to_string_pretty(&report).expect("json")));
             } else {

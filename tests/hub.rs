@@ -42,7 +42,12 @@ struct Env {
 
 impl Env {
     fn new() -> Env {
-        let server = HubServer::start();
+        Env::on(HubServer::start())
+    }
+
+    /// On `server`, reset to hold only the fixture repo.
+    fn on(server: HubServer) -> Env {
+        server.reset();
         server.add_commit("model", "test-org/tiny-model", &fixture_repo());
         Env { dir: tempfile::tempdir().unwrap(), server }
     }
@@ -187,6 +192,33 @@ fn interrupted_downloads_resume_and_bad_bytes_are_refused() {
     assert_eq!(cdn_gets, 2, "one cut request, one resumed: {log:?}");
     let snap = PathBuf::from(stdout(&o).trim());
     assert_eq!(std::fs::read(snap.join("model.safetensors")).unwrap(), fixture_repo()[2].1);
+
+    // A part that does not start where the kept bytes end is not appended: the next attempt
+    // starts over.
+    let env = Env::new();
+    {
+        let mut st = env.server.state.lock().unwrap();
+        st.cut_next_body = Some(1000);
+        st.shift_next_range = Some(10);
+    }
+    let o = env.ok(&["download", "test-org/tiny-model", "--include", "*.safetensors"], &[]);
+    let snap = PathBuf::from(stdout(&o).trim());
+    assert_eq!(std::fs::read(snap.join("model.safetensors")).unwrap(), fixture_repo()[2].1);
+    let cdn_gets = env.server.state.lock().unwrap().log.iter().filter(|(r, _)| r.starts_with("GET /cdn/")).count();
+    assert_eq!(cdn_gets, 3, "cut, shifted part refused, whole file");
+
+    // Bytes left by an earlier answer that were not the file's (a `.incomplete` from a broken
+    // proxy): the resumed file fails its digest and is fetched again from the start, in the
+    // same run.
+    let env = Env::new();
+    let weights = &fixture_repo()[2].1;
+    let blobs = env.hub_cache().join("models--test-org--tiny-model/blobs");
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::fs::write(blobs.join(format!("{}.incomplete", common::hub::sha256(weights))), vec![b'x'; 1000]).unwrap();
+    let o = env.ok(&["download", "test-org/tiny-model", "--include", "*.safetensors"], &[]);
+    assert!(stderr(&o).contains("downloading it again from the start"), "{}", stderr(&o));
+    let snap = PathBuf::from(stdout(&o).trim());
+    assert_eq!(&std::fs::read(snap.join("model.safetensors")).unwrap(), weights);
 
     // A file whose bytes do not match its digest is rejected and nothing of it is kept.
     let env = Env::new();
@@ -444,6 +476,14 @@ fn a_recipe_with_hub_sources_downloads_trains_and_uploads() {
     env.server.delete_files("model", "test-org/tiny-llama-tuned", &["README.md"]);
     let plan = stdout(&env.ok(&["plan", "hub.toml"], &auth));
     assert!(plan.contains("restore  destination changed on the Hub: README.md"), "{plan}");
+    // A repo whose .gitignore excludes a file the export names refuses the commit (its record
+    // would name a file the Hub does not keep), and commits nothing.
+    env.server.state.lock().unwrap().ignored = vec!["README.md".into()];
+    let o = env.rtune(&["run", "hub.toml"], &auth);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("rtune::hub::ignored") && e.contains("`README.md`"), "{e}");
+    assert!(!env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap().contains_key("README.md"));
+    env.server.state.lock().unwrap().ignored.clear();
     let o = env.ok(&["run", "hub.toml"], &auth);
     assert!(stderr(&o).contains("re-uploaded"), "{}", stderr(&o));
     let restored = env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap();
@@ -596,6 +636,19 @@ fn uploads_respect_offline_and_big_files_go_through_lfs_and_leftovers_restart() 
     assert_eq!(rep["lfs_files"], 1, "{rep}");
     assert_eq!(env.server.files("model", "me/m", "main").unwrap()["big.bin"], big);
 
+    // `rtune upload` skips a file the repo's .gitignore excludes, says so, and reports it.
+    std::fs::write(src.join("notes.txt"), b"not kept").unwrap();
+    {
+        let mut st = env.server.state.lock().unwrap();
+        st.all_regular = false;
+        st.ignored = vec!["notes.txt".into()];
+    }
+    let o = env.ok(&["upload", "me/m", src.to_str().unwrap(), "--json", "--token", TOKEN], &[]);
+    assert!(stderr(&o).contains("not uploaded: `notes.txt`"), "{}", stderr(&o));
+    let rep: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(rep["ignored"], serde_json::json!(["notes.txt"]), "{rep}");
+    assert!(!env.server.files("model", "me/m", "main").unwrap().contains_key("notes.txt"));
+
     let env = Env::new();
     let notes = &fixture_repo()[1].1;
     let blobs = env.hub_cache().join("models--test-org--tiny-model/blobs");
@@ -604,4 +657,170 @@ fn uploads_respect_offline_and_big_files_go_through_lfs_and_leftovers_restart() 
     let o = env.ok(&["download", "test-org/tiny-model", "--include", "sub/*"], &[("RTUNE_HUB_ATTEMPTS", "1")]);
     let snap = PathBuf::from(stdout(&o).trim());
     assert_eq!(&std::fs::read(snap.join("sub/notes.txt")).unwrap(), notes);
+}
+
+/// Run `cmd` with its output in files; `None` when it is still running after `secs` (killed).
+fn output_within(mut cmd: Command, dir: &Path, secs: u64) -> Option<Output> {
+    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
+    cmd.stdout(std::fs::File::create(&out).unwrap()).stderr(std::fs::File::create(&err).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    Some(Output { status, stdout: std::fs::read(out).unwrap(), stderr: std::fs::read(err).unwrap() })
+}
+
+impl Env {
+    /// `rtune args` under a deadline, with two attempts per request (the chaos cases).
+    fn rtune_within(&self, args: &[&str], secs: u64) -> Option<Output> {
+        let mut c = common::rtune_cmd();
+        c.args(args)
+            .current_dir(self.dir.path())
+            .env("RTUNE_CACHE_DIR", self.dir.path().join("rtune-cache"))
+            .env("NO_COLOR", "1")
+            .env("RTUNE_NO_PROGRESS", "1")
+            .env("HF_HOME", self.hf_home())
+            .env("HF_ENDPOINT", &self.server.url)
+            .env("RTUNE_HUB_BACKOFF_MS", "1")
+            .env("RTUNE_HUB_ATTEMPTS", "2")
+            .env_remove("HF_HUB_CACHE")
+            .env_remove("HF_TOKEN")
+            .env_remove("HF_HUB_OFFLINE");
+        output_within(c, self.dir.path(), secs)
+    }
+
+    /// Every blob in the repo's cache folder is named by its digest, and every snapshot file
+    /// holds the repo's bytes for its path.
+    fn cache_is_sound(&self, id: &str, files: &std::collections::BTreeMap<String, Vec<u8>>) -> Result<(), String> {
+        let repo = self.hub_cache().join(format!("models--{}", id.replace('/', "--")));
+        for e in std::fs::read_dir(repo.join("blobs")).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.ends_with(".incomplete") {
+                continue;
+            }
+            let bytes = std::fs::read(e.path()).map_err(|e| format!("blob {name}: {e}"))?;
+            let digest = if name.len() == 64 { common::hub::sha256(&bytes) } else { common::hub::blob_id(&bytes) };
+            if digest != name {
+                return Err(format!("blob {name} holds bytes whose digest is {digest}"));
+            }
+        }
+        for snap in std::fs::read_dir(repo.join("snapshots")).into_iter().flatten().flatten() {
+            for f in walk_all(&snap.path()) {
+                let rel = f.strip_prefix(snap.path()).unwrap().to_string_lossy().replace('\\', "/");
+                let bytes = std::fs::read(&f).map_err(|e| format!("{rel}: {e}"))?;
+                match files.get(&rel) {
+                    Some(want) if *want == bytes => {}
+                    Some(_) => return Err(format!("snapshot file {rel} has other bytes than the repo's")),
+                    None => return Err(format!("snapshot file {rel} is not in the repo")),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A Hub (or proxy, or network) that answers wrongly — any status, headers dropped or set to
+/// garbage, bodies cut, flipped, doubled, replaced or framed wrongly, JSON fields of the wrong
+/// shape, bytes that are not HTTP at all — never makes a download or an upload panic or hang;
+/// a failure is an `rtune::hub` diagnostic; the HF cache never holds a blob whose name is not
+/// its digest or a snapshot file with bytes other than the repo's; and a download or upload
+/// afterwards against a sound Hub succeeds with the right bytes. New cases every run.
+mod chaos {
+    use super::*;
+    use common::hub::Chaos;
+    use proptest::prelude::*;
+
+    fn judge(what: &str, o: Option<Output>, applied: &[String]) -> Result<bool, TestCaseError> {
+        if std::env::var_os("CHAOS_DEBUG").is_some() {
+            eprintln!(
+                "{what}: {applied:?} -> {:?}",
+                o.as_ref().map(|o| (o.status.code(), stderr(o).lines().next().map(str::to_string)))
+            );
+        }
+        let Some(o) = o else {
+            return Err(TestCaseError::fail(format!("{what} hung (over 60 s) after {applied:#?}")));
+        };
+        let e = stderr(&o);
+        prop_assert!(!e.contains("panicked"), "{what} panicked after {applied:#?}:\n{e}");
+        prop_assert!(
+            matches!(o.status.code(), Some(0 | 1 | 3)),
+            "{what}: exit {:?} after {applied:#?}:\n{e}",
+            o.status
+        );
+        if !o.status.success() {
+            prop_assert!(e.contains("rtune::hub::"), "{what}: not a hub diagnostic after {applied:#?}:\n{e}");
+        }
+        Ok(o.status.success())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: std::env::var("CHAOS_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(40), failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn random_hub_answers_never_panic_hang_or_poison_the_cache(
+            seed in any::<u64>(),
+            percent in prop::sample::select(vec![15u64, 40, 100]),
+            upload in any::<bool>(),
+        ) {
+            // One server for every case (each would hold two listening sockets to the end).
+            static SERVER: std::sync::OnceLock<HubServer> = std::sync::OnceLock::new();
+            let env = Env::on(SERVER.get_or_init(HubServer::start).clone());
+            let files: std::collections::BTreeMap<String, Vec<u8>> =
+                fixture_repo().into_iter().map(|(p, b)| (p.to_string(), b)).collect();
+            env.server.state.lock().unwrap().chaos = Some(Chaos::new(seed, percent));
+            let src = env.dir.path().join("to-upload");
+            if upload {
+                // A file past the multipart threshold too.
+                let mut files = files.clone();
+                files.insert("big.bin".into(), (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect());
+                std::fs::create_dir_all(src.join("sub")).unwrap();
+                for (p, b) in &files {
+                    std::fs::write(src.join(p), b).unwrap();
+                }
+                let args = ["upload", "me/up", src.to_str().unwrap(), "--create", "--token", TOKEN];
+                let o = env.rtune_within(&args, 60);
+                let applied = env.server.state.lock().unwrap().chaos.take().unwrap().applied;
+                let e = o.as_ref().map(stderr).unwrap_or_default();
+                if judge("upload", o, &applied)? {
+                    // Every file is on the Hub with its bytes, or the upload said it was not sent
+                    // (a `shouldIgnore` answer: the repo's .gitignore excludes it).
+                    let got = env.server.files("model", "me/up", "main").unwrap_or_default();
+                    for (p, b) in &files {
+                        match got.get(p) {
+                            Some(g) => prop_assert!(g == b, "{} has other bytes after {:#?}", p, applied),
+                            None => prop_assert!(
+                                e.contains("not uploaded:") && e.contains(&format!("`{p}`")),
+                                "{} missing without a warning after {:#?}:\n{}", p, applied, e
+                            ),
+                        }
+                    }
+                }
+                let o = env.rtune_within(&args, 60).unwrap();
+                prop_assert!(o.status.success(), "a sound Hub after {:#?}:\n{}", applied, stderr(&o));
+                prop_assert!(env.server.files("model", "me/up", "main") == Some(files), "the files on the Hub after {:#?}", applied);
+            } else {
+                let o = env.rtune_within(&["download", "test-org/tiny-model"], 60);
+                let applied = env.server.state.lock().unwrap().chaos.take().unwrap().applied;
+                judge("download", o, &applied)?;
+                env.cache_is_sound("test-org/tiny-model", &files)
+                    .map_err(|e| TestCaseError::fail(format!("{e} after {applied:#?}")))?;
+                let o = env.rtune_within(&["download", "test-org/tiny-model"], 60).unwrap();
+                prop_assert!(o.status.success(), "a sound Hub after {:#?}:\n{}", applied, stderr(&o));
+                let snap = PathBuf::from(stdout(&o).trim());
+                for (p, b) in &files {
+                    prop_assert_eq!(&std::fs::read(snap.join(p)).unwrap(), b, "{} after {:#?}", p, applied);
+                }
+                env.cache_is_sound("test-org/tiny-model", &files).map_err(TestCaseError::fail)?;
+            }
+        }
+    }
 }

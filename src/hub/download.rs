@@ -176,7 +176,9 @@ pub fn snapshot(
         cache.write_tree(repo, &commit, &tree)?;
     }
     let chosen: Vec<&Sibling> = siblings.iter().filter(|s| wanted.wants(&s.rfilename)).collect();
-    let total: u64 = chosen.iter().map(|s| s.lfs.as_ref().map(|l| l.size).or(s.size).unwrap_or(0)).sum();
+    // Listed sizes are the server's word: a wrong one must not overflow the total.
+    let total =
+        chosen.iter().map(|s| s.lfs.as_ref().map(|l| l.size).or(s.size).unwrap_or(0)).fold(0, u64::saturating_add);
     ui.status(
         "download",
         format!(
@@ -341,7 +343,16 @@ fn fetch_file(
             ui.warn(format!("`{}` in the HF cache does not match its digest; downloading it again", blob.display()));
             fs::remove_file(&blob).map_err(HubError::io(format!("cannot remove `{}`", blob.display())))?;
         }
-        fetch_blob(client, &url, &what, &blob, Some(size), progress)?;
+        // Bytes kept from an earlier answer (an interrupted run, a dropped connection) may not
+        // be the file's if that answer was wrong: a resumed file that fails its digest is
+        // fetched once more from its first byte before the download is called corrupt.
+        if fetch_blob(client, &url, &what, &blob, Some(size), progress)? && verify(&blob, &etag).is_err() {
+            ui.warn(format!(
+                "{what}: the resumed download does not match its digest; downloading it again from the start"
+            ));
+            fs::remove_file(&blob).map_err(HubError::io(format!("cannot remove `{}`", blob.display())))?;
+            fetch_blob(client, &url, &what, &blob, Some(size), progress)?;
+        }
         verify(&blob, &etag).map_err(|actual| {
             let _ = fs::remove_file(&blob);
             HubError::DigestMismatch {
@@ -397,6 +408,8 @@ fn head(client: &Client, url: &str, what: &str, commit: &str) -> Result<(String,
 }
 
 /// Download into `<blob>.incomplete`, resuming what an interrupted run left, then rename.
+/// Returns whether the file holds bytes from more than one answer (resumed), which a digest
+/// mismatch then may blame on the earlier one.
 fn fetch_blob(
     client: &Client,
     url: &str,
@@ -404,7 +417,7 @@ fn fetch_blob(
     blob: &std::path::Path,
     size: Option<u64>,
     progress: &mut dyn FnMut(u64),
-) -> Result<(), HubError> {
+) -> Result<bool, HubError> {
     let part = blob.with_extension("incomplete");
     let parent = blob.parent().expect("blob has a parent");
     fs::create_dir_all(parent).map_err(HubError::io(format!("cannot create `{}`", parent.display())))?;
@@ -419,6 +432,7 @@ fn fetch_blob(
     std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NOFOLLOW);
     let mut file = options.open(&part).map_err(HubError::io(format!("cannot write `{}`", part.display())))?;
     let io = |e| HubError::Io { context: format!("cannot write `{}`", part.display()), source: e };
+    let mut resumed = false;
     for attempt in 0..client.env.attempts {
         let mut have = file.seek(std::io::SeekFrom::End(0)).map_err(io)?;
         if size.is_some_and(|n| have > n) {
@@ -427,6 +441,7 @@ fn fetch_blob(
             have = file.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
         }
         if size == Some(have) && have > 0 {
+            resumed = true;
             break;
         }
         let resp = client.send(what, false, || {
@@ -437,7 +452,27 @@ fn fetch_blob(
             req = client.authorize(req, url);
             req.call()
         })?;
-        if resp.status().as_u16() != 206 {
+        let partial = resp.status().as_u16() == 206;
+        // A part must start where the kept bytes end: bytes appended anywhere else would make
+        // a file that fails its digest, and the next run would resume from it again.
+        let from = header(&resp, "content-range").map(content_range_start);
+        if partial && from.is_some_and(|f| f != Some(have)) {
+            file.set_len(0).map_err(io)?;
+            file.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
+            if attempt + 1 < client.env.attempts {
+                continue;
+            }
+            return Err(HubError::BadResponse {
+                what: what.to_string(),
+                reason: format!(
+                    "asked for the bytes from {have} on, the server sent `Content-Range: {}`",
+                    header(&resp, "content-range").unwrap_or_default()
+                ),
+            });
+        }
+        if partial {
+            resumed |= have > 0;
+        } else {
             // The server sent the whole file: start over.
             file.set_len(0).map_err(io)?;
             file.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
@@ -477,7 +512,14 @@ fn fetch_blob(
     }
     file.sync_all().map_err(io)?;
     drop(file);
-    fs::rename(&part, blob).map_err(HubError::io(format!("cannot write `{}`", blob.display())))
+    fs::rename(&part, blob).map_err(HubError::io(format!("cannot write `{}`", blob.display())))?;
+    Ok(resumed)
+}
+
+/// The first byte of a `Content-Range: bytes <first>-<last>/<total>` answer (`None` when the
+/// header says something else).
+fn content_range_start(v: &str) -> Option<u64> {
+    v.trim().strip_prefix("bytes ")?.split('-').next()?.trim().parse().ok()
 }
 
 /// Check a blob against its name: sha256 for LFS files, the git blob id (sha1 of

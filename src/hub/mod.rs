@@ -20,7 +20,7 @@ pub use download::{
     DownloadReport, FileReport, Listing, Wanted, download_command, list_files, resolve_commit, snapshot,
 };
 pub use http::Client;
-pub use upload::{CommitFile, CommitReport, commit, create_repo};
+pub use upload::{CommitFile, CommitReport, Ignored, commit, create_repo};
 
 /// The default Hub address; `HF_ENDPOINT` overrides it (mirrors, tests).
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
@@ -305,6 +305,14 @@ pub enum HubError {
         help("the download was corrupted or the server is misbehaving; nothing was kept, run again to retry")
     )]
     DigestMismatch { repo: String, file: String, expected: String, actual: String },
+    #[error("{repo} would not keep {files}: the repository's .gitignore excludes them")]
+    #[diagnostic(
+        code(rtune::hub::ignored),
+        help(
+            "change the repository's .gitignore on the Hub, upload elsewhere, or leave those files out; nothing was committed"
+        )
+    )]
+    Ignored { repo: String, files: String },
     #[error("offline: {count} file(s) of the recipe are not in the Hugging Face cache ({cache})")]
     #[diagnostic(code(rtune::hub::offline_missing))]
     OfflineMissing {
@@ -336,6 +344,7 @@ impl HubError {
             HubError::Unreachable { .. } => "rtune::hub::unreachable",
             HubError::BadResponse { .. } => "rtune::hub::bad_response",
             HubError::DigestMismatch { .. } => "rtune::hub::digest_mismatch",
+            HubError::Ignored { .. } => "rtune::hub::ignored",
             HubError::OfflineMissing { .. } => "rtune::hub::offline_missing",
             HubError::Io { .. } => "rtune::hub::io",
         }

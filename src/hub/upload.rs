@@ -31,6 +31,17 @@ pub struct CommitReport {
     pub lfs_files: usize,
     pub regular_files: usize,
     pub bytes_uploaded: u64,
+    /// Files the repository's .gitignore excludes (the Hub's `shouldIgnore`), not committed.
+    pub ignored: Vec<String>,
+}
+
+/// What [`commit`] does with files the repository's .gitignore excludes: skip them with a
+/// warning (`rtune upload`, as huggingface_hub does), or refuse the commit (an export, whose
+/// record must name only files that are on the Hub).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ignored {
+    Skip,
+    Refuse,
 }
 
 #[derive(Deserialize)]
@@ -120,6 +131,7 @@ pub fn commit(
     repo: &RepoRef,
     files: &[CommitFile],
     message: &str,
+    ignored_files: Ignored,
     ui: &Ui,
 ) -> Result<CommitReport, HubError> {
     let mut locals = Vec::new();
@@ -146,9 +158,10 @@ pub fn commit(
     let mode = |path: &str| pre.files.iter().find(|p| p.path == path);
     let mut lfs = Vec::new();
     let mut regular = Vec::new();
+    let mut ignored = Vec::new();
     for l in &locals {
         match mode(&l.file.path) {
-            Some(p) if p.should_ignore => {}
+            Some(p) if p.should_ignore => ignored.push(l.file.path.clone()),
             // Regular files travel base64-encoded inside one JSON commit held in memory: past
             // MAX_REGULAR a file goes through LFS whatever the server says.
             Some(p) if p.upload_mode == "lfs" || l.size > MAX_REGULAR => lfs.push(l),
@@ -160,6 +173,14 @@ pub fn commit(
                 });
             }
         }
+    }
+
+    if !ignored.is_empty() {
+        let names = ignored.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ");
+        if ignored_files == Ignored::Refuse {
+            return Err(HubError::Ignored { repo: repo.display(), files: names });
+        }
+        ui.warn(format!("not uploaded: {names} (the .gitignore of {} excludes them)", repo.display()));
     }
 
     // 2. LFS objects the Hub does not have yet.
@@ -256,6 +277,7 @@ pub fn commit(
         lfs_files: lfs.len(),
         regular_files: regular.len(),
         bytes_uploaded: uploaded,
+        ignored,
     })
 }
 

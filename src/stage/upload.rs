@@ -62,7 +62,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &UploadKey) -> Result<serde_json::Value, Sta
         let commit_files: Vec<crate::hub::CommitFile> =
             files.iter().map(|(p, l, _)| crate::hub::CommitFile { path: p.clone(), local: l.clone() }).collect();
         let message = s.message.clone().unwrap_or_else(|| format!("Upload {} with rtune", key.settings.card.name));
-        let report = crate::hub::commit(&client, &repo, &commit_files, &message, ctx.ui)?;
+        let report = crate::hub::commit(&client, &repo, &commit_files, &message, crate::hub::Ignored::Refuse, ctx.ui)?;
         let mut written = BTreeMap::new();
         for (rel, local, from) in &files {
             let (digest, size) =

@@ -46,16 +46,228 @@ pub struct State {
     pub echo_auth: bool,
     /// Cut the body of the next file GET after this many bytes.
     pub cut_next_body: Option<usize>,
+    /// Answer the next ranged GET with a part that starts this many bytes before the one asked
+    /// for (and says so in `Content-Range`).
+    pub shift_next_range: Option<usize>,
     /// Token required for every request (401 without, 403 with another).
     pub require_token: Option<String>,
     /// Preupload answers `regular` for every file, however large (a hostile server).
     pub all_regular: bool,
+    /// Paths preupload answers `shouldIgnore` for (as a repo's .gitignore would make it).
+    pub ignored: Vec<String>,
     /// Listed sizes that differ from the real ones (path → size).
     pub listed_size: HashMap<String, u64>,
     /// "METHOD path" of every request, and whether it carried a token.
     pub log: Vec<(String, bool)>,
+    /// Random damage to answers (fuzzing the client's HTTP layer).
+    pub chaos: Option<Chaos>,
 }
 
+/// Seeded random damage to the Hub's answers: each answer is, with probability `percent`%,
+/// changed in one way a broken server, proxy or network could change it (status, headers,
+/// body, framing). `applied` records what was done, for a failing case's message.
+pub struct Chaos {
+    rng: u64,
+    pub percent: u64,
+    pub applied: Vec<String>,
+}
+
+impl Chaos {
+    pub fn new(seed: u64, percent: u64) -> Chaos {
+        Chaos { rng: seed | 1, percent, applied: Vec::new() }
+    }
+
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn pick<'a>(&mut self, list: &[&'a str]) -> &'a str {
+        list[self.below(list.len())]
+    }
+
+    /// A header value a broken or hostile answer could carry.
+    fn garbage(&mut self) -> String {
+        let zeros40 = "0".repeat(40);
+        let zeros64 = "0".repeat(64);
+        let list = [
+            "",
+            "-1",
+            "0",
+            "18446744073709551616",
+            "99999999999999",
+            "\"\"",
+            "W/\"",
+            "zz",
+            "../../evil",
+            "/etc/passwd",
+            "http://127.0.0.1:1/x",
+            "file:///etc/passwd",
+            "//evil.example/x",
+            "\u{1b}[2J",
+            "Ω≈ç",
+            "bytes 5-2/3",
+            zeros40.as_str(),
+            zeros64.as_str(),
+        ];
+        self.pick(&list).to_string()
+    }
+
+    /// Maybe damage `resp` (the answer to `what`).
+    fn mutate(&mut self, what: &str, mut resp: Resp) -> Resp {
+        if self.next() % 100 >= self.percent {
+            return resp;
+        }
+        let kind = self.below(12);
+        let note = match kind {
+            0 => {
+                let codes = [200, 201, 204, 206, 301, 302, 304, 307, 308, 400, 401, 403, 404, 409, 416, 429, 500, 503];
+                resp.status = codes[self.below(codes.len())];
+                format!("status {}", resp.status)
+            }
+            1 if !resp.headers.is_empty() => {
+                let (k, _) = resp.headers.remove(self.below(resp.headers.len()));
+                format!("dropped {k}")
+            }
+            2 if !resp.headers.is_empty() => {
+                let i = self.below(resp.headers.len());
+                resp.headers[i].1 = self.garbage();
+                format!("{} = {:?}", resp.headers[i].0, resp.headers[i].1)
+            }
+            3 => {
+                let names = [
+                    "Location",
+                    "Content-Length",
+                    "Content-Encoding",
+                    "Transfer-Encoding",
+                    "Content-Range",
+                    "X-Linked-Size",
+                    "X-Linked-Etag",
+                    "ETag",
+                    "X-Repo-Commit",
+                    "Content-Type",
+                ];
+                let k = self.pick(&names).to_string();
+                let v = match k.as_str() {
+                    "Content-Encoding" => self.pick(&["gzip", "br", "zstd", "x-bogus"]).to_string(),
+                    "Transfer-Encoding" => "chunked".to_string(),
+                    _ => self.garbage(),
+                };
+                resp.headers.retain(|(h, _)| !h.eq_ignore_ascii_case(&k));
+                resp.headers.push((k.clone(), v.clone()));
+                format!("set {k} = {v:?}")
+            }
+            4 if !resp.body.is_empty() => {
+                let n = self.below(resp.body.len());
+                resp.cut = Some(n);
+                format!("cut after {n} of {} bytes", resp.body.len())
+            }
+            5 if !resp.body.is_empty() => {
+                let i = self.below(resp.body.len());
+                let bit = 1u8 << self.below(8);
+                resp.body[i] ^= bit;
+                format!("flipped a bit of byte {i}")
+            }
+            6 => {
+                let n = self.below(3000);
+                resp.body = (0..n).map(|_| self.next() as u8).collect();
+                format!("{n} random bytes as the body")
+            }
+            7 => match serde_json::from_slice::<Value>(&resp.body) {
+                Ok(mut v) => {
+                    let path = self.mutate_json(&mut v);
+                    resp.body = v.to_string().into_bytes();
+                    format!("JSON {path}")
+                }
+                Err(_) => {
+                    resp.body.clear();
+                    "emptied the body".into()
+                }
+            },
+            8 => {
+                let n = self.below(200);
+                resp.raw = Some((0..n).map(|_| self.next() as u8).collect());
+                format!("{n} random bytes instead of an answer")
+            }
+            9 => {
+                let len = resp.body.len();
+                let lie = match self.below(3) {
+                    0 => len.saturating_sub(1 + self.below(len.max(1))),
+                    1 => len + 1 + self.below(5000),
+                    _ => usize::MAX / 2,
+                };
+                resp.headers.retain(|(h, _)| !h.eq_ignore_ascii_case("content-length"));
+                resp.headers.push(("Content-Length".into(), lie.to_string()));
+                format!("Content-Length {lie} for {len} bytes")
+            }
+            10 => {
+                let body = std::mem::take(&mut resp.body);
+                resp.body = body.repeat(2);
+                "the body twice".into()
+            }
+            _ => {
+                resp.body.clear();
+                "an empty body".into()
+            }
+        };
+        self.applied.push(format!("{what}: {note}"));
+        resp
+    }
+
+    /// Replace one node of `v` with a value of another shape; returns where.
+    fn mutate_json(&mut self, v: &mut Value) -> String {
+        let mut here = v;
+        let mut path = String::new();
+        loop {
+            let children = match &*here {
+                Value::Array(a) => a.len(),
+                Value::Object(o) => o.len(),
+                _ => 0,
+            };
+            if children == 0 || self.below(4) == 0 {
+                break;
+            }
+            let i = self.below(children);
+            here = match here {
+                Value::Array(a) => {
+                    path.push_str(&format!("[{i}]"));
+                    &mut a[i]
+                }
+                Value::Object(o) => {
+                    let (k, v) = o.iter_mut().nth(i).expect("in range");
+                    path.push_str(&format!(".{k}"));
+                    v
+                }
+                _ => unreachable!(),
+            };
+        }
+        let choices = [
+            json!(null),
+            json!(-1),
+            json!(0),
+            json!(1e300),
+            json!(u64::MAX),
+            json!("../../evil"),
+            json!(""),
+            json!("0000000000000000000000000000000000000000"),
+            json!([]),
+            json!({}),
+            json!(true),
+            json!([{ "rfilename": "x" }]),
+        ];
+        *here = choices[self.below(choices.len())].clone();
+        format!("{path} = {here}")
+    }
+}
+
+#[derive(Clone)]
 pub struct HubServer {
     pub url: String,
     pub state: Arc<Mutex<State>>,
@@ -101,6 +313,11 @@ impl HubServer {
             });
         }
         HubServer { url, state }
+    }
+
+    /// Forget every repo, fault and request (a fresh Hub on the same address).
+    pub fn reset(&self) {
+        *self.state.lock().unwrap() = State::default();
     }
 
     /// Add a commit with `files` on `main` of a repo (created if new); returns the commit id.
@@ -184,6 +401,8 @@ struct Resp {
     body: Vec<u8>,
     /// Send only this many body bytes, then close.
     cut: Option<usize>,
+    /// Send these bytes instead of the answer (chaos).
+    raw: Option<Vec<u8>>,
 }
 
 impl Resp {
@@ -193,6 +412,7 @@ impl Resp {
             headers: vec![("Content-Type".into(), "application/json".into())],
             body: v.to_string().into_bytes(),
             cut: None,
+            raw: None,
         }
     }
     fn status(status: u16, msg: &str) -> Resp {
@@ -262,7 +482,14 @@ fn percent_decode(s: &str) -> String {
 
 fn serve(mut conn: TcpStream, st: &Mutex<State>, base: &str, cdn: &str) -> std::io::Result<()> {
     let req = read_req(&mut conn)?;
-    let resp = handle(&req, st, base, cdn);
+    let mut resp = handle(&req, st, base, cdn);
+    if let Some(chaos) = st.lock().unwrap().chaos.as_mut() {
+        resp = chaos.mutate(&format!("{} {}", req.method, req.path), resp);
+    }
+    if let Some(raw) = &resp.raw {
+        conn.write_all(raw)?;
+        return conn.flush();
+    }
     let head_only = req.method == "HEAD";
     let mut out = format!("HTTP/1.1 {} X\r\n", resp.status);
     for (k, v) in &resp.headers {
@@ -327,6 +554,7 @@ fn handle(req: &Req, st: &Mutex<State>, base: &str, cdn_base: &str) -> Resp {
                     headers: vec![("Content-Type".into(), "text/plain".into())],
                     body: format!("{auth}\x1b[2J").into_bytes(),
                     cut: None,
+                    raw: None,
                 };
             }
             if s.html_api {
@@ -335,6 +563,7 @@ fn handle(req: &Req, st: &Mutex<State>, base: &str, cdn_base: &str) -> Resp {
                     headers: vec![("Content-Type".into(), "text/html".into())],
                     body: b"<!DOCTYPE html><html><body>Sign in to the proxy</body></html>".to_vec(),
                     cut: None,
+                    raw: None,
                 };
             }
             let kind = plural.trim_end_matches('s');
@@ -408,7 +637,10 @@ fn handle(req: &Req, st: &Mutex<State>, base: &str, cdn_base: &str) -> Resp {
                 .iter()
                 .map(|f| {
                     let lfs = !s.all_regular && f["size"].as_u64().unwrap_or(0) as usize >= LFS_THRESHOLD;
-                    json!({ "path": f["path"], "uploadMode": if lfs { "lfs" } else { "regular" }, "shouldIgnore": false })
+                    {
+                    let ignore = s.ignored.iter().any(|p| f["path"] == p.as_str());
+                    json!({ "path": f["path"], "uploadMode": if lfs { "lfs" } else { "regular" }, "shouldIgnore": ignore })
+                }
                 })
                 .collect();
             Resp::json(200, json!({ "files": files }))
@@ -566,7 +798,7 @@ fn handle(req: &Req, st: &Mutex<State>, base: &str, cdn_base: &str) -> Resp {
                     bad[0] ^= 0xff;
                     return file_response(req, &mut s, bad, headers[..4].to_vec());
                 }
-                return Resp { status: 302, headers, body: vec![], cut: None };
+                return Resp { status: 302, headers, body: vec![], cut: None, raw: None };
             }
             let mut body = real.clone();
             if corrupt {
@@ -594,11 +826,18 @@ fn file_response(req: &Req, s: &mut State, bytes: Vec<u8>, mut headers: Vec<(Str
         Some(n) if req.method == "GET" && bytes.len() > n => s.cut_next_body.take(),
         _ => None,
     };
+    let start = match (start, s.shift_next_range) {
+        (Some(n), Some(shift)) if req.method == "GET" && n < bytes.len() => {
+            s.shift_next_range = None;
+            Some(n.saturating_sub(shift))
+        }
+        _ => start,
+    };
     match start {
         Some(n) if n < bytes.len() => {
             headers.push(("Content-Range".into(), format!("bytes {n}-{}/{}", bytes.len() - 1, bytes.len())));
-            Resp { status: 206, headers, body: bytes[n..].to_vec(), cut }
+            Resp { status: 206, headers, body: bytes[n..].to_vec(), cut, raw: None }
         }
-        _ => Resp { status: 200, headers, body: bytes, cut },
+        _ => Resp { status: 200, headers, body: bytes, cut, raw: None },
     }
 }
