@@ -310,6 +310,12 @@ fn server_errors_are_retried_with_backoff_then_reported() {
     let env = Env::new();
     env.server.state.lock().unwrap().fail_next = vec![503, 502, 500];
     env.ok(&["download", "test-org/tiny-model"], &[]);
+    // A connection that drops while the listing's body is read is retried too.
+    let env = Env::new();
+    env.server.state.lock().unwrap().cut_next_json = Some(40);
+    env.ok(&["download", "test-org/tiny-model"], &[]);
+    let listings = env.server.state.lock().unwrap().log.iter().filter(|(r, _)| r.contains("/revision/")).count();
+    assert_eq!(listings, 2, "the cut listing, then a whole one");
     let env = Env::new();
     env.server.state.lock().unwrap().fail_next = vec![503; 10];
     let o = env.rtune(&["download", "test-org/tiny-model"], &[("RTUNE_HUB_ATTEMPTS", "3")]);
@@ -435,6 +441,8 @@ fn a_recipe_with_hub_sources_downloads_trains_and_uploads() {
     std::fs::write(env.dir.path().join("hub.toml"), HUB_RECIPE).unwrap();
     let auth = [("HF_TOKEN", TOKEN)];
 
+    // Nothing is cached, so planning retries a connection dropped mid-answer.
+    env.server.state.lock().unwrap().cut_next_json = Some(20);
     let plan = stdout(&env.ok(&["plan", "hub.toml", "--json"], &auth));
     let plan: serde_json::Value = serde_json::from_str(&plan).unwrap();
     let sources = &plan["stages"][0]["doc"]["sources"];
@@ -730,10 +738,12 @@ impl Env {
 
 /// A Hub (or proxy, or network) that answers wrongly — any status, headers dropped or set to
 /// garbage, bodies cut, flipped, doubled, replaced or framed wrongly, JSON fields of the wrong
-/// shape, bytes that are not HTTP at all — never makes a download or an upload panic or hang;
-/// a failure is an `rtune::hub` diagnostic; the HF cache never holds a blob whose name is not
-/// its digest or a snapshot file with bytes other than the repo's; and a download or upload
-/// afterwards against a sound Hub succeeds with the right bytes. New cases every run.
+/// shape, bytes that are not HTTP at all — never makes a download, an upload or a run of a
+/// recipe with Hub sources panic or hang; a failure is a diagnostic (`rtune::hub` for the Hub
+/// commands); the HF cache never holds a blob whose name is not its digest or a snapshot file
+/// with bytes other than the repo's; and the same command afterwards against a sound Hub
+/// succeeds with the right bytes. New cases every run (`CHAOS_CASES=n` for more,
+/// `CHAOS_DEBUG=1` prints each case's damage and outcome).
 mod chaos {
     use super::*;
     use common::hub::Chaos;
@@ -757,7 +767,9 @@ mod chaos {
             o.status
         );
         if !o.status.success() {
-            prop_assert!(e.contains("rtune::hub::"), "{what}: not a hub diagnostic after {applied:#?}:\n{e}");
+            // `rtune run` wraps a stage's failure; the Hub's own commands say it is the Hub's.
+            let code = if what == "run" { "rtune::" } else { "rtune::hub::" };
+            prop_assert!(e.contains(code), "{what}: not a diagnostic after {applied:#?}:\n{e}");
         }
         Ok(o.status.success())
     }
@@ -769,7 +781,7 @@ mod chaos {
         fn random_hub_answers_never_panic_hang_or_poison_the_cache(
             seed in any::<u64>(),
             percent in prop::sample::select(vec![15u64, 40, 100]),
-            upload in any::<bool>(),
+            what in prop::sample::select(vec!["download", "upload", "run"]),
         ) {
             // One server for every case (each would hold two listening sockets to the end).
             static SERVER: std::sync::OnceLock<HubServer> = std::sync::OnceLock::new();
@@ -778,7 +790,21 @@ mod chaos {
                 fixture_repo().into_iter().map(|(p, b)| (p.to_string(), b)).collect();
             env.server.state.lock().unwrap().chaos = Some(Chaos::new(seed, percent));
             let src = env.dir.path().join("to-upload");
-            if upload {
+            if what == "run" {
+                // A recipe with Hub sources: planning resolves both, the download stage fetches.
+                env.server.state.lock().unwrap().chaos = None;
+                publish_tiny_model_and_data(&env.server);
+                std::fs::write(env.dir.path().join("hub.toml"), HUB_RECIPE).unwrap();
+                env.server.state.lock().unwrap().chaos = Some(Chaos::new(seed, percent));
+                let args = ["run", "hub.toml", "--until", "download"];
+                let o = env.rtune_within(&args, 60);
+                let applied = env.server.state.lock().unwrap().chaos.take().unwrap().applied;
+                judge("run", o, &applied)?;
+                let o = env.rtune_within(&args, 60).unwrap();
+                prop_assert!(o.status.success(), "a sound Hub after {:#?}:\n{}", applied, stderr(&o));
+                let o = env.rtune_within(&["cache", "verify"], 60).unwrap();
+                prop_assert!(o.status.success(), "cache verify after {:#?}:\n{}", applied, stderr(&o));
+            } else if what == "upload" {
                 // A file past the multipart threshold too.
                 let mut files = files.clone();
                 files.insert("big.bin".into(), (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect());

@@ -60,13 +60,19 @@ impl Client {
         allow_404: bool,
         mut attempt: impl FnMut() -> Result<Response<Body>, ureq::Error>,
     ) -> Result<Response<Body>, HubError> {
+        self.retry(what, || self.classify(what, allow_404, attempt()))
+    }
+
+    /// Run `attempt` until it succeeds, fails for good, or the attempts are spent (with
+    /// exponential backoff between them).
+    fn retry<T>(&self, what: &str, mut attempt: impl FnMut() -> Result<T, Attempt>) -> Result<T, HubError> {
         let mut last = String::new();
         for n in 0..self.env.attempts {
             if n > 0 {
                 let ms = self.env.backoff_ms.saturating_mul(1 << (n - 1).min(5)).min(16_000);
                 std::thread::sleep(Duration::from_millis(ms));
             }
-            match self.classify(what, allow_404, attempt()) {
+            match attempt() {
                 Ok(r) => return Ok(r),
                 Err(Attempt::Fatal(e)) => return Err(e),
                 Err(Attempt::Transient(why)) => last = why,
@@ -160,10 +166,29 @@ impl Client {
 
     /// GET a JSON document from the Hub API.
     pub fn get_json<T: serde::de::DeserializeOwned>(&self, what: &str, url: &str) -> Result<T, HubError> {
-        let resp = self.send(what, false, || {
-            self.authorize(self.agent.get(url).header("Accept", "application/json"), url).call()
+        self.json_answer(what, || self.authorize(self.agent.get(url).header("Accept", "application/json"), url).call())
+    }
+
+    /// Send a request and read its JSON answer; a connection that drops or stalls while the
+    /// answer's body is read is retried like one that fails before it (the request is sent
+    /// again: every API call rtune makes may be repeated).
+    fn json_answer<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &str,
+        mut call: impl FnMut() -> Result<Response<Body>, ureq::Error>,
+    ) -> Result<T, HubError> {
+        let bytes = self.retry(what, || {
+            let resp = self.classify(what, false, call())?;
+            read_body(resp).map_err(|e| match e {
+                e @ (ureq::Error::Io(_) | ureq::Error::Timeout(_)) => Attempt::Transient(self.redact(&e.to_string())),
+                ureq::Error::BodyExceedsLimit(n) => Attempt::Fatal(HubError::BadResponse {
+                    what: what.to_string(),
+                    reason: format!("the answer is larger than {n} bytes"),
+                }),
+                e => Attempt::Fatal(HubError::BadResponse { what: what.to_string(), reason: e.to_string() }),
+            })
         })?;
-        read_json(what, resp).map_err(|e| self.sanitize_error(e))
+        parse_json(what, &bytes).map_err(|e| self.sanitize_error(e))
     }
 
     /// POST JSON to the Hub API and read a JSON answer.
@@ -174,21 +199,21 @@ impl Client {
         content_type: &str,
         body: &[u8],
     ) -> Result<T, HubError> {
-        let resp = self.send(what, false, || {
+        self.json_answer(what, || {
             let req = self.agent.post(url).header("Content-Type", content_type).header("Accept", "application/json");
             self.authorize(req, url).send(body)
-        })?;
-        read_json(what, resp).map_err(|e| self.sanitize_error(e))
+        })
     }
 }
 
-/// Parse a JSON answer, refusing HTML error pages and oversized bodies with a clear message.
-pub fn read_json<T: serde::de::DeserializeOwned>(what: &str, mut resp: Response<Body>) -> Result<T, HubError> {
+/// A JSON answer's bytes, at most [`MAX_JSON`] of them.
+fn read_body(mut resp: Response<Body>) -> Result<Vec<u8>, ureq::Error> {
+    resp.body_mut().with_config().limit(MAX_JSON).read_to_vec()
+}
+
+/// Parse a JSON answer, refusing HTML error pages with a clear message.
+fn parse_json<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T, HubError> {
     let bad = |reason: String| HubError::BadResponse { what: what.to_string(), reason };
-    let bytes = resp.body_mut().with_config().limit(MAX_JSON).read_to_vec().map_err(|e| match e {
-        ureq::Error::BodyExceedsLimit(n) => bad(format!("the answer is larger than {n} bytes")),
-        e => bad(e.to_string()),
-    })?;
     let start = bytes.iter().position(|b| !b.is_ascii_whitespace()).map(|i| bytes[i]);
     if !matches!(start, Some(b'{' | b'[')) {
         let head: String =
@@ -196,7 +221,7 @@ pub fn read_json<T: serde::de::DeserializeOwned>(what: &str, mut resp: Response<
         let kind = if start == Some(b'<') { "an HTML page" } else { "not JSON" };
         return Err(bad(format!("expected JSON, got {kind} (`{head}`)")));
     }
-    serde_json::from_slice(&bytes).map_err(|e| bad(format!("unexpected JSON: {e}")))
+    serde_json::from_slice(bytes).map_err(|e| bad(format!("unexpected JSON: {e}")))
 }
 
 /// Control characters (ESC, CR, …) as `\u{1b}`-style escapes; everything else as is.

@@ -120,11 +120,15 @@ pub(super) fn resolve_hub(
             ))
         });
     }
-    let client = crate::hub::Client::new(HubEnv { attempts: 1, ..hub.clone() });
+    // With a commit to fall back to, one try (a plan stays quick while the Hub is down);
+    // without one, the usual retries (a dropped connection should not fail the plan).
+    let fallback = offline_fallback();
+    let attempts = if fallback.is_some() { 1 } else { hub.attempts };
+    let client = crate::hub::Client::new(HubEnv { attempts, ..hub.clone() });
     let located = |e: &crate::hub::HubError| hub_problem(e).at(loaded.origin(&src.at), "this repository");
     match crate::hub::resolve_commit(&client, &src.repo) {
         Ok(c) => Ok(c),
-        Err(e @ crate::hub::HubError::Unreachable { .. }) => offline_fallback().ok_or_else(|| located(&e)),
+        Err(e @ crate::hub::HubError::Unreachable { .. }) => fallback.ok_or_else(|| located(&e)),
         Err(e) => Err(located(&e)),
     }
 }

@@ -46,6 +46,8 @@ pub struct State {
     pub echo_auth: bool,
     /// Cut the body of the next file GET after this many bytes.
     pub cut_next_body: Option<usize>,
+    /// Cut the body of the next API (JSON) answer after this many bytes.
+    pub cut_next_json: Option<usize>,
     /// Answer the next ranged GET with a part that starts this many bytes before the one asked
     /// for (and says so in `Content-Range`).
     pub shift_next_range: Option<usize>,
@@ -483,6 +485,9 @@ fn percent_decode(s: &str) -> String {
 fn serve(mut conn: TcpStream, st: &Mutex<State>, base: &str, cdn: &str) -> std::io::Result<()> {
     let req = read_req(&mut conn)?;
     let mut resp = handle(&req, st, base, cdn);
+    if req.path.starts_with("/api/") && resp.status == 200 {
+        resp.cut = resp.cut.or(st.lock().unwrap().cut_next_json.take());
+    }
     if let Some(chaos) = st.lock().unwrap().chaos.as_mut() {
         resp = chaos.mutate(&format!("{} {}", req.method, req.path), resp);
     }
