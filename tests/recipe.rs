@@ -114,13 +114,13 @@ fn golden_fingerprints() {
         .map(|s| (s["name"].as_str().unwrap().to_string(), s["fingerprint"].as_str().unwrap().to_string()))
         .collect();
     let want = [
-        ("download", "37aa0cfeb7924626ea5253f5da2f6917e944786c8cbfee8d4d67a376a9405865"),
-        ("tokenize", "ac827c61fe3e242ccd5b967da9657552731edb3114097200a8c83fbcb655ab10"),
-        ("train", "c593fdd0e111503718403820ef74eb221d8ae7a4eaaa818bc30e5b234c678290"),
-        ("eval_base", "9cc937914960b544e7182b775fe727492834afaa0467f1440c4d8bd0194dac05"),
-        ("evaluate", "2cba0362533ce380bd75918041c63681f77c2938144afb82e778ac7ceaf27bfa"),
-        ("quantize", "2893c20a7e8b4e5e36e7848ce2f6997d3f68ce83ca8528c890bdf6319a100a57"),
-        ("upload", "668a44fc73a3d6a15e5b9a0c8cf6188f049667b962664f63d8825f181825848d"),
+        ("download", "e1f31a377af02f9270c99c45d915a0f88b77eecd50ce5e139abf644510e279d9"),
+        ("tokenize", "121a4d678e7688e0d55fce7e9c96fd3718bbcdb582c5d9d835afea88830ee345"),
+        ("train", "e47e7bff0144ba4caea798bfcefdf8d187a6e91c669c4a8bf90cd709272cb4f3"),
+        ("eval_base", "9aa8dd7691d86d25e1774ade60453c324f9a18ccc73787056503d7d19e01819c"),
+        ("evaluate", "2830a5f50a547aa27312c440f7504e3cfaeab98ca877f943a6926dd343d064d9"),
+        ("quantize", "87188788ecd050213230256caa8c4763fc8327e75c112ec798f85f167c3edcb5"),
+        ("upload", "319a4bda7d8ed8fc15712e0838bb434a9d11f4aa4089b070cac1502a34e93331"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);

@@ -8,7 +8,7 @@ pub mod tokens;
 
 use std::sync::Arc;
 
-use miette::{Diagnostic, LabeledSpan, NamedSource, SourceCode};
+use miette::{Diagnostic, LabeledSpan, MietteError, MietteSpanContents, SourceCode, SourceSpan, SpanContents};
 
 pub use format::{Encoded, Renderer};
 pub use source::{Row, Skipped, for_each_row, read_rows, total_bytes};
@@ -24,7 +24,7 @@ pub enum DataError {
         line: usize,
         message: String,
         /// The offending line and the byte span in it to underline.
-        snippet: Option<(Arc<NamedSource<String>>, std::ops::Range<usize>)>,
+        snippet: Option<(Arc<LineSource>, std::ops::Range<usize>)>,
         help: Option<String>,
     },
     #[error("{message}")]
@@ -101,8 +101,40 @@ impl DataError {
         let snippet = span.map(|s| {
             let end = s.end.min(shown.len());
             let start = s.start.min(end);
-            (Arc::new(NamedSource::new(format!("{file}:{line}"), shown.clone()).with_language("json")), start..end)
+            (Arc::new(LineSource { name: file.to_string(), text: shown.clone(), line }), start..end)
         });
         DataError::BadRow { file: file.into(), line, message, snippet, help }
+    }
+}
+
+/// One line of a data file as a diagnostic's source, shown with its number in the file (`[a.jsonl:57:30]`
+/// and `57 │` in the margin): a snippet alone would be numbered line 1.
+#[derive(Debug)]
+pub struct LineSource {
+    name: String,
+    text: String,
+    /// 1-based.
+    line: usize,
+}
+
+impl SourceCode for LineSource {
+    fn read_span<'a>(
+        &'a self,
+        span: &SourceSpan,
+        before: usize,
+        after: usize,
+    ) -> Result<Box<dyn SpanContents<'a> + 'a>, MietteError> {
+        let inner = self.text.read_span(span, before, after)?;
+        Ok(Box::new(
+            MietteSpanContents::new_named(
+                self.name.clone(),
+                inner.data(),
+                *inner.span(),
+                inner.line() + self.line.saturating_sub(1),
+                inner.column(),
+                inner.line_count(),
+            )
+            .with_language("json"),
+        ))
     }
 }

@@ -178,6 +178,8 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
     let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
     let mut buf = Vec::new();
     let mut header: Option<Vec<String>> = None;
+    // A CSV record whose quoted cell is still open: its first line, its text so far.
+    let mut record: Option<(usize, String)> = None;
     let (mut i, mut read) = (0usize, 0u64);
     loop {
         buf.clear();
@@ -193,7 +195,11 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
         while matches!(buf.last(), Some(b'\n' | b'\r')) {
             buf.pop();
         }
-        let line = utf8(&name, std::mem::take(&mut buf), i - 1)?;
+        let mut line = utf8(&name, std::mem::take(&mut buf), i - 1)?;
+        if i == 1 && line.starts_with(BOM) {
+            // Excel's "CSV UTF-8" and some Windows editors start the file with a byte order mark.
+            line.drain(..BOM.len_utf8());
+        }
         match ext.as_str() {
             "jsonl" => {
                 if !line.trim().is_empty() {
@@ -201,6 +207,28 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
                 }
             }
             "csv" => {
+                // A quoted cell may hold line breaks: a record goes on until its quotes balance.
+                let quotes = line.bytes().filter(|b| *b == b'"').count();
+                let (start, line) = match record.take() {
+                    Some((start, mut text)) => {
+                        text.push('\n');
+                        text.push_str(&line);
+                        // An even number of quotes on this line leaves the cell open.
+                        if quotes.is_multiple_of(2) {
+                            if text.len() > MAX_CSV_RECORD {
+                                return Err(unclosed_quote(&name, start, &text));
+                            }
+                            record = Some((start, text));
+                            continue;
+                        }
+                        (start, text)
+                    }
+                    None if !quotes.is_multiple_of(2) => {
+                        record = Some((i, line));
+                        continue;
+                    }
+                    None => (i, line),
+                };
                 let Some(header) = &header else {
                     header = Some(split_csv(&line));
                     continue;
@@ -212,7 +240,7 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
                 if cells.len() != header.len() {
                     push(Err(DataError::bad_row(
                         &name,
-                        i,
+                        start,
                         &line,
                         Some(0..line.len()),
                         format!("row has {} cells, the header has {}", cells.len(), header.len()),
@@ -221,7 +249,7 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
                     continue;
                 }
                 let fields = header.iter().cloned().zip(cells.into_iter().map(Value::String)).collect();
-                push(Ok(Row { fields, file: name.clone(), line: i }))?;
+                push(Ok(Row { fields, file: name.clone(), line: start }))?;
             }
             _ => {
                 if !line.trim().is_empty() {
@@ -231,7 +259,29 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
             }
         }
     }
+    if let Some((start, text)) = record {
+        return Err(unclosed_quote(&name, start, &text));
+    }
     Ok(read)
+}
+
+/// The byte order mark some editors start UTF-8 files with.
+const BOM: char = '\u{feff}';
+
+/// The longest CSV record read (a cell whose quote never closes would otherwise take the file).
+const MAX_CSV_RECORD: usize = 16 << 20;
+
+fn unclosed_quote(name: &str, line: usize, text: &str) -> DataError {
+    let first = text.lines().next().unwrap_or_default();
+    let at = first.find('"').unwrap_or(0);
+    DataError::bad_row(
+        name,
+        line,
+        first,
+        Some(at..at + 1),
+        "a quoted cell that starts on this line is never closed".into(),
+        Some("close the quote; a `\"` inside a quoted cell is written `\"\"`".into()),
+    )
 }
 
 /// `bytes` as text, or an error naming the line (`lines_before` + the newlines before the bad
@@ -253,6 +303,9 @@ fn read_json_array(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn F
     // A value that is not an array (an object, a string, a number, …) is the wrong shape of
     // file rather than malformed JSON; anything else is left to the parser to locate. (Peeked
     // in the first buffer without consuming it, so the parser's line numbers stay right.)
+    if reader.fill_buf().map_err(io)?.starts_with("\u{feff}".as_bytes()) {
+        reader.consume(BOM.len_utf8());
+    }
     let first = reader.fill_buf().map_err(io)?.iter().find(|b| !b.is_ascii_whitespace()).copied();
     if first.is_some_and(|b| matches!(b, b'{' | b'"' | b'-' | b'0'..=b'9' | b't' | b'f' | b'n')) {
         return Err(DataError::Invalid {
@@ -374,7 +427,7 @@ pub fn kind(v: &Value) -> &'static str {
     }
 }
 
-/// Split one CSV line (RFC 4180 quoting; no newlines inside cells).
+/// Split one CSV record (RFC 4180 quoting; a quoted cell may hold line breaks).
 fn split_csv(line: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut cur = String::new();
@@ -400,8 +453,12 @@ mod tests {
     use super::*;
 
     fn rows_of(text: &str, skip_bad: bool) -> (Result<Skipped, DataError>, Vec<Row>, Vec<u64>) {
+        rows_in("d.json", text, skip_bad)
+    }
+
+    fn rows_in(name: &str, text: &str, skip_bad: bool) -> (Result<Skipped, DataError>, Vec<Row>, Vec<u64>) {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("d.json");
+        let path = dir.path().join(name);
         std::fs::write(&path, text).unwrap();
         let (mut rows, mut seen) = (Vec::new(), Vec::new());
         let r = for_each_row(
@@ -463,5 +520,52 @@ mod tests {
     #[test]
     fn csv_quotes() {
         assert_eq!(split_csv(r#"a,"b, c","say ""hi""""#), ["a", "b, c", "say \"hi\""]);
+    }
+    /// Excel's "CSV UTF-8" (and Notepad) start files with a byte order mark: it is not part of
+    /// the first column's name or the first row.
+    #[test]
+    fn a_byte_order_mark_is_not_data() {
+        for (name, text) in [
+            ("d.jsonl", "\u{feff}{\"a\": \"x\"}\r\n{\"a\": \"y\"}\r\n"),
+            ("d.json", "\u{feff}[{\"a\": \"x\"}, {\"a\": \"y\"}]"),
+            ("d.csv", "\u{feff}a\r\nx\r\ny\r\n"),
+        ] {
+            let (r, rows, _) = rows_in(name, text, false);
+            r.unwrap_or_else(|e| panic!("{name}: {e}"));
+            let got: Vec<_> = rows.iter().map(|r| r.fields["a"].as_str().unwrap().to_string()).collect();
+            assert_eq!(got, ["x", "y"], "{name}");
+        }
+        let (r, rows, _) = rows_in("d.txt", "\u{feff}first\nsecond\n", false);
+        r.unwrap();
+        assert_eq!(rows[0].fields["text"], "first");
+    }
+
+    /// A quoted cell may hold line breaks (pandas and spreadsheets write multi-line answers so);
+    /// the row is numbered by its first line, and a quote left open is a located error.
+    #[test]
+    fn csv_cells_may_span_lines() {
+        let text = "q,a\r\nhi,\"one\r\ntwo, \"\"three\"\"\r\n\r\nfour\"\r\nnext,\"x\"\r\n";
+        let (r, rows, _) = rows_in("d.csv", text, false);
+        r.unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].fields["a"], "one\ntwo, \"three\"\n\nfour");
+        assert_eq!((rows[1].line, rows[1].fields["q"].as_str()), (6, Some("next")));
+        let (r, rows, _) = rows_in("d.csv", "q,a\nok,1\nbad,\"open\nmore,2\n", false);
+        let e = r.unwrap_err();
+        assert!(matches!(&e, DataError::BadRow { line: 3, .. }), "{e:?}");
+        assert!(e.to_string().contains("never closed"), "{e}");
+        assert_eq!(rows.len(), 1);
+    }
+
+    /// A bad row's snippet carries its line number: `[d.jsonl:3:7]` and `3 │`, not line 1.
+    #[test]
+    fn a_bad_rows_snippet_shows_its_line_in_the_file() {
+        let (r, _, _) = rows_in("d.jsonl", "{\"a\": 1}\n{\"a\": 2}\n{\"a\": ,}\n", false);
+        let e = r.unwrap_err();
+        let mut shown = String::new();
+        miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
+            .render_report(&mut shown, &e)
+            .unwrap();
+        assert!(shown.contains("[d.jsonl:3:7]") && shown.contains(" 3 │ {\"a\": ,}"), "{shown}");
     }
 }

@@ -430,14 +430,14 @@ mod tests {
                     sources: Sources { model: Some(local("m")), dataset: Some(hub), imatrix: None },
                 }),
                 inputs(&[]),
-                r#"{"fingerprint_version":3,"inputs":{},"kind":"download","settings":{"dataset":{"repo":"owner/data"},"model":{"path":"(by content)"}},"sources":{"dataset":{"commit":"cccccccccccccccccccccccccccccccccccccccc","exclude":[".*"],"hub":"owner/data","include":["*.jsonl"],"revision":"v1"},"model":"m"},"stage_version":1}"#,
+                r#"{"fingerprint_version":3,"inputs":{},"kind":"download","settings":{"dataset":{"repo":"owner/data"},"model":{"path":"(by content)"}},"sources":{"dataset":{"commit":"cccccccccccccccccccccccccccccccccccccccc","exclude":[".*"],"hub":"owner/data","include":["*.jsonl"],"revision":"v1"},"model":"m"},"stage_version":2}"#,
             ),
             (
                 StageKey::Tokenize(TokenizeKey {
                     settings: TokenizeSettings { rendering: rendering(), eval_fraction: 0.05, packing: true, seed: 7 },
                 }),
                 inputs(&["dataset", "model"]),
-                r#"{"fingerprint_version":3,"inputs":{"dataset":"fp-dataset","model":"fp-model"},"kind":"tokenize","settings":{"column_map":{"output":"response"},"eval_fraction":0.05,"format":"alpaca","max_seq_len":256,"packing":true,"seed":7,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"stage_version":2}"#,
+                r#"{"fingerprint_version":3,"inputs":{"dataset":"fp-dataset","model":"fp-model"},"kind":"tokenize","settings":{"column_map":{"output":"response"},"eval_fraction":0.05,"format":"alpaca","max_seq_len":256,"packing":true,"seed":7,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"stage_version":3}"#,
             ),
             (
                 StageKey::Train(TrainKey {

@@ -159,7 +159,9 @@ pub struct Dataset {
     /// Default: every `*.jsonl`, `*.json`, `*.csv`, `*.txt` and `*.parquet` file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<Vec<String>>,
-    /// A local file (jsonl, json, csv, parquet, txt) or folder, relative to the recipe.
+    /// A local file (jsonl, json, csv, parquet, txt) or folder, relative to the recipe. Text files are UTF-8
+    /// (a leading byte order mark is ignored); a CSV has a header row and RFC 4180 quoting, and quoted
+    /// cells may span lines.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     /// How rows become training text.
