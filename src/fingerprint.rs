@@ -36,14 +36,15 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
-        // 2: a UTF-8 byte order mark is not data, and a CSV cell may hold line breaks (a
-        // scratch model's tokenizer is trained on the rows; before, such rows were bad).
+        // 2: a UTF-8 byte order mark is not data, a CSV cell may hold line breaks, and `chat`
+        // rows may be ShareGPT's `conversations` (a scratch model's tokenizer is trained on the
+        // rows; before, such rows were bad).
         Download => 2,
         // 2: `alpaca` rows start with BOS only where the tokenizer puts one in front of text
         // (`ModelFolder::row_bos`); Qwen and GPT-2-style tokenizers (SmolLM2) add none, and rows
         // of their models no longer start with the config's `bos_token_id`.
         // 3: rows are read as download's version 2 reads them (byte order marks, multi-line
-        // CSV cells).
+        // CSV cells, ShareGPT conversations).
         Tokenize => 3,
         // 2: the fused CPU cross-entropy sums in another order, so losses, gradients and
         // therefore trained weights differ in the last bits from version 1's.

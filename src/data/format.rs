@@ -6,8 +6,8 @@
 //!   ([`crate::model::ModelFolder::row_bos`]);
 //!   bos and prompt are masked from the loss unless `train_on_prompt`.
 //! - `text`: the `text` column encoded with the tokenizer's post-processor; every token counts.
-//! - `chat`: the `messages` column (a list of `{role, content}`) rendered with the model's chat
-//!   template ([`super::chat`]) and encoded without added special tokens (the template writes
+//! - `chat`: the `messages` column (a list of `{role, content}`; or ShareGPT's `conversations`,
+//!   see [`conversation`]) rendered with the model's chat template ([`super::chat`]) and encoded without added special tokens (the template writes
 //!   them); only the assistant turns (with the template's end-of-turn marker) count.
 //!
 //! `mask[j] = 1` means token j is a training target (predicted from position j − 1).
@@ -42,7 +42,56 @@ pub struct Encoded {
 }
 
 /// A rendered conversation and its messages (whose assistant spans are found after tokenizing).
-type Rendered<'r> = (String, &'r Vec<Value>);
+type Rendered = (String, Vec<Value>);
+
+/// A row's conversation as `{role, content}` messages: the column `column_map` names for
+/// `messages`, else `messages`, else ShareGPT's `conversations` of `{from, value}` turns, whose
+/// speakers are named as Unsloth's `standardize_sharegpt` reads them (`human`, `input` → user;
+/// `gpt`, `output` → assistant; others as written). `Err((message, help))` says what is wrong.
+pub fn conversation(row: &Row, column_map: &BTreeMap<String, String>) -> Result<Vec<Value>, (String, Option<String>)> {
+    let mapped = column_map.get("messages").map(String::as_str);
+    let (col, msgs) = match (mapped, row.fields.get(mapped.unwrap_or("messages"))) {
+        (_, Some(v)) => (mapped.unwrap_or("messages"), v),
+        (None, None) => match row.fields.get("conversations") {
+            Some(v) => ("conversations", v),
+            None => {
+                return Err((
+                    "row has no `messages` column (nor ShareGPT's `conversations`)".into(),
+                    Some("map it with `[dataset] column_map = { messages = \"…\" }`".into()),
+                ));
+            }
+        },
+        (Some(col), None) => {
+            return Err((format!("row has no `{col}` column"), Some("check `[dataset] column_map`".into())));
+        }
+    };
+    let Value::Array(msgs) = msgs else {
+        return Err((format!("`{col}` must be a list of messages, found {}", super::source::kind(msgs)), None));
+    };
+    msgs.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let (role, content) = match (&m["role"], &m["content"], &m["from"], &m["value"]) {
+                (Value::String(r), Value::String(c), _, _) => (r.as_str(), c),
+                (Value::Null, Value::Null, Value::String(from), Value::String(v)) => (
+                    match from.as_str() {
+                        "human" | "input" => "user",
+                        "gpt" | "output" => "assistant",
+                        other => other,
+                    },
+                    v,
+                ),
+                _ => {
+                    return Err((
+                        format!("message {i} of `{col}` must have string `role` and `content` (or ShareGPT's `from` and `value`)"),
+                        Some("messages look like {\"role\": \"user\", \"content\": \"…\"}".into()),
+                    ));
+                }
+            };
+            Ok(serde_json::json!({ "role": role, "content": content }))
+        })
+        .collect()
+}
 
 pub struct Renderer<'a> {
     pub tokenizer: &'a Tokenizer,
@@ -138,44 +187,18 @@ impl Renderer<'_> {
             message: "the `chat` format needs a chat template".into(),
             help: Some("set `[dataset] chat_template = \"chatml\"`".into()),
         })?;
-        let col = self.column_map.get("messages").map(String::as_str).unwrap_or("messages");
         let bad = |row: &Row, msg: String, help: Option<String>| {
             DataError::bad_row(&row.file, row.line, &Value::Object(row.fields.clone()).to_string(), None, msg, help)
         };
-        let rendered: Vec<Result<Rendered<'_>, DataError>> = rows
+        let rendered: Vec<Result<Rendered, DataError>> = rows
             .iter()
             .map(|row| {
-                let msgs = match row.fields.get(col) {
-                    Some(Value::Array(m)) => m,
-                    None => {
-                        return Err(bad(
-                            row,
-                            format!("row has no `{col}` column"),
-                            Some("map it with `[dataset] column_map = { messages = \"…\" }`".into()),
-                        ));
-                    }
-                    Some(other) => {
-                        return Err(bad(
-                            row,
-                            format!("`{col}` must be a list of messages, found {}", super::source::kind(other)),
-                            None,
-                        ));
-                    }
-                };
-                for (i, m) in msgs.iter().enumerate() {
-                    if !m["role"].is_string() || !m["content"].is_string() {
-                        return Err(bad(
-                            row,
-                            format!("message {i} must have string `role` and `content`"),
-                            Some("messages look like {\"role\": \"user\", \"content\": \"…\"}".into()),
-                        ));
-                    }
-                }
+                let msgs = conversation(row, self.column_map).map_err(|(msg, help)| bad(row, msg, help))?;
                 if !msgs.iter().any(|m| m["role"] == "assistant") {
                     return Err(bad(row, "the conversation has no assistant message to learn from".into(), None));
                 }
                 template
-                    .render(msgs, false)
+                    .render(&msgs, false)
                     .map(|full| (full, msgs))
                     .map_err(|e| bad(row, format!("chat template: {e}"), None))
             })
@@ -201,7 +224,7 @@ impl Renderer<'_> {
                         None => full.len(),
                     };
                     let spans = template
-                        .spans_before(msgs, &full, limit)
+                        .spans_before(&msgs, &full, limit)
                         .map_err(|e| bad(row, format!("chat template: {e}"), None))?;
                     let mask: Vec<u8> = e
                         .get_offsets()
@@ -302,5 +325,49 @@ mod tests {
         // For tokenizers that add no BOS, the template writes none either.
         let bare = ChatTemplate::new(crate::data::chat::alpaca_template(false), "<s>", "</s>").unwrap();
         assert_eq!(bare.render(&plain, false).unwrap(), format!("{}5</s>", alpaca_prompt("Add 2 and 3.", "")));
+    }
+}
+
+#[cfg(test)]
+mod conversation_tests {
+    use std::collections::BTreeMap;
+
+    use serde_json::json;
+
+    use super::conversation;
+    use crate::data::Row;
+
+    fn row(v: serde_json::Value) -> Row {
+        Row { fields: v.as_object().unwrap().clone(), file: "d.jsonl".into(), line: 1 }
+    }
+
+    /// ShareGPT rows (`conversations` of `{from, value}`) read as `messages` do, with the
+    /// speakers named as Unsloth's `standardize_sharegpt` names them.
+    #[test]
+    fn sharegpt_conversations_are_messages() {
+        let none = BTreeMap::new();
+        let share = row(json!({ "conversations": [
+            { "from": "system", "value": "Be brief." },
+            { "from": "human", "value": "2+3?" },
+            { "from": "gpt", "value": "5" },
+        ]}));
+        assert_eq!(
+            conversation(&share, &none).unwrap(),
+            vec![
+                json!({ "role": "system", "content": "Be brief." }),
+                json!({ "role": "user", "content": "2+3?" }),
+                json!({ "role": "assistant", "content": "5" }),
+            ]
+        );
+        // `messages` wins over `conversations`; a mapped column is the only one looked at.
+        let both = row(json!({ "messages": [{ "role": "user", "content": "a" }], "conversations": [] }));
+        assert_eq!(conversation(&both, &none).unwrap()[0]["content"], "a");
+        let map = BTreeMap::from([("messages".to_string(), "dialog".to_string())]);
+        let (msg, _) = conversation(&share, &map).unwrap_err();
+        assert_eq!(msg, "row has no `dialog` column");
+        let (msg, _) = conversation(&row(json!({ "text": "x" })), &none).unwrap_err();
+        assert!(msg.contains("nor ShareGPT's `conversations`"), "{msg}");
+        let (msg, _) = conversation(&row(json!({ "conversations": [{ "from": "human" }] })), &none).unwrap_err();
+        assert!(msg.starts_with("message 0 of `conversations`"), "{msg}");
     }
 }

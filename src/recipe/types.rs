@@ -209,7 +209,8 @@ fn default_max_seq_len() -> usize {
 pub enum DataFormat {
     /// instruction / input / output, rendered with the Stanford Alpaca prompt.
     Alpaca,
-    /// a `messages` list of {role, content}, rendered with the model's chat template.
+    /// a `messages` list of {role, content} (or ShareGPT's `conversations` of {from, value}),
+    /// rendered with the model's chat template.
     Chat,
     /// a `text` column; every token counts in the loss.
     Text,

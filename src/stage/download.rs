@@ -221,8 +221,7 @@ fn corpus_text(r: &Row, corpus: &Corpus) -> Option<String> {
         DataFormat::Alpaca => Some(format!("{}{}", alpaca_prompt(&get("instruction"), &get("input")), get("output"))),
         DataFormat::Text => Some(get("text")).filter(|t| !t.is_empty()),
         DataFormat::Chat => {
-            let col = corpus.column_map.get("messages").map(String::as_str).unwrap_or("messages");
-            let msgs = r.fields.get(col).and_then(|m| m.as_array())?;
+            let msgs = crate::data::format::conversation(r, &corpus.column_map).ok()?;
             Some(msgs.iter().filter_map(|m| m["content"].as_str()).collect::<Vec<_>>().join("\n"))
         }
     }
