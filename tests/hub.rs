@@ -61,6 +61,11 @@ impl Env {
     }
 
     fn rtune(&self, args: &[&str], extra: &[(&str, &str)]) -> Output {
+        self.command(args, extra).output().unwrap()
+    }
+
+    /// `rtune args` against this Hub, with its own caches and `extra` variables.
+    fn command(&self, args: &[&str], extra: &[(&str, &str)]) -> Command {
         let mut c = common::rtune_cmd();
         c.args(args)
             .current_dir(self.dir.path())
@@ -76,7 +81,7 @@ impl Env {
         for (k, v) in extra {
             c.env(k, v);
         }
-        c.output().unwrap()
+        c
     }
 
     fn ok(&self, args: &[&str], extra: &[(&str, &str)]) -> Output {
@@ -690,19 +695,7 @@ fn output_within(mut cmd: Command, dir: &Path, secs: u64) -> Option<Output> {
 impl Env {
     /// `rtune args` under a deadline, with two attempts per request (the chaos cases).
     fn rtune_within(&self, args: &[&str], secs: u64) -> Option<Output> {
-        let mut c = common::rtune_cmd();
-        c.args(args)
-            .current_dir(self.dir.path())
-            .env("RTUNE_CACHE_DIR", self.dir.path().join("rtune-cache"))
-            .env("NO_COLOR", "1")
-            .env("RTUNE_NO_PROGRESS", "1")
-            .env("HF_HOME", self.hf_home())
-            .env("HF_ENDPOINT", &self.server.url)
-            .env("RTUNE_HUB_BACKOFF_MS", "1")
-            .env("RTUNE_HUB_ATTEMPTS", "2")
-            .env_remove("HF_HUB_CACHE")
-            .env_remove("HF_TOKEN")
-            .env_remove("HF_HUB_OFFLINE");
+        let c = self.command(args, &[("RTUNE_HUB_BACKOFF_MS", "1"), ("RTUNE_HUB_ATTEMPTS", "2")]);
         output_within(c, self.dir.path(), secs)
     }
 
