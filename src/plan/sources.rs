@@ -121,9 +121,10 @@ pub(super) fn resolve_hub(
         });
     }
     // With a commit to fall back to, one try (a plan stays quick while the Hub is down);
-    // without one, the usual retries (a dropped connection should not fail the plan).
+    // without one, a second try (one dropped connection should not fail the plan, and a
+    // machine without a network waits one backoff, not all of them).
     let fallback = offline_fallback();
-    let attempts = if fallback.is_some() { 1 } else { hub.attempts };
+    let attempts = if fallback.is_some() { 1 } else { hub.attempts.min(2) };
     let client = crate::hub::Client::new(HubEnv { attempts, ..hub.clone() });
     let located = |e: &crate::hub::HubError| hub_problem(e).at(loaded.origin(&src.at), "this repository");
     match crate::hub::resolve_commit(&client, &src.repo) {
