@@ -853,6 +853,32 @@ fn an_empty_or_wholly_bad_dataset_is_a_located_error() {
     }
 }
 
+/// With `skip_bad_rows`, each bad row is dropped and counted once, whoever refuses it: the
+/// reader (malformed JSON, a line that is not UTF-8) or the renderer (a field of the wrong
+/// type). The renderer's were counted twice in the rows total.
+#[test]
+fn skipped_rows_are_counted_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    small_base_project(p);
+    let mut data = std::fs::read(p.join("data.jsonl")).unwrap();
+    data.extend_from_slice(b"\nnot json\n{\"instruction\": \"\xff\"}\n{\"instruction\": 5, \"output\": \"x\"}\n");
+    std::fs::write(p.join("data.jsonl"), data).unwrap();
+    let recipe = "[recipe]\nname = \"bad\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\n\
+                  format = \"alpaca\"\nskip_bad_rows = true\n[device]\nprefer = [\"cpu\"]\n[stages.train]\nmax_steps = 1\n";
+    std::fs::write(p.join("bad.toml"), recipe).unwrap();
+    let o = rtune(p, &p.join("cache"), &["run", "bad.toml", "--until", "tokenize", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let stats = read_json(&artifact(&report, "tokenize").join("stats.json"));
+    assert_eq!(
+        (&stats["rows"], &stats["used_rows"], &stats["dropped_rows"]),
+        (&67.into(), &64.into(), &3.into()),
+        "{stats}"
+    );
+    assert!(stderr(&o).contains("67 rows → "), "{}", stderr(&o));
+}
+
 /// A model folder with a damaged or missing file is refused by the download stage, which names the
 /// file as the recipe names the folder (`base/model.safetensors`, not the cache's copy) and points
 /// at `model.path` — not a stage or two later. The folder mended, the same cache runs.

@@ -195,7 +195,16 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
         while matches!(buf.last(), Some(b'\n' | b'\r')) {
             buf.pop();
         }
-        let mut line = utf8(&name, std::mem::take(&mut buf), i - 1)?;
+        let mut line = match utf8(&name, std::mem::take(&mut buf), i - 1) {
+            Ok(line) => line,
+            // A line of a JSON Lines or text file is a row: with `skip_bad_rows` it is skipped
+            // like any bad row. A CSV header, or a line inside a quoted cell, is not.
+            Err(e) if ext != "csv" || (header.is_some() && record.is_none()) => {
+                push(Err(e))?;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if i == 1 && line.starts_with(BOM) {
             // Excel's "CSV UTF-8" and some Windows editors start the file with a byte order mark.
             line.drain(..BOM.len_utf8());
@@ -538,6 +547,41 @@ mod tests {
         let (r, rows, _) = rows_in("d.txt", "\u{feff}first\nsecond\n", false);
         r.unwrap();
         assert_eq!(rows[0].fields["text"], "first");
+    }
+
+    /// A line that is not UTF-8 is a bad row, skipped with `skip_bad` (it stopped the read).
+    #[test]
+    fn a_line_that_is_not_utf8_is_a_bad_row() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, bytes) in [
+            ("d.jsonl", &b"{\"a\": \"x\"}\n{\"a\": \"\xff\"}\n{\"a\": \"y\"}\n"[..]),
+            ("d.csv", &b"a\nx\n\xff\ny\n"[..]),
+            ("d.txt", &b"x\n\xff\ny\n"[..]),
+        ] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, bytes).unwrap();
+            let mut rows = 0;
+            let skipped = for_each_row(
+                &path,
+                true,
+                &mut |_| {
+                    rows += 1;
+                    Ok(())
+                },
+                &mut |_| {},
+            )
+            .unwrap();
+            assert_eq!((rows, skipped.count), (2, 1), "{name}");
+            let e = for_each_row(&path, false, &mut |_| Ok(()), &mut |_| {}).unwrap_err();
+            assert!(
+                matches!(&e, DataError::BadRow { line: 2 | 3, .. }) && e.to_string().contains("UTF-8"),
+                "{name}: {e}"
+            );
+        }
+        // A CSV header that is not UTF-8 stops the read whatever `skip_bad` says.
+        let path = dir.path().join("h.csv");
+        std::fs::write(&path, b"\xff\nx\n").unwrap();
+        assert!(for_each_row(&path, true, &mut |_| Ok(()), &mut |_| {}).is_err());
     }
 
     /// A quoted cell may hold line breaks (pandas and spreadsheets write multi-line answers so);

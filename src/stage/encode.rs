@@ -12,7 +12,8 @@ const CHUNK: usize = 2048;
 /// Read `data` (a file or folder) and encode every row with `[dataset]`'s format and the
 /// model's tokenizer, streaming: rows are read, encoded (in parallel chunks) and handed to
 /// `each` one chunk at a time, so memory does not grow with the dataset. Returns the rows
-/// skipped as bad (when `skip_bad_rows`; else the first is the error) and the rows read.
+/// skipped as bad (when `skip_bad_rows`; else the first is the error) and the dataset's rows,
+/// bad ones included (each counted once, whether the reader or the renderer refused it).
 pub fn encode_each(
     ctx: &StageCtx<'_>,
     d: &Rendering,
@@ -77,11 +78,13 @@ pub fn encode_each(
     let skipped = read?;
     flush(&mut chunk, &mut bad)?;
     bar.finish();
+    // `rows` counts what the reader handed on, the renderer's bad rows among them.
+    let total = rows + skipped.count;
     // Rows the reader rejected come before those the renderer did, as they were read.
     let mut all = skipped;
     all.count += bad.count;
     all.first.extend(bad.first);
-    Ok((all, rows))
+    Ok((all, total))
 }
 
 /// [`encode_each`], collected (for small datasets: evaluate's own data), which the recipe names

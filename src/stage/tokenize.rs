@@ -66,7 +66,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, S
     let train_seqs = train.finish(ctx.out, "train")?;
     let eval_seqs = eval.finish(ctx.out, "eval")?;
     let stats = json!({
-        "rows": rows + bad.count,
+        "rows": rows,
         "used_rows": used,
         "train_rows": used - n_eval,
         "eval_rows": n_eval,
@@ -87,7 +87,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, S
         "tokenize",
         format!(
             "{} rows → {} train / {} eval, {} tokens, {} truncated, {} dropped",
-            rows + bad.count,
+            rows,
             used - n_eval,
             n_eval,
             acc.tokens,
