@@ -853,6 +853,36 @@ fn an_empty_or_wholly_bad_dataset_is_a_located_error() {
     }
 }
 
+/// `dataset.eval_fraction = 0` holds no rows out: what needs an eval split (an evaluate stage
+/// with neither a dataset nor prompts, early stopping) is refused by the plan, located at the
+/// fraction; the rest runs and says what it measured instead of eval losses of NaN over 0 tokens
+/// (train reports its train loss, evaluate only generates, the GGUF self-check reads train rows).
+#[test]
+fn no_eval_split_is_refused_where_needed_and_said_where_not() {
+    let p = Project::tiny_offline();
+    let none = ["--set", "dataset.eval_fraction=0"];
+    let o = p.run(&args(&["plan", "tiny.toml"], &none));
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("rtune::plan::no_eval_split") && err.contains("stage `eval_base` measures the eval split"),
+        "{err}"
+    );
+    assert!(err.contains("dataset.eval_fraction = 0\n") || err.contains("1 │ dataset.eval_fraction = 0"), "{err}");
+    let o = p.run(&args(
+        &["plan", "tiny.toml", "--set", "stages.train.early_stopping={patience = 2}"],
+        &args(&none, &["--set", "stages.eval_base.prompts=[\"hi\"]"]),
+    ));
+    assert!(stderr(&o).contains("`early_stopping` watches the eval loss"), "{}", stderr(&o));
+
+    let o = p.run(&args(&args(&["run", "tiny.toml", "--set", "stages.eval_base.prompts=[\"hi\"]"], &none), FAST));
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("train loss ") && err.contains("(no eval split)") && !err.contains("NaN"), "{err}");
+    assert!(err.contains("base model: no eval loss (the eval split is empty)"), "{err}");
+    assert!(err.contains("tokens of the train split (there is no eval split)"), "{err}");
+}
+
 /// With `skip_bad_rows`, each bad row is dropped and counted once, whoever refuses it: the
 /// reader (malformed JSON, a line that is not UTF-8) or the renderer (a field of the wrong
 /// type). The renderer's were counted twice in the rows total.

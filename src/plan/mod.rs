@@ -589,6 +589,20 @@ mod support {
         Ok(())
     }
 
+    /// What needs held-out rows (`what`, written at `at`) next to `dataset.eval_fraction = 0`,
+    /// which holds none out: an error located at the fraction (else at `at`).
+    fn check_eval_split(loaded: &LoadedRecipe, what: &str, at: Option<&crate::recipe::Origin>) -> Result<(), Problem> {
+        if loaded.recipe.dataset.eval_fraction > 0.0 {
+            return Ok(());
+        }
+        Err(Problem::new(
+            "rtune::plan::no_eval_split",
+            format!("{what}, but `dataset.eval_fraction = 0` holds no rows out"),
+        )
+        .at(loaded.origin(&["dataset", "eval_fraction"]).or(at), "no eval split")
+        .help("set `dataset.eval_fraction` above 0 (0.05 holds out one row in twenty), or drop what needs it"))
+    }
+
     /// `overrides`: the `[device.<name>]` tables whose settings apply, broadest first (the
     /// chosen device's `override_names`; none: the stages' own settings).
     pub fn check(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Result<(), Problem> {
@@ -600,8 +614,17 @@ mod support {
             StageKind::Train => {
                 check_trainable(&table, at("trainable"), loaded)?;
                 check_quantized_base(&table, at("trainable"), loaded)?;
+                if table.get("early_stopping").is_some() {
+                    check_eval_split(loaded, "`early_stopping` watches the eval loss", at("early_stopping"))?;
+                }
             }
-            StageKind::Evaluate => {}
+            StageKind::Evaluate => {
+                let prompts = table.get("prompts").and_then(|p| p.as_array()).is_some_and(|p| !p.is_empty());
+                if table.get("dataset").is_none() && !prompts {
+                    let what = format!("stage `{}` measures the eval split and has no `prompts`", spec.name);
+                    check_eval_split(loaded, &what, at("model"))?;
+                }
+            }
             StageKind::Quantize => {
                 if let Some(size) = table.get("max_shard_size").and_then(|v| v.as_str())
                     && let Err(e) = crate::recipe::parse_size(size)

@@ -166,7 +166,9 @@ pub struct Dataset {
     pub path: Option<String>,
     /// How rows become training text.
     pub format: DataFormat,
-    /// Share of rows held out for evaluation (deterministic by seed).
+    /// Share of rows held out for evaluation (deterministic by seed). 0 holds none out: training
+    /// reports its train loss, and what needs an eval split (early stopping, an evaluate stage
+    /// without a `dataset` or `prompts`) is refused when the plan is made.
     #[serde(default = "default_eval_fraction")]
     #[schemars(range(min = 0.0), extend("exclusiveMaximum" = 1.0))]
     pub eval_fraction: f64,

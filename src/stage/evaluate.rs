@@ -114,10 +114,12 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
             }
             samples.push(sample);
         }
-        ctx.ui.status(
-            "evaluate",
-            format!("{w} model: eval loss {loss:.4}, perplexity {:.2} over {n} tokens of {source}", loss.exp()),
-        );
+        let measured = match n {
+            // `dataset.eval_fraction = 0` holds no rows out (the plan allows it only with prompts).
+            0 => format!("{w} model: no eval loss ({source} is empty)"),
+            _ => format!("{w} model: eval loss {loss:.4}, perplexity {:.2} over {n} tokens of {source}", loss.exp()),
+        };
+        ctx.ui.status("evaluate", measured);
         for smp in &samples {
             ctx.ui.detail(format!(
                 "{:?} → {:?}",

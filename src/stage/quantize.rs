@@ -100,7 +100,10 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     } else {
         None
     };
+    // The rows the GGUF self-check reads (the eval split; the train split where
+    // `dataset.eval_fraction = 0` holds none out), how many, and the adapter model's answers.
     let mut self_check: Option<(TokenStore, usize, Reference)> = None;
+    let mut split = "";
     for format in &s.formats {
         match format {
             ExportFormat::PeftAdapter => {
@@ -176,7 +179,12 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let (eval, rows, reference) = match &self_check {
                     Some(c) => c,
                     None => {
-                        let eval = TokenStore::open(&ctx.input("tokens")?, "eval")?;
+                        let tokens = ctx.input("tokens")?;
+                        let mut eval = TokenStore::open(&tokens, "eval")?;
+                        if eval.is_empty() {
+                            eval = TokenStore::open(&tokens, "train")?;
+                            split = " of the train split (there is no eval split)";
+                        }
                         let lens = (0..eval.len()).map(|r| eval.row(r).ids.len());
                         let rows = check_rows(lens, merged.params(), device.is_cpu());
                         let reference = adapter_reference(&merged, &eval, rows, &device)?;
@@ -226,7 +234,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                     "quantize",
                     format!(
                         "{file}: perplexity {:.3} vs {:.3} unquantized ({:+.2}%), same top token {:.1}% of {n} \
-                         tokens{fell_back}",
+                         tokens{split}{fell_back}",
                         loss.exp(),
                         reference.exp(),
                         (ratio - 1.0) * 100.0,

@@ -401,9 +401,12 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
                     t.engine.describe()
                 ),
             );
-            let (loss, _) = t.evaluate()?;
-            t.log(json!({"step": 0, "eval_loss": loss}))?;
-            job.ui.status("eval", format!("step 0: eval loss {loss:.4}"));
+            // `dataset.eval_fraction = 0` holds no rows out: there is nothing to evaluate.
+            if !t.eval.is_empty() {
+                let (loss, _) = t.evaluate()?;
+                t.log(json!({"step": 0, "eval_loss": loss}))?;
+                job.ui.status("eval", format!("step 0: eval loss {loss:.4}"));
+            }
         }
     }
     let started = Instant::now();
@@ -433,7 +436,7 @@ pub fn train(job: &TrainJob<'_>) -> Result<serde_json::Value, TrainError> {
         let rate = t.tokens_per_second().map(|r| format!(" {r:.0} tok/s")).unwrap_or_default();
         bar.set(step, &format!("loss {loss:.4} lr {lr:.2e}{rate}{}", t.memory_note()));
         let last = step == total_steps;
-        if (s.eval_every > 0 && step.is_multiple_of(s.eval_every)) || last {
+        if ((s.eval_every > 0 && step.is_multiple_of(s.eval_every)) || last) && !t.eval.is_empty() {
             let (ev, _) = t.evaluate()?;
             t.log(json!({"step": step, "eval_loss": ev}))?;
             job.ui.detail(format!("step {step}: eval loss {ev:.4}"));
@@ -757,7 +760,11 @@ impl Trainer<'_> {
                 ),
             );
         }
-        self.job.ui.status("train", format!("eval loss {first:.4} → {last:.4} in {} steps ({speed})", self.state.step));
+        let losses = match (evals.is_empty(), losses.first(), losses.last()) {
+            (true, Some(a), Some(b)) => format!("train loss {:.4} → {:.4} (no eval split)", a.1, b.1),
+            _ => format!("eval loss {first:.4} → {last:.4}"),
+        };
+        self.job.ui.status("train", format!("{losses} in {} steps ({speed})", self.state.step));
         Ok(summary)
     }
 }
