@@ -177,17 +177,21 @@ impl Client {
         what: &str,
         mut call: impl FnMut() -> Result<Response<Body>, ureq::Error>,
     ) -> Result<T, HubError> {
-        let bytes = self.retry(what, || {
-            let resp = self.classify(what, false, call())?;
-            read_body(resp).map_err(|e| match e {
-                e @ (ureq::Error::Io(_) | ureq::Error::Timeout(_)) => Attempt::Transient(self.redact(&e.to_string())),
-                ureq::Error::BodyExceedsLimit(n) => Attempt::Fatal(HubError::BadResponse {
-                    what: what.to_string(),
-                    reason: format!("the answer is larger than {n} bytes"),
-                }),
-                e => Attempt::Fatal(HubError::BadResponse { what: what.to_string(), reason: e.to_string() }),
+        let bytes = self
+            .retry(what, || {
+                let resp = self.classify(what, false, call())?;
+                read_body(resp).map_err(|e| match e {
+                    e @ (ureq::Error::Io(_) | ureq::Error::Timeout(_)) => {
+                        Attempt::Transient(self.redact(&e.to_string()))
+                    }
+                    ureq::Error::BodyExceedsLimit(n) => Attempt::Fatal(HubError::BadResponse {
+                        what: what.to_string(),
+                        reason: format!("the answer is larger than {n} bytes"),
+                    }),
+                    e => Attempt::Fatal(HubError::BadResponse { what: what.to_string(), reason: e.to_string() }),
+                })
             })
-        })?;
+            .map_err(|e| self.sanitize_error(e))?;
         parse_json(what, &bytes).map_err(|e| self.sanitize_error(e))
     }
 
