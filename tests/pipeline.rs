@@ -883,6 +883,26 @@ fn no_eval_split_is_refused_where_needed_and_said_where_not() {
     assert!(err.contains("tokens of the train split (there is no eval split)"), "{err}");
 }
 
+/// A dataset file of a kind rtune does not read (a .tsv) is refused when the plan is made,
+/// located at `dataset.path` (the download stage failed, naming a folder in the cache); the
+/// extensions it reads are read in any case (`DATA.JSONL` was ignored after the download).
+#[test]
+fn a_dataset_rtune_cannot_read_is_refused_by_the_plan() {
+    let p = Project::tiny_offline();
+    std::fs::write(p.path().join("data/x.tsv"), "instruction\tinput\toutput\na\t\tb\n").unwrap();
+    let o = p.plan(&["dataset.path=\"data/x.tsv\""]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("rtune::data::unsupported") && err.contains("`data/x.tsv` is not a file rtune reads"),
+        "{err}"
+    );
+    assert!(err.contains("save it as .csv") && err.contains("this dataset"), "{err}");
+    std::fs::copy(p.path().join("data/synthetic-alpaca.jsonl"), p.path().join("data/DATA.JSONL")).unwrap();
+    let o = p.run(&["run", "tiny.toml", "--until", "tokenize", "--set", "dataset.path=\"data/DATA.JSONL\""]);
+    assert!(o.status.success() && stderr(&o).contains("3000 rows → 2850 train"), "{}", stderr(&o));
+}
+
 /// With `skip_bad_rows`, each bad row is dropped and counted once, whoever refuses it: the
 /// reader (malformed JSON, a line that is not UTF-8) or the renderer (a field of the wrong
 /// type). The renderer's were counted twice in the rows total.

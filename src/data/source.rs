@@ -102,7 +102,7 @@ fn dataset_files(path: &Path) -> Result<Vec<std::path::PathBuf>, DataError> {
         if files.is_empty() {
             return Err(DataError::Invalid {
                 message: format!("folder `{}` holds no dataset files", path.display()),
-                help: Some("rtune reads .jsonl, .json, .csv and .txt files".into()),
+                help: Some(format!("rtune reads {FORMATS} files")),
             });
         }
     } else {
@@ -111,7 +111,12 @@ fn dataset_files(path: &Path) -> Result<Vec<std::path::PathBuf>, DataError> {
     Ok(files)
 }
 
-fn supported(name: &str) -> bool {
+/// The dataset files rtune reads, by extension, as a sentence's list.
+pub const FORMATS: &str = ".jsonl, .json, .csv, .txt or .parquet";
+
+/// Whether rtune reads a file of this name as data (by its extension, in any case).
+pub fn supported(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
     [".jsonl", ".json", ".csv", ".txt", ".parquet"].iter().any(|e| name.ends_with(e))
 }
 

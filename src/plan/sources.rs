@@ -35,7 +35,15 @@ pub(super) fn local_source(loaded: &LoadedRecipe, what: &str, rel: &str, at: &[&
 /// without a data file in it — is an error here, before any stage runs.
 pub(super) fn dataset_source(loaded: &LoadedRecipe, rel: &str, at: &[&str]) -> Result<key::Source, Problem> {
     let source = local_source(loaded, "dataset", rel, at)?;
-    if crate::data::total_bytes(&loaded.resolve_path(rel)) == 0 {
+    let path = loaded.resolve_path(rel);
+    let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    if path.is_file() && !crate::data::source::supported(&name) {
+        let tsv = if name.ends_with(".tsv") { " (a .tsv file: save it as .csv)" } else { "" };
+        return Err(Problem::new("rtune::data::unsupported", format!("`{rel}` is not a file rtune reads as data"))
+            .at(loaded.origin(at), "this dataset")
+            .help(format!("a dataset is a {} file, or a folder holding them{tsv}", crate::data::source::FORMATS)));
+    }
+    if crate::data::total_bytes(&path) == 0 {
         return Err(Problem::new("rtune::data::empty", format!("the dataset `{rel}` is empty"))
             .at(loaded.origin(at), "this dataset")
             .help("a dataset is a .jsonl, .json, .csv, .txt or .parquet file, or a folder holding them"));
