@@ -7,8 +7,9 @@
 //!   bos and prompt are masked from the loss unless `train_on_prompt`.
 //! - `text`: the `text` column encoded with the tokenizer's post-processor; every token counts.
 //! - `chat`: the `messages` column (a list of `{role, content}`; or ShareGPT's `conversations`,
-//!   see [`conversation`]) rendered with the model's chat template ([`super::chat`]) and encoded without added special tokens (the template writes
-//!   them); only the assistant turns (with the template's end-of-turn marker) count.
+//!   see [`conversation`]) rendered with the model's chat template ([`super::chat`]) and encoded
+//!   without added special tokens (the template writes them); only the assistant turns (with the
+//!   template's end-of-turn marker) count.
 //!
 //! `mask[j] = 1` means token j is a training target (predicted from position j − 1).
 

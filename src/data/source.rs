@@ -212,7 +212,7 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
         };
         if i == 1 && line.starts_with(BOM) {
             // Excel's "CSV UTF-8" and some Windows editors start the file with a byte order mark.
-            line.drain(..BOM.len_utf8());
+            line.drain(..BOM.len());
         }
         match ext.as_str() {
             "jsonl" => {
@@ -280,7 +280,7 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
 }
 
 /// The byte order mark some editors start UTF-8 files with.
-const BOM: char = '\u{feff}';
+const BOM: &str = "\u{feff}";
 
 /// The longest CSV record read (a cell whose quote never closes would otherwise take the file).
 const MAX_CSV_RECORD: usize = 16 << 20;
@@ -317,8 +317,8 @@ fn read_json_array(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn F
     // A value that is not an array (an object, a string, a number, …) is the wrong shape of
     // file rather than malformed JSON; anything else is left to the parser to locate. (Peeked
     // in the first buffer without consuming it, so the parser's line numbers stay right.)
-    if reader.fill_buf().map_err(io)?.starts_with("\u{feff}".as_bytes()) {
-        reader.consume(BOM.len_utf8());
+    if reader.fill_buf().map_err(io)?.starts_with(BOM.as_bytes()) {
+        reader.consume(BOM.len());
     }
     let first = reader.fill_buf().map_err(io)?.iter().find(|b| !b.is_ascii_whitespace()).copied();
     if first.is_some_and(|b| matches!(b, b'{' | b'"' | b'-' | b'0'..=b'9' | b't' | b'f' | b'n')) {

@@ -46,7 +46,7 @@ pub(super) fn dataset_source(loaded: &LoadedRecipe, rel: &str, at: &[&str]) -> R
     if crate::data::total_bytes(&path) == 0 {
         return Err(Problem::new("rtune::data::empty", format!("the dataset `{rel}` is empty"))
             .at(loaded.origin(at), "this dataset")
-            .help("a dataset is a .jsonl, .json, .csv, .txt or .parquet file, or a folder holding them"));
+            .help(format!("a dataset is a {} file, or a folder holding them", crate::data::source::FORMATS)));
     }
     Ok(source)
 }

@@ -101,9 +101,9 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
         None
     };
     // The rows the GGUF self-check reads (the eval split; the train split where
-    // `dataset.eval_fraction = 0` holds none out), how many, and the adapter model's answers.
-    let mut self_check: Option<(TokenStore, usize, Reference)> = None;
-    let mut split = "";
+    // `dataset.eval_fraction = 0` holds none out), how many, the adapter model's answers, and
+    // which split they are when not the eval split (for the report).
+    let mut self_check: Option<(TokenStore, usize, Reference, &str)> = None;
     for format in &s.formats {
         match format {
             ExportFormat::PeftAdapter => {
@@ -176,11 +176,12 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 let written = gguf::write(&path, &merged, &model_dir, name, *other, gguf_chat, calibration)?;
                 merged.on_tensor(None);
                 // The eval rows and the adapter model's loss and top tokens on them, once for all GGUFs.
-                let (eval, rows, reference) = match &self_check {
+                let (eval, rows, reference, split) = match &self_check {
                     Some(c) => c,
                     None => {
                         let tokens = ctx.input("tokens")?;
                         let mut eval = TokenStore::open(&tokens, "eval")?;
+                        let mut split = "";
                         if eval.is_empty() {
                             eval = TokenStore::open(&tokens, "train")?;
                             split = " of the train split (there is no eval split)";
@@ -188,7 +189,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                         let lens = (0..eval.len()).map(|r| eval.row(r).ids.len());
                         let rows = check_rows(lens, merged.params(), device.is_cpu());
                         let reference = adapter_reference(&merged, &eval, rows, &device)?;
-                        self_check.insert((eval, rows, reference))
+                        self_check.insert((eval, rows, reference, split))
                     }
                 };
                 let (loss, n, same) = gguf_eval_loss(&path, folder.config.arch, eval, *rows, &reference.top, &device)?;
