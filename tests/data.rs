@@ -235,3 +235,149 @@ fn long_conversations_are_located_only_up_to_the_truncation_point() {
     assert_eq!(long.mask, short.mask[..64]);
     assert!(long.mask.contains(&1));
 }
+
+/// A folder's files fall into the splits 🤗 datasets gives them (tests/fixtures/data/splits.json,
+/// written by make_splits.py with datasets itself: hand-picked layouts and 400 seeded random
+/// ones), errors included.
+#[test]
+fn splits_are_inferred_from_file_names_as_datasets_does() {
+    let path = common::root().join("tests/fixtures/data/splits.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() > 400);
+    for case in cases {
+        let files: Vec<String> = serde_json::from_value(case["files"].clone()).unwrap();
+        let got = rtune::data::splits::infer(&files);
+        match case["error"].as_str() {
+            Some("ValueError") => assert!(got.is_err(), "{files:?}: datasets refuses, rtune gave {got:?}"),
+            Some("EmptyDatasetError") => assert_eq!(got, Ok(vec![]), "{files:?}"),
+            Some(other) => panic!("unexpected error kind {other}"),
+            None => {
+                let want: rtune::data::splits::Splits = serde_json::from_value(case["splits"].clone()).unwrap();
+                assert_eq!(got, Ok(want), "{files:?}");
+            }
+        }
+    }
+}
+
+/// A folder of `train.jsonl` (30 rows), `validation.jsonl` (4) and `test.jsonl` (6) beside
+/// `r.toml` built around `dataset`, a short train stage and `stages` (the scratch model's
+/// tokenizer learns the train split).
+fn split_folder(dataset: &str, stages: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = std::fs::read_to_string(common::root().join("tests/fixtures/data/tiny-alpaca.jsonl")).unwrap();
+    let lines: Vec<&str> = rows.lines().collect();
+    std::fs::create_dir(dir.path().join("data")).unwrap();
+    for (name, range) in [("train", 0..30), ("validation", 30..34), ("test", 34..40)] {
+        let text: String = lines[range].iter().map(|l| format!("{l}\n")).collect();
+        std::fs::write(dir.path().join(format!("data/{name}.jsonl")), text).unwrap();
+    }
+    let stages = format!("[stages.train]\nmax_steps = 2\nbatch_size = 4\n{stages}");
+    std::fs::write(dir.path().join("r.toml"), scratch_recipe("splits", dataset, &stages)).unwrap();
+    dir
+}
+
+/// The tokenize stage's metrics and stderr of `rtune run r.toml --until tokenize`.
+fn tokenized(dir: &std::path::Path) -> (serde_json::Value, String) {
+    let o = common::rtune(dir, &dir.join("cache"), &["run", "r.toml", "--until", "tokenize", "--json"]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let tok = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "tokenize").unwrap();
+    (tok["metrics"].clone(), common::stderr(&o))
+}
+
+/// A folder's test and validation files never train (they did: every file's rows were pooled
+/// and 5 % of them held out), and the run says which splits it left unread.
+#[test]
+fn a_dataset_folder_trains_on_its_train_split_only() {
+    let dir = split_folder("path = \"data\"\nformat = \"alpaca\"\nmax_seq_len = 256", "");
+    let (m, err) = tokenized(dir.path());
+    assert_eq!(m["rows"], 30, "{m}");
+    assert_eq!((m["train_rows"].as_u64().unwrap(), m["eval_rows"].as_u64().unwrap()), (28, 2), "{m}");
+    assert_eq!(m["unread_splits"], serde_json::json!({"validation": 1, "test": 1}), "{m}");
+    assert!(
+        err.contains("(split `train`; not read: `validation` (1 file), `test` (1 file))"),
+        "the run names the splits it did not read: {err}"
+    );
+}
+
+/// `dataset.eval_split` evaluates on a split of the dataset's own, every row of it.
+#[test]
+fn an_eval_split_holds_the_eval_rows() {
+    let dir = split_folder("path = \"data\"\nformat = \"alpaca\"\nmax_seq_len = 256\neval_split = \"test\"", "");
+    let (m, err) = tokenized(dir.path());
+    assert_eq!((m["rows"].as_u64(), m["train_rows"].as_u64(), m["eval_rows"].as_u64()), (Some(36), Some(30), Some(6)));
+    assert_eq!(m["unread_splits"], serde_json::json!({"validation": 1}), "{m}");
+    assert!(err.contains("(split `train`, eval split `test`; not read: `validation` (1 file))"), "{err}");
+}
+
+/// Splits that cannot be read are refused when the plan is made, where the recipe names them.
+#[test]
+fn impossible_splits_are_refused_by_the_plan() {
+    let cases = [
+        (
+            "split = \"dev\"",
+            "",
+            "rtune::data::no_split",
+            "no split `dev`: they name `train` (1 file), `validation` (1 file), `test` (1 file)",
+            "split = \"dev\"",
+        ),
+        (
+            "eval_split = \"test\"\neval_fraction = 0.1",
+            "",
+            "rtune::plan::eval_split",
+            "both choose the eval rows",
+            "eval_fraction = 0.1",
+        ),
+        (
+            "eval_split = \"train\"",
+            "",
+            "rtune::plan::eval_split",
+            "split `train` would both train and evaluate",
+            "eval_split = \"train\"",
+        ),
+        ("eval_split = \"holdout\"", "", "rtune::data::no_split", "no split `holdout`", "eval_split = \"holdout\""),
+        (
+            "",
+            "[stages.e]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data\"",
+            "rtune::plan::which_split",
+            "the files of `data` name several splits: `train` (1 file), `validation` (1 file), `test` (1 file)",
+            "dataset = \"data\"",
+        ),
+    ];
+    for (extra, stages, code, message, at) in cases {
+        let dir = split_folder(&format!("path = \"data\"\nformat = \"alpaca\"\n{extra}"), stages);
+        let o = common::rtune(dir.path(), &dir.path().join("cache"), &["plan", "r.toml"]);
+        let err = common::stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{extra} {stages}: {err}");
+        // The message as one line (miette wraps it at the terminal's width).
+        let flat = err.split_whitespace().filter(|w| *w != "│").collect::<Vec<_>>().join(" ");
+        assert!(flat.contains(code) && flat.contains(message), "{extra} {stages}: {err}");
+        assert!(err.lines().any(|l| l.contains('│') && l.contains(at)), "located at `{at}`: {err}");
+    }
+    // A single file is one split.
+    let dir = split_folder("path = \"data/train.jsonl\"\nformat = \"alpaca\"\nsplit = \"train\"", "");
+    let o = common::rtune(dir.path(), &dir.path().join("cache"), &["plan", "r.toml"]);
+    let err = common::stderr(&o);
+    assert!(err.contains("rtune::plan::split_of_file") && err.contains("is a file, which is one split"), "{err}");
+}
+
+/// An evaluate stage measures the split of its folder that it names: the same rows, tokens and
+/// loss as the split's file named directly.
+#[test]
+fn an_evaluate_stage_reads_the_split_it_names() {
+    let stages = "[stages.by_split]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data\"\nsplit = \"validation\"\n\
+                  [stages.by_file]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data/validation.jsonl\"";
+    let dir = split_folder("path = \"data\"\nformat = \"alpaca\"\nmax_seq_len = 256", stages);
+    let o = common::rtune(dir.path(), &dir.path().join("cache"), &["run", "r.toml", "--json"]);
+    let err = common::stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("tokens of split `validation` of `data`"), "{err}");
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let metrics = |name: &str| {
+        report["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap()["metrics"].clone()
+    };
+    let (a, b) = (metrics("by_split"), metrics("by_file"));
+    assert!(a["eval_tokens"].as_u64().unwrap() > 0, "{a}");
+    assert_eq!((&a["eval_tokens"], &a["eval_loss"]), (&b["eval_tokens"], &b["eval_loss"]), "{a} {b}");
+}

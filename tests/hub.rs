@@ -737,6 +737,60 @@ impl Env {
 /// with bytes other than the repo's; and the same command afterwards against a sound Hub
 /// succeeds with the right bytes. New cases every run (`CHAOS_CASES=n` for more,
 /// `CHAOS_DEBUG=1` prints each case's damage and outcome).
+/// A Hub dataset's test shards never train: `data/{split}-00000-of-00001.*` files are splits as
+/// 🤗 datasets reads them (before, every file's rows were pooled), and `eval_split` evaluates on
+/// one of them.
+#[test]
+fn a_hub_dataset_trains_on_its_train_split() {
+    let env = Env::new();
+    publish_tiny_model_and_data(&env.server);
+    let rows: Vec<String> = std::fs::read_to_string(common::root().join("recipes/data/synthetic-alpaca.jsonl"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let shard = |r: &[String]| (r.join("\n") + "\n").into_bytes();
+    env.server.add_commit(
+        "dataset",
+        "test-org/split-instructions",
+        &[
+            ("data/train-00000-of-00002.jsonl", shard(&rows[..40])),
+            ("data/train-00001-of-00002.jsonl", shard(&rows[40..60])),
+            ("data/test-00000-of-00001.jsonl", shard(&rows[60..70])),
+            ("data/validation-00000-of-00001.jsonl", shard(&rows[70..75])),
+            ("dataset_dict.json", b"{}".to_vec()),
+        ],
+    );
+    let recipe = |extra: &str| {
+        HUB_RECIPE
+            .replace("test-org/tiny-instructions", "test-org/split-instructions")
+            .replace("eval_fraction = 0.1\n", extra)
+    };
+    let tokenize = |recipe: String| {
+        std::fs::write(env.dir.path().join("hub.toml"), recipe).unwrap();
+        let o = env.ok(&["run", "hub.toml", "--until", "tokenize", "--json"], &[]);
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let tok = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "tokenize").unwrap().clone();
+        (tok["metrics"].clone(), common::stderr(&o))
+    };
+    let (m, err) = tokenize(recipe(""));
+    assert_eq!((m["rows"].as_u64(), m["eval_rows"].as_u64()), (Some(60), Some(3)), "{m}");
+    assert!(err.contains("not read: `validation` (1 file), `test` (1 file)"), "{err}");
+    let (m, _) = tokenize(recipe("eval_split = \"test\"\n"));
+    assert_eq!((m["train_rows"].as_u64(), m["eval_rows"].as_u64()), (Some(60), Some(10)), "{m}");
+    // A split the shards do not name is an error located at it, naming those they do.
+    std::fs::write(env.dir.path().join("hub.toml"), recipe("split = \"train_sft\"\n")).unwrap();
+    let o = env.rtune(&["run", "hub.toml", "--until", "tokenize"], &[]);
+    let err = common::stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "the tokenize stage fails: {err}");
+    let flat = err.split_whitespace().filter(|w| *w != "│").collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains("no split `train_sft`: they name `train` (2 files), `validation` (1 file), `test` (1 file)"),
+        "{err}"
+    );
+    assert!(err.lines().any(|l| l.contains('│') && l.contains("split = \"train_sft\"")), "{err}");
+}
+
 mod chaos {
     use super::*;
     use common::hub::Chaos;

@@ -44,6 +44,14 @@ const SOURCES: &[&str] = &[
 ];
 
 /// A changed value for every other key, as `--set` arguments.
+/// Keys that apply to a dataset folder's splits (a single file, as in tiny-offline, is one split),
+/// and the stage each must change on a folder: checked by `split_keys_change_fingerprints`.
+const FOLDER_SPLITS: &[(&str, &str, &str)] = &[
+    ("dataset.split", "\"validation\"", "tokenize"),
+    ("dataset.eval_split", "\"test\"", "tokenize"),
+    ("stages.evaluate.split", "\"validation\"", "eval_base"),
+];
+
 const CHANGES: &[(&str, &str)] = &[
     ("recipe.name", "other-name"),
     ("recipe.description", "\"another description\""),
@@ -185,6 +193,7 @@ fn every_recipe_key_changes_a_fingerprint_or_is_listed_as_not_affecting_outputs(
         NO_EFFECT.iter().any(|(n, _)| *n == k || *n == wild)
             || SOURCES.contains(&k)
             || CHANGES.iter().any(|(n, _)| *n == k)
+            || FOLDER_SPLITS.iter().any(|(n, ..)| *n == k)
             || (k.starts_with("stages.download.") || k.starts_with("stages.tokenize."))
                 && (k.ends_with(".kind") || k.ends_with(".needs"))
     };
@@ -215,6 +224,30 @@ fn every_recipe_key_changes_a_fingerprint_or_is_listed_as_not_affecting_outputs(
         }
     }
     assert!(silent.is_empty(), "changing these changes no stage's fingerprint: {silent:?}");
+}
+
+/// On a dataset folder of three splits, the split keys each change the stage that reads them.
+#[test]
+fn split_keys_change_fingerprints() {
+    let p = Project::tiny_offline();
+    // `eval_split` and `eval_fraction` cannot both be written.
+    let recipe = std::fs::read_to_string(p.path().join("tiny.toml")).unwrap();
+    std::fs::write(p.path().join("tiny.toml"), recipe.replace("eval_fraction = 0.05\n", "")).unwrap();
+    std::fs::create_dir(p.path().join("splits")).unwrap();
+    for split in ["train", "validation", "test"] {
+        std::fs::copy(p.path().join("data/synthetic-alpaca.jsonl"), p.path().join(format!("splits/{split}.jsonl")))
+            .unwrap();
+    }
+    let folder = ["--set", "dataset.path=\"splits\"", "--set", "stages.eval_base.dataset=\"splits\""];
+    let base_args = [&folder[..], &["--set", "stages.eval_base.split=\"test\""]].concat();
+    let base = fingerprints(&p, &base_args).unwrap();
+    for (key, value, stage) in FOLDER_SPLITS {
+        let set = format!("{}={value}", key.replace("stages.evaluate.", "stages.eval_base."));
+        // A later `--set` of the same key wins.
+        let changed =
+            fingerprints(&p, &[&base_args[..], &["--set", &set]].concat()).unwrap_or_else(|e| panic!("{set}: {e}"));
+        assert_ne!(changed.get(*stage), base.get(*stage), "--set {set} changes `{stage}`");
+    }
 }
 
 /// `gguf-q4_k`, `gguf-q4_k_m`'s older name, exports (and hashes as) `gguf-q4_k_m`, once even

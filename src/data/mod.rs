@@ -4,6 +4,7 @@
 pub mod chat;
 pub mod format;
 pub mod source;
+pub mod splits;
 pub mod tokens;
 
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use miette::{Diagnostic, LabeledSpan, MietteError, MietteSpanContents, SourceCode, SourceSpan, SpanContents};
 
 pub use format::{Encoded, Renderer};
-pub use source::{Row, Skipped, for_each_row, read_rows, total_bytes};
+pub use source::{DataFiles, Row, Skipped, data_files, for_each_row, read_rows, total_bytes};
 pub use tokens::{TokenStore, TokenWriter};
 
 /// A problem with the data.
@@ -41,6 +42,9 @@ pub enum DataError {
         #[source]
         source: std::io::Error,
     },
+    /// A dataset folder whose files do not name the split asked for.
+    #[error("the dataset's files name no split `{split}`{}", found_splits(found))]
+    NoSplit { split: String, found: splits::Splits },
     #[error("tokenizer failed while {context}")]
     Tokenizer {
         context: String,
@@ -56,6 +60,7 @@ impl Diagnostic for DataError {
             DataError::Invalid { .. } => "rtune::data::invalid",
             DataError::Io { .. } | DataError::Write { .. } => "rtune::data::io",
             DataError::Tokenizer { .. } => "rtune::data::tokenizer",
+            DataError::NoSplit { .. } => "rtune::data::no_split",
         }))
     }
 
@@ -64,6 +69,7 @@ impl Diagnostic for DataError {
             DataError::BadRow { help, .. } | DataError::Invalid { help, .. } => {
                 help.as_ref().map(|h| Box::new(h) as Box<dyn std::fmt::Display>)
             }
+            DataError::NoSplit { .. } => Some(Box::new(source::SPLIT_NAMES)),
             _ => None,
         }
     }
@@ -85,6 +91,11 @@ impl Diagnostic for DataError {
             _ => None,
         }
     }
+}
+
+/// `: they name `test` (1 file)`, or nothing when the files name no split at all.
+fn found_splits(found: &splits::Splits) -> String {
+    if found.is_empty() { String::new() } else { format!(": they name {}", splits::describe(found)) }
 }
 
 impl DataError {

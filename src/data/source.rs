@@ -1,9 +1,11 @@
 //! Dataset files to rows: JSON Lines, a JSON array of objects, CSV with a header, or plain text
 //! (one row per non-empty line). A folder is read file by file in name order.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
+
+use super::splits::Splits;
 
 use super::DataError;
 
@@ -16,12 +18,12 @@ pub struct Row {
     pub line: usize,
 }
 
-/// Read every row of a file or folder. A malformed row is an error, unless `skip_bad` is set,
-/// in which case it is returned in the second list.
+/// Read every row of a file or folder (every data file in it, whatever its split). A malformed
+/// row is an error, unless `skip_bad` is set, in which case it is returned in the second list.
 pub fn read_rows(path: &Path, skip_bad: bool) -> Result<(Vec<Row>, Vec<DataError>), DataError> {
     let mut rows = Vec::new();
     let skipped = for_each_row(
-        path,
+        &data_files(path, None)?.files,
         skip_bad,
         &mut |r| {
             rows.push(r);
@@ -50,17 +52,16 @@ impl Skipped {
     }
 }
 
-/// Stream every row of a file or folder to `each`, in file order, holding one line (one
+/// Stream every row of `files` (from [`data_files`]) to `each`, in order, holding one line (one
 /// Parquet row, or for `.json` arrays the whole file) at a time: a dataset is never read into
 /// memory whole. Malformed rows stop the read, or with `skip_bad` are counted. `progress` hears
 /// the bytes read so far (of [`total_bytes`]) now and then.
 pub fn for_each_row(
-    path: &Path,
+    files: &[PathBuf],
     skip_bad: bool,
     each: &mut dyn FnMut(Row) -> Result<(), DataError>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<Skipped, DataError> {
-    let files = dataset_files(path)?;
     let mut skipped = Skipped::default();
     let mut done = 0u64;
     for f in files {
@@ -75,41 +76,109 @@ pub fn for_each_row(
             }
         };
         let base = done;
-        done += read_file(&f, &mut push, &mut |n| progress(base + n))?;
+        done += read_file(f, &mut push, &mut |n| progress(base + n))?;
         progress(done);
     }
     Ok(skipped)
 }
 
 /// The bytes [`for_each_row`] will read.
-pub fn total_bytes(path: &Path) -> u64 {
-    dataset_files(path)
-        .map(|fs| fs.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum())
-        .unwrap_or(0)
+pub fn total_bytes(files: &[PathBuf]) -> u64 {
+    files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum()
 }
 
-fn dataset_files(path: &Path) -> Result<Vec<std::path::PathBuf>, DataError> {
-    let mut files = Vec::new();
-    if path.is_dir() {
-        for rel in
-            crate::store::walk(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })?
-        {
-            let name = rel.to_string_lossy().to_string();
-            if !name.starts_with('.') && supported(&name) {
-                files.push(path.join(rel));
-            }
-        }
-        if files.is_empty() {
-            return Err(DataError::Invalid {
-                message: format!("folder `{}` holds no dataset files", path.display()),
-                help: Some(format!("rtune reads {FORMATS} files")),
-            });
-        }
-    } else {
-        files.push(path.to_path_buf());
-    }
-    Ok(files)
+/// The files a dataset's rows are read from, and the splits of its folder left unread.
+#[derive(Debug, Clone)]
+pub struct DataFiles {
+    pub files: Vec<PathBuf>,
+    /// The folder's other splits (empty for a file, or when every file is read).
+    pub unread: Splits,
 }
+
+/// The data files of `path`: the file itself, or a folder's data files in name order (hidden
+/// ones skipped) — with `split`, only those of that split as their names say
+/// ([`super::splits`]); a split the files do not name is [`DataError::NoSplit`].
+pub fn data_files(path: &Path, split: Option<&str>) -> Result<DataFiles, DataError> {
+    if !path.is_dir() {
+        return Ok(DataFiles { files: vec![path.to_path_buf()], unread: Vec::new() });
+    }
+    let Some(split) = split else {
+        let names = data_names(path)?;
+        return Ok(DataFiles { files: names.iter().map(|n| path.join(n)).collect(), unread: Vec::new() });
+    };
+    let splits = folder_splits(path)?;
+    let Some((_, mine)) = splits.iter().find(|(name, _)| name == split) else {
+        return Err(DataError::NoSplit { split: split.to_string(), found: splits });
+    };
+    let files = mine.iter().map(|n| path.join(n)).collect();
+    let unread = splits.iter().filter(|(name, _)| name != split).cloned().collect();
+    Ok(DataFiles { files, unread })
+}
+
+/// The splits of a dataset folder's data files ([`super::splits::infer`]); at least one.
+pub fn folder_splits(path: &Path) -> Result<Splits, DataError> {
+    let splits = super::splits::infer(&data_names(path)?)
+        .map_err(|message| DataError::Invalid { message, help: Some(SPLIT_NAMES.into()) })?;
+    if splits.is_empty() {
+        return Err(DataError::Invalid {
+            message: format!("folder `{}` holds only files no split reads", path.display()),
+            help: Some(
+                "files under a folder whose name starts with `__`, and datasets' metadata files \
+                 (dataset_info.json, …), are not data"
+                    .into(),
+            ),
+        });
+    }
+    Ok(splits)
+}
+
+/// A folder's data files (relative, with `/`), hidden ones skipped, in name order; none is an
+/// error.
+fn data_names(path: &Path) -> Result<Vec<String>, DataError> {
+    let mut names = Vec::new();
+    for rel in crate::store::walk(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })? {
+        let name = rel.to_string_lossy().replace(std::path::MAIN_SEPARATOR, "/");
+        if !name.starts_with('.') && supported(&name) {
+            names.push(name);
+        }
+    }
+    if names.is_empty() {
+        return Err(DataError::Invalid {
+            message: format!("folder `{}` holds no dataset files", path.display()),
+            help: Some(format!("rtune reads {FORMATS} files")),
+        });
+    }
+    Ok(names)
+}
+
+/// [`data_files`] for a split the recipe names at `at` (`dataset.split`, …), any problem located
+/// there.
+pub fn split_files(
+    path: &Path,
+    split: Option<&str>,
+    at: Option<&crate::recipe::Origin>,
+) -> Result<DataFiles, crate::recipe::Problem> {
+    data_files(path, split).map_err(|e| {
+        let code = match &e {
+            DataError::NoSplit { .. } => "rtune::data::no_split",
+            DataError::Invalid { .. } => "rtune::data::invalid",
+            _ => "rtune::data::io",
+        };
+        let mut message = e.to_string();
+        if let Some(source) = std::error::Error::source(&e) {
+            message = format!("{message}: {source}");
+        }
+        let p = crate::recipe::Problem::new(code, message).at(at, "this split");
+        match miette::Diagnostic::help(&e) {
+            Some(h) => p.help(h.to_string()),
+            None => p,
+        }
+    })
+}
+
+/// How files name their split, for help texts.
+pub const SPLIT_NAMES: &str = "files name their split as in 🤗 datasets: `train.jsonl` / `test.jsonl`, \
+     `train/…` / `validation/…`, or shards `data/train-00000-of-00001.parquet`";
 
 /// The dataset files rtune reads, by extension, as a sentence's list.
 pub const FORMATS: &str = ".jsonl, .json, .csv, .txt or .parquet";
@@ -476,7 +545,7 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let (mut rows, mut seen) = (Vec::new(), Vec::new());
         let r = for_each_row(
-            &path,
+            std::slice::from_ref(&path),
             skip_bad,
             &mut |row| {
                 rows.push(row);
@@ -519,7 +588,7 @@ mod tests {
         std::fs::write(&path, "[{}, {}, {}]").unwrap();
         let mut n = 0;
         let e = for_each_row(
-            &path,
+            std::slice::from_ref(&path),
             false,
             &mut |_| {
                 n += 1;
@@ -567,7 +636,7 @@ mod tests {
             std::fs::write(&path, bytes).unwrap();
             let mut rows = 0;
             let skipped = for_each_row(
-                &path,
+                std::slice::from_ref(&path),
                 true,
                 &mut |_| {
                     rows += 1;
@@ -577,7 +646,7 @@ mod tests {
             )
             .unwrap();
             assert_eq!((rows, skipped.count), (2, 1), "{name}");
-            let e = for_each_row(&path, false, &mut |_| Ok(()), &mut |_| {}).unwrap_err();
+            let e = for_each_row(std::slice::from_ref(&path), false, &mut |_| Ok(()), &mut |_| {}).unwrap_err();
             assert!(
                 matches!(&e, DataError::BadRow { line: 2 | 3, .. }) && e.to_string().contains("UTF-8"),
                 "{name}: {e}"
@@ -586,7 +655,7 @@ mod tests {
         // A CSV header that is not UTF-8 stops the read whatever `skip_bad` says.
         let path = dir.path().join("h.csv");
         std::fs::write(&path, b"\xff\nx\n").unwrap();
-        assert!(for_each_row(&path, true, &mut |_| Ok(()), &mut |_| {}).is_err());
+        assert!(for_each_row(std::slice::from_ref(&path), true, &mut |_| Ok(()), &mut |_| {}).is_err());
     }
 
     /// A quoted cell may hold line breaks (pandas and spreadsheets write multi-line answers so);

@@ -113,6 +113,9 @@ pub enum DatasetKey {
 pub struct Corpus {
     pub format: DataFormat,
     pub column_map: BTreeMap<String, String>,
+    /// The split whose rows it learns, for a folder or Hub dataset (a single file: None).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
 }
 
 /// Shown instead of a local path: the content is hashed, not where it lies.
@@ -188,6 +191,12 @@ pub struct TokenizeSettings {
     #[serde(flatten)]
     pub rendering: Rendering,
     pub eval_fraction: f64,
+    /// The split that trains, for a folder or Hub dataset (a single file is one split: None).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
+    /// The split that evaluates, instead of `eval_fraction` of the train split.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_split: Option<String>,
     pub packing: bool,
     /// Seeds the split.
     pub seed: u64,
@@ -434,7 +443,14 @@ mod tests {
             ),
             (
                 StageKey::Tokenize(TokenizeKey {
-                    settings: TokenizeSettings { rendering: rendering(), eval_fraction: 0.05, packing: true, seed: 7 },
+                    settings: TokenizeSettings {
+                        rendering: rendering(),
+                        eval_fraction: 0.05,
+                        split: None,
+                        eval_split: None,
+                        packing: true,
+                        seed: 7,
+                    },
                 }),
                 inputs(&["dataset", "model"]),
                 r#"{"fingerprint_version":3,"inputs":{"dataset":"fp-dataset","model":"fp-model"},"kind":"tokenize","settings":{"column_map":{"output":"response"},"eval_fraction":0.05,"format":"alpaca","max_seq_len":256,"packing":true,"seed":7,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"stage_version":3}"#,

@@ -592,7 +592,7 @@ mod support {
     /// What needs held-out rows (`what`, written at `at`) next to `dataset.eval_fraction = 0`,
     /// which holds none out: an error located at the fraction (else at `at`).
     fn check_eval_split(loaded: &LoadedRecipe, what: &str, at: Option<&crate::recipe::Origin>) -> Result<(), Problem> {
-        if loaded.recipe.dataset.eval_fraction > 0.0 {
+        if loaded.recipe.dataset.eval_fraction > 0.0 || loaded.recipe.dataset.eval_split.is_some() {
             return Ok(());
         }
         Err(Problem::new(
@@ -610,7 +610,7 @@ mod support {
         let at = |key: &str| resolve::setting_origin(spec, loaded, overrides, key);
         match spec.kind {
             StageKind::Download => {}
-            StageKind::Tokenize => {}
+            StageKind::Tokenize => sources::check_dataset_splits(loaded)?,
             StageKind::Train => {
                 check_trainable(&table, at("trainable"), loaded)?;
                 check_quantized_base(&table, at("trainable"), loaded)?;

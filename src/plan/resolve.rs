@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::key::{self, StageKey};
-use super::sources::{dataset_source, hub_sources, local_source, resolve_hub};
+use super::sources::{dataset_source, hub_sources, local_source, local_split, resolve_hub};
 use crate::device::Resolution;
 use crate::hub::HubEnv;
 use crate::recipe::{
@@ -65,7 +65,7 @@ pub(super) fn resolve_key(
                     scratch: s.clone(),
                     seed,
                     vocab_from: "dataset",
-                    corpus: Corpus { format: d.format, column_map: d.column_map.clone() },
+                    corpus: Corpus { format: d.format, column_map: d.column_map.clone(), split: train_split(loaded) },
                 },
                 (_, Some(_), _) => ModelKey::Path { path: BY_CONTENT },
                 (_, _, Some(r)) => {
@@ -95,6 +95,8 @@ pub(super) fn resolve_key(
             settings: TokenizeSettings {
                 rendering: rendering(),
                 eval_fraction: d.eval_fraction,
+                split: train_split(loaded),
+                eval_split: d.eval_split.clone(),
                 packing: d.packing,
                 seed,
             },
@@ -105,13 +107,15 @@ pub(super) fn resolve_key(
             device: DeviceKey { peers: device.peers.clone(), ..on_device(true) },
         }),
         StageKind::Evaluate => {
-            let evaluate: EvaluateSettings = typed(table, spec, loaded)?;
+            let mut evaluate: EvaluateSettings = typed(table, spec, loaded)?;
             // With its own dataset, the stage tokenizes it: how rows become tokens is part of
-            // its output, and so is the file's content.
+            // its output, and so is the file's content (and for a folder, the split it reads).
             let (data, sources) = match &evaluate.dataset {
                 Some(rel) => {
                     let at = ["stages", spec.name.as_str(), "dataset"];
                     let own = dataset_source(loaded, rel, &at)?;
+                    let split_at = ["stages", spec.name.as_str(), "split"];
+                    evaluate.split = local_split(loaded, rel, &at, (evaluate.split.as_deref(), &split_at), None)?;
                     (Some(rendering()), Some(Sources { dataset: Some(own), ..Sources::default() }))
                 }
                 None => (None, None),
@@ -216,6 +220,14 @@ pub(super) fn resolve_key(
 
 /// A stage's settings with the `[device.<name>.<stage>]` tables of `overrides` merged over its
 /// own, in order (a device's `override_names`: the broadest name first; none: as written).
+/// The split that trains: `dataset.split` (default `train`) for a Hub or folder dataset; None for
+/// a single file, which is one split.
+pub(super) fn train_split(loaded: &LoadedRecipe) -> Option<String> {
+    let d = &loaded.recipe.dataset;
+    let file = d.repo.is_none() && d.path.as_ref().is_some_and(|p| !loaded.resolve_path(p).is_dir());
+    (!file).then(|| d.split.clone().unwrap_or_else(|| "train".into()))
+}
+
 pub(super) fn stage_settings(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Value {
     let mut table = Value::Object(spec.settings.clone());
     for dev in overrides {

@@ -43,7 +43,8 @@ pub(super) fn dataset_source(loaded: &LoadedRecipe, rel: &str, at: &[&str]) -> R
             .at(loaded.origin(at), "this dataset")
             .help(format!("a dataset is a {} file, or a folder holding them{tsv}", crate::data::source::FORMATS)));
     }
-    if crate::data::total_bytes(&path) == 0 {
+    let files = crate::data::data_files(&path, None).map(|f| f.files).unwrap_or_default();
+    if crate::data::total_bytes(&files) == 0 {
         return Err(Problem::new("rtune::data::empty", format!("the dataset `{rel}` is empty"))
             .at(loaded.origin(at), "this dataset")
             .help(format!("a dataset is a {} file, or a folder holding them", crate::data::source::FORMATS)));
@@ -209,4 +210,97 @@ pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &k
     )
     .at(first_at.and_then(|at| loaded.origin(&at)), "needs these files")
     .help(format!("on a machine with access (same HF_HOME), run:\n{}", commands.join("\n"))))
+}
+
+/// The split of the local dataset `rel` (named at `at`) to read, checked before any stage runs:
+/// for a file, none (a file is one split: naming one, at `split_at`, is an error); for a folder,
+/// `split` (named at `split_at`), which its files must name — or when not named, `default`, or
+/// without a default the folder's one split.
+pub(super) fn local_split(
+    loaded: &LoadedRecipe,
+    rel: &str,
+    at: &[&str],
+    (split, split_at): (Option<&str>, &[&str]),
+    default: Option<&str>,
+) -> Result<Option<String>, Problem> {
+    let path = loaded.resolve_path(rel);
+    if !path.is_dir() {
+        return match split {
+            Some(s) => Err(Problem::new(
+                "rtune::plan::split_of_file",
+                format!("`{rel}` is a file, which is one split: it has no split `{s}`"),
+            )
+            .at(loaded.origin(split_at), "a split")
+            .help("point the path at the folder that holds the split's files, or drop the split")),
+            None => Ok(None),
+        };
+    }
+    let at_split = loaded.origin(split_at).or(loaded.origin(at));
+    let files = |s: &str| crate::data::source::split_files(&path, Some(s), at_split).map(|_| Some(s.to_string()));
+    match split.or(default) {
+        Some(s) => files(s),
+        None => {
+            let splits = crate::data::source::folder_splits(&path).map_err(|e| {
+                Problem::new("rtune::data::invalid", e.to_string()).at(loaded.origin(at), "this dataset")
+            })?;
+            match &splits[..] {
+                [(one, _)] => Ok(Some(one.clone())),
+                _ => Err(Problem::new(
+                    "rtune::plan::which_split",
+                    format!("the files of `{rel}` name several splits: {}", crate::data::splits::describe(&splits)),
+                )
+                .at(loaded.origin(at), "this dataset")
+                .help(format!(
+                    "name the one to read: `{} = \"{}\"`",
+                    split_at.join("."),
+                    // A held-out split is what an evaluation usually wants.
+                    splits.iter().map(|(name, _)| name).find(|n| *n != "train").unwrap_or(&splits[0].0)
+                ))),
+            }
+        }
+    }
+}
+
+/// `dataset.split` and `dataset.eval_split` against the dataset, before any stage runs: the eval
+/// split is not beside `eval_fraction` nor the train split itself, and for a local folder both are
+/// splits its files name, without a file in common.
+pub(super) fn check_dataset_splits(loaded: &LoadedRecipe) -> Result<(), Problem> {
+    let d = &loaded.recipe.dataset;
+    let origin = |key: &str| loaded.origin(&["dataset", key]);
+    if d.eval_split.is_some() && origin("eval_fraction").is_some() {
+        return Err(Problem::new(
+            "rtune::plan::eval_split",
+            "`dataset.eval_split` and `dataset.eval_fraction` both choose the eval rows",
+        )
+        .at(origin("eval_fraction"), "a share of the train split")
+        .help("keep one: the dataset's own eval split, or a share held out of the train split"));
+    }
+    let train = d.split.as_deref().unwrap_or("train");
+    if d.eval_split.as_deref() == Some(train) {
+        return Err(Problem::new("rtune::plan::eval_split", format!("split `{train}` would both train and evaluate"))
+            .at(origin("eval_split"), "the eval split")
+            .help("evaluate on another split (`validation`, `test`), or hold rows out with `dataset.eval_fraction`"));
+    }
+    let Some(rel) = &d.path else { return Ok(()) };
+    let at = ["dataset", "path"];
+    let split = local_split(loaded, rel, &at, (d.split.as_deref(), &["dataset", "split"]), Some("train"))?;
+    let eval = match &d.eval_split {
+        Some(e) => local_split(loaded, rel, &at, (Some(e), &["dataset", "eval_split"]), None)?,
+        None => None,
+    };
+    if let (Some(split), Some(eval)) = (split, eval) {
+        let path = loaded.resolve_path(rel);
+        let files = |s: &str| crate::data::source::data_files(&path, Some(s)).map(|f| f.files).unwrap_or_default();
+        let train_files = files(&split);
+        if let Some(both) = files(&eval).iter().find(|f| train_files.contains(f)) {
+            let name = both.strip_prefix(&path).unwrap_or(both).display().to_string();
+            return Err(Problem::new(
+                "rtune::data::split_overlap",
+                format!("`{name}` is in both split `{split}` and split `{eval}`: its rows would train and evaluate"),
+            )
+            .at(origin("eval_split"), "the eval split")
+            .help("name the file for one split only, or hold rows out with `dataset.eval_fraction` instead"));
+        }
+    }
+    Ok(())
 }

@@ -164,11 +164,23 @@ pub struct Dataset {
     /// cells may span lines.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
+    /// The split that trains, where `repo` or a `path` folder holds several. Files name their
+    /// split as 🤗 datasets reads them: shards `data/{split}-00000-of-00001.*`, else
+    /// `train`/`validation`/`test` (or `training`, `dev`, `val`, `eval`, …) in folder names, else in
+    /// file names (`train.jsonl`, `test_0.csv`); with none of these every file is `train`. The
+    /// other splits are not read (rtune names them). A single file is one split. [default: "train"]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
+    /// Evaluate on every row of this split (e.g. "validation" or "test") instead of holding out
+    /// `eval_fraction` of the training split; the two cannot both be set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_split: Option<String>,
     /// How rows become training text.
     pub format: DataFormat,
-    /// Share of rows held out for evaluation (deterministic by seed). 0 holds none out: training
-    /// reports its train loss, and what needs an eval split (early stopping, an evaluate stage
-    /// without a `dataset` or `prompts`) is refused when the plan is made.
+    /// Share of the training split's rows held out for evaluation (deterministic by seed), unless
+    /// `eval_split` names a split for it. 0 holds none out: training reports its train loss, and
+    /// what needs an eval split (early stopping, an evaluate stage without a `dataset` or
+    /// `prompts`) is refused when the plan is made.
     #[serde(default = "default_eval_fraction")]
     #[schemars(range(min = 0.0), extend("exclusiveMaximum" = 1.0))]
     pub eval_fraction: f64,
@@ -791,6 +803,10 @@ pub struct EvaluateSettings {
     /// `[dataset]`'s format and settings) instead of the eval split.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataset: Option<String>,
+    /// Which split of a `dataset` folder to measure, named by its files as `dataset.split`
+    /// says [default: the folder's one split; needed when its files name several].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
     /// Sequences per batch.
     #[serde(default = "default_batch")]
     #[schemars(range(min = 1, max = 65536))]

@@ -9,7 +9,7 @@ use crate::recipe::{Origin, Problem};
 
 const CHUNK: usize = 2048;
 
-/// Read `data` (a file or folder) and encode every row with `[dataset]`'s format and the
+/// Read `files` (from [`crate::data::data_files`]) and encode every row with `[dataset]`'s format and the
 /// model's tokenizer, streaming: rows are read, encoded (in parallel chunks) and handed to
 /// `each` one chunk at a time, so memory does not grow with the dataset. Returns the rows
 /// skipped as bad (when `skip_bad_rows`; else the first is the error) and the dataset's rows,
@@ -18,7 +18,7 @@ pub fn encode_each(
     ctx: &StageCtx<'_>,
     d: &Rendering,
     folder: &ModelFolder,
-    data: &std::path::Path,
+    files: &[std::path::PathBuf],
     each: &mut dyn FnMut(Encoded) -> Result<(), StageError>,
 ) -> Result<(Skipped, usize), StageError> {
     let tokenizer = folder.tokenizer()?;
@@ -39,7 +39,7 @@ pub fn encode_each(
         column_map: &d.column_map,
         chat: chat.as_ref(),
     };
-    let mut bar = ctx.ui.bar("tokenize", total_bytes(data));
+    let mut bar = ctx.ui.bar("tokenize", total_bytes(files));
     let (mut rows, mut bad) = (0usize, Skipped::default());
     let mut chunk: Vec<Row> = Vec::with_capacity(CHUNK);
     let mut failure: Option<StageError> = None;
@@ -56,7 +56,7 @@ pub fn encode_each(
     };
     let pos = std::cell::Cell::new(0u64);
     let read = for_each_row(
-        data,
+        files,
         d.skip_bad_rows,
         &mut |row| {
             rows += 1;
@@ -93,11 +93,11 @@ pub fn encode_dataset(
     ctx: &StageCtx<'_>,
     d: &Rendering,
     folder: &ModelFolder,
-    data: &std::path::Path,
+    files: &[std::path::PathBuf],
     (name, at): (&str, Option<&Origin>),
 ) -> Result<(Vec<Encoded>, Vec<DataError>, usize), StageError> {
     let mut encoded = Vec::new();
-    let (bad, rows) = encode_each(ctx, d, folder, data, &mut |e| {
+    let (bad, rows) = encode_each(ctx, d, folder, files, &mut |e| {
         encoded.push(e);
         Ok(())
     })?;

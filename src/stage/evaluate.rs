@@ -13,21 +13,22 @@ use crate::recipe::{DataFormat, EvalModel, EvaluateSettings};
 use crate::rng::Rng;
 use crate::train::evaluate;
 
-/// Tokenize an evaluate stage's own dataset (every row) into its work folder, after checking it
-/// is still the file the plan fingerprinted.
+/// Tokenize an evaluate stage's own dataset (every row of the file, or of the folder's `split`)
+/// into its work folder, after checking it is still what the plan fingerprinted.
 fn own_dataset(
     ctx: &StageCtx<'_>,
     folder: &ModelFolder,
-    path: &std::path::Path,
-    source: &Source,
+    (path, source): (&std::path::Path, &Source),
     rendering: &Rendering,
+    split: Option<&str>,
 ) -> Result<TokenStore, StageError> {
     super::check_source(ctx, path, source)?;
     let Source::Local { shown, at, .. } = source else {
         return Err(StageError::Internal("an evaluate stage's dataset is a local file".into()));
     };
+    let files = crate::data::source::split_files(path, split, ctx.spans.origin(at))?;
     let named = (&format!("`{shown}`")[..], ctx.spans.origin(at));
-    let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, path, named)?;
+    let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, &files.files, named)?;
     for b in bad.iter().take(3) {
         ctx.ui.warn(format!("dropped: {b}"));
     }
@@ -48,7 +49,12 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
     let (eval, source) = match own {
         None => (TokenStore::open(&ctx.input("tokens")?, "eval")?, "the eval split".to_string()),
         Some((src @ Source::Local { path, shown, .. }, rendering)) => {
-            (own_dataset(ctx, &folder, path, src, rendering)?, format!("`{shown}`"))
+            let split = s.split.as_deref();
+            let named = match split {
+                Some(split) => format!("split `{split}` of `{shown}`"),
+                None => format!("`{shown}`"),
+            };
+            (own_dataset(ctx, &folder, (path, src), rendering, split)?, named)
         }
         Some(_) => return Err(StageError::Internal("an evaluate stage's dataset is a local file".into())),
     };
