@@ -338,6 +338,13 @@ fn impossible_splits_are_refused_by_the_plan() {
         ),
         ("eval_split = \"holdout\"", "", "rtune::data::no_split", "no split `holdout`", "eval_split = \"holdout\""),
         (
+            "config = \"chat\"",
+            "",
+            "rtune::data::invalid",
+            "the dataset has no configs (no `configs:` in its README.md)",
+            "config = \"chat\"",
+        ),
+        (
             "",
             "[stages.e]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data\"",
             "rtune::plan::which_split",
@@ -380,4 +387,34 @@ fn an_evaluate_stage_reads_the_split_it_names() {
     let (a, b) = (metrics("by_split"), metrics("by_file"));
     assert!(a["eval_tokens"].as_u64().unwrap() > 0, "{a}");
     assert_eq!((&a["eval_tokens"], &a["eval_loss"]), (&b["eval_tokens"], &b["eval_loss"]), "{a} {b}");
+}
+
+/// A dataset card's `configs:` choose the files of each split as 🤗 datasets' `load_dataset(folder,
+/// name)` does (the `configs` of tests/fixtures/data/splits.json), refusals included.
+#[test]
+fn dataset_card_configs_choose_files_as_datasets_does() {
+    let path = common::root().join("tests/fixtures/data/splits.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cases = fixture["configs"].as_array().unwrap();
+    assert!(cases.len() > 15);
+    for case in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let files: Vec<String> = serde_json::from_value(case["files"].clone()).unwrap();
+        for f in &files {
+            let p = dir.path().join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, "").unwrap();
+        }
+        let readme = format!("---\nconfigs:\n{}---\n# a dataset\n", case["readme"].as_str().unwrap());
+        std::fs::write(dir.path().join("README.md"), readme).unwrap();
+        let config = case["config"].as_str();
+        let got = rtune::data::source::folder_splits(dir.path(), config).map_err(|e| e.to_string());
+        match case["error"].as_str() {
+            Some(_) => assert!(got.is_err(), "{case}: datasets refuses, rtune gave {got:?}"),
+            None => {
+                let want: rtune::data::splits::Splits = serde_json::from_value(case["splits"].clone()).unwrap();
+                assert_eq!(got, Ok(want), "{case}");
+            }
+        }
+    }
 }

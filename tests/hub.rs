@@ -791,6 +791,55 @@ fn a_hub_dataset_trains_on_its_train_split() {
     assert!(err.lines().any(|l| l.contains('│') && l.contains("split = \"train_sft\"")), "{err}");
 }
 
+/// A Hub dataset card's `configs:` say which files each split of a config holds, as
+/// `load_dataset(repo, name)` reads them: the default config unless `dataset.config` names
+/// another (before, the card was not even downloaded and every data file was pooled).
+#[test]
+fn a_hub_dataset_card_chooses_the_config_files() {
+    let env = Env::new();
+    publish_tiny_model_and_data(&env.server);
+    let rows: Vec<String> = std::fs::read_to_string(common::root().join("recipes/data/synthetic-alpaca.jsonl"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let file = |r: &[String]| (r.join("\n") + "\n").into_bytes();
+    let card = "---\nlicense: mit\nconfigs:\n- config_name: sft\n  default: true\n  data_files:\n  - split: train\n    \
+                path: sft/train-*\n  - split: test\n    path: sft/test-*\n- config_name: raw\n  data_dir: raw\n---\n# Data\n";
+    env.server.add_commit(
+        "dataset",
+        "test-org/configs",
+        &[
+            ("README.md", card.as_bytes().to_vec()),
+            ("sft/train-00000-of-00001.jsonl", file(&rows[..50])),
+            ("sft/test-00000-of-00001.jsonl", file(&rows[50..58])),
+            ("raw/train.jsonl", file(&rows[100..120])),
+        ],
+    );
+    let tokenize = |extra: &str| {
+        let recipe = HUB_RECIPE
+            .replace("test-org/tiny-instructions", "test-org/configs")
+            .replace("eval_fraction = 0.1\n", extra);
+        std::fs::write(env.dir.path().join("hub.toml"), recipe).unwrap();
+        let o = env.rtune(&["run", "hub.toml", "--until", "tokenize", "--json"], &[]);
+        let err = common::stderr(&o);
+        if !o.status.success() {
+            return Err(err);
+        }
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let tok = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "tokenize").unwrap().clone();
+        Ok((tok["metrics"].clone(), err))
+    };
+    let (m, err) = tokenize("eval_split = \"test\"\n").unwrap();
+    assert_eq!((m["train_rows"].as_u64(), m["eval_rows"].as_u64()), (Some(50), Some(8)), "{m}");
+    assert!(!err.contains("not read"), "{err}");
+    let (m, _) = tokenize("config = \"raw\"\n").unwrap();
+    assert_eq!(m["rows"], 20, "{m}");
+    let err = tokenize("config = \"cooked\"\n").unwrap_err();
+    let flat = err.split_whitespace().filter(|w| *w != "│").collect::<Vec<_>>().join(" ");
+    assert!(flat.contains("the dataset has no config `cooked`: it has `sft`, `raw`"), "{err}");
+}
+
 mod chaos {
     use super::*;
     use common::hub::Chaos;

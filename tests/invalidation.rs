@@ -50,6 +50,7 @@ const FOLDER_SPLITS: &[(&str, &str, &str)] = &[
     ("dataset.split", "\"validation\"", "tokenize"),
     ("dataset.eval_split", "\"test\"", "tokenize"),
     ("stages.evaluate.split", "\"validation\"", "eval_base"),
+    ("dataset.config", "\"b\"", "tokenize"),
 ];
 
 const CHANGES: &[(&str, &str)] = &[
@@ -226,7 +227,8 @@ fn every_recipe_key_changes_a_fingerprint_or_is_listed_as_not_affecting_outputs(
     assert!(silent.is_empty(), "changing these changes no stage's fingerprint: {silent:?}");
 }
 
-/// On a dataset folder of three splits, the split keys each change the stage that reads them.
+/// On a dataset folder of three splits (and a dataset card with two configs), the split keys each
+/// change the stage that reads them.
 #[test]
 fn split_keys_change_fingerprints() {
     let p = Project::tiny_offline();
@@ -238,6 +240,10 @@ fn split_keys_change_fingerprints() {
         std::fs::copy(p.path().join("data/synthetic-alpaca.jsonl"), p.path().join(format!("splits/{split}.jsonl")))
             .unwrap();
     }
+    let card = "---\nconfigs:\n- config_name: a\n  default: true\n  data_files:\n  - {split: train, path: train.jsonl}\n  \
+                - {split: validation, path: validation.jsonl}\n  - {split: test, path: test.jsonl}\n- config_name: b\n  \
+                data_files:\n  - {split: train, path: validation.jsonl}\n  - {split: test, path: test.jsonl}\n---\n";
+    std::fs::write(p.path().join("splits/README.md"), card).unwrap();
     let folder = ["--set", "dataset.path=\"splits\"", "--set", "stages.eval_base.dataset=\"splits\""];
     let base_args = [&folder[..], &["--set", "stages.eval_base.split=\"test\""]].concat();
     let base = fingerprints(&p, &base_args).unwrap();

@@ -2,6 +2,7 @@
 //! splitting and packing, and the binary token store that training memory-maps.
 
 pub mod chat;
+pub mod configs;
 pub mod format;
 pub mod source;
 pub mod splits;

@@ -23,7 +23,7 @@ pub struct Row {
 pub fn read_rows(path: &Path, skip_bad: bool) -> Result<(Vec<Row>, Vec<DataError>), DataError> {
     let mut rows = Vec::new();
     let skipped = for_each_row(
-        &data_files(path, None)?.files,
+        &data_files(path, None, None)?.files,
         skip_bad,
         &mut |r| {
             rows.push(r);
@@ -96,9 +96,9 @@ pub struct DataFiles {
 }
 
 /// The data files of `path`: the file itself, or a folder's data files in name order (hidden
-/// ones skipped) — with `split`, only those of that split as their names say
-/// ([`super::splits`]); a split the files do not name is [`DataError::NoSplit`].
-pub fn data_files(path: &Path, split: Option<&str>) -> Result<DataFiles, DataError> {
+/// ones skipped) — with `split`, only those of that split of `config` ([`folder_splits`]); a
+/// split the files do not name is [`DataError::NoSplit`].
+pub fn data_files(path: &Path, split: Option<&str>, config: Option<&str>) -> Result<DataFiles, DataError> {
     if !path.is_dir() {
         return Ok(DataFiles { files: vec![path.to_path_buf()], unread: Vec::new() });
     }
@@ -106,7 +106,7 @@ pub fn data_files(path: &Path, split: Option<&str>) -> Result<DataFiles, DataErr
         let names = data_names(path)?;
         return Ok(DataFiles { files: names.iter().map(|n| path.join(n)).collect(), unread: Vec::new() });
     };
-    let splits = folder_splits(path)?;
+    let splits = folder_splits(path, config)?;
     let Some((_, mine)) = splits.iter().find(|(name, _)| name == split) else {
         return Err(DataError::NoSplit { split: split.to_string(), found: splits });
     };
@@ -115,10 +115,21 @@ pub fn data_files(path: &Path, split: Option<&str>) -> Result<DataFiles, DataErr
     Ok(DataFiles { files, unread })
 }
 
-/// The splits of a dataset folder's data files ([`super::splits::infer`]); at least one.
-pub fn folder_splits(path: &Path) -> Result<Splits, DataError> {
-    let splits = super::splits::infer(&data_names(path)?)
-        .map_err(|message| DataError::Invalid { message, help: Some(SPLIT_NAMES.into()) })?;
+/// The splits of a dataset folder's data files: those of `config` (None: the default) where its
+/// README.md names configs ([`super::configs`]), else as their names say
+/// ([`super::splits::infer`]); at least one.
+pub fn folder_splits(path: &Path, config: Option<&str>) -> Result<Splits, DataError> {
+    let names = data_names(path)?;
+    let splits = match super::configs::config_splits(path, &names, config) {
+        Ok(Some(splits)) => splits,
+        Ok(None) => super::splits::infer(&names)
+            .map_err(|message| DataError::Invalid { message, help: Some(SPLIT_NAMES.into()) })?,
+        Err(message) => {
+            let help = "the dataset card (README.md) names the dataset's configs and the files of their splits, \
+                        as 🤗 datasets reads them: name one with `dataset.config`";
+            return Err(DataError::Invalid { message, help: Some(help.into()) });
+        }
+    };
     if splits.is_empty() {
         return Err(DataError::Invalid {
             message: format!("folder `{}` holds only files no split reads", path.display()),
@@ -155,25 +166,28 @@ fn data_names(path: &Path) -> Result<Vec<String>, DataError> {
 /// there.
 pub fn split_files(
     path: &Path,
-    split: Option<&str>,
+    (split, config): (Option<&str>, Option<&str>),
     at: Option<&crate::recipe::Origin>,
 ) -> Result<DataFiles, crate::recipe::Problem> {
-    data_files(path, split).map_err(|e| {
-        let code = match &e {
-            DataError::NoSplit { .. } => "rtune::data::no_split",
-            DataError::Invalid { .. } => "rtune::data::invalid",
-            _ => "rtune::data::io",
-        };
-        let mut message = e.to_string();
-        if let Some(source) = std::error::Error::source(&e) {
-            message = format!("{message}: {source}");
-        }
-        let p = crate::recipe::Problem::new(code, message).at(at, "this split");
-        match miette::Diagnostic::help(&e) {
-            Some(h) => p.help(h.to_string()),
-            None => p,
-        }
-    })
+    data_files(path, split, config).map_err(|e| located(e, at, "this split"))
+}
+
+/// A data problem as a recipe problem located at `at`, with its code and help.
+pub fn located(e: DataError, at: Option<&crate::recipe::Origin>, label: &str) -> crate::recipe::Problem {
+    let code = match &e {
+        DataError::NoSplit { .. } => "rtune::data::no_split",
+        DataError::Invalid { .. } => "rtune::data::invalid",
+        _ => "rtune::data::io",
+    };
+    let mut message = e.to_string();
+    if let Some(source) = std::error::Error::source(&e) {
+        message = format!("{message}: {source}");
+    }
+    let p = crate::recipe::Problem::new(code, message).at(at, label);
+    match miette::Diagnostic::help(&e) {
+        Some(h) => p.help(h.to_string()),
+        None => p,
+    }
 }
 
 /// How files name their split, for help texts.

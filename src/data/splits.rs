@@ -18,7 +18,7 @@
 pub type Splits = Vec<(String, Vec<String>)>;
 
 /// Files datasets never reads as data.
-const IGNORED: [&str; 6] =
+pub(crate) const IGNORED: [&str; 6] =
     ["README.md", "config.json", "dataset_info.json", "dataset_infos.json", "dummy_data.zip", "dataset_dict.json"];
 
 const KEYWORDS: [(&str, &[&str]); 3] = [

@@ -116,6 +116,9 @@ pub struct Corpus {
     /// The split whose rows it learns, for a folder or Hub dataset (a single file: None).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub split: Option<String>,
+    /// `dataset.config`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
 }
 
 /// Shown instead of a local path: the content is hashed, not where it lies.
@@ -197,6 +200,9 @@ pub struct TokenizeSettings {
     /// The split that evaluates, instead of `eval_fraction` of the train split.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_split: Option<String>,
+    /// The dataset card's config the splits are of (`dataset.config`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
     pub packing: bool,
     /// Seeds the split.
     pub seed: u64,
@@ -448,6 +454,7 @@ mod tests {
                         eval_fraction: 0.05,
                         split: None,
                         eval_split: None,
+                        config: None,
                         packing: true,
                         seed: 7,
                     },

@@ -65,7 +65,12 @@ pub(super) fn resolve_key(
                     scratch: s.clone(),
                     seed,
                     vocab_from: "dataset",
-                    corpus: Corpus { format: d.format, column_map: d.column_map.clone(), split: train_split(loaded) },
+                    corpus: Corpus {
+                        format: d.format,
+                        column_map: d.column_map.clone(),
+                        split: train_split(loaded),
+                        config: d.config.clone(),
+                    },
                 },
                 (_, Some(_), _) => ModelKey::Path { path: BY_CONTENT },
                 (_, _, Some(r)) => {
@@ -97,6 +102,7 @@ pub(super) fn resolve_key(
                 eval_fraction: d.eval_fraction,
                 split: train_split(loaded),
                 eval_split: d.eval_split.clone(),
+                config: d.config.clone(),
                 packing: d.packing,
                 seed,
             },
@@ -115,7 +121,8 @@ pub(super) fn resolve_key(
                     let at = ["stages", spec.name.as_str(), "dataset"];
                     let own = dataset_source(loaded, rel, &at)?;
                     let split_at = ["stages", spec.name.as_str(), "split"];
-                    evaluate.split = local_split(loaded, rel, &at, (evaluate.split.as_deref(), &split_at), None)?;
+                    evaluate.split =
+                        local_split(loaded, rel, &at, (evaluate.split.as_deref(), &split_at), (None, None))?;
                     (Some(rendering()), Some(Sources { dataset: Some(own), ..Sources::default() }))
                 }
                 None => (None, None),

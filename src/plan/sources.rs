@@ -43,7 +43,7 @@ pub(super) fn dataset_source(loaded: &LoadedRecipe, rel: &str, at: &[&str]) -> R
             .at(loaded.origin(at), "this dataset")
             .help(format!("a dataset is a {} file, or a folder holding them{tsv}", crate::data::source::FORMATS)));
     }
-    let files = crate::data::data_files(&path, None).map(|f| f.files).unwrap_or_default();
+    let files = crate::data::data_files(&path, None, None).map(|f| f.files).unwrap_or_default();
     if crate::data::total_bytes(&files) == 0 {
         return Err(Problem::new("rtune::data::empty", format!("the dataset `{rel}` is empty"))
             .at(loaded.origin(at), "this dataset")
@@ -80,7 +80,15 @@ pub fn hub_sources(loaded: &LoadedRecipe) -> Vec<(&'static str, HubSource)> {
     if let Some(id) = &r.dataset.repo
         && let Ok(repo) = RepoRef::new(id, RepoKind::Dataset, r.dataset.revision.as_deref())
     {
-        let include = r.dataset.files.clone().unwrap_or_else(|| DATASET_FILES.iter().map(|s| s.to_string()).collect());
+        // The dataset card too, whose `configs:` may say which files each split holds — unless
+        // `files` names the files instead (as `data_files=` overrides the card in datasets).
+        let mut include: Vec<String> = match &r.dataset.files {
+            Some(files) => files.clone(),
+            None => DATASET_FILES.iter().map(|s| s.to_string()).collect(),
+        };
+        if r.dataset.files.is_none() || r.dataset.config.is_some() {
+            include.push("README.md".into());
+        }
         let exclude = vec!["dataset_info*.json".into(), "dataset_infos.json".into(), ".*".into()];
         out.push((
             "dataset",
@@ -214,14 +222,14 @@ pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &k
 
 /// The split of the local dataset `rel` (named at `at`) to read, checked before any stage runs:
 /// for a file, none (a file is one split: naming one, at `split_at`, is an error); for a folder,
-/// `split` (named at `split_at`), which its files must name — or when not named, `default`, or
-/// without a default the folder's one split.
+/// `split` (named at `split_at`) of `config`, which its files must name — or when not named,
+/// `default`, or without a default the folder's one split.
 pub(super) fn local_split(
     loaded: &LoadedRecipe,
     rel: &str,
     at: &[&str],
     (split, split_at): (Option<&str>, &[&str]),
-    default: Option<&str>,
+    (default, config): (Option<&str>, Option<&str>),
 ) -> Result<Option<String>, Problem> {
     let path = loaded.resolve_path(rel);
     if !path.is_dir() {
@@ -236,13 +244,13 @@ pub(super) fn local_split(
         };
     }
     let at_split = loaded.origin(split_at).or(loaded.origin(at));
-    let files = |s: &str| crate::data::source::split_files(&path, Some(s), at_split).map(|_| Some(s.to_string()));
+    let files =
+        |s: &str| crate::data::source::split_files(&path, (Some(s), config), at_split).map(|_| Some(s.to_string()));
     match split.or(default) {
         Some(s) => files(s),
         None => {
-            let splits = crate::data::source::folder_splits(&path).map_err(|e| {
-                Problem::new("rtune::data::invalid", e.to_string()).at(loaded.origin(at), "this dataset")
-            })?;
+            let splits = crate::data::source::folder_splits(&path, config)
+                .map_err(|e| crate::data::source::located(e, loaded.origin(at), "this dataset"))?;
             match &splits[..] {
                 [(one, _)] => Ok(Some(one.clone())),
                 _ => Err(Problem::new(
@@ -283,14 +291,31 @@ pub(super) fn check_dataset_splits(loaded: &LoadedRecipe) -> Result<(), Problem>
     }
     let Some(rel) = &d.path else { return Ok(()) };
     let at = ["dataset", "path"];
-    let split = local_split(loaded, rel, &at, (d.split.as_deref(), &["dataset", "split"]), Some("train"))?;
+    let path = loaded.resolve_path(rel);
+    let config = d.config.as_deref();
+    if let Some(c) = config
+        && !path.is_dir()
+    {
+        return Err(Problem::new(
+            "rtune::plan::split_of_file",
+            format!("`{rel}` is a file, which has no config `{c}`"),
+        )
+        .at(origin("config"), "a config")
+        .help("point the path at the folder whose README.md names the configs, or drop the config"));
+    }
+    if path.is_dir() {
+        // The dataset card's configs first, located at the config the recipe names.
+        crate::data::source::folder_splits(&path, config)
+            .map_err(|e| crate::data::source::located(e, origin("config").or(origin("path")), "this dataset"))?;
+    }
+    let split = local_split(loaded, rel, &at, (d.split.as_deref(), &["dataset", "split"]), (Some("train"), config))?;
     let eval = match &d.eval_split {
-        Some(e) => local_split(loaded, rel, &at, (Some(e), &["dataset", "eval_split"]), None)?,
+        Some(e) => local_split(loaded, rel, &at, (Some(e), &["dataset", "eval_split"]), (None, config))?,
         None => None,
     };
     if let (Some(split), Some(eval)) = (split, eval) {
-        let path = loaded.resolve_path(rel);
-        let files = |s: &str| crate::data::source::data_files(&path, Some(s)).map(|f| f.files).unwrap_or_default();
+        let files =
+            |s: &str| crate::data::source::data_files(&path, Some(s), config).map(|f| f.files).unwrap_or_default();
         let train_files = files(&split);
         if let Some(both) = files(&eval).iter().find(|f| train_files.contains(f)) {
             let name = both.strip_prefix(&path).unwrap_or(both).display().to_string();

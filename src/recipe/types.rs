@@ -171,6 +171,11 @@ pub struct Dataset {
     /// other splits are not read (rtune names them). A single file is one split. [default: "train"]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub split: Option<String>,
+    /// The config (subset) to read, where the dataset card (`README.md` of `repo` or of a `path`
+    /// folder) names several in its `configs:` — as `load_dataset(repo, name)` does; the card then
+    /// says which files each split of it holds [default: the card's default config].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
     /// Evaluate on every row of this split (e.g. "validation" or "test") instead of holding out
     /// `eval_fraction` of the training split; the two cannot both be set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
