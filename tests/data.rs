@@ -236,13 +236,18 @@ fn long_conversations_are_located_only_up_to_the_truncation_point() {
     assert!(long.mask.contains(&1));
 }
 
+/// tests/fixtures/data/splits.json: 🤗 datasets' own splits of folder layouts and dataset cards.
+fn split_fixture() -> serde_json::Value {
+    let path = common::root().join("tests/fixtures/data/splits.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
 /// A folder's files fall into the splits 🤗 datasets gives them (tests/fixtures/data/splits.json,
 /// written by make_splits.py with datasets itself: hand-picked layouts and 400 seeded random
 /// ones), errors included.
 #[test]
 fn splits_are_inferred_from_file_names_as_datasets_does() {
-    let path = common::root().join("tests/fixtures/data/splits.json");
-    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let fixture = split_fixture();
     let cases = fixture["cases"].as_array().unwrap();
     assert!(cases.len() > 400);
     for case in cases {
@@ -393,8 +398,7 @@ fn an_evaluate_stage_reads_the_split_it_names() {
 /// name)` does (the `configs` of tests/fixtures/data/splits.json), refusals included.
 #[test]
 fn dataset_card_configs_choose_files_as_datasets_does() {
-    let path = common::root().join("tests/fixtures/data/splits.json");
-    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let fixture = split_fixture();
     let cases = fixture["configs"].as_array().unwrap();
     assert!(cases.len() > 15);
     for case in cases {

@@ -371,12 +371,7 @@ impl FilesCommit for HubServer {
 
 /// A model folder and a dataset made in code, served as Hub repos.
 fn publish_tiny_model_and_data(server: &HubServer) -> (String, String) {
-    let rows: Vec<String> = std::fs::read_to_string(common::root().join("recipes/data/synthetic-alpaca.jsonl"))
-        .unwrap()
-        .lines()
-        .take(300)
-        .map(str::to_string)
-        .collect();
+    let rows: Vec<String> = synthetic_rows().into_iter().take(300).collect();
     let texts: Vec<String> = rows.clone();
     let dir = tempfile::tempdir().unwrap();
     let spec: rtune::recipe::ScratchModel = toml::from_str(
@@ -729,14 +724,35 @@ impl Env {
     }
 }
 
-/// A Hub (or proxy, or network) that answers wrongly — any status, headers dropped or set to
-/// garbage, bodies cut, flipped, doubled, replaced or framed wrongly, JSON fields of the wrong
-/// shape, bytes that are not HTTP at all — never makes a download, an upload or a run of a
-/// recipe with Hub sources panic or hang; a failure is a diagnostic (`rtune::hub` for the Hub
-/// commands); the HF cache never holds a blob whose name is not its digest or a snapshot file
-/// with bytes other than the repo's; and the same command afterwards against a sound Hub
-/// succeeds with the right bytes. New cases every run (`CHAOS_CASES=n` for more,
-/// `CHAOS_DEBUG=1` prints each case's damage and outcome).
+/// The bundled synthetic Alpaca rows, one JSON line each.
+fn synthetic_rows() -> Vec<String> {
+    std::fs::read_to_string(common::root().join("recipes/data/synthetic-alpaca.jsonl"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Rows as a JSON Lines file's bytes.
+fn jsonl(rows: &[String]) -> Vec<u8> {
+    (rows.join("\n") + "\n").into_bytes()
+}
+
+/// `rtune run --until tokenize` of HUB_RECIPE reading dataset `repo`, its eval fraction replaced
+/// by `extra`: the tokenize stage's metrics and stderr, or the failure's stderr.
+fn tokenize_hub_dataset(env: &Env, repo: &str, extra: &str) -> Result<(serde_json::Value, String), String> {
+    let recipe = HUB_RECIPE.replace("test-org/tiny-instructions", repo).replace("eval_fraction = 0.1\n", extra);
+    std::fs::write(env.dir.path().join("hub.toml"), recipe).unwrap();
+    let o = env.rtune(&["run", "hub.toml", "--until", "tokenize", "--json"], &[]);
+    let err = common::stderr(&o);
+    if !o.status.success() {
+        return Err(err);
+    }
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let tok = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "tokenize").unwrap();
+    Ok((tok["metrics"].clone(), err))
+}
+
 /// A Hub dataset's test shards never train: `data/{split}-00000-of-00001.*` files are splits as
 /// 🤗 datasets reads them (before, every file's rows were pooled), and `eval_split` evaluates on
 /// one of them.
@@ -744,45 +760,26 @@ impl Env {
 fn a_hub_dataset_trains_on_its_train_split() {
     let env = Env::new();
     publish_tiny_model_and_data(&env.server);
-    let rows: Vec<String> = std::fs::read_to_string(common::root().join("recipes/data/synthetic-alpaca.jsonl"))
-        .unwrap()
-        .lines()
-        .map(str::to_string)
-        .collect();
-    let shard = |r: &[String]| (r.join("\n") + "\n").into_bytes();
+    let rows = synthetic_rows();
     env.server.add_commit(
         "dataset",
         "test-org/split-instructions",
         &[
-            ("data/train-00000-of-00002.jsonl", shard(&rows[..40])),
-            ("data/train-00001-of-00002.jsonl", shard(&rows[40..60])),
-            ("data/test-00000-of-00001.jsonl", shard(&rows[60..70])),
-            ("data/validation-00000-of-00001.jsonl", shard(&rows[70..75])),
+            ("data/train-00000-of-00002.jsonl", jsonl(&rows[..40])),
+            ("data/train-00001-of-00002.jsonl", jsonl(&rows[40..60])),
+            ("data/test-00000-of-00001.jsonl", jsonl(&rows[60..70])),
+            ("data/validation-00000-of-00001.jsonl", jsonl(&rows[70..75])),
             ("dataset_dict.json", b"{}".to_vec()),
         ],
     );
-    let recipe = |extra: &str| {
-        HUB_RECIPE
-            .replace("test-org/tiny-instructions", "test-org/split-instructions")
-            .replace("eval_fraction = 0.1\n", extra)
-    };
-    let tokenize = |recipe: String| {
-        std::fs::write(env.dir.path().join("hub.toml"), recipe).unwrap();
-        let o = env.ok(&["run", "hub.toml", "--until", "tokenize", "--json"], &[]);
-        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        let tok = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "tokenize").unwrap().clone();
-        (tok["metrics"].clone(), common::stderr(&o))
-    };
-    let (m, err) = tokenize(recipe(""));
+    let tokenize = |extra: &str| tokenize_hub_dataset(&env, "test-org/split-instructions", extra);
+    let (m, err) = tokenize("").unwrap();
     assert_eq!((m["rows"].as_u64(), m["eval_rows"].as_u64()), (Some(60), Some(3)), "{m}");
     assert!(err.contains("not read: `validation` (1 file), `test` (1 file)"), "{err}");
-    let (m, _) = tokenize(recipe("eval_split = \"test\"\n"));
+    let (m, _) = tokenize("eval_split = \"test\"\n").unwrap();
     assert_eq!((m["train_rows"].as_u64(), m["eval_rows"].as_u64()), (Some(60), Some(10)), "{m}");
-    // A split the shards do not name is an error located at it, naming those they do.
-    std::fs::write(env.dir.path().join("hub.toml"), recipe("split = \"train_sft\"\n")).unwrap();
-    let o = env.rtune(&["run", "hub.toml", "--until", "tokenize"], &[]);
-    let err = common::stderr(&o);
-    assert_eq!(o.status.code(), Some(3), "the tokenize stage fails: {err}");
+    // A split the shards do not name fails the stage, located at it, naming those they do.
+    let err = tokenize("split = \"train_sft\"\n").unwrap_err();
     let flat = err.split_whitespace().filter(|w| *w != "│").collect::<Vec<_>>().join(" ");
     assert!(
         flat.contains("no split `train_sft`: they name `train` (2 files), `validation` (1 file), `test` (1 file)"),
@@ -798,12 +795,7 @@ fn a_hub_dataset_trains_on_its_train_split() {
 fn a_hub_dataset_card_chooses_the_config_files() {
     let env = Env::new();
     publish_tiny_model_and_data(&env.server);
-    let rows: Vec<String> = std::fs::read_to_string(common::root().join("recipes/data/synthetic-alpaca.jsonl"))
-        .unwrap()
-        .lines()
-        .map(str::to_string)
-        .collect();
-    let file = |r: &[String]| (r.join("\n") + "\n").into_bytes();
+    let rows = synthetic_rows();
     let card = "---\nlicense: mit\nconfigs:\n- config_name: sft\n  default: true\n  data_files:\n  - split: train\n    \
                 path: sft/train-*\n  - split: test\n    path: sft/test-*\n- config_name: raw\n  data_dir: raw\n---\n# Data\n";
     env.server.add_commit(
@@ -811,25 +803,12 @@ fn a_hub_dataset_card_chooses_the_config_files() {
         "test-org/configs",
         &[
             ("README.md", card.as_bytes().to_vec()),
-            ("sft/train-00000-of-00001.jsonl", file(&rows[..50])),
-            ("sft/test-00000-of-00001.jsonl", file(&rows[50..58])),
-            ("raw/train.jsonl", file(&rows[100..120])),
+            ("sft/train-00000-of-00001.jsonl", jsonl(&rows[..50])),
+            ("sft/test-00000-of-00001.jsonl", jsonl(&rows[50..58])),
+            ("raw/train.jsonl", jsonl(&rows[100..120])),
         ],
     );
-    let tokenize = |extra: &str| {
-        let recipe = HUB_RECIPE
-            .replace("test-org/tiny-instructions", "test-org/configs")
-            .replace("eval_fraction = 0.1\n", extra);
-        std::fs::write(env.dir.path().join("hub.toml"), recipe).unwrap();
-        let o = env.rtune(&["run", "hub.toml", "--until", "tokenize", "--json"], &[]);
-        let err = common::stderr(&o);
-        if !o.status.success() {
-            return Err(err);
-        }
-        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        let tok = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "tokenize").unwrap().clone();
-        Ok((tok["metrics"].clone(), err))
-    };
+    let tokenize = |extra: &str| tokenize_hub_dataset(&env, "test-org/configs", extra);
     let (m, err) = tokenize("eval_split = \"test\"\n").unwrap();
     assert_eq!((m["train_rows"].as_u64(), m["eval_rows"].as_u64()), (Some(50), Some(8)), "{m}");
     assert!(!err.contains("not read"), "{err}");
@@ -840,6 +819,14 @@ fn a_hub_dataset_card_chooses_the_config_files() {
     assert!(flat.contains("the dataset has no config `cooked`: it has `sft`, `raw`"), "{err}");
 }
 
+/// A Hub (or proxy, or network) that answers wrongly — any status, headers dropped or set to
+/// garbage, bodies cut, flipped, doubled, replaced or framed wrongly, JSON fields of the wrong
+/// shape, bytes that are not HTTP at all — never makes a download, an upload or a run of a
+/// recipe with Hub sources panic or hang; a failure is a diagnostic (`rtune::hub` for the Hub
+/// commands); the HF cache never holds a blob whose name is not its digest or a snapshot file
+/// with bytes other than the repo's; and the same command afterwards against a sound Hub
+/// succeeds with the right bytes. New cases every run (`CHAOS_CASES=n` for more,
+/// `CHAOS_DEBUG=1` prints each case's damage and outcome).
 mod chaos {
     use super::*;
     use common::hub::Chaos;
