@@ -797,7 +797,7 @@ fn a_hub_dataset_card_chooses_the_config_files() {
     publish_tiny_model_and_data(&env.server);
     let rows = synthetic_rows();
     let card = "---\nlicense: mit\nconfigs:\n- config_name: sft\n  default: true\n  data_files:\n  - split: train\n    \
-                path: sft/train-*\n  - split: test\n    path: sft/test-*\n- config_name: raw\n  data_dir: raw\n---\n# Data\n";
+                path: sft/train-*\n  - split: test\n    path: sft/test-*\n- config_name: raw\n  data_dir: raw\n- config_name: blank\n  data_files: blank/train.jsonl\n---\n# Data\n";
     env.server.add_commit(
         "dataset",
         "test-org/configs",
@@ -806,6 +806,7 @@ fn a_hub_dataset_card_chooses_the_config_files() {
             ("sft/train-00000-of-00001.jsonl", jsonl(&rows[..50])),
             ("sft/test-00000-of-00001.jsonl", jsonl(&rows[50..58])),
             ("raw/train.jsonl", jsonl(&rows[100..120])),
+            ("blank/train.jsonl", b"\n\n".to_vec()),
         ],
     );
     let tokenize = |extra: &str| tokenize_hub_dataset(&env, "test-org/configs", extra);
@@ -816,7 +817,10 @@ fn a_hub_dataset_card_chooses_the_config_files() {
     assert_eq!(m["rows"], 20, "{m}");
     let err = tokenize("config = \"cooked\"\n").unwrap_err();
     let flat = err.split_whitespace().filter(|w| *w != "│").collect::<Vec<_>>().join(" ");
-    assert!(flat.contains("the dataset has no config `cooked`: it has `sft`, `raw`"), "{err}");
+    assert!(flat.contains("the dataset has no config `cooked`: it has `sft`, `raw`, `blank`"), "{err}");
+    // A split without rows is named by its own files (not the card's, nor other configs').
+    let err = tokenize("config = \"blank\"\n").unwrap_err();
+    assert!(err.contains("the dataset `blank/train.jsonl` has no rows"), "{err}");
 }
 
 /// A Hub (or proxy, or network) that answers wrongly — any status, headers dropped or set to

@@ -83,7 +83,8 @@ pub fn run(ctx: &StageCtx<'_>, key: &DownloadKey) -> Result<serde_json::Value, S
             let (rows, skipped) = read?;
             if rows == 0 {
                 // Only bad rows: said as tokenize says it; else no row has text.
-                let (files, at) = (super::encode::shown_files(&ds_out), super::encode::dataset_origin(ctx));
+                let (files, at) =
+                    (super::encode::shown_files(&ds_out, &files.files), super::encode::dataset_origin(ctx));
                 if skipped.count > 0 {
                     super::encode::check_rows(0, 0, &skipped, || files.clone(), at)?;
                 }

@@ -140,11 +140,11 @@ pub fn dataset_origin<'a>(ctx: &StageCtx<'a>) -> Option<&'a Origin> {
     ctx.spans.origin(&["dataset", "path"]).or_else(|| ctx.spans.origin(&["dataset", "repo"]))
 }
 
-/// The files of a dataset folder as the recipe's user knows them: `` `a.jsonl` ``, or the first
-/// few of many (relative to the folder).
-pub fn shown_files(dir: &std::path::Path) -> String {
-    let files = crate::store::walk(dir).unwrap_or_default();
-    let mut names: Vec<String> = files.iter().take(3).map(|f| format!("`{}`", f.display())).collect();
+/// A dataset's data `files` (of folder `dir`) as the recipe's user knows them: `` `a.jsonl` ``,
+/// or the first few of many (relative to the folder).
+pub fn shown_files(dir: &std::path::Path, files: &[std::path::PathBuf]) -> String {
+    let shown = |f: &std::path::PathBuf| format!("`{}`", f.strip_prefix(dir).unwrap_or(f).display());
+    let mut names: Vec<String> = files.iter().take(3).map(shown).collect();
     if files.len() > 3 {
         names.push(format!("{} more", files.len() - 3));
     }

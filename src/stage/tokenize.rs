@@ -49,7 +49,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, S
     };
     let (mut bad, mut rows) = encode(&train_files, &mut acc)?;
     let used = acc.rows;
-    check_rows(rows, used, &bad, || shown_files(&data_dir), dataset_origin(ctx))?;
+    check_rows(rows, used, &bad, || shown_files(&data_dir, &train_files.files), dataset_origin(ctx))?;
     let own_eval = match &eval_files {
         Some(files) => {
             let (eval_bad, eval_rows) = encode(files, &mut acc)?;
