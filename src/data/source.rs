@@ -1,5 +1,6 @@
 //! Dataset files to rows: JSON Lines, a JSON array of objects, CSV with a header, or plain text
-//! (one row per non-empty line). A folder is read file by file in name order.
+//! (one row per non-empty line). A folder's data files fall into splits (its card's configs,
+//! else their names: `super::configs`, `super::splits`); a split's files are read in name order.
 
 use std::path::{Path, PathBuf};
 
