@@ -367,6 +367,17 @@ fn impossible_splits_are_refused_by_the_plan() {
         assert!(flat.contains(code) && flat.contains(message), "{extra} {stages}: {err}");
         assert!(err.lines().any(|l| l.contains('│') && l.contains(at)), "located at `{at}`: {err}");
     }
+    // A file both splits name would train and evaluate.
+    let dir = split_folder("path = \"data\"\nformat = \"alpaca\"\neval_split = \"test\"", "");
+    std::fs::copy(dir.path().join("data/test.jsonl"), dir.path().join("data/train_test.jsonl")).unwrap();
+    let o = common::rtune(dir.path(), &dir.path().join("cache"), &["plan", "r.toml"]);
+    let err = common::stderr(&o);
+    let flat = err.split_whitespace().filter(|w| *w != "│").collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains("rtune::data::split_overlap")
+            && flat.contains("`train_test.jsonl` is in both split `train` and split `test`"),
+        "{err}"
+    );
     // A single file is one split.
     let dir = split_folder("path = \"data/train.jsonl\"\nformat = \"alpaca\"\nsplit = \"train\"", "");
     let o = common::rtune(dir.path(), &dir.path().join("cache"), &["plan", "r.toml"]);

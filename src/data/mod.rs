@@ -56,13 +56,7 @@ pub enum DataError {
 
 impl Diagnostic for DataError {
     fn code<'a>(&'a self) -> Option<Box<dyn std::fmt::Display + 'a>> {
-        Some(Box::new(match self {
-            DataError::BadRow { .. } => "rtune::data::bad_row",
-            DataError::Invalid { .. } => "rtune::data::invalid",
-            DataError::Io { .. } | DataError::Write { .. } => "rtune::data::io",
-            DataError::Tokenizer { .. } => "rtune::data::tokenizer",
-            DataError::NoSplit { .. } => "rtune::data::no_split",
-        }))
+        Some(Box::new(self.code_name()))
     }
 
     fn help<'a>(&'a self) -> Option<Box<dyn std::fmt::Display + 'a>> {
@@ -100,6 +94,17 @@ fn found_splits(found: &splits::Splits) -> String {
 }
 
 impl DataError {
+    /// The diagnostic code (also of a recipe problem made of it, `source::located`).
+    pub fn code_name(&self) -> &'static str {
+        match self {
+            DataError::BadRow { .. } => "rtune::data::bad_row",
+            DataError::Invalid { .. } => "rtune::data::invalid",
+            DataError::Io { .. } | DataError::Write { .. } => "rtune::data::io",
+            DataError::Tokenizer { .. } => "rtune::data::tokenizer",
+            DataError::NoSplit { .. } => "rtune::data::no_split",
+        }
+    }
+
     /// A bad row, showing (at most 200 characters of) the line it is on.
     pub fn bad_row(
         file: &str,

@@ -175,20 +175,33 @@ pub fn split_files(
 
 /// A data problem as a recipe problem located at `at`, with its code and help.
 pub fn located(e: DataError, at: Option<&crate::recipe::Origin>, label: &str) -> crate::recipe::Problem {
-    let code = match &e {
-        DataError::NoSplit { .. } => "rtune::data::no_split",
-        DataError::Invalid { .. } => "rtune::data::invalid",
-        _ => "rtune::data::io",
-    };
     let mut message = e.to_string();
     if let Some(source) = std::error::Error::source(&e) {
         message = format!("{message}: {source}");
     }
-    let p = crate::recipe::Problem::new(code, message).at(at, label);
+    let p = crate::recipe::Problem::new(e.code_name(), message).at(at, label);
     match miette::Diagnostic::help(&e) {
         Some(h) => p.help(h.to_string()),
         None => p,
     }
+}
+
+/// The train split's `train` files and the eval split's `eval` files (of folder `dir`) share
+/// none: a file in both would train and evaluate. The problem is located at `at`.
+pub fn check_disjoint(
+    dir: &Path,
+    (split, train): (&str, &[PathBuf]),
+    (eval_split, eval): (&str, &[PathBuf]),
+    at: Option<&crate::recipe::Origin>,
+) -> Result<(), crate::recipe::Problem> {
+    let Some(both) = eval.iter().find(|f| train.contains(f)) else { return Ok(()) };
+    let name = both.strip_prefix(dir).unwrap_or(both).display().to_string();
+    Err(crate::recipe::Problem::new(
+        "rtune::data::split_overlap",
+        format!("`{name}` is in both split `{split}` and split `{eval_split}`: its rows would train and evaluate"),
+    )
+    .at(at, "the eval split")
+    .help("name the file for one split only, or hold rows out with `dataset.eval_fraction` instead"))
 }
 
 /// How files name their split, for help texts.

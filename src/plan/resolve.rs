@@ -121,8 +121,7 @@ pub(super) fn resolve_key(
                     let at = ["stages", spec.name.as_str(), "dataset"];
                     let own = dataset_source(loaded, rel, &at)?;
                     let split_at = ["stages", spec.name.as_str(), "split"];
-                    evaluate.split =
-                        local_split(loaded, rel, &at, (evaluate.split.as_deref(), &split_at), (None, None))?;
+                    evaluate.split = local_split(loaded, rel, &at, (evaluate.split.as_deref(), &split_at))?;
                     (Some(rendering()), Some(Sources { dataset: Some(own), ..Sources::default() }))
                 }
                 None => (None, None),

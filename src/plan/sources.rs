@@ -220,58 +220,73 @@ pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &k
     .help(format!("on a machine with access (same HF_HOME), run:\n{}", commands.join("\n"))))
 }
 
-/// The split of the local dataset `rel` (named at `at`) to read, checked before any stage runs:
-/// for a file, none (a file is one split: naming one, at `split_at`, is an error); for a folder,
-/// `split` (named at `split_at`) of `config`, which its files must name — or when not named,
-/// `default`, or without a default the folder's one split.
+/// The split of an evaluate stage's own local dataset `rel` (named at `at`) to read, checked
+/// before any stage runs: for a file, none (a file is one split: naming one, at `split_at`, is an
+/// error); for a folder, `split` (named at `split_at`), which its files must name, or when not
+/// named the folder's one split.
 pub(super) fn local_split(
     loaded: &LoadedRecipe,
     rel: &str,
     at: &[&str],
     (split, split_at): (Option<&str>, &[&str]),
-    (default, config): (Option<&str>, Option<&str>),
 ) -> Result<Option<String>, Problem> {
     let path = loaded.resolve_path(rel);
     if !path.is_dir() {
         return match split {
-            Some(s) => Err(Problem::new(
-                "rtune::plan::split_of_file",
-                format!("`{rel}` is a file, which is one split: it has no split `{s}`"),
-            )
-            .at(loaded.origin(split_at), "a split")
-            .help("point the path at the folder that holds the split's files, or drop the split")),
+            Some(s) => Err(split_of_file(rel, s).at(loaded.origin(split_at), "a split")),
             None => Ok(None),
         };
     }
-    let at_split = loaded.origin(split_at).or(loaded.origin(at));
-    let files =
-        |s: &str| crate::data::source::split_files(&path, (Some(s), config), at_split).map(|_| Some(s.to_string()));
-    match split.or(default) {
-        Some(s) => files(s),
+    let splits = crate::data::source::folder_splits(&path, None)
+        .map_err(|e| crate::data::source::located(e, loaded.origin(at), "this dataset"))?;
+    match (split, &splits[..]) {
+        (Some(s), _) => {
+            named_split(&splits, s, loaded.origin(split_at).or(loaded.origin(at)))?;
+            Ok(Some(s.to_string()))
+        }
+        (None, [(one, _)]) => Ok(Some(one.clone())),
+        (None, _) => Err(Problem::new(
+            "rtune::plan::which_split",
+            format!("the files of `{rel}` name several splits: {}", crate::data::splits::describe(&splits)),
+        )
+        .at(loaded.origin(at), "this dataset")
+        .help(format!(
+            "name the one to read: `{} = \"{}\"`",
+            split_at.join("."),
+            // A held-out split is what an evaluation usually wants.
+            splits.iter().map(|(name, _)| name).find(|n| *n != "train").unwrap_or(&splits[0].0)
+        ))),
+    }
+}
+
+/// A split named for the single file `rel`, which is one split.
+fn split_of_file(rel: &str, split: &str) -> Problem {
+    Problem::new(
+        "rtune::plan::split_of_file",
+        format!("`{rel}` is a file, which is one split: it has no split `{split}`"),
+    )
+    .help("point the path at the folder that holds the split's files, or drop the split")
+}
+
+/// The files of split `name` among a folder's `splits`; a split they do not hold is a problem
+/// located at `at`.
+fn named_split<'s>(
+    splits: &'s crate::data::splits::Splits,
+    name: &str,
+    at: Option<&crate::recipe::Origin>,
+) -> Result<&'s [String], Problem> {
+    match splits.iter().find(|(n, _)| n == name) {
+        Some((_, files)) => Ok(files),
         None => {
-            let splits = crate::data::source::folder_splits(&path, config)
-                .map_err(|e| crate::data::source::located(e, loaded.origin(at), "this dataset"))?;
-            match &splits[..] {
-                [(one, _)] => Ok(Some(one.clone())),
-                _ => Err(Problem::new(
-                    "rtune::plan::which_split",
-                    format!("the files of `{rel}` name several splits: {}", crate::data::splits::describe(&splits)),
-                )
-                .at(loaded.origin(at), "this dataset")
-                .help(format!(
-                    "name the one to read: `{} = \"{}\"`",
-                    split_at.join("."),
-                    // A held-out split is what an evaluation usually wants.
-                    splits.iter().map(|(name, _)| name).find(|n| *n != "train").unwrap_or(&splits[0].0)
-                ))),
-            }
+            let e = crate::data::DataError::NoSplit { split: name.to_string(), found: splits.clone() };
+            Err(crate::data::source::located(e, at, "this split"))
         }
     }
 }
 
 /// `dataset.split` and `dataset.eval_split` against the dataset, before any stage runs: the eval
 /// split is not beside `eval_fraction` nor the train split itself, and for a local folder both are
-/// splits its files name, without a file in common.
+/// splits its files (or its card's config) name, without a file in common. The folder is read once.
 pub(super) fn check_dataset_splits(loaded: &LoadedRecipe) -> Result<(), Problem> {
     let d = &loaded.recipe.dataset;
     let origin = |key: &str| loaded.origin(&["dataset", key]);
@@ -290,42 +305,33 @@ pub(super) fn check_dataset_splits(loaded: &LoadedRecipe) -> Result<(), Problem>
             .help("evaluate on another split (`validation`, `test`), or hold rows out with `dataset.eval_fraction`"));
     }
     let Some(rel) = &d.path else { return Ok(()) };
-    let at = ["dataset", "path"];
     let path = loaded.resolve_path(rel);
-    let config = d.config.as_deref();
-    if let Some(c) = config
-        && !path.is_dir()
-    {
-        return Err(Problem::new(
-            "rtune::plan::split_of_file",
-            format!("`{rel}` is a file, which has no config `{c}`"),
-        )
-        .at(origin("config"), "a config")
-        .help("point the path at the folder whose README.md names the configs, or drop the config"));
-    }
-    if path.is_dir() {
-        // The dataset card's configs first, located at the config the recipe names.
-        crate::data::source::folder_splits(&path, config)
-            .map_err(|e| crate::data::source::located(e, origin("config").or(origin("path")), "this dataset"))?;
-    }
-    let split = local_split(loaded, rel, &at, (d.split.as_deref(), &["dataset", "split"]), (Some("train"), config))?;
-    let eval = match &d.eval_split {
-        Some(e) => local_split(loaded, rel, &at, (Some(e), &["dataset", "eval_split"]), (None, config))?,
-        None => None,
-    };
-    if let (Some(split), Some(eval)) = (split, eval) {
-        let files =
-            |s: &str| crate::data::source::data_files(&path, Some(s), config).map(|f| f.files).unwrap_or_default();
-        let train_files = files(&split);
-        if let Some(both) = files(&eval).iter().find(|f| train_files.contains(f)) {
-            let name = both.strip_prefix(&path).unwrap_or(both).display().to_string();
+    if !path.is_dir() {
+        if let Some(c) = &d.config {
             return Err(Problem::new(
-                "rtune::data::split_overlap",
-                format!("`{name}` is in both split `{split}` and split `{eval}`: its rows would train and evaluate"),
+                "rtune::plan::split_of_file",
+                format!("`{rel}` is a file, which has no config `{c}`"),
             )
-            .at(origin("eval_split"), "the eval split")
-            .help("name the file for one split only, or hold rows out with `dataset.eval_fraction` instead"));
+            .at(origin("config"), "a config")
+            .help("point the path at the folder whose README.md names the configs, or drop the config"));
         }
+        for key in ["split", "eval_split"] {
+            let named = if key == "split" { &d.split } else { &d.eval_split };
+            if let Some(s) = named {
+                return Err(split_of_file(rel, s).at(origin(key), "a split"));
+            }
+        }
+        return Ok(());
+    }
+    // The dataset card's configs first, located at the config the recipe names.
+    let splits = crate::data::source::folder_splits(&path, d.config.as_deref())
+        .map_err(|e| crate::data::source::located(e, origin("config").or(origin("path")), "this dataset"))?;
+    let train_files = named_split(&splits, train, origin("split").or(origin("path")))?;
+    if let Some(eval) = &d.eval_split {
+        let eval_files = named_split(&splits, eval, origin("eval_split").or(origin("path")))?;
+        let paths = |files: &[String]| files.iter().map(|f| path.join(f)).collect::<Vec<_>>();
+        let (train_paths, eval_paths) = (paths(train_files), paths(eval_files));
+        crate::data::source::check_disjoint(&path, (train, &train_paths), (eval, &eval_paths), origin("eval_split"))?;
     }
     Ok(())
 }

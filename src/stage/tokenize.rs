@@ -11,7 +11,6 @@ use crate::data::tokens::Packer;
 use crate::data::{Encoded, TokenWriter};
 use crate::model::ModelFolder;
 use crate::plan::key::TokenizeKey;
-use crate::recipe::Problem;
 use crate::rng::Rng;
 
 pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, StageError> {
@@ -25,15 +24,9 @@ pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, S
         Some(split) => Some(split_files(&data_dir, (Some(split), d.config.as_deref()), at("eval_split"))?),
         None => None,
     };
-    if let Some(both) = eval_files.as_ref().and_then(|e| e.files.iter().find(|f| train_files.files.contains(f))) {
-        let name = both.strip_prefix(&data_dir).unwrap_or(both).display().to_string();
-        return Err(Problem::new(
-            "rtune::data::split_overlap",
-            format!("`{name}` is in both the train split and the eval split: its rows would train and evaluate"),
-        )
-        .at(at("eval_split"), "this split")
-        .help("name the file for one split only, or hold rows out with `dataset.eval_fraction` instead")
-        .into());
+    if let (Some(eval), Some(eval_files)) = (&d.eval_split, &eval_files) {
+        let train = (d.split.as_deref().unwrap_or("train"), &train_files.files[..]);
+        crate::data::source::check_disjoint(&data_dir, train, (eval, &eval_files.files), at("eval_split"))?;
     }
     // Pass 1: every encoded row, in order (the train split's, then the eval split's), into a
     // scratch token store on disk; only counts stay in memory.
@@ -63,24 +56,28 @@ pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, S
         None => None,
     };
     all.finish(scratch.path(), "all")?;
-    let (used, n_eval) = (acc.rows, own_eval.unwrap_or(0));
+    let used = acc.rows;
     let mut is_eval = vec![false; used];
-    if own_eval.is_some() {
-        // The eval split's rows, after the train split's.
-        is_eval[used - n_eval..].fill(true);
-    } else {
-        // Seeded split by row.
-        let mut order: Vec<usize> = (0..used).collect();
-        Rng::derive(d.seed, "split").shuffle(&mut order);
-        let mut held = (used as f64 * d.eval_fraction).round() as usize;
-        if d.eval_fraction > 0.0 && used > 1 {
-            held = held.clamp(1, used - 1);
+    let n_eval = match own_eval {
+        Some(n) => {
+            // The eval split's rows, after the train split's.
+            is_eval[used - n..].fill(true);
+            n
         }
-        for &i in &order[..held] {
-            is_eval[i] = true;
+        None => {
+            // Seeded split by row.
+            let mut order: Vec<usize> = (0..used).collect();
+            Rng::derive(d.seed, "split").shuffle(&mut order);
+            let mut held = (used as f64 * d.eval_fraction).round() as usize;
+            if d.eval_fraction > 0.0 && used > 1 {
+                held = held.clamp(1, used - 1);
+            }
+            for &i in &order[..held] {
+                is_eval[i] = true;
+            }
+            held
         }
-    }
-    let n_eval = is_eval.iter().filter(|e| **e).count();
+    };
     // Pass 2: read the scratch store back in order (sequentially, not mapped, so the pages
     // do not stay resident) into the train and eval splits, packing train rows.
     let mut train = TokenWriter::create(ctx.out, "train")?;
