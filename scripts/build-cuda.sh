@@ -13,7 +13,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/cuda-toolkit.sh)"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda}"
+# The lint checks in cargo's own target folder, reusing what CI's clippy checked (every crate
+# whose features `cuda` leaves alone); the release build keeps a folder of its own.
+if [ "${1:-}" = "--lint" ]; then
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
+else
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda}"
+fi
+# candle-kernels' build script (cudaforge) compiles its quantized-matmul and MoE kernels with one
+# nvcc at a time on half the cores — one on a 2-core runner, ~16 of CI's minutes — unless told.
+export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 if [ "${1:-}" = "--lint" ]; then
   exec cargo clippy --locked --features cuda --all-targets -- -D warnings
 fi
