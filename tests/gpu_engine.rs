@@ -1114,31 +1114,48 @@ fn products_time_their_tile_once_per_shape_and_keep_c() {
     assert!(vk.product_tile(Dt::F16, Dt::F32, [130, 129, 70], false, true).is_some(), "{}: no tile kept", vk.name());
 }
 
-/// The matrix-unit kernels (`gemm_cm`, `attn_*_mma`) with a matrix shape that GPUs list and
-/// CI's lavapipe does not (it lists 8 × 8 × 8 but lowers any shape): products and attention in
-/// f16 against the references. Runs on a CPU implementation of Vulkan with f16 matrix units
-/// (required where `RTUNE_REQUIRE_MATRIX_UNITS` names f16); a GPU runs its own shape, in the
-/// tests above (and here too if it is this one).
+/// A Vulkan device whose f16 matrix units run with `shape`, a shape that GPUs list and CI's
+/// lavapipe does not (it lists 8 × 8 × 8 but lowers any shape), set up by `how`, with its
+/// products' first-use check run; `None` (said why) where there is none to test. Runs on a CPU
+/// implementation of Vulkan with f16 matrix units (required where `RTUNE_REQUIRE_MATRIX_UNITS`
+/// names f16); a GPU runs its own shape, in the tests above (and here too if it is this one).
 #[cfg(feature = "vulkan")]
-fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
+fn matrix_unit_device(
+    shape: [u32; 3],
+    how: fn(rtune::engine::gpu::vulkan::VulkanGpu) -> rtune::engine::gpu::vulkan::VulkanGpu,
+) -> Option<rtune::engine::gpu::vulkan::VulkanGpu> {
     if !testing("vulkan") {
-        return;
+        return None;
     }
     let gpu = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
-        Ok(g) => g.with_gpu_kernels().with_matrix_shape(Dt::F16, shape),
+        Ok(g) => how(g.with_gpu_kernels().with_matrix_shape(Dt::F16, shape)),
         Err(e) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),
-        Err(e) => return eprintln!("no Vulkan device: {e}"),
+        Err(e) => {
+            eprintln!("no Vulkan device: {e}");
+            return None;
+        }
     };
     match gpu.matrix_shape(Dt::F16).unwrap() {
-        Some(s) if s == shape => {}
+        Some(s) if s == shape => Some(gpu),
         Some(s) => {
-            return eprintln!("{} runs f16 matrix units with its own shape {s:?}, tested above", gpu.name());
+            eprintln!("{} runs f16 matrix units with its own shape {s:?}, tested above", gpu.name());
+            None
         }
         None if required_matrix_units().contains(&Dt::F16) => {
             panic!("{}: no f16 matrix units, or they failed their check with shape {shape:?}", gpu.name())
         }
-        None => return eprintln!("{}: no f16 matrix units", gpu.name()),
+        None => {
+            eprintln!("{}: no f16 matrix units", gpu.name());
+            None
+        }
     }
+}
+
+/// The matrix-unit kernels (`gemm_cm`, `attn_*_mma`) with matrix shape `shape`
+/// ([`matrix_unit_device`]): products and attention in f16 against the references.
+#[cfg(feature = "vulkan")]
+fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
+    let Some(gpu) = matrix_unit_device(shape, |g| g) else { return };
     assert!(
         !gpu.first_form_products(Dt::F16),
         "{}: the product kernel failed its check with shape {shape:?}",
@@ -1156,39 +1173,6 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
     check_products(&gpu, &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
     let tc = AttnKernels::TensorCores;
     check_attention(&gpu, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc), (Dt::F16, 64, AttnKernels::Products { rows: 48 })]);
-    // The attention kernels' `_rows` form, which a driver whose column-major loads are wrong
-    // gets (NVIDIA's shape; the form's staging does not depend on it).
-    if shape == [16, 16, 16] {
-        // A fresh device with this shape, set up by `how`.
-        let fresh = |how: fn(rtune::engine::gpu::vulkan::VulkanGpu) -> rtune::engine::gpu::vulkan::VulkanGpu| {
-            let gpu = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap();
-            let gpu: Rc<dyn Gpu> = Rc::new(how(gpu.with_gpu_kernels().with_matrix_shape(Dt::F16, shape)));
-            gpu
-        };
-        let rows = fresh(|g| g.with_row_loads());
-        assert!(rows.tensor_core_attention(Dt::F16), "{}: the `_rows` attention failed its check", rows.name());
-        check_attention(&rows, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc)]);
-        // Where the direct form fails its check for a reason the load probe does not see, the
-        // check tries the `_rows` form, which then stands in.
-        let fallback = fresh(|g| g.with_direct_attention_rejected());
-        assert!(
-            fallback.tensor_core_attention(Dt::F16),
-            "{}: with the direct form rejected, the `_rows` form did not stand in",
-            fallback.name()
-        );
-        check_attention(&fallback, &[(Dt::F16, 64, tc)]);
-        // Where the products' current kernel fails its check, its first form stands in.
-        let gpu = rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap();
-        let first = gpu.with_gpu_kernels().with_matrix_shape(Dt::F16, shape).with_current_products_rejected();
-        assert!(first.matrix_shape(Dt::F16).unwrap().is_some(), "{}: the first form did not stand in", first.name());
-        assert!(first.first_form_products(Dt::F16), "{}: the products did not switch to the first form", first.name());
-        assert!(
-            first.products_account(Dt::F16).contains("first form (gemm_cm1"),
-            "{}",
-            first.products_account(Dt::F16)
-        );
-        check_products(&(Rc::new(first) as Rc<dyn Gpu>), &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
-    }
 }
 
 /// NVIDIA's and AMD's shape.
@@ -1203,6 +1187,42 @@ fn matrix_unit_kernels_match_references_with_16x16x16_tiles() {
 #[test]
 fn matrix_unit_kernels_match_references_with_8x8x16_tiles() {
     matrix_unit_kernels_with_shape([8, 8, 16]);
+}
+
+// The stand-in forms, with NVIDIA's shape, in tests of their own: every matrix-unit kernel is a
+// long compile on lavapipe, and separate tests compile on separate cores.
+
+/// The attention kernels' `_rows` form, which a driver whose column-major loads are wrong gets
+/// (NVIDIA's shape; the form's staging does not depend on it); and where the direct form fails its
+/// check for a reason the load probe does not see, the check tries the `_rows` form, which then
+/// stands in.
+#[cfg(feature = "vulkan")]
+#[test]
+fn matrix_unit_kernels_match_references_with_16x16x16_tiles_in_the_rows_form() {
+    let shape = [16, 16, 16];
+    let Some(rows) = matrix_unit_device(shape, |g| g.with_row_loads()) else { return };
+    let rows: Rc<dyn Gpu> = Rc::new(rows);
+    let tc = AttnKernels::TensorCores;
+    assert!(rows.tensor_core_attention(Dt::F16), "{}: the `_rows` attention failed its check", rows.name());
+    check_attention(&rows, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc)]);
+    let Some(fallback) = matrix_unit_device(shape, |g| g.with_direct_attention_rejected()) else { return };
+    let fallback: Rc<dyn Gpu> = Rc::new(fallback);
+    assert!(
+        fallback.tensor_core_attention(Dt::F16),
+        "{}: with the direct form rejected, the `_rows` form did not stand in",
+        fallback.name()
+    );
+    check_attention(&fallback, &[(Dt::F16, 64, tc)]);
+}
+
+/// Where the products' current kernel fails its check, its first form stands in.
+#[cfg(feature = "vulkan")]
+#[test]
+fn matrix_unit_kernels_match_references_with_16x16x16_tiles_in_the_products_first_form() {
+    let Some(first) = matrix_unit_device([16, 16, 16], |g| g.with_current_products_rejected()) else { return };
+    assert!(first.first_form_products(Dt::F16), "{}: the products did not switch to the first form", first.name());
+    assert!(first.products_account(Dt::F16).contains("first form (gemm_cm1"), "{}", first.products_account(Dt::F16));
+    check_products(&(Rc::new(first) as Rc<dyn Gpu>), &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
 }
 
 // ---------------------------------------------------------------------------------------------
