@@ -39,13 +39,19 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // 2: a UTF-8 byte order mark is not data, a CSV cell may hold line breaks, and `chat`
         // rows may be ShareGPT's `conversations` (a scratch model's tokenizer is trained on the
         // rows; before, such rows were bad).
-        Download => 2,
+        // 3: files read as datasets' loaders read them — a dataset card config's `sep`, `field`,
+        // `sample_by` and `keep_linebreaks` are applied (they were ignored), `.tsv` files are data,
+        // and a `.json` file's JSON Lines, pretty-printed objects and strings are rows (before:
+        // an error, or with `skip_bad_rows` bad rows).
+        Download => 3,
         // 2: `alpaca` rows start with BOS only where the tokenizer puts one in front of text
         // (`ModelFolder::row_bos`); Qwen and GPT-2-style tokenizers (SmolLM2) add none, and rows
         // of their models no longer start with the config's `bos_token_id`.
         // 3: rows are read as download's version 2 reads them (byte order marks, multi-line
         // CSV cells, ShareGPT conversations).
-        Tokenize => 3,
+        // 4: rows are read as download's version 3 reads them (a card's loader settings, .tsv,
+        // .json layouts).
+        Tokenize => 4,
         // 2: the fused CPU cross-entropy sums in another order, so losses, gradients and
         // therefore trained weights differ in the last bits from version 1's.
         // 3: f32 LoRA runs on the CPU use the fused engine (src/engine/fused/), whose sums run
@@ -58,7 +64,8 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         Train => 5,
         // 4: prompts (and an evaluate stage's own dataset) start with BOS as tokenize's rows do
         // (`row_bos`); `chat` prompts are rendered with the chat template.
-        Evaluate => 4,
+        // 5: an evaluate stage's own dataset is read as download's version 3 reads rows.
+        Evaluate => 5,
         // 4: exported folders and GGUF carry the chat template the data was rendered with
         // (and its turn-end token as a stop token), the full tokenizer files, and PEFT names a
         // local base by its recipe path.

@@ -423,7 +423,8 @@ fn dataset_card_configs_choose_files_as_datasets_does() {
         let readme = format!("---\nconfigs:\n{}---\n# a dataset\n", case["readme"].as_str().unwrap());
         std::fs::write(dir.path().join("README.md"), readme).unwrap();
         let config = case["config"].as_str();
-        let got = rtune::data::source::folder_splits(dir.path(), config).map_err(|e| e.to_string());
+        let got =
+            rtune::data::source::folder_splits(dir.path(), config).map(|(splits, _)| splits).map_err(|e| e.to_string());
         match case["error"].as_str() {
             Some(_) => assert!(got.is_err(), "{case}: datasets refuses, rtune gave {got:?}"),
             None => {
@@ -431,5 +432,61 @@ fn dataset_card_configs_choose_files_as_datasets_does() {
                 assert_eq!(got, Ok(want), "{case}");
             }
         }
+    }
+}
+
+/// Each format, and a dataset card's loader settings (`sep`, `field`, `sample_by`, …), read into
+/// the rows 🤗 datasets' `load_dataset(folder, name, split="train")` gives
+/// (tests/fixtures/data/formats.json, from make_formats.py): `.tsv` files, JSON Lines or
+/// pretty-printed objects in a `.json` file, lists of strings, a field's rows or columns,
+/// paragraphs. Values compare as text (a CSV's `1` is the string "1" in rtune, the number 1 in
+/// datasets; other non-strings as compact JSON); rtune skips rows whose text is blank. Settings
+/// rtune does not apply (`refused`) are errors naming them; a file datasets cannot read is an
+/// error in rtune too.
+#[test]
+fn formats_and_card_settings_read_rows_as_datasets_does() {
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::root().join("tests/fixtures/data/formats.json")).unwrap(),
+    )
+    .unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() > 30);
+    let plain = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    for case in cases {
+        let dir = tempfile::tempdir().unwrap();
+        for (rel, text) in case["files"].as_object().unwrap() {
+            let p = dir.path().join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text.as_str().unwrap()).unwrap();
+        }
+        let mut rows = Vec::new();
+        let got = rtune::data::data_files(dir.path(), Some("train"), case["config"].as_str()).and_then(|files| {
+            rtune::data::for_each_row(
+                &files,
+                false,
+                &mut |r| {
+                    rows.push(r.fields.iter().map(|(k, v)| (k.clone(), plain(v))).collect::<BTreeMap<_, _>>());
+                    Ok(())
+                },
+                &mut |_| {},
+            )
+        });
+        let name = case["name"].as_str().unwrap();
+        if case["refused"].as_bool().unwrap() {
+            let e = got.expect_err(name).to_string();
+            assert!(e.contains("rtune does not apply") || e.contains("rtune reads"), "{name}: {e}");
+            continue;
+        }
+        if case.get("error").is_some() {
+            assert!(got.is_err(), "{name}: datasets refuses, rtune read {rows:?}");
+            continue;
+        }
+        got.unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want: Vec<BTreeMap<String, String>> = serde_json::from_value(case["rows"].clone()).unwrap();
+        let want: Vec<_> = want.into_iter().filter(|r| r.get("text").is_none_or(|t| !t.trim().is_empty())).collect();
+        assert_eq!(rows, want, "{name}");
     }
 }

@@ -883,24 +883,29 @@ fn no_eval_split_is_refused_where_needed_and_said_where_not() {
     assert!(err.contains("tokens of the train split (there is no eval split)"), "{err}");
 }
 
-/// A dataset file of a kind rtune does not read (a .tsv) is refused when the plan is made,
+/// A dataset file of a kind rtune does not read (an .xml) is refused when the plan is made,
 /// located at `dataset.path` (the download stage failed, naming a folder in the cache); the
-/// extensions it reads are read in any case (`DATA.JSONL` was ignored after the download).
+/// extensions it reads are read in any case (`DATA.JSONL` was ignored after the download), and a
+/// tab-separated `.tsv` reads as datasets reads it.
 #[test]
 fn a_dataset_rtune_cannot_read_is_refused_by_the_plan() {
     let p = Project::tiny_offline();
-    std::fs::write(p.path().join("data/x.tsv"), "instruction\tinput\toutput\na\t\tb\n").unwrap();
-    let o = p.plan(&["dataset.path=\"data/x.tsv\""]);
+    std::fs::write(p.path().join("data/x.xml"), "<rows><row>a</row></rows>\n").unwrap();
+    let o = p.plan(&["dataset.path=\"data/x.xml\""]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("rtune::data::unsupported") && err.contains("`data/x.tsv` is not a file rtune reads"),
+        err.contains("rtune::data::unsupported") && err.contains("`data/x.xml` is not a file rtune reads"),
         "{err}"
     );
-    assert!(err.contains("save it as .csv") && err.contains("this dataset"), "{err}");
+    assert!(err.contains(".csv, .tsv, .txt") && err.contains("this dataset"), "{err}");
     std::fs::copy(p.path().join("data/synthetic-alpaca.jsonl"), p.path().join("data/DATA.JSONL")).unwrap();
     let o = p.run(&["run", "tiny.toml", "--until", "tokenize", "--set", "dataset.path=\"data/DATA.JSONL\""]);
     assert!(o.status.success() && stderr(&o).contains("3000 rows → 2850 train"), "{}", stderr(&o));
+    let tsv: String = (0..40).map(|i| format!("what is {i}, twice?\t\t\"{}\"\n", 2 * i)).collect();
+    std::fs::write(p.path().join("data/x.tsv"), format!("instruction\tinput\toutput\n{tsv}")).unwrap();
+    let o = p.run(&["run", "tiny.toml", "--until", "tokenize", "--set", "dataset.path=\"data/x.tsv\""]);
+    assert!(o.status.success() && stderr(&o).contains("40 rows → 38 train"), "{}", stderr(&o));
 }
 
 /// With `skip_bad_rows`, each bad row is dropped and counted once, whoever refuses it: the

@@ -114,13 +114,13 @@ fn golden_fingerprints() {
         .map(|s| (s["name"].as_str().unwrap().to_string(), s["fingerprint"].as_str().unwrap().to_string()))
         .collect();
     let want = [
-        ("download", "e1f31a377af02f9270c99c45d915a0f88b77eecd50ce5e139abf644510e279d9"),
-        ("tokenize", "121a4d678e7688e0d55fce7e9c96fd3718bbcdb582c5d9d835afea88830ee345"),
-        ("train", "e47e7bff0144ba4caea798bfcefdf8d187a6e91c669c4a8bf90cd709272cb4f3"),
-        ("eval_base", "9aa8dd7691d86d25e1774ade60453c324f9a18ccc73787056503d7d19e01819c"),
-        ("evaluate", "2830a5f50a547aa27312c440f7504e3cfaeab98ca877f943a6926dd343d064d9"),
-        ("quantize", "87188788ecd050213230256caa8c4763fc8327e75c112ec798f85f167c3edcb5"),
-        ("upload", "319a4bda7d8ed8fc15712e0838bb434a9d11f4aa4089b070cac1502a34e93331"),
+        ("download", "0272862a2302a0cc87f69b2d54b37879ccd86c4bdf0a11356562600578e3108a"),
+        ("tokenize", "e017def9e04bad440ee17c8614c82239add69ab55befe61002700ebd1cb2c014"),
+        ("train", "5cc9164ab4ff3e786c837fd57aa152ca61d4ce330e4c2ecc854c2db0fcda322d"),
+        ("eval_base", "26d058c4e24b4898c38c17a2295d46b8177af30541988a8f523f4697a8003806"),
+        ("evaluate", "35a5fc8c449493e72f228276e9b6513d73534504a560612ffef1dffc569c63d9"),
+        ("quantize", "07d7cf40a6a727b0ad669463cc8396bfdd24452083c39685a13980974cfefa06"),
+        ("upload", "a7950e307936ccd5eef587fb4cb05a72f031b2b2d01220b514d9570be89833ec"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);

@@ -17,9 +17,16 @@
 //!
 //! `data_files` may also be one pattern or a list of them (all `train`). Globs are fsspec's: `*`
 //! and `?` stop at `/`, a `**` folder matches any depth; hidden files, `__` folders and
-//! datasets' metadata files match only where the pattern names them. Other keys of a config
-//! (a CSV `sep`, a JSON `field`, `features`) are not applied. tests/fixtures/data/splits.json
+//! datasets' metadata files match only where the pattern names them. tests/fixtures/data/splits.json
 //! holds datasets' own answers.
+//!
+//! A config's settings for its files' loader ([`Reading`]) are applied where they change the
+//! rows: a CSV's `sep` (or `delimiter`), a JSON file's `field`, a text file's `sample_by` and
+//! `keep_linebreaks`. A setting that would change the rows in a way rtune does not read
+//! (`header`, `skiprows`, a non-UTF-8 `encoding`, …) is refused by name rather than read
+//! differently; settings that only type or batch the columns (`features`, `chunksize`) leave
+//! rtune's rows as they are, and keys no loader knows are ignored, as datasets ignores them.
+//! tests/fixtures/data/formats.json holds datasets' rows for each.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,6 +48,154 @@ struct Config {
     data_dir: Option<String>,
     #[serde(default)]
     default: bool,
+    /// The loader's settings (`sep`, `field`, …): [`Reading::of`].
+    #[serde(flatten)]
+    settings: BTreeMap<String, serde_yaml_ng::Value>,
+}
+
+/// How a config's files are read into rows: the settings of datasets' CSV, JSON and text loaders
+/// that rtune applies. The default reads as datasets does without settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reading {
+    /// A CSV's cell separator (`sep` or `delimiter`); None: `,`, or a tab in a `.tsv` file.
+    pub sep: Option<String>,
+    /// The separator was written as more than one character, which pandas reads as a regular
+    /// expression, splitting at every match: quotes are not special then.
+    pub sep_ignores_quotes: bool,
+    /// A JSON file is one object whose `field` holds the rows: a list of objects, a list of
+    /// strings (`text` rows) or an object of equal-length lists (its columns).
+    pub field: Option<String>,
+    /// How a text file is cut into rows.
+    pub sample_by: SampleBy,
+    /// A text row keeps its line break (`sample_by = "line"` only).
+    pub keep_linebreaks: bool,
+}
+
+/// datasets' text loader's `sample_by`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SampleBy {
+    /// One row per line (rtune skips blank lines).
+    #[default]
+    Line,
+    /// One row per paragraph: the text between blank lines (`"\n\n"`), as `str.split` cuts it.
+    Paragraph,
+    /// One row per file.
+    Document,
+}
+
+/// Loader settings that change the rows in ways rtune does not read; refused by name.
+const REFUSED: [&str; 21] = [
+    "header",
+    "names",
+    "column_names",
+    "index_col",
+    "usecols",
+    "prefix",
+    "skiprows",
+    "nrows",
+    "skipfooter",
+    "skip_blank_lines",
+    "quotechar",
+    "quoting",
+    "escapechar",
+    "doublequote",
+    "comment",
+    "lineterminator",
+    "dialect",
+    "encoding_errors",
+    "columns",
+    "filters",
+    "delim_whitespace",
+];
+
+impl Reading {
+    /// The reading settings of config `name`'s other keys.
+    fn of(name: &str, settings: &BTreeMap<String, serde_yaml_ng::Value>) -> Result<Reading, String> {
+        use serde_yaml_ng::Value;
+        let text = |key: &str| -> Result<Option<String>, String> {
+            match settings.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(other) => Err(format!("config `{name}`'s `{key}` is {other:?}, not a string")),
+            }
+        };
+        let mut r = Reading::default();
+        // Null is these settings' default, except for `header` (whose default is "infer": null
+        // reads the first line as data).
+        let set = |k: &str, v: &Value| match k {
+            "header" => !matches!(v, Value::String(s) if s == "infer") && v.as_u64() != Some(0),
+            _ => !v.is_null(),
+        };
+        if let Some(key) = REFUSED.iter().find(|k| settings.get(**k).is_some_and(|v| set(k, v))) {
+            return Err(format!(
+                "config `{name}` sets `{key}`, which rtune does not apply: its rows would differ from datasets'"
+            ));
+        }
+        if let Some(enc) = text("encoding")? {
+            let e = enc.to_ascii_lowercase().replace('_', "-");
+            if !matches!(e.as_str(), "utf-8" | "utf8" | "utf-8-sig") {
+                return Err(format!("config `{name}` reads its files as `{enc}`; rtune reads UTF-8 only"));
+            }
+        }
+        r.sep = match (text("sep")?, text("delimiter")?) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(format!("config `{name}` sets both `sep` ({a:?}) and `delimiter` ({b:?})"));
+            }
+            (a, b) => a.or(b).map(|s| literal_sep(name, &s)).transpose()?,
+        };
+        r.sep_ignores_quotes = text("sep")?.or(text("delimiter")?).is_some_and(|s| s.chars().count() > 1);
+        r.field = text("field")?;
+        r.sample_by = match text("sample_by")?.as_deref() {
+            None | Some("line") => SampleBy::Line,
+            Some("paragraph") => SampleBy::Paragraph,
+            Some("document") => SampleBy::Document,
+            Some(other) => {
+                return Err(format!(
+                    "config `{name}`'s `sample_by` is `{other}`: datasets' text loader takes line, paragraph or document"
+                ));
+            }
+        };
+        r.keep_linebreaks = match settings.get("keep_linebreaks") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => return Err(format!("config `{name}`'s `keep_linebreaks` is {other:?}, not true or false")),
+        };
+        Ok(r)
+    }
+}
+
+/// The separator `sep` as literal text. pandas reads a separator of more than one character as
+/// a regular expression: one that matches only itself (`::`, or an escaped character such as
+/// `\t` or `\|`) is read; a pattern is refused.
+fn literal_sep(name: &str, sep: &str) -> Result<String, String> {
+    if sep.chars().count() == 1 {
+        return Ok(sep.to_string());
+    }
+    let mut out = String::new();
+    let mut chars = sep.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next() {
+                Some('t') => out.push('\t'),
+                Some(c) if !c.is_alphanumeric() => out.push(c),
+                _ => return Err(refused_sep(name, sep)),
+            },
+            '.' | '^' | '$' | '*' | '+' | '?' | '(' | ')' | '[' | ']' | '{' | '}' | '|' => {
+                return Err(refused_sep(name, sep));
+            }
+            c => out.push(c),
+        }
+    }
+    if out.is_empty() {
+        return Err(format!("config `{name}`'s `sep` is empty"));
+    }
+    Ok(out)
+}
+
+fn refused_sep(name: &str, sep: &str) -> String {
+    format!(
+        "config `{name}`'s `sep` {sep:?} is a regular expression (as pandas reads it); rtune reads a literal separator"
+    )
 }
 
 #[derive(Deserialize)]
@@ -75,12 +230,22 @@ impl OneOrMany {
 }
 
 /// The splits of `dir`'s data files `names` (relative, with `/`) under config `config` (None: the
-/// default) of its README's `configs:`; None when the folder has no such README section and no
-/// config is asked for. `Err` says why the card cannot be read as asked.
-pub fn config_splits(dir: &Path, names: &[String], config: Option<&str>) -> Result<Option<Splits>, String> {
-    let configs = match std::fs::read_to_string(dir.join("README.md")) {
-        Ok(text) => card_configs(&text)?,
-        Err(_) => Vec::new(),
+/// default) of its README's `configs:`, and how that config reads them; None when the folder has
+/// no such README section and no config is asked for. `Err` says why the card cannot be read as
+/// asked.
+pub fn config_splits(dir: &Path, names: &[String], config: Option<&str>) -> Result<Option<(Splits, Reading)>, String> {
+    card_splits(std::fs::read_to_string(dir.join("README.md")).ok().as_deref(), names, config)
+}
+
+/// [`config_splits`] of a card's text (None: no README.md).
+pub fn card_splits(
+    card: Option<&str>,
+    names: &[String],
+    config: Option<&str>,
+) -> Result<Option<(Splits, Reading)>, String> {
+    let configs = match card {
+        Some(text) => card_configs(text)?,
+        None => Vec::new(),
     };
     if configs.is_empty() {
         return match config {
@@ -111,6 +276,7 @@ pub fn config_splits(dir: &Path, names: &[String], config: Option<&str>) -> Resu
     };
     let c = &configs[index];
     let name = &named[index];
+    let reading = Reading::of(name, &c.settings)?;
     // Under `data_dir`, patterns and names are relative to it.
     let base = c.data_dir.as_deref().map(|d| format!("{}/", d.trim_matches('/'))).unwrap_or_default();
     let local: Vec<&str> = names.iter().filter_map(|n| n.strip_prefix(base.as_str())).collect();
@@ -121,9 +287,9 @@ pub fn config_splits(dir: &Path, names: &[String], config: Option<&str>) -> Resu
             if splits.is_empty() {
                 return Err(format!("config `{name}` finds no data files under `{base}`"));
             }
-            return Ok(Some(
-                splits.into_iter().map(|(s, f)| (s, f.iter().map(|f| format!("{base}{f}")).collect())).collect(),
-            ));
+            let splits =
+                splits.into_iter().map(|(s, f)| (s, f.iter().map(|f| format!("{base}{f}")).collect())).collect();
+            return Ok(Some((splits, reading)));
         }
         Some(Files::One(p)) => vec![("train".into(), vec![p.clone()])],
         Some(Files::Many(p)) => vec![("train".into(), p.clone())],
@@ -153,7 +319,7 @@ pub fn config_splits(dir: &Path, names: &[String], config: Option<&str>) -> Resu
         }
         splits.push((split, files));
     }
-    Ok(Some(splits))
+    Ok(Some((splits, reading)))
 }
 
 /// The `configs:` of a dataset card (empty without front matter or without the section).
@@ -192,5 +358,36 @@ fn parts_match(p: &[&str], n: &[&str]) -> bool {
         None => n.is_empty(),
         Some((&"**", rest)) => (0..=n.len()).any(|skip| parts_match(rest, &n[skip..])),
         Some((first, rest)) => !n.is_empty() && crate::glob::fnmatch(first, n[0]) && parts_match(rest, &n[1..]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reading(yaml: &str) -> Result<Reading, String> {
+        Reading::of("c", &serde_yaml_ng::from_str(yaml).unwrap())
+    }
+
+    #[test]
+    fn loader_settings_read_or_are_refused_by_name() {
+        let sep = |yaml: &str| reading(yaml).map(|r| (r.sep, r.sep_ignores_quotes));
+        assert_eq!(sep("sep: ';'"), Ok((Some(";".into()), false)));
+        assert_eq!(sep("delimiter: '\\t'"), Ok((Some("\t".into()), true)));
+        assert_eq!(sep("sep: \"\\t\""), Ok((Some("\t".into()), false)));
+        assert_eq!(sep("{sep: '::', delimiter: '::'}"), Ok((Some("::".into()), true)));
+        assert!(sep("{sep: ';', delimiter: ','}").unwrap_err().contains("both `sep`"));
+        for pattern in ["'\\s+'", "'a|b'", "'..'", "''"] {
+            assert!(sep(&format!("sep: {pattern}")).is_err(), "{pattern}");
+        }
+        assert_eq!(reading("sample_by: paragraph").unwrap().sample_by, SampleBy::Paragraph);
+        assert!(reading("sample_by: sentence").unwrap_err().contains("line, paragraph or document"));
+        assert!(reading("keep_linebreaks: 'yes'").is_err());
+        // `header: infer` (the default) and unknown or typing-only keys read as without them.
+        assert_eq!(reading("{header: infer, features: [], foo: 1, encoding: UTF-8}"), Ok(Reading::default()));
+        for refused in ["header: null", "skiprows: 2", "names: [a, b]", "encoding: latin-1"] {
+            let e = reading(refused).unwrap_err();
+            assert!(e.contains("rtune does not apply") || e.contains("UTF-8 only"), "{refused}: {e}");
+        }
     }
 }

@@ -1,11 +1,16 @@
-//! Dataset files to rows: JSON Lines, a JSON array of objects, CSV with a header, or plain text
-//! (one row per non-empty line). A folder's data files fall into splits (its card's configs,
-//! else their names: `super::configs`, `super::splits`); a split's files are read in name order.
+//! Dataset files to rows, as 🤗 datasets' loaders read them: JSON Lines; a `.json` file holding
+//! an array of objects (or of strings: `text` rows), or objects one after another (JSON Lines,
+//! or pretty-printed), or with a config's `field` one object whose field holds the rows; CSV (or
+//! tab-separated `.tsv`) with a header; Parquet; plain text (one row per non-empty line, or per
+//! paragraph or file with a config's `sample_by`). A folder's data files fall into splits (its
+//! card's configs, else their names: `super::configs`, `super::splits`), and its card's config
+//! says how they read ([`Reading`]); a split's files are read in name order.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+use super::configs::{Reading, SampleBy};
 use super::splits::Splits;
 
 use super::DataError;
@@ -24,7 +29,7 @@ pub struct Row {
 pub fn read_rows(path: &Path, skip_bad: bool) -> Result<(Vec<Row>, Vec<DataError>), DataError> {
     let mut rows = Vec::new();
     let skipped = for_each_row(
-        &data_files(path, None, None)?.files,
+        &data_files(path, None, None)?,
         skip_bad,
         &mut |r| {
             rows.push(r);
@@ -54,18 +59,19 @@ impl Skipped {
 }
 
 /// Stream every row of `files` (from [`data_files`]) to `each`, in order, holding one line (one
-/// Parquet row, or for `.json` arrays the whole file) at a time: a dataset is never read into
-/// memory whole. Malformed rows stop the read, or with `skip_bad` are counted. `progress` hears
-/// the bytes read so far (of [`total_bytes`]) now and then.
+/// Parquet row, one item of a `.json` array) at a time: a dataset is never read into memory
+/// whole (except a JSON file read by `field`, and a text file by `sample_by = "document"`, which
+/// datasets reads whole too). Malformed rows stop the read, or with `skip_bad` are counted.
+/// `progress` hears the bytes read so far (of [`total_bytes`]) now and then.
 pub fn for_each_row(
-    files: &[PathBuf],
+    files: &DataFiles,
     skip_bad: bool,
     each: &mut dyn FnMut(Row) -> Result<(), DataError>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<Skipped, DataError> {
     let mut skipped = Skipped::default();
     let mut done = 0u64;
-    for f in files {
+    for f in &files.files {
         let mut push = |r: Result<Row, DataError>| -> Result<(), DataError> {
             match r {
                 Ok(row) => each(row),
@@ -77,7 +83,7 @@ pub fn for_each_row(
             }
         };
         let base = done;
-        done += read_file(f, &mut push, &mut |n| progress(base + n))?;
+        done += read_file(f, &files.reading, &mut push, &mut |n| progress(base + n))?;
         progress(done);
     }
     Ok(skipped)
@@ -94,6 +100,15 @@ pub struct DataFiles {
     pub files: Vec<PathBuf>,
     /// The folder's other splits (empty for a file, or when every file is read).
     pub unread: Splits,
+    /// How the files read (their config's loader settings).
+    pub reading: Reading,
+}
+
+impl DataFiles {
+    /// `files`, read with no loader settings.
+    pub fn of(files: Vec<PathBuf>) -> DataFiles {
+        DataFiles { files, unread: Vec::new(), reading: Reading::default() }
+    }
 }
 
 /// The data files of `path`: the file itself, or a folder's data files in name order (hidden
@@ -101,33 +116,37 @@ pub struct DataFiles {
 /// split the files do not name is [`DataError::NoSplit`].
 pub fn data_files(path: &Path, split: Option<&str>, config: Option<&str>) -> Result<DataFiles, DataError> {
     if !path.is_dir() {
-        return Ok(DataFiles { files: vec![path.to_path_buf()], unread: Vec::new() });
+        return Ok(DataFiles::of(vec![path.to_path_buf()]));
     }
     let Some(split) = split else {
         let names = data_names(path)?;
-        return Ok(DataFiles { files: names.iter().map(|n| path.join(n)).collect(), unread: Vec::new() });
+        return Ok(DataFiles::of(names.iter().map(|n| path.join(n)).collect()));
     };
-    let splits = folder_splits(path, config)?;
+    let (splits, reading) = folder_splits(path, config)?;
     let Some((_, mine)) = splits.iter().find(|(name, _)| name == split) else {
         return Err(DataError::NoSplit { split: split.to_string(), found: splits });
     };
     let files = mine.iter().map(|n| path.join(n)).collect();
     let unread = splits.iter().filter(|(name, _)| name != split).cloned().collect();
-    Ok(DataFiles { files, unread })
+    Ok(DataFiles { files, unread, reading })
 }
 
 /// The splits of a dataset folder's data files: those of `config` (None: the default) where its
 /// README.md names configs ([`super::configs`]), else as their names say
-/// ([`super::splits::infer`]); at least one.
-pub fn folder_splits(path: &Path, config: Option<&str>) -> Result<Splits, DataError> {
+/// ([`super::splits::infer`]); at least one. With them, how the config reads its files.
+pub fn folder_splits(path: &Path, config: Option<&str>) -> Result<(Splits, Reading), DataError> {
     let names = data_names(path)?;
-    let splits = match super::configs::config_splits(path, &names, config) {
-        Ok(Some(splits)) => splits,
-        Ok(None) => super::splits::infer(&names)
-            .map_err(|message| DataError::Invalid { message, help: Some(SPLIT_NAMES.into()) })?,
+    let (splits, reading) = match super::configs::config_splits(path, &names, config) {
+        Ok(Some(found)) => found,
+        Ok(None) => (
+            super::splits::infer(&names)
+                .map_err(|message| DataError::Invalid { message, help: Some(SPLIT_NAMES.into()) })?,
+            Reading::default(),
+        ),
         Err(message) => {
-            let help = "the dataset card (README.md) names the dataset's configs and the files of their splits, \
-                        as 🤗 datasets reads them: name one with `dataset.config`";
+            let help = "the dataset card (README.md) names the dataset's configs, the files of their splits and \
+                        how they read, as 🤗 datasets reads them: name another with `dataset.config`, or see \
+                        docs/interop.md for the loader settings rtune applies";
             return Err(DataError::Invalid { message, help: Some(help.into()) });
         }
     };
@@ -141,7 +160,7 @@ pub fn folder_splits(path: &Path, config: Option<&str>) -> Result<Splits, DataEr
             ),
         });
     }
-    Ok(splits)
+    Ok((splits, reading))
 }
 
 /// A folder's data files (relative, with `/`), hidden ones skipped, in name order; none is an
@@ -209,12 +228,12 @@ pub const SPLIT_NAMES: &str = "files name their split as in 🤗 datasets: `trai
      `train/…` / `validation/…`, or shards `data/train-00000-of-00001.parquet`";
 
 /// The dataset files rtune reads, by extension, as a sentence's list.
-pub const FORMATS: &str = ".jsonl, .json, .csv, .txt or .parquet";
+pub const FORMATS: &str = ".jsonl, .json, .csv, .tsv, .txt or .parquet";
 
 /// Whether rtune reads a file of this name as data (by its extension, in any case).
 pub fn supported(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
-    [".jsonl", ".json", ".csv", ".txt", ".parquet"].iter().any(|e| name.ends_with(e))
+    [".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet"].iter().any(|e| name.ends_with(e))
 }
 
 /// Parquet rows as JSON objects (lists and structs nest, as in `datasets`); row N of the file is
@@ -262,20 +281,49 @@ fn read_parquet_inner(path: &Path, name: &str, push: Push<'_>) -> Result<(), Dat
     Ok(())
 }
 
-/// Read one file's rows into `push`; returns the bytes read.
-fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Result<u64, DataError> {
+/// Read one file's rows into `push`, as `reading` says; returns the bytes read.
+fn read_file(path: &Path, reading: &Reading, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Result<u64, DataError> {
     let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let ext = name.rsplit('.').next().unwrap_or_default().to_ascii_lowercase();
     let io = |e| DataError::Io { path: path.display().to_string(), source: e };
     let size = std::fs::metadata(path).map_err(io)?.len();
-    if ext == "parquet" {
-        read_parquet(path, &name, push)?;
-        return Ok(size);
-    }
-    if ext == "json" {
-        read_json_array(path, &name, push, progress)?;
-        return Ok(size);
-    }
+    let kind = match ext.as_str() {
+        "parquet" => {
+            read_parquet(path, &name, push)?;
+            return Ok(size);
+        }
+        "json" | "jsonl" if reading.field.is_some() => {
+            read_json_field(path, &name, reading.field.as_deref().unwrap_or_default(), push)?;
+            return Ok(size);
+        }
+        "json" => match json_layout(path).map_err(io)? {
+            JsonLayout::Array => {
+                read_json_array(path, &name, push, progress)?;
+                return Ok(size);
+            }
+            JsonLayout::Objects => {
+                read_json_objects(path, &name, push, progress)?;
+                return Ok(size);
+            }
+            JsonLayout::Lines => Lines::Json,
+            JsonLayout::Other => {
+                return Err(DataError::Invalid {
+                    message: format!("`{name}` is not a JSON array of objects"),
+                    help: Some("write one object per line as .jsonl, or wrap the objects in [ … ]".into()),
+                });
+            }
+        },
+        "jsonl" => Lines::Json,
+        "csv" | "tsv" => Lines::Csv {
+            sep: reading.sep.clone().unwrap_or_else(|| if ext == "tsv" { "\t" } else { "," }.into()),
+            quotes: !reading.sep_ignores_quotes,
+        },
+        _ if reading.sample_by != SampleBy::Line => {
+            read_text_samples(path, &name, reading.sample_by, push, progress)?;
+            return Ok(size);
+        }
+        _ => Lines::Text { keep_linebreaks: reading.keep_linebreaks },
+    };
     // Line formats stream: one line in memory at a time.
     let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
     let mut buf = Vec::new();
@@ -294,14 +342,16 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
         if i.is_multiple_of(4096) {
             progress(read);
         }
+        let ended = buf.last() == Some(&b'\n');
         while matches!(buf.last(), Some(b'\n' | b'\r')) {
             buf.pop();
         }
+        let csv = matches!(kind, Lines::Csv { .. });
         let mut line = match utf8(&name, std::mem::take(&mut buf), i - 1) {
             Ok(line) => line,
             // A line of a JSON Lines or text file is a row: with `skip_bad_rows` it is skipped
             // like any bad row. A CSV header, or a line inside a quoted cell, is not.
-            Err(e) if ext != "csv" || (header.is_some() && record.is_none()) => {
+            Err(e) if !csv || (header.is_some() && record.is_none()) => {
                 push(Err(e))?;
                 continue;
             }
@@ -311,15 +361,16 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
             // Excel's "CSV UTF-8" and some Windows editors start the file with a byte order mark.
             line.drain(..BOM.len());
         }
-        match ext.as_str() {
-            "jsonl" => {
+        match &kind {
+            Lines::Json => {
                 if !line.trim().is_empty() {
                     push(parse_object(&name, i, &line))?;
                 }
             }
-            "csv" => {
+            Lines::Csv { sep, quotes } => {
                 // A quoted cell may hold line breaks: a record goes on until its quotes balance.
-                let quotes = line.bytes().filter(|b| *b == b'"').count();
+                let quoted = *quotes;
+                let quotes = if quoted { line.bytes().filter(|b| *b == b'"').count() } else { 0 };
                 let (start, line) = match record.take() {
                     Some((start, mut text)) => {
                         text.push('\n');
@@ -341,31 +392,41 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
                     None => (i, line),
                 };
                 let Some(header) = &header else {
-                    header = Some(split_csv(&line));
+                    header = Some(split_csv(&line, sep, quoted));
                     continue;
                 };
                 if line.trim().is_empty() {
                     continue;
                 }
-                let cells = split_csv(&line);
+                let cells = split_csv(&line, sep, quoted);
                 if cells.len() != header.len() {
+                    let help = match (sep.as_str(), quoted) {
+                        ("\t", _) => "quote cells that contain tabs: \"a<tab>b\"".to_string(),
+                        (_, true) => format!("quote cells that contain `{sep}`: \"a{sep} b\""),
+                        // pandas splits at a separator of several characters as at a pattern.
+                        (_, false) => {
+                            format!("a separator of several characters ignores quotes: no cell may hold `{sep}`")
+                        }
+                    };
                     push(Err(DataError::bad_row(
                         &name,
                         start,
                         &line,
                         Some(0..line.len()),
                         format!("row has {} cells, the header has {}", cells.len(), header.len()),
-                        Some("quote cells that contain commas: \"a, b\"".into()),
+                        Some(help),
                     )))?;
                     continue;
                 }
                 let fields = header.iter().cloned().zip(cells.into_iter().map(Value::String)).collect();
                 push(Ok(Row { fields, file: name.clone(), line: start }))?;
             }
-            _ => {
+            Lines::Text { keep_linebreaks } => {
                 if !line.trim().is_empty() {
-                    let fields = Map::from_iter([("text".to_string(), Value::String(line))]);
-                    push(Ok(Row { fields, file: name.clone(), line: i }))?;
+                    if *keep_linebreaks && ended {
+                        line.push('\n');
+                    }
+                    push(Ok(text_row(line, &name, i)))?;
                 }
             }
         }
@@ -374,6 +435,228 @@ fn read_file(path: &Path, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Resu
         return Err(unclosed_quote(&name, start, &text));
     }
     Ok(read)
+}
+
+/// How a line-by-line file reads: each line a JSON object, CSV records with this separator
+/// (and RFC 4180 quotes, or none), or text.
+enum Lines {
+    Json,
+    Csv { sep: String, quotes: bool },
+    Text { keep_linebreaks: bool },
+}
+
+/// A `text` row.
+fn text_row(text: String, file: &str, line: usize) -> Row {
+    Row { fields: Map::from_iter([("text".to_string(), Value::String(text))]), file: file.to_string(), line }
+}
+
+/// What a `.json` file holds, by its first value: an array; objects one per line (JSON Lines,
+/// which datasets reads from `.json` files too); objects spread over lines (pretty-printed); or
+/// something else.
+enum JsonLayout {
+    Array,
+    Lines,
+    Objects,
+    Other,
+}
+
+fn json_layout(path: &Path) -> std::io::Result<JsonLayout> {
+    use std::io::BufRead;
+    let mut reader = std::io::BufReader::new(std::fs::File::open(path)?);
+    let mut first = Vec::new();
+    // The first non-blank line (bounded: a line this long is not JSON Lines' first object).
+    while first.iter().all(u8::is_ascii_whitespace) {
+        first.clear();
+        if std::io::Read::take(&mut reader, 64 << 20).read_until(b'\n', &mut first)? == 0 {
+            break;
+        }
+        if first.starts_with(BOM.as_bytes()) {
+            first.drain(..BOM.len());
+        }
+    }
+    Ok(match first.iter().find(|b| !b.is_ascii_whitespace()) {
+        None | Some(b'[') => JsonLayout::Array,
+        Some(b'{') if matches!(serde_json::from_slice::<Value>(&first), Ok(Value::Object(_))) => JsonLayout::Lines,
+        Some(b'{') => JsonLayout::Objects,
+        Some(_) => JsonLayout::Other,
+    })
+}
+
+/// A `.json` file of objects one after another, spread over lines (pretty-printed): each object
+/// is a row, reported at the line it starts on. A malformed object stops the read (the next
+/// object cannot be found without it).
+fn read_json_objects(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn FnMut(u64)) -> Result<(), DataError> {
+    use serde::Deserialize;
+    use std::io::BufRead;
+    let io = |e| DataError::Io { path: path.display().to_string(), source: e };
+    let reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
+    let mut counted = Counted { inner: reader, read: 0, progress, lines: 0 };
+    if counted.inner.fill_buf().map_err(io)?.starts_with(BOM.as_bytes()) {
+        counted.inner.consume(BOM.len());
+    }
+    loop {
+        // Skip the blanks before the next object, counting lines.
+        let next = loop {
+            let buf = counted.inner.fill_buf().map_err(io)?;
+            let Some(at) = buf.iter().position(|b| !b.is_ascii_whitespace()) else {
+                if buf.is_empty() {
+                    break None;
+                }
+                let (n, lines) = (buf.len(), buf.iter().filter(|b| **b == b'\n').count());
+                counted.inner.consume(n);
+                counted.lines += lines;
+                continue;
+            };
+            let (b, lines) = (buf[at], buf[..at].iter().filter(|b| **b == b'\n').count());
+            counted.inner.consume(at);
+            counted.lines += lines;
+            break Some(b);
+        };
+        let Some(b) = next else { return Ok(()) };
+        let line = counted.lines + 1;
+        let text = || read_line(path, line);
+        if b != b'{' {
+            let e = format!("expected a JSON object, found `{}`", b as char);
+            return Err(DataError::bad_row(name, line, &text(), Some(0..1), e, None));
+        }
+        // An object's end needs no look-ahead: the deserializer stops at its `}`.
+        let mut de = serde_json::Deserializer::from_reader(&mut counted);
+        match Value::deserialize(&mut de) {
+            Ok(Value::Object(fields)) => push(Ok(Row { fields, file: name.to_string(), line }))?,
+            Ok(_) => unreachable!("a JSON value that starts with `{{` is an object"),
+            Err(e) => {
+                let at = line + e.line() - 1;
+                let col = e.column().saturating_sub(1);
+                let msg = format!("malformed JSON: {e}");
+                return Err(DataError::bad_row(name, at, &read_line(path, at), Some(col..col + 1), msg, None));
+            }
+        }
+    }
+}
+
+/// With a config's `field`: the file is one JSON object (read whole, as datasets does), and its
+/// `field` holds the rows — a list of objects, a list of strings (`text` rows), or an object of
+/// equal-length lists (columns). Item N is reported as "line" N.
+fn read_json_field(path: &Path, name: &str, field: &str, push: Push<'_>) -> Result<(), DataError> {
+    let io = |e| DataError::Io { path: path.display().to_string(), source: e };
+    let bytes = std::fs::read(path).map_err(io)?;
+    let text = bytes.strip_prefix(BOM.as_bytes()).unwrap_or(&bytes);
+    let invalid = |message: String, help: &str| DataError::Invalid { message, help: Some(help.into()) };
+    let help = "the dataset card's config reads the rows from this field of the file's one JSON object";
+    let top = match serde_json::from_slice::<Value>(text) {
+        Ok(Value::Object(top)) => top,
+        Ok(other) => {
+            return Err(invalid(
+                format!("`{name}` is {}, not a JSON object with a field `{field}`", kind(&other)),
+                help,
+            ));
+        }
+        Err(e) => return Err(json_error(name, path, e)),
+    };
+    let Some(rows) = top.get(field) else {
+        let has = top.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
+        return Err(invalid(format!("`{name}` has no field `{field}`; its fields are {has}"), help));
+    };
+    let items: Vec<Value> = match rows {
+        Value::Array(items) => items.clone(),
+        Value::Object(columns) => {
+            let mut n = None;
+            for (col, v) in columns {
+                let len = v.as_array().map(Vec::len);
+                if len.is_none() || n.is_some_and(|n| Some(n) != len) {
+                    let what = format!(
+                        "`{name}`'s field `{field}` is an object, but its `{col}` is not a list as long as the others"
+                    );
+                    return Err(invalid(what, "an object of columns holds one equal-length list per column"));
+                }
+                n = len;
+            }
+            (0..n.unwrap_or(0))
+                .map(|i| Value::Object(columns.iter().map(|(c, v)| (c.clone(), v[i].clone())).collect()))
+                .collect()
+        }
+        other => {
+            let what = format!("`{name}`'s field `{field}` is {}, not a list of rows", kind(other));
+            return Err(invalid(what, "the field holds a list of objects, a list of strings, or an object of columns"));
+        }
+    };
+    for (i, item) in items.into_iter().enumerate() {
+        push(item_row(name, i + 1, item))?;
+    }
+    Ok(())
+}
+
+/// Item `i` of a JSON list as a row: an object, or a string as a `text` row (datasets' "list of
+/// strings").
+fn item_row(name: &str, i: usize, item: Value) -> Result<Row, DataError> {
+    match item {
+        Value::Object(fields) => Ok(Row { fields, file: name.to_string(), line: i }),
+        Value::String(text) => Ok(text_row(text, name, i)),
+        other => Err(DataError::bad_row(name, i, &other.to_string(), None, format!("item {i} is not an object"), None)),
+    }
+}
+
+/// A text file cut by paragraph (the text between `"\n\n"`, as Python's `str.split` cuts it, line
+/// breaks read as `\n`) or whole, as datasets' text loader with `sample_by`; blank rows are
+/// skipped. Paragraphs stream; a document is read whole.
+fn read_text_samples(
+    path: &Path,
+    name: &str,
+    by: SampleBy,
+    push: Push<'_>,
+    progress: &mut dyn FnMut(u64),
+) -> Result<u64, DataError> {
+    let io = |e| DataError::Io { path: path.display().to_string(), source: e };
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
+    let mut buf = Vec::new();
+    let (mut text, mut start, mut i, mut read) = (String::new(), 1usize, 0usize, 0u64);
+    let mut emit = |text: &str, start: usize| -> Result<(), DataError> {
+        if text.trim().is_empty() { Ok(()) } else { push(Ok(text_row(text.to_string(), name, start))) }
+    };
+    loop {
+        buf.clear();
+        let n = std::io::BufRead::read_until(&mut reader, b'\n', &mut buf).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        read += n as u64;
+        if i.is_multiple_of(4096) {
+            progress(read);
+        }
+        let ended = buf.last() == Some(&b'\n');
+        while matches!(buf.last(), Some(b'\n' | b'\r')) {
+            buf.pop();
+        }
+        let mut line = utf8(name, std::mem::take(&mut buf), i)?;
+        i += 1;
+        if i == 1 && line.starts_with(BOM) {
+            line.drain(..BOM.len());
+        }
+        text.push_str(&line.replace('\r', "\n"));
+        if ended {
+            text.push('\n');
+        }
+        if by == SampleBy::Paragraph {
+            while let Some(at) = text.find("\n\n") {
+                emit(&text[..at], start)?;
+                start += text[..at + 2].matches('\n').count();
+                text.drain(..at + 2);
+            }
+        }
+    }
+    emit(&text, start)?;
+    Ok(read)
+}
+
+/// Line `line` (1-based) of a file, bounded, for a snippet.
+fn read_line(path: &Path, line: usize) -> String {
+    use std::io::BufRead;
+    std::fs::File::open(path)
+        .ok()
+        .and_then(|f| std::io::BufReader::new(f).split(b'\n').nth(line.saturating_sub(1)))
+        .and_then(Result::ok)
+        .map(|l| String::from_utf8_lossy(&l[..l.len().min(4096)]).trim_end_matches('\r').to_string())
+        .unwrap_or_default()
 }
 
 /// The byte order mark some editors start UTF-8 files with.
@@ -411,20 +694,10 @@ fn read_json_array(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn F
     use std::io::BufRead;
     let io = |e| DataError::Io { path: path.display().to_string(), source: e };
     let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
-    // A value that is not an array (an object, a string, a number, …) is the wrong shape of
-    // file rather than malformed JSON; anything else is left to the parser to locate. (Peeked
-    // in the first buffer without consuming it, so the parser's line numbers stay right.)
     if reader.fill_buf().map_err(io)?.starts_with(BOM.as_bytes()) {
         reader.consume(BOM.len());
     }
-    let first = reader.fill_buf().map_err(io)?.iter().find(|b| !b.is_ascii_whitespace()).copied();
-    if first.is_some_and(|b| matches!(b, b'{' | b'"' | b'-' | b'0'..=b'9' | b't' | b'f' | b'n')) {
-        return Err(DataError::Invalid {
-            message: format!("`{name}` is not a JSON array of objects"),
-            help: Some("write one object per line as .jsonl, or wrap the objects in [ … ]".into()),
-        });
-    }
-    let mut de = serde_json::Deserializer::from_reader(Counted { inner: reader, read: 0, progress });
+    let mut de = serde_json::Deserializer::from_reader(Counted { inner: reader, read: 0, progress, lines: 0 });
     let mut stopped = None;
     let items = Items { name, push, stopped: &mut stopped };
     let result = serde::de::DeserializeSeed::deserialize(items, &mut de).and_then(|()| de.end());
@@ -434,16 +707,19 @@ fn read_json_array(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn F
     result.map_err(|e| json_error(name, path, e))
 }
 
-/// A reader that tells `progress` how far it has read, every 4 MiB.
+/// A reader that tells `progress` how far it has read, every 4 MiB, and counts the lines it has
+/// read.
 struct Counted<'p, R> {
     inner: R,
     read: u64,
     progress: &'p mut dyn FnMut(u64),
+    lines: usize,
 }
 
 impl<R: std::io::Read> std::io::Read for Counted<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
+        self.lines += buf[..n].iter().filter(|b| **b == b'\n').count();
         if (self.read + n as u64) >> 22 != self.read >> 22 {
             (self.progress)(self.read + n as u64);
         }
@@ -476,18 +752,7 @@ impl<'de> serde::de::Visitor<'de> for Items<'_, '_> {
         let mut i = 0;
         while let Some(item) = seq.next_element::<Value>()? {
             i += 1;
-            let row = match item {
-                Value::Object(fields) => Ok(Row { fields, file: self.name.to_string(), line: i }),
-                other => Err(DataError::bad_row(
-                    self.name,
-                    i,
-                    &other.to_string(),
-                    None,
-                    format!("item {i} is not an object"),
-                    None,
-                )),
-            };
-            if let Err(e) = (self.push)(row) {
+            if let Err(e) = (self.push)(item_row(self.name, i, item)) {
                 *self.stopped = Some(e);
                 return Err(serde::de::Error::custom("stopped"));
             }
@@ -516,13 +781,7 @@ fn parse_object(file: &str, line: usize, text: &str) -> Result<Row, DataError> {
 
 /// A JSON parse error located in its file: the line is read back (bounded) for the snippet.
 fn json_error(file: &str, path: &Path, e: serde_json::Error) -> DataError {
-    use std::io::BufRead;
-    let line_text = std::fs::File::open(path)
-        .ok()
-        .and_then(|f| std::io::BufReader::new(f).split(b'\n').nth(e.line().saturating_sub(1)))
-        .and_then(Result::ok)
-        .map(|l| String::from_utf8_lossy(&l[..l.len().min(4096)]).trim_end_matches('\r').to_string())
-        .unwrap_or_default();
+    let line_text = read_line(path, e.line());
     let col = e.column().saturating_sub(1);
     DataError::bad_row(file, e.line(), &line_text, Some(col..col + 1), format!("malformed JSON: {e}"), None)
 }
@@ -538,20 +797,29 @@ pub fn kind(v: &Value) -> &'static str {
     }
 }
 
-/// Split one CSV record (RFC 4180 quoting; a quoted cell may hold line breaks).
-fn split_csv(line: &str) -> Vec<String> {
+/// Split one CSV record at `sep`, with RFC 4180 quoting (a quoted cell may hold line breaks) if
+/// `quotes`.
+fn split_csv(line: &str, sep: &str, quotes: bool) -> Vec<String> {
+    if !quotes {
+        return line.split(sep).map(str::to_string).collect();
+    }
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut quoted = false;
-    let mut chars = line.chars().peekable();
-    while let Some(c) = chars.next() {
+    let mut rest = line;
+    while let Some(c) = rest.chars().next() {
+        if !quoted && rest.starts_with(sep) {
+            out.push(std::mem::take(&mut cur));
+            rest = &rest[sep.len()..];
+            continue;
+        }
+        rest = &rest[c.len_utf8()..];
         match (c, quoted) {
-            ('"', true) if chars.peek() == Some(&'"') => {
+            ('"', true) if rest.starts_with('"') => {
                 cur.push('"');
-                chars.next();
+                rest = &rest[1..];
             }
             ('"', _) => quoted = !quoted,
-            (',', false) => out.push(std::mem::take(&mut cur)),
             (c, _) => cur.push(c),
         }
     }
@@ -573,7 +841,7 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let (mut rows, mut seen) = (Vec::new(), Vec::new());
         let r = for_each_row(
-            std::slice::from_ref(&path),
+            &DataFiles::of(vec![path.clone()]),
             skip_bad,
             &mut |row| {
                 rows.push(row);
@@ -604,8 +872,8 @@ mod tests {
         assert!(e.to_string().contains("malformed JSON"), "{e}");
         let (r, _, _) = rows_of("\n\n[\n {\"a\": 2,,}\n]", false);
         assert!(matches!(r.unwrap_err(), DataError::BadRow { line: 4, .. }), "leading blank lines count");
-        // Not an array at all; trailing garbage after the array.
-        for text in ["{\"a\": 1}", "\"rows\"", "[{\"a\": 1}] [2]"] {
+        // Neither an array nor objects; trailing garbage after the array.
+        for text in ["\"rows\"", "7", "[{\"a\": 1}] [2]"] {
             let (r, _, _) = rows_of(text, false);
             let e = r.unwrap_err().to_string();
             assert!(e.contains("not a JSON array of objects") || e.contains("trailing characters"), "{text}: {e}");
@@ -616,7 +884,7 @@ mod tests {
         std::fs::write(&path, "[{}, {}, {}]").unwrap();
         let mut n = 0;
         let e = for_each_row(
-            std::slice::from_ref(&path),
+            &DataFiles::of(vec![path.clone()]),
             false,
             &mut |_| {
                 n += 1;
@@ -628,9 +896,68 @@ mod tests {
         assert_eq!((e.to_string(), n), ("enough".to_string(), 1));
     }
 
+    /// A `.json` file of objects (as datasets reads it): JSON Lines, each a row at its line, a bad
+    /// line a bad row; pretty-printed objects, each at the line it starts on, a malformed one
+    /// located in the file.
+    #[test]
+    fn json_files_of_objects_read_as_lines_or_pretty_objects() {
+        let (r, rows, _) = rows_of("{\"a\": 1}\n\n{\"a\": 2}\n{\"a\": ,}\n{\"a\": 4}\n", true);
+        assert_eq!(r.unwrap().count, 1);
+        assert_eq!(rows.iter().map(|r| r.line).collect::<Vec<_>>(), [1, 3, 5]);
+        let (r, rows, _) = rows_of("\n{\n  \"a\": 1\n}\n\n{\n  \"a\": 2,\n  \"b\": {\"c\": 3}\n}", false);
+        r.unwrap();
+        assert_eq!(rows.iter().map(|r| r.line).collect::<Vec<_>>(), [2, 6]);
+        assert_eq!(rows[1].fields["b"]["c"], 3);
+        let (r, rows, _) = rows_of("{\n  \"a\": 1\n}\n{\n  \"a\": 2,,\n}\n", false);
+        let e = r.unwrap_err();
+        assert!(matches!(&e, DataError::BadRow { line: 5, .. }), "{e:?}");
+        assert_eq!(rows.len(), 1);
+        let (r, _, _) = rows_of("{\n  \"a\": 1\n}\n[2]", false);
+        assert!(matches!(r.unwrap_err(), DataError::BadRow { line: 4, .. }));
+    }
+
+    /// A config's `field`: the rows of one object's field, or a clear error naming what is there.
+    #[test]
+    fn a_json_field_holds_rows_or_columns() {
+        let field = |text: &str, field: &str| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("d.json");
+            std::fs::write(&path, text).unwrap();
+            let files = DataFiles {
+                reading: Reading { field: Some(field.into()), ..Reading::default() },
+                ..DataFiles::of(vec![path])
+            };
+            let mut rows = Vec::new();
+            for_each_row(
+                &files,
+                false,
+                &mut |r| {
+                    rows.push(Value::Object(r.fields));
+                    Ok(())
+                },
+                &mut |_| {},
+            )
+            .map(|_| rows)
+            .map_err(|e| e.to_string())
+        };
+        let rows = field("{\"data\": {\"a\": [1, 2], \"b\": [\"x\", \"y\"]}}", "data").unwrap();
+        assert_eq!(rows, [serde_json::json!({"a": 1, "b": "x"}), serde_json::json!({"a": 2, "b": "y"})]);
+        let e = field("{\"data\": [], \"version\": 1}", "rows").unwrap_err();
+        assert!(e.contains("has no field `rows`; its fields are `data`, `version`"), "{e}");
+        let e = field("{\"data\": {\"a\": [1, 2], \"b\": [1]}}", "data").unwrap_err();
+        assert!(e.contains("its `b` is not a list as long as the others"), "{e}");
+        let e = field("[{\"a\": 1}]", "data").unwrap_err();
+        assert!(e.contains("is an array, not a JSON object with a field `data`"), "{e}");
+        let e = field("{\"data\": 7}", "data").unwrap_err();
+        assert!(e.contains("is a number, not a list of rows"), "{e}");
+    }
+
     #[test]
     fn csv_quotes() {
-        assert_eq!(split_csv(r#"a,"b, c","say ""hi""""#), ["a", "b, c", "say \"hi\""]);
+        assert_eq!(split_csv(r#"a,"b, c","say ""hi""""#, ",", true), ["a", "b, c", "say \"hi\""]);
+        assert_eq!(split_csv("a::\"b::c\"::", "::", true), ["a", "b::c", ""]);
+        assert_eq!(split_csv("a\t\"b\tc\"", "\t", true), ["a", "b\tc"]);
+        assert_eq!(split_csv("a::\"b::c\"", "::", false), ["a", "\"b", "c\""]);
     }
     /// Excel's "CSV UTF-8" (and Notepad) start files with a byte order mark: it is not part of
     /// the first column's name or the first row.
@@ -664,7 +991,7 @@ mod tests {
             std::fs::write(&path, bytes).unwrap();
             let mut rows = 0;
             let skipped = for_each_row(
-                std::slice::from_ref(&path),
+                &DataFiles::of(vec![path.clone()]),
                 true,
                 &mut |_| {
                     rows += 1;
@@ -674,7 +1001,7 @@ mod tests {
             )
             .unwrap();
             assert_eq!((rows, skipped.count), (2, 1), "{name}");
-            let e = for_each_row(std::slice::from_ref(&path), false, &mut |_| Ok(()), &mut |_| {}).unwrap_err();
+            let e = for_each_row(&DataFiles::of(vec![path.clone()]), false, &mut |_| Ok(()), &mut |_| {}).unwrap_err();
             assert!(
                 matches!(&e, DataError::BadRow { line: 2 | 3, .. }) && e.to_string().contains("UTF-8"),
                 "{name}: {e}"
@@ -683,7 +1010,7 @@ mod tests {
         // A CSV header that is not UTF-8 stops the read whatever `skip_bad` says.
         let path = dir.path().join("h.csv");
         std::fs::write(&path, b"\xff\nx\n").unwrap();
-        assert!(for_each_row(std::slice::from_ref(&path), true, &mut |_| Ok(()), &mut |_| {}).is_err());
+        assert!(for_each_row(&DataFiles::of(vec![path.clone()]), true, &mut |_| Ok(()), &mut |_| {}).is_err());
     }
 
     /// A quoted cell may hold line breaks (pandas and spreadsheets write multi-line answers so);

@@ -445,7 +445,7 @@ mod tests {
                     sources: Sources { model: Some(local("m")), dataset: Some(hub), imatrix: None },
                 }),
                 inputs(&[]),
-                r#"{"fingerprint_version":3,"inputs":{},"kind":"download","settings":{"dataset":{"repo":"owner/data"},"model":{"path":"(by content)"}},"sources":{"dataset":{"commit":"cccccccccccccccccccccccccccccccccccccccc","exclude":[".*"],"hub":"owner/data","include":["*.jsonl"],"revision":"v1"},"model":"m"},"stage_version":2}"#,
+                r#"{"fingerprint_version":3,"inputs":{},"kind":"download","settings":{"dataset":{"repo":"owner/data"},"model":{"path":"(by content)"}},"sources":{"dataset":{"commit":"cccccccccccccccccccccccccccccccccccccccc","exclude":[".*"],"hub":"owner/data","include":["*.jsonl"],"revision":"v1"},"model":"m"},"stage_version":3}"#,
             ),
             (
                 StageKey::Tokenize(TokenizeKey {
@@ -460,7 +460,7 @@ mod tests {
                     },
                 }),
                 inputs(&["dataset", "model"]),
-                r#"{"fingerprint_version":3,"inputs":{"dataset":"fp-dataset","model":"fp-model"},"kind":"tokenize","settings":{"column_map":{"output":"response"},"eval_fraction":0.05,"format":"alpaca","max_seq_len":256,"packing":true,"seed":7,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"stage_version":3}"#,
+                r#"{"fingerprint_version":3,"inputs":{"dataset":"fp-dataset","model":"fp-model"},"kind":"tokenize","settings":{"column_map":{"output":"response"},"eval_fraction":0.05,"format":"alpaca","max_seq_len":256,"packing":true,"seed":7,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"stage_version":4}"#,
             ),
             (
                 StageKey::Train(TrainKey {
@@ -488,7 +488,7 @@ mod tests {
                     sources: Some(Sources { dataset: Some(local("d")), ..Sources::default() }),
                 }),
                 inputs(&["model", "weights"]),
-                r#"{"device":{"class":"cuda","dtype":"bf16"},"fingerprint_version":3,"inputs":{"model":"fp-model","weights":"fp-weights"},"kind":"evaluate","settings":{"data":{"column_map":{"output":"response"},"format":"alpaca","max_seq_len":256,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"evaluate":{"batch_size":4,"dataset":"held-out.jsonl","max_new_tokens":32,"model":"tuned","prompts":["hi"],"temperature":0.0},"prompt_format":"alpaca","seed":7},"sources":{"dataset":"d"},"stage_version":4}"#,
+                r#"{"device":{"class":"cuda","dtype":"bf16"},"fingerprint_version":3,"inputs":{"model":"fp-model","weights":"fp-weights"},"kind":"evaluate","settings":{"data":{"column_map":{"output":"response"},"format":"alpaca","max_seq_len":256,"skip_bad_rows":false,"train_on_prompt":false,"truncate":true},"evaluate":{"batch_size":4,"dataset":"held-out.jsonl","max_new_tokens":32,"model":"tuned","prompts":["hi"],"temperature":0.0},"prompt_format":"alpaca","seed":7},"sources":{"dataset":"d"},"stage_version":5}"#,
             ),
             (
                 StageKey::Quantize(QuantizeKey {

@@ -38,10 +38,9 @@ pub(super) fn dataset_source(loaded: &LoadedRecipe, rel: &str, at: &[&str]) -> R
     let path = loaded.resolve_path(rel);
     let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     if path.is_file() && !crate::data::source::supported(&name) {
-        let tsv = if name.ends_with(".tsv") { " (a .tsv file: save it as .csv)" } else { "" };
         return Err(Problem::new("rtune::data::unsupported", format!("`{rel}` is not a file rtune reads as data"))
             .at(loaded.origin(at), "this dataset")
-            .help(format!("a dataset is a {} file, or a folder holding them{tsv}", crate::data::source::FORMATS)));
+            .help(format!("a dataset is a {} file, or a folder holding them", crate::data::source::FORMATS)));
     }
     let files = crate::data::data_files(&path, None, None).map(|f| f.files).unwrap_or_default();
     if crate::data::total_bytes(&files) == 0 {
@@ -64,7 +63,7 @@ pub struct HubSource {
 /// The files of a model repo rtune needs: config, tokenizer, safetensors weights (and index).
 pub const MODEL_FILES: [&str; 4] = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"];
 /// Default dataset files.
-pub const DATASET_FILES: [&str; 5] = ["*.jsonl", "*.json", "*.csv", "*.txt", "*.parquet"];
+pub const DATASET_FILES: [&str; 6] = ["*.jsonl", "*.json", "*.csv", "*.tsv", "*.txt", "*.parquet"];
 
 pub fn hub_sources(loaded: &LoadedRecipe) -> Vec<(&'static str, HubSource)> {
     let r = &loaded.recipe;
@@ -237,7 +236,7 @@ pub(super) fn local_split(
             None => Ok(None),
         };
     }
-    let splits = crate::data::source::folder_splits(&path, None)
+    let (splits, _) = crate::data::source::folder_splits(&path, None)
         .map_err(|e| crate::data::source::located(e, loaded.origin(at), "this dataset"))?;
     match (split, &splits[..]) {
         (Some(s), _) => {
@@ -324,7 +323,7 @@ pub(super) fn check_dataset_splits(loaded: &LoadedRecipe) -> Result<(), Problem>
         return Ok(());
     }
     // The dataset card's configs first, located at the config the recipe names.
-    let splits = crate::data::source::folder_splits(&path, d.config.as_deref())
+    let (splits, _) = crate::data::source::folder_splits(&path, d.config.as_deref())
         .map_err(|e| crate::data::source::located(e, origin("config").or(origin("path")), "this dataset"))?;
     let train_files = named_split(&splits, train, origin("split").or(origin("path")))?;
     if let Some(eval) = &d.eval_split {

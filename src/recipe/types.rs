@@ -156,12 +156,14 @@ pub struct Dataset {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
     /// Which files of `repo` hold the rows (fnmatch patterns, `*` crosses folders).
-    /// Default: every `*.jsonl`, `*.json`, `*.csv`, `*.txt` and `*.parquet` file.
+    /// Default: every `*.jsonl`, `*.json`, `*.csv`, `*.tsv`, `*.txt` and `*.parquet` file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<Vec<String>>,
-    /// A local file (jsonl, json, csv, parquet, txt) or folder, relative to the recipe. Text files are UTF-8
-    /// (a leading byte order mark is ignored); a CSV has a header row and RFC 4180 quoting, and quoted
-    /// cells may span lines.
+    /// A local file (jsonl, json, csv, tsv, parquet, txt) or folder, relative to the recipe, read
+    /// as 🤗 datasets reads it. Text files are UTF-8 (a leading byte order mark is ignored); a CSV
+    /// (tab-separated: .tsv) has a header row and RFC 4180 quoting, and quoted cells may span lines;
+    /// a .json file holds a list of objects (or strings), or objects one after another. A folder's
+    /// dataset card may set its config's `sep`, `field` and `sample_by` (docs/interop.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     /// The split that trains, where `repo` or a `path` folder holds several. Files name their

@@ -60,7 +60,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &DownloadKey) -> Result<serde_json::Value, S
                 let reader = s.spawn(|| {
                     let mut n = 0usize;
                     let r = for_each_row(
-                        &files.files,
+                        &files,
                         true,
                         &mut |row| {
                             if let Some(text) = corpus_text(&row, corpus) {

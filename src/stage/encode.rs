@@ -2,7 +2,7 @@
 //! and by an `evaluate` stage that tokenizes its own dataset.
 
 use super::{StageCtx, StageError};
-use crate::data::{DataError, Encoded, Renderer, Row, Skipped, for_each_row, total_bytes};
+use crate::data::{DataError, DataFiles, Encoded, Renderer, Row, Skipped, for_each_row, total_bytes};
 use crate::model::ModelFolder;
 use crate::plan::key::Rendering;
 use crate::recipe::{Origin, Problem};
@@ -18,7 +18,7 @@ pub fn encode_each(
     ctx: &StageCtx<'_>,
     d: &Rendering,
     folder: &ModelFolder,
-    files: &[std::path::PathBuf],
+    files: &DataFiles,
     each: &mut dyn FnMut(Encoded) -> Result<(), StageError>,
 ) -> Result<(Skipped, usize), StageError> {
     let tokenizer = folder.tokenizer()?;
@@ -39,7 +39,7 @@ pub fn encode_each(
         column_map: &d.column_map,
         chat: chat.as_ref(),
     };
-    let mut bar = ctx.ui.bar("tokenize", total_bytes(files));
+    let mut bar = ctx.ui.bar("tokenize", total_bytes(&files.files));
     let (mut rows, mut bad) = (0usize, Skipped::default());
     let mut chunk: Vec<Row> = Vec::with_capacity(CHUNK);
     let mut failure: Option<StageError> = None;
@@ -93,7 +93,7 @@ pub fn encode_dataset(
     ctx: &StageCtx<'_>,
     d: &Rendering,
     folder: &ModelFolder,
-    files: &[std::path::PathBuf],
+    files: &DataFiles,
     (name, at): (&str, Option<&Origin>),
 ) -> Result<(Vec<Encoded>, Vec<DataError>, usize), StageError> {
     let mut encoded = Vec::new();

@@ -28,7 +28,7 @@ fn own_dataset(
     };
     let files = crate::data::source::split_files(path, (split, None), ctx.spans.origin(at))?;
     let named = (&format!("`{shown}`")[..], ctx.spans.origin(at));
-    let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, &files.files, named)?;
+    let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, &files, named)?;
     for b in bad.iter().take(3) {
         ctx.ui.warn(format!("dropped: {b}"));
     }

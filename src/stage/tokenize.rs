@@ -34,7 +34,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, S
     let mut all = TokenWriter::create(scratch.path(), "all")?;
     let mut acc = Totals::default();
     let mut encode = |files: &DataFiles, acc: &mut Totals| {
-        encode_each(ctx, &d.rendering, &folder, &files.files, &mut |e| {
+        encode_each(ctx, &d.rendering, &folder, files, &mut |e| {
             acc.add(&e);
             all.push(&e.ids, &e.mask, &vec![0; e.ids.len()])?;
             Ok(())
