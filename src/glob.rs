@@ -3,6 +3,22 @@
 //! `*` matches any run of characters including `/` and `.`, `?` one character, `[abc]` /
 //! `[!abc]` / `[a-z]` a class.
 
+/// A pattern that matches `name` only: `*`, `?` and `[` each in a class of its own.
+pub fn escape(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        match c {
+            '*' | '?' | '[' => {
+                out.push('[');
+                out.push(c);
+                out.push(']');
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// Does `name` match `pattern`?
 pub fn fnmatch(pattern: &str, name: &str) -> bool {
     let p: Vec<char> = pattern.chars().collect();
@@ -89,7 +105,18 @@ fn class(p: &[char], start: usize, c: char) -> Option<(bool, usize)> {
 
 #[cfg(test)]
 mod tests {
-    use super::fnmatch;
+    use super::{escape, fnmatch};
+
+    #[test]
+    fn an_escaped_name_matches_itself_only() {
+        for name in ["data/train-*.jsonl", "a?b[1].csv", "x[!y]", "plain.json", "[", "*"] {
+            let p = escape(name);
+            assert!(fnmatch(&p, name), "{p} vs {name}");
+        }
+        assert!(!fnmatch(&escape("data/train-*.jsonl"), "data/train-0.jsonl"));
+        assert!(!fnmatch(&escape("a?.csv"), "ab.csv"));
+        assert!(!fnmatch(&escape("[ab].csv"), "a.csv"));
+    }
 
     #[test]
     fn matches_like_python_fnmatch() {

@@ -741,6 +741,15 @@ fn jsonl(rows: &[String]) -> Vec<u8> {
 /// `rtune run --until tokenize` of HUB_RECIPE reading dataset `repo`, its eval fraction replaced
 /// by `extra`: the tokenize stage's metrics and stderr, or the failure's stderr.
 fn tokenize_hub_dataset(env: &Env, repo: &str, extra: &str) -> Result<(serde_json::Value, String), String> {
+    tokenize_hub_dataset_stages(env, repo, extra).map(|(m, _, err)| (m, err))
+}
+
+/// [`tokenize_hub_dataset`], with the download stage's metrics too.
+fn tokenize_hub_dataset_stages(
+    env: &Env,
+    repo: &str,
+    extra: &str,
+) -> Result<(serde_json::Value, serde_json::Value, String), String> {
     let recipe = HUB_RECIPE.replace("test-org/tiny-instructions", repo).replace("eval_fraction = 0.1\n", extra);
     std::fs::write(env.dir.path().join("hub.toml"), recipe).unwrap();
     let o = env.rtune(&["run", "hub.toml", "--until", "tokenize", "--json"], &[]);
@@ -749,8 +758,10 @@ fn tokenize_hub_dataset(env: &Env, repo: &str, extra: &str) -> Result<(serde_jso
         return Err(err);
     }
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let tok = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "tokenize").unwrap();
-    Ok((tok["metrics"].clone(), err))
+    let metrics = |name: &str| {
+        report["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap()["metrics"].clone()
+    };
+    Ok((metrics("tokenize"), metrics("download"), err))
 }
 
 /// A Hub dataset's test shards never train: `data/{split}-00000-of-00001.*` files are splits as
@@ -790,14 +801,24 @@ fn a_hub_dataset_trains_on_its_train_split() {
 
 /// A Hub dataset card's `configs:` say which files each split of a config holds, as
 /// `load_dataset(repo, name)` reads them: the default config unless `dataset.config` names
-/// another (before, the card was not even downloaded and every data file was pooled).
+/// another (before, the card was not even downloaded and every data file was pooled). Only the
+/// card and the chosen config's files are downloaded (before, every config's), and its loader
+/// settings (a CSV `sep`) apply.
 #[test]
 fn a_hub_dataset_card_chooses_the_config_files() {
     let env = Env::new();
     publish_tiny_model_and_data(&env.server);
     let rows = synthetic_rows();
     let card = "---\nlicense: mit\nconfigs:\n- config_name: sft\n  default: true\n  data_files:\n  - split: train\n    \
-                path: sft/train-*\n  - split: test\n    path: sft/test-*\n- config_name: raw\n  data_dir: raw\n- config_name: blank\n  data_files: blank/train.jsonl\n---\n# Data\n";
+                path: sft/train-*\n  - split: test\n    path: sft/test-*\n- config_name: raw\n  data_dir: raw\n- config_name: blank\n  data_files: blank/train.jsonl\n- config_name: semi\n  \
+                data_files: semi/train.csv\n  sep: ';'\n---\n# Data\n";
+    // The `semi` config's rows as a semicolon-separated CSV (quoted: cells hold `;` and `"`).
+    let quote = |v: &serde_json::Value| format!("\"{}\"", v.as_str().unwrap().replace('"', "\"\""));
+    let mut semi = String::from("instruction;input;output\n");
+    for r in &rows[200..230] {
+        let r: serde_json::Value = serde_json::from_str(r).unwrap();
+        semi += &format!("{};{};{}\n", quote(&r["instruction"]), quote(&r["input"]), quote(&r["output"]));
+    }
     env.server.add_commit(
         "dataset",
         "test-org/configs",
@@ -807,17 +828,27 @@ fn a_hub_dataset_card_chooses_the_config_files() {
             ("sft/test-00000-of-00001.jsonl", jsonl(&rows[50..58])),
             ("raw/train.jsonl", jsonl(&rows[100..120])),
             ("blank/train.jsonl", b"\n\n".to_vec()),
+            ("semi/train.csv", semi.into_bytes()),
         ],
     );
     let tokenize = |extra: &str| tokenize_hub_dataset(&env, "test-org/configs", extra);
-    let (m, err) = tokenize("eval_split = \"test\"\n").unwrap();
+    let (m, download, err) = tokenize_hub_dataset_stages(&env, "test-org/configs", "eval_split = \"test\"\n").unwrap();
     assert_eq!((m["train_rows"].as_u64(), m["eval_rows"].as_u64()), (Some(50), Some(8)), "{m}");
     assert!(!err.contains("not read"), "{err}");
-    let (m, _) = tokenize("config = \"raw\"\n").unwrap();
+    assert_eq!(download["dataset"]["files"], 3, "the card and sft's two files: {download}");
+    let (m, download, _) = tokenize_hub_dataset_stages(&env, "test-org/configs", "config = \"raw\"\n").unwrap();
     assert_eq!(m["rows"], 20, "{m}");
+    assert_eq!(download["dataset"]["files"], 2, "the card and raw's one file: {download}");
+    let cached = layout(&env.hub_cache().join("datasets--test-org--configs/snapshots"));
+    assert!(
+        cached.contains("raw/train.jsonl") && !cached.contains("blank/"),
+        "blank's file was never fetched: {cached}"
+    );
+    let (m, download, _) = tokenize_hub_dataset_stages(&env, "test-org/configs", "config = \"semi\"\n").unwrap();
+    assert_eq!((m["rows"].as_u64(), &download["dataset"]["files"]), (Some(30), &2.into()), "{m} {download}");
     let err = tokenize("config = \"cooked\"\n").unwrap_err();
     let flat = err.split_whitespace().filter(|w| *w != "│").collect::<Vec<_>>().join(" ");
-    assert!(flat.contains("the dataset has no config `cooked`: it has `sft`, `raw`, `blank`"), "{err}");
+    assert!(flat.contains("the dataset has no config `cooked`: it has `sft`, `raw`, `blank`, `semi`"), "{err}");
     // A split without rows is named by its own files (not the card's, nor other configs').
     let err = tokenize("config = \"blank\"\n").unwrap_err();
     assert!(err.contains("the dataset `blank/train.jsonl` has no rows"), "{err}");

@@ -144,10 +144,7 @@ pub fn folder_splits(path: &Path, config: Option<&str>) -> Result<(Splits, Readi
             Reading::default(),
         ),
         Err(message) => {
-            let help = "the dataset card (README.md) names the dataset's configs, the files of their splits and \
-                        how they read, as 🤗 datasets reads them: name another with `dataset.config`, or see \
-                        docs/interop.md for the loader settings rtune applies";
-            return Err(DataError::Invalid { message, help: Some(help.into()) });
+            return Err(DataError::Invalid { message, help: Some(CARD_HELP.into()) });
         }
     };
     if splits.is_empty() {
@@ -222,6 +219,11 @@ pub fn check_disjoint(
     .at(at, "the eval split")
     .help("name the file for one split only, or hold rows out with `dataset.eval_fraction` instead"))
 }
+
+/// What a dataset card's configs are, for help texts.
+pub const CARD_HELP: &str = "the dataset card (README.md) names the dataset's configs, the files of their splits and \
+     how they read, as 🤗 datasets reads them: name another with `dataset.config`, or see docs/interop.md for the \
+     loader settings rtune applies";
 
 /// How files name their split, for help texts.
 pub const SPLIT_NAMES: &str = "files name their split as in 🤗 datasets: `train.jsonl` / `test.jsonl`, \

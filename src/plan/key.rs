@@ -104,8 +104,16 @@ pub enum ModelKey {
 #[derive(Debug, Clone, Serialize)]
 #[serde(untagged)]
 pub enum DatasetKey {
-    Repo { repo: String },
-    Path { path: &'static str },
+    /// A Hub dataset; where its card names configs, only `config`'s files (the default
+    /// config's when None) and the card are fetched.
+    Repo {
+        repo: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        config: Option<String>,
+    },
+    Path {
+        path: &'static str,
+    },
 }
 
 /// How a scratch tokenizer sees a row: `dataset.format` and `dataset.column_map`.
@@ -440,7 +448,7 @@ mod tests {
                 StageKey::Download(DownloadKey {
                     settings: DownloadSettings {
                         model: ModelKey::Path { path: BY_CONTENT },
-                        dataset: DatasetKey::Repo { repo: "owner/data".into() },
+                        dataset: DatasetKey::Repo { repo: "owner/data".into(), config: None },
                     },
                     sources: Sources { model: Some(local("m")), dataset: Some(hub), imatrix: None },
                 }),

@@ -79,7 +79,7 @@ pub(super) fn resolve_key(
                 _ => return Err(Problem::new("rtune::recipe::no_model", "the recipe names no model")),
             };
             let dataset = match &d.repo {
-                Some(r) => DatasetKey::Repo { repo: r.clone() },
+                Some(r) => DatasetKey::Repo { repo: r.clone(), config: d.config.clone() },
                 None => DatasetKey::Path { path: BY_CONTENT },
             };
             let mut sources = Sources::default();

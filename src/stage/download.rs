@@ -14,18 +14,24 @@ use super::{StageCtx, StageError};
 use crate::data::format::alpaca_prompt;
 use crate::data::{DataError, Row, for_each_row};
 use crate::model::{ModelError, ModelFolder};
-use crate::plan::key::{Corpus, DownloadKey, ModelKey, Source};
+use crate::plan::key::{Corpus, DatasetKey, DownloadKey, ModelKey, Source};
 use crate::recipe::{DataFormat, Problem};
 
 pub fn run(ctx: &StageCtx<'_>, key: &DownloadKey) -> Result<serde_json::Value, StageError> {
     let ds_out = ctx.out.join("dataset");
     let model_out = ctx.out.join("model");
     let mut fetched = serde_json::Map::new();
-    for (name, source, dest) in [("model", &key.sources.model, &model_out), ("dataset", &key.sources.dataset, &ds_out)]
+    // A Hub dataset's card may name configs: then only the chosen one's files are fetched.
+    let config = match &key.settings.dataset {
+        DatasetKey::Repo { config, .. } => Some(config.as_deref()),
+        DatasetKey::Path { .. } => None,
+    };
+    for (name, source, dest, config) in
+        [("model", &key.sources.model, &model_out, None), ("dataset", &key.sources.dataset, &ds_out, config)]
     {
         match source {
             Some(Source::Hub { source: src, commit }) => {
-                let report = fetch_hub(ctx, src, commit, dest)?;
+                let report = fetch_hub(ctx, src, commit, dest, config)?;
                 fetched.insert(
                     name.to_string(),
                     json!({ "repo": src.repo.id, "revision": src.repo.revision, "commit": report.commit, "files": report.files.len() }),
@@ -149,18 +155,24 @@ fn checked_model(ctx: &StageCtx<'_>, copy: &Path, source: Option<&Source>) -> Re
 }
 
 /// Fetch a Hub source at the planned commit into the HF cache (reused blobs re-verified), then
-/// copy its files into `dest`.
+/// copy its files into `dest`. With `config` (a dataset), a card naming configs narrows the
+/// files to that config's ([`config_files`]).
 fn fetch_hub(
     ctx: &StageCtx<'_>,
     src: &crate::plan::HubSource,
     commit: &str,
     dest: &Path,
+    config: Option<Option<&str>>,
 ) -> Result<crate::hub::DownloadReport, StageError> {
     let env = crate::hub::HubEnv::from_env(None, ctx.offline);
     let cache = crate::hub::HubCache::new(&env.cache_dir);
     let client = crate::hub::Client::new(env);
     let pinned = src.repo.with_revision(commit);
-    let report = crate::hub::snapshot(&client, &cache, &pinned, &src.wanted, ctx.ui)?;
+    let wanted = match config {
+        Some(config) => config_files(ctx, (&client, &cache), &pinned, &src.wanted, config)?,
+        None => src.wanted.clone(),
+    };
+    let report = crate::hub::snapshot(&client, &cache, &pinned, &wanted, ctx.ui)?;
     if report.commit != commit {
         return Err(StageError::Internal(format!("asked for {commit}, got {}", report.commit)));
     }
@@ -189,6 +201,56 @@ fn fetch_hub(
     }
     ctx.ui.status("download", format!("{} at {}: {} files", src.repo.display(), &commit[..12], report.files.len()));
     Ok(report)
+}
+
+/// The files of a Hub dataset to fetch: where its card (README.md) names configs, the card and
+/// the files of every split of `config` (the default config when None), as
+/// `load_dataset(repo, name)` fetches them — a repository of many configs (or one whose `all`
+/// config repeats the others) does not download every config's data for one. Otherwise every
+/// file `wanted` matches. The card is fetched first; the repository's file list comes from the
+/// Hub (or, offline, from the HF cache's record of the commit).
+fn config_files(
+    ctx: &StageCtx<'_>,
+    (client, cache): (&crate::hub::Client, &crate::hub::HubCache),
+    pinned: &crate::hub::RepoRef,
+    wanted: &crate::hub::Wanted,
+    config: Option<&str>,
+) -> Result<crate::hub::Wanted, StageError> {
+    const CARD: &str = "README.md";
+    if !wanted.wants(CARD) {
+        return Ok(wanted.clone());
+    }
+    let names = if client.env.offline {
+        cache.read_tree(pinned, &pinned.revision)
+    } else {
+        crate::hub::list_files(client, pinned)?.map(|l| l.files.into_keys().collect())
+    };
+    let Some(names) = names.filter(|n| n.iter().any(|f| f == CARD)) else { return Ok(wanted.clone()) };
+    let card_only = crate::hub::Wanted { include: vec![CARD.into()], exclude: Vec::new() };
+    let card = crate::hub::snapshot(client, cache, pinned, &card_only, ctx.ui)?;
+    let path = card.snapshot.join(CARD);
+    let text = std::fs::read_to_string(&path).map_err(StageError::io(format!("cannot read `{}`", path.display())))?;
+    // The data files the card's patterns choose among, as a local folder's (no hidden files).
+    let data: Vec<String> = names
+        .into_iter()
+        .filter(|n| wanted.wants(n) && crate::data::source::supported(n) && !n.split('/').any(|p| p.starts_with('.')))
+        .collect();
+    match crate::data::configs::card_splits(Some(&text), &data, config) {
+        Ok(None) => Ok(wanted.clone()),
+        Ok(Some((splits, _))) => {
+            let mut include = vec![CARD.to_string()];
+            include.extend(splits.iter().flat_map(|(_, files)| files).map(|f| crate::glob::escape(f)));
+            Ok(crate::hub::Wanted { include, exclude: wanted.exclude.clone() })
+        }
+        Err(message) => {
+            let (at, label) = match ctx.spans.origin(&["dataset", "config"]) {
+                Some(at) => (Some(at), "this config"),
+                None => (ctx.spans.origin(&["dataset", "repo"]), "this dataset"),
+            };
+            let help = Some(crate::data::source::CARD_HELP.into());
+            Err(crate::data::source::located(DataError::Invalid { message, help }, at, label).into())
+        }
+    }
 }
 
 /// Copy a file (into `dest/<name>`) or a folder's files (into `dest/`), skipping hidden files.
