@@ -55,6 +55,9 @@ const FOLDER_SPLITS: &[(&str, &str, &str)] = &[
 
 const CHANGES: &[(&str, &str)] = &[
     ("recipe.name", "other-name"),
+    ("dataset.sep", "\";\""),
+    ("dataset.field", "\"data\""),
+    ("dataset.sample_by", "\"paragraph\""),
     ("recipe.description", "\"another description\""),
     ("recipe.seed", "7"),
     ("model.scratch.arch", "\"qwen2\""),

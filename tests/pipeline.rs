@@ -908,6 +908,46 @@ fn a_dataset_rtune_cannot_read_is_refused_by_the_plan() {
     assert!(o.status.success() && stderr(&o).contains("40 rows → 38 train"), "{}", stderr(&o));
 }
 
+/// The recipe's loader settings read a single file as `load_dataset(…, sep=…, field=…)` does:
+/// a semicolon CSV, a JSON file whose `data` field holds the rows; a separator rtune cannot read
+/// literally is refused by the plan, located at it.
+#[test]
+fn the_recipes_loader_settings_read_a_file() {
+    let p = Project::tiny_offline();
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(p.path().join("data/synthetic-alpaca.jsonl"))
+        .unwrap()
+        .lines()
+        .take(60)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let doc = serde_json::json!({ "version": "1.0", "data": rows });
+    std::fs::write(p.path().join("data/x.json"), doc.to_string()).unwrap();
+    let quote = |v: &serde_json::Value| format!("\"{}\"", v.as_str().unwrap().replace('"', "\"\""));
+    let csv: String = rows
+        .iter()
+        .map(|r| format!("{};{};{}\n", quote(&r["instruction"]), quote(&r["input"]), quote(&r["output"])))
+        .collect();
+    std::fs::write(p.path().join("data/x.csv"), format!("instruction;input;output\n{csv}")).unwrap();
+    let tokenize = |sets: &[&str]| {
+        let mut args = vec!["run", "tiny.toml", "--until", "tokenize"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        p.run(&args)
+    };
+    let o = tokenize(&["dataset.path=\"data/x.json\"", "dataset.field=\"data\""]);
+    assert!(o.status.success() && stderr(&o).contains("60 rows → 57 train"), "{}", stderr(&o));
+    let o = tokenize(&["dataset.path=\"data/x.csv\"", "dataset.sep=\";\""]);
+    assert!(o.status.success() && stderr(&o).contains("60 rows → 57 train"), "{}", stderr(&o));
+    // Without the separator the header is one column: no row has an instruction.
+    let o = tokenize(&["dataset.path=\"data/x.csv\""]);
+    assert!(!o.status.success(), "{}", stderr(&o));
+    let o = p.plan(&["dataset.path=\"data/x.csv\"", "dataset.sep=\"\\\\s+\""]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("is a regular expression") && err.contains("this setting"), "{err}");
+}
+
 /// With `skip_bad_rows`, each bad row is dropped and counted once, whoever refuses it: the
 /// reader (malformed JSON, a line that is not UTF-8) or the renderer (a field of the wrong
 /// type). The renderer's were counted twice in the rows total.

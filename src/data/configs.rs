@@ -71,17 +71,7 @@ pub struct Reading {
     pub keep_linebreaks: bool,
 }
 
-/// datasets' text loader's `sample_by`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum SampleBy {
-    /// One row per line (rtune skips blank lines).
-    #[default]
-    Line,
-    /// One row per paragraph: the text between blank lines (`"\n\n"`), as `str.split` cuts it.
-    Paragraph,
-    /// One row per file.
-    Document,
-}
+pub use crate::recipe::SampleBy;
 
 /// Loader settings that change the rows in ways rtune does not read; refused by name.
 const REFUSED: [&str; 21] = [
@@ -141,7 +131,7 @@ impl Reading {
             (Some(a), Some(b)) if a != b => {
                 return Err(format!("config `{name}` sets both `sep` ({a:?}) and `delimiter` ({b:?})"));
             }
-            (a, b) => a.or(b).map(|s| literal_sep(name, &s)).transpose()?,
+            (a, b) => a.or(b).map(|s| literal_sep(&format!("config `{name}`'s"), &s)).transpose()?,
         };
         r.sep_ignores_quotes = text("sep")?.or(text("delimiter")?).is_some_and(|s| s.chars().count() > 1);
         r.field = text("field")?;
@@ -167,7 +157,7 @@ impl Reading {
 /// The separator `sep` as literal text. pandas reads a separator of more than one character as
 /// a regular expression: one that matches only itself (`::`, or an escaped character such as
 /// `\t` or `\|`) is read; a pattern is refused.
-fn literal_sep(name: &str, sep: &str) -> Result<String, String> {
+fn literal_sep(whose: &str, sep: &str) -> Result<String, String> {
     if sep.chars().count() == 1 {
         return Ok(sep.to_string());
     }
@@ -178,24 +168,52 @@ fn literal_sep(name: &str, sep: &str) -> Result<String, String> {
             '\\' => match chars.next() {
                 Some('t') => out.push('\t'),
                 Some(c) if !c.is_alphanumeric() => out.push(c),
-                _ => return Err(refused_sep(name, sep)),
+                _ => return Err(refused_sep(whose, sep)),
             },
             '.' | '^' | '$' | '*' | '+' | '?' | '(' | ')' | '[' | ']' | '{' | '}' | '|' => {
-                return Err(refused_sep(name, sep));
+                return Err(refused_sep(whose, sep));
             }
             c => out.push(c),
         }
     }
     if out.is_empty() {
-        return Err(format!("config `{name}`'s `sep` is empty"));
+        return Err(format!("{whose} `sep` is empty"));
     }
     Ok(out)
 }
 
-fn refused_sep(name: &str, sep: &str) -> String {
-    format!(
-        "config `{name}`'s `sep` {sep:?} is a regular expression (as pandas reads it); rtune reads a literal separator"
-    )
+fn refused_sep(whose: &str, sep: &str) -> String {
+    format!("{whose} `sep` {sep:?} is a regular expression (as pandas reads it); rtune reads a literal separator")
+}
+
+/// The loader settings a recipe sets over its dataset card's config (`dataset.sep`,
+/// `dataset.field`, `dataset.sample_by`), as `load_dataset`'s keyword arguments override a
+/// config's; they apply to a single file too.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Overrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sep: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sample_by: Option<SampleBy>,
+}
+
+impl Overrides {
+    /// `reading` with these settings over it; `Err` names the setting that cannot apply and why.
+    pub fn apply(&self, mut reading: Reading) -> Result<Reading, (&'static str, String)> {
+        if let Some(sep) = &self.sep {
+            reading.sep = Some(literal_sep("the recipe's", sep).map_err(|e| ("sep", e))?);
+            reading.sep_ignores_quotes = sep.chars().count() > 1;
+        }
+        if let Some(field) = &self.field {
+            reading.field = Some(field.clone());
+        }
+        if let Some(by) = self.sample_by {
+            reading.sample_by = by;
+        }
+        Ok(reading)
+    }
 }
 
 #[derive(Deserialize)]

@@ -179,14 +179,19 @@ fn data_names(path: &Path) -> Result<Vec<String>, DataError> {
     Ok(names)
 }
 
-/// [`data_files`] for a split the recipe names at `at` (`dataset.split`, …), any problem located
-/// there.
+/// [`data_files`] for a split the recipe names at `at` (`dataset.split`, …), read with the
+/// recipe's loader settings `over` the card's; any problem located there.
 pub fn split_files(
     path: &Path,
     (split, config): (Option<&str>, Option<&str>),
+    over: &super::configs::Overrides,
     at: Option<&crate::recipe::Origin>,
 ) -> Result<DataFiles, crate::recipe::Problem> {
-    data_files(path, split, config).map_err(|e| located(e, at, "this split"))
+    let mut files = data_files(path, split, config).map_err(|e| located(e, at, "this split"))?;
+    files.reading = over
+        .apply(files.reading)
+        .map_err(|(_, message)| located(DataError::Invalid { message, help: None }, at, "this split"))?;
+    Ok(files)
 }
 
 /// A data problem as a recipe problem located at `at`, with its code and help.
@@ -327,29 +332,14 @@ fn read_file(path: &Path, reading: &Reading, push: Push<'_>, progress: &mut dyn 
         _ => Lines::Text { keep_linebreaks: reading.keep_linebreaks },
     };
     // Line formats stream: one line in memory at a time.
-    let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
-    let mut buf = Vec::new();
+    let mut lines = LineReader::open(path)?;
     let mut header: Option<Vec<String>> = None;
     // A CSV record whose quoted cell is still open: its first line, its text so far.
     let mut record: Option<(usize, String)> = None;
-    let (mut i, mut read) = (0usize, 0u64);
-    loop {
-        buf.clear();
-        let n = std::io::BufRead::read_until(&mut reader, b'\n', &mut buf).map_err(io)?;
-        if n == 0 {
-            break;
-        }
-        i += 1;
-        read += n as u64;
-        if i.is_multiple_of(4096) {
-            progress(read);
-        }
-        let ended = buf.last() == Some(&b'\n');
-        while matches!(buf.last(), Some(b'\n' | b'\r')) {
-            buf.pop();
-        }
+    while let Some((line, ended)) = lines.next(&name, progress)? {
+        let i = lines.line;
         let csv = matches!(kind, Lines::Csv { .. });
-        let mut line = match utf8(&name, std::mem::take(&mut buf), i - 1) {
+        let mut line = match line {
             Ok(line) => line,
             // A line of a JSON Lines or text file is a row: with `skip_bad_rows` it is skipped
             // like any bad row. A CSV header, or a line inside a quoted cell, is not.
@@ -359,10 +349,6 @@ fn read_file(path: &Path, reading: &Reading, push: Push<'_>, progress: &mut dyn 
             }
             Err(e) => return Err(e),
         };
-        if i == 1 && line.starts_with(BOM) {
-            // Excel's "CSV UTF-8" and some Windows editors start the file with a byte order mark.
-            line.drain(..BOM.len());
-        }
         match &kind {
             Lines::Json => {
                 if !line.trim().is_empty() {
@@ -436,7 +422,57 @@ fn read_file(path: &Path, reading: &Reading, push: Push<'_>, progress: &mut dyn 
     if let Some((start, text)) = record {
         return Err(unclosed_quote(&name, start, &text));
     }
-    Ok(read)
+    Ok(lines.read)
+}
+
+/// A line's text, or why it is not text.
+type Line = Result<String, DataError>;
+
+/// A file read line by line (one line in memory at a time).
+struct LineReader {
+    reader: std::io::BufReader<std::fs::File>,
+    path: PathBuf,
+    /// The line last read (1-based), and the bytes read so far.
+    line: usize,
+    read: u64,
+}
+
+impl LineReader {
+    fn open(path: &Path) -> Result<LineReader, DataError> {
+        let file =
+            std::fs::File::open(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })?;
+        let reader = std::io::BufReader::with_capacity(1 << 20, file);
+        Ok(LineReader { reader, path: path.to_path_buf(), line: 0, read: 0 })
+    }
+
+    /// The next line of file `name` without its `\n` or `\r\n` (a first line's byte order mark
+    /// dropped: Excel's "CSV UTF-8" and some Windows editors start a file with one), as text or
+    /// the error of a line that is not UTF-8, and whether it ended with a line break; None at
+    /// the end. `progress` hears the bytes read every 4096 lines.
+    fn next(&mut self, name: &str, progress: &mut dyn FnMut(u64)) -> Result<Option<(Line, bool)>, DataError> {
+        let mut buf = Vec::new();
+        let n = std::io::BufRead::read_until(&mut self.reader, b'\n', &mut buf)
+            .map_err(|e| DataError::Io { path: self.path.display().to_string(), source: e })?;
+        if n == 0 {
+            return Ok(None);
+        }
+        self.line += 1;
+        self.read += n as u64;
+        if self.line.is_multiple_of(4096) {
+            progress(self.read);
+        }
+        let ended = buf.last() == Some(&b'\n');
+        while matches!(buf.last(), Some(b'\n' | b'\r')) {
+            buf.pop();
+        }
+        let line = utf8(name, buf, self.line - 1).map(|mut line| {
+            if self.line == 1 && line.starts_with(BOM) {
+                line.drain(..BOM.len());
+            }
+            line
+        });
+        Ok(Some((line, ended)))
+    }
 }
 
 /// How a line-by-line file reads: each line a JSON object, CSV records with this separator
@@ -608,32 +644,13 @@ fn read_text_samples(
     push: Push<'_>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<u64, DataError> {
-    let io = |e| DataError::Io { path: path.display().to_string(), source: e };
-    let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io)?);
-    let mut buf = Vec::new();
-    let (mut text, mut start, mut i, mut read) = (String::new(), 1usize, 0usize, 0u64);
+    let mut lines = LineReader::open(path)?;
+    let (mut text, mut start) = (String::new(), 1usize);
     let mut emit = |text: &str, start: usize| -> Result<(), DataError> {
         if text.trim().is_empty() { Ok(()) } else { push(Ok(text_row(text.to_string(), name, start))) }
     };
-    loop {
-        buf.clear();
-        let n = std::io::BufRead::read_until(&mut reader, b'\n', &mut buf).map_err(io)?;
-        if n == 0 {
-            break;
-        }
-        read += n as u64;
-        if i.is_multiple_of(4096) {
-            progress(read);
-        }
-        let ended = buf.last() == Some(&b'\n');
-        while matches!(buf.last(), Some(b'\n' | b'\r')) {
-            buf.pop();
-        }
-        let mut line = utf8(name, std::mem::take(&mut buf), i)?;
-        i += 1;
-        if i == 1 && line.starts_with(BOM) {
-            line.drain(..BOM.len());
-        }
+    while let Some((line, ended)) = lines.next(name, progress)? {
+        let line = line?;
         text.push_str(&line.replace('\r', "\n"));
         if ended {
             text.push('\n');
@@ -647,7 +664,7 @@ fn read_text_samples(
         }
     }
     emit(&text, start)?;
-    Ok(read)
+    Ok(lines.read)
 }
 
 /// Line `line` (1-based) of a file, bounded, for a snippet.

@@ -93,7 +93,7 @@ pub struct DownloadSettings {
 pub enum ModelKey {
     /// A randomly initialised model of this shape, seeded by `recipe.seed`, with a BPE tokenizer
     /// trained on the dataset's rows as `corpus` renders them.
-    Scratch { scratch: ScratchModel, seed: u64, vocab_from: &'static str, corpus: Corpus },
+    Scratch { scratch: ScratchModel, seed: u64, vocab_from: &'static str, corpus: Box<Corpus> },
     /// A local folder, hashed by content (`sources.model`), not by its path.
     Path { path: &'static str },
     /// A Hub repo at a revision; the commit it resolved to is `sources.model`.
@@ -127,6 +127,9 @@ pub struct Corpus {
     /// `dataset.config`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub config: Option<String>,
+    /// `dataset.sep`, `dataset.field`, `dataset.sample_by`.
+    #[serde(flatten)]
+    pub reading: crate::data::configs::Overrides,
 }
 
 /// Shown instead of a local path: the content is hashed, not where it lies.
@@ -211,6 +214,9 @@ pub struct TokenizeSettings {
     /// The dataset card's config the splits are of (`dataset.config`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub config: Option<String>,
+    /// `dataset.sep`, `dataset.field`, `dataset.sample_by`.
+    #[serde(flatten)]
+    pub reading: crate::data::configs::Overrides,
     pub packing: bool,
     /// Seeds the split.
     pub seed: u64,
@@ -463,6 +469,7 @@ mod tests {
                         split: None,
                         eval_split: None,
                         config: None,
+                        reading: Default::default(),
                         packing: true,
                         seed: 7,
                     },

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::key::{self, StageKey};
-use super::sources::{dataset_source, hub_sources, local_source, local_split, resolve_hub};
+use super::sources::{dataset_source, hub_sources, loader_settings, local_source, local_split, resolve_hub};
 use crate::device::Resolution;
 use crate::hub::HubEnv;
 use crate::recipe::{
@@ -65,12 +65,13 @@ pub(super) fn resolve_key(
                     scratch: s.clone(),
                     seed,
                     vocab_from: "dataset",
-                    corpus: Corpus {
+                    corpus: Box::new(Corpus {
                         format: d.format,
                         column_map: d.column_map.clone(),
                         split: train_split(loaded),
                         config: d.config.clone(),
-                    },
+                        reading: loader_settings(d),
+                    }),
                 },
                 (_, Some(_), _) => ModelKey::Path { path: BY_CONTENT },
                 (_, _, Some(r)) => {
@@ -103,6 +104,7 @@ pub(super) fn resolve_key(
                 split: train_split(loaded),
                 eval_split: d.eval_split.clone(),
                 config: d.config.clone(),
+                reading: loader_settings(d),
                 packing: d.packing,
                 seed,
             },

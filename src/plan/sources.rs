@@ -283,6 +283,11 @@ fn named_split<'s>(
     }
 }
 
+/// The loader settings the recipe sets over the dataset card's.
+pub(super) fn loader_settings(d: &crate::recipe::Dataset) -> crate::data::configs::Overrides {
+    crate::data::configs::Overrides { sep: d.sep.clone(), field: d.field.clone(), sample_by: d.sample_by }
+}
+
 /// `dataset.split` and `dataset.eval_split` against the dataset, before any stage runs: the eval
 /// split is not beside `eval_fraction` nor the train split itself, and for a local folder both are
 /// splits its files (or its card's config) name, without a file in common. The folder is read once.
@@ -296,6 +301,12 @@ pub(super) fn check_dataset_splits(loaded: &LoadedRecipe) -> Result<(), Problem>
         )
         .at(origin("eval_fraction"), "a share of the train split")
         .help("keep one: the dataset's own eval split, or a share held out of the train split"));
+    }
+    // The recipe's loader settings, located at the one that cannot apply.
+    if let Err((key, message)) = loader_settings(d).apply(Default::default()) {
+        return Err(Problem::new("rtune::data::invalid", message)
+            .at(origin(key), "this setting")
+            .help("rtune reads a literal separator: one character, or a string that matches only itself"));
     }
     let train = d.split.as_deref().unwrap_or("train");
     if d.eval_split.as_deref() == Some(train) {

@@ -178,6 +178,21 @@ pub struct Dataset {
     /// says which files each split of it holds [default: the card's default config].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<String>,
+    /// The CSV cell separator, over the dataset card's config (as `load_dataset(…, sep=…)`): one
+    /// character, or a literal string (pandas reads a longer separator as a pattern, and then
+    /// quotes are not special; a pattern is refused) [default: "," (a tab for .tsv files)].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sep: Option<String>,
+    /// A JSON file is one object whose `field` holds the rows — a list of objects, a list of
+    /// strings (`text` rows) or an object of equal-length lists — as
+    /// `load_dataset("json", …, field=…)` reads it; over the dataset card's config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// How a text (.txt) file is cut into rows: a row per line, per paragraph (the text between
+    /// blank lines) or per file, as datasets' text loader's `sample_by`; over the dataset card's
+    /// config [default: "line"].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample_by: Option<SampleBy>,
     /// Evaluate on every row of this split (e.g. "validation" or "test") instead of holding out
     /// `eval_fraction` of the training split; the two cannot both be set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -216,6 +231,19 @@ pub struct Dataset {
     /// `chat_template` from tokenizer_config.json].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+}
+
+/// datasets' text loader's `sample_by`: how a text file is cut into rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum SampleBy {
+    /// One row per line (rtune skips blank lines).
+    #[default]
+    Line,
+    /// One row per paragraph: the text between blank lines (`"\n\n"`), as `str.split` cuts it.
+    Paragraph,
+    /// One row per file.
+    Document,
 }
 
 fn default_eval_fraction() -> f64 {

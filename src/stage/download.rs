@@ -59,8 +59,12 @@ pub fn run(ctx: &StageCtx<'_>, key: &DownloadKey) -> Result<serde_json::Value, S
             // which keeps word counts, not texts: memory does not grow with the dataset.
             // The train split's rows only: no held-out split shapes the vocabulary.
             let at = ctx.spans.origin(&["dataset", "split"]).or_else(|| super::encode::dataset_origin(ctx));
-            let files =
-                crate::data::source::split_files(&ds_out, (corpus.split.as_deref(), corpus.config.as_deref()), at)?;
+            let files = crate::data::source::split_files(
+                &ds_out,
+                (corpus.split.as_deref(), corpus.config.as_deref()),
+                &corpus.reading,
+                at,
+            )?;
             let (tx, rx) = std::sync::mpsc::sync_channel::<String>(1024);
             let (created, read) = std::thread::scope(|s| {
                 let reader = s.spawn(|| {

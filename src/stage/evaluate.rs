@@ -26,7 +26,7 @@ fn own_dataset(
     let Source::Local { shown, at, .. } = source else {
         return Err(StageError::Internal("an evaluate stage's dataset is a local file".into()));
     };
-    let files = crate::data::source::split_files(path, (split, None), ctx.spans.origin(at))?;
+    let files = crate::data::source::split_files(path, (split, None), &Default::default(), ctx.spans.origin(at))?;
     let named = (&format!("`{shown}`")[..], ctx.spans.origin(at));
     let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, &files, named)?;
     for b in bad.iter().take(3) {

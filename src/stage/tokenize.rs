@@ -19,9 +19,9 @@ pub fn run(ctx: &StageCtx<'_>, key: &TokenizeKey) -> Result<serde_json::Value, S
     let data_dir = ctx.input("dataset")?.join("dataset");
     // A folder's files of the train split (and of the eval split, when one is named).
     let at = |key: &str| ctx.spans.origin(&["dataset", key]).or_else(|| dataset_origin(ctx));
-    let train_files = split_files(&data_dir, (d.split.as_deref(), d.config.as_deref()), at("split"))?;
+    let train_files = split_files(&data_dir, (d.split.as_deref(), d.config.as_deref()), &d.reading, at("split"))?;
     let eval_files = match &d.eval_split {
-        Some(split) => Some(split_files(&data_dir, (Some(split), d.config.as_deref()), at("eval_split"))?),
+        Some(split) => Some(split_files(&data_dir, (Some(split), d.config.as_deref()), &d.reading, at("eval_split"))?),
         None => None,
     };
     if let (Some(eval), Some(eval_files)) = (&d.eval_split, &eval_files) {
