@@ -385,13 +385,21 @@ fn impossible_splits_are_refused_by_the_plan() {
     assert!(err.contains("rtune::plan::split_of_file") && err.contains("is a file, which is one split"), "{err}");
 }
 
-/// An evaluate stage measures the split of its folder that it names: the same rows, tokens and
-/// loss as the split's file named directly.
+/// An evaluate stage measures the split of its folder that it names (of the card's config it
+/// names): the same rows, tokens and loss as the split's file named directly.
 #[test]
 fn an_evaluate_stage_reads_the_split_it_names() {
     let stages = "[stages.by_split]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data\"\nsplit = \"validation\"\n\
-                  [stages.by_file]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data/validation.jsonl\"";
+                  [stages.by_file]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data/validation.jsonl\"\n\
+                  [stages.by_config]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data\"\nconfig = \"swapped\"\n\
+                  split = \"validation\"\n\
+                  [stages.by_test_file]\nkind = \"evaluate\"\nmodel = \"base\"\ndataset = \"data/test.jsonl\"";
     let dir = split_folder("path = \"data\"\nformat = \"alpaca\"\nmax_seq_len = 256", stages);
+    // The default config reads the files' own splits; `swapped` evaluates on test.jsonl.
+    let card = "---\nconfigs:\n- config_name: default\n  data_files:\n  - {split: train, path: train.jsonl}\n  \
+                - {split: validation, path: validation.jsonl}\n  - {split: test, path: test.jsonl}\n\
+                - config_name: swapped\n  data_files:\n  - {split: validation, path: test.jsonl}\n---\n";
+    std::fs::write(dir.path().join("data/README.md"), card).unwrap();
     let o = common::rtune(dir.path(), &dir.path().join("cache"), &["run", "r.toml", "--json"]);
     let err = common::stderr(&o);
     assert!(o.status.success(), "{err}");
@@ -403,6 +411,9 @@ fn an_evaluate_stage_reads_the_split_it_names() {
     let (a, b) = (metrics("by_split"), metrics("by_file"));
     assert!(a["eval_tokens"].as_u64().unwrap() > 0, "{a}");
     assert_eq!((&a["eval_tokens"], &a["eval_loss"]), (&b["eval_tokens"], &b["eval_loss"]), "{a} {b}");
+    let (c, d) = (metrics("by_config"), metrics("by_test_file"));
+    assert_eq!((&c["eval_tokens"], &c["eval_loss"]), (&d["eval_tokens"], &d["eval_loss"]), "{c} {d}");
+    assert_ne!(c["eval_tokens"], a["eval_tokens"], "{c} {a}");
 }
 
 /// A dataset card's `configs:` choose the files of each split as 🤗 datasets' `load_dataset(folder,

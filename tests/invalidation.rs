@@ -51,6 +51,7 @@ const FOLDER_SPLITS: &[(&str, &str, &str)] = &[
     ("dataset.eval_split", "\"test\"", "tokenize"),
     ("stages.evaluate.split", "\"validation\"", "eval_base"),
     ("dataset.config", "\"b\"", "tokenize"),
+    ("stages.evaluate.config", "\"b\"", "eval_base"),
 ];
 
 const CHANGES: &[(&str, &str)] = &[

@@ -123,7 +123,14 @@ pub(super) fn resolve_key(
                     let at = ["stages", spec.name.as_str(), "dataset"];
                     let own = dataset_source(loaded, rel, &at)?;
                     let split_at = ["stages", spec.name.as_str(), "split"];
-                    evaluate.split = local_split(loaded, rel, &at, (evaluate.split.as_deref(), &split_at))?;
+                    let config_at = ["stages", spec.name.as_str(), "config"];
+                    evaluate.split = local_split(
+                        loaded,
+                        rel,
+                        &at,
+                        (evaluate.split.as_deref(), &split_at),
+                        (evaluate.config.as_deref(), &config_at),
+                    )?;
                     (Some(rendering()), Some(Sources { dataset: Some(own), ..Sources::default() }))
                 }
                 None => (None, None),

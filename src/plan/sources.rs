@@ -220,24 +220,34 @@ pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &k
 }
 
 /// The split of an evaluate stage's own local dataset `rel` (named at `at`) to read, checked
-/// before any stage runs: for a file, none (a file is one split: naming one, at `split_at`, is an
-/// error); for a folder, `split` (named at `split_at`), which its files must name, or when not
-/// named the folder's one split.
+/// before any stage runs: for a file, none (a file is one split, with no config: naming one, at
+/// `split_at` or `config_at`, is an error); for a folder, `split` (named at `split_at`) of its
+/// card's `config` (named at `config_at`; the default config when None, or the files' names
+/// without configs), which must name it, or when not named the folder's one split.
 pub(super) fn local_split(
     loaded: &LoadedRecipe,
     rel: &str,
     at: &[&str],
     (split, split_at): (Option<&str>, &[&str]),
+    (config, config_at): (Option<&str>, &[&str]),
 ) -> Result<Option<String>, Problem> {
     let path = loaded.resolve_path(rel);
     if !path.is_dir() {
+        if let Some(c) = config {
+            return Err(Problem::new(
+                "rtune::plan::split_of_file",
+                format!("`{rel}` is a file, which has no config `{c}`"),
+            )
+            .at(loaded.origin(config_at), "a config")
+            .help("point the dataset at the folder whose README.md names the configs, or drop the config"));
+        }
         return match split {
             Some(s) => Err(split_of_file(rel, s).at(loaded.origin(split_at), "a split")),
             None => Ok(None),
         };
     }
-    let (splits, _) = crate::data::source::folder_splits(&path, None)
-        .map_err(|e| crate::data::source::located(e, loaded.origin(at), "this dataset"))?;
+    let (splits, _) = crate::data::source::folder_splits(&path, config)
+        .map_err(|e| crate::data::source::located(e, loaded.origin(config_at).or(loaded.origin(at)), "this dataset"))?;
     match (split, &splits[..]) {
         (Some(s), _) => {
             named_split(&splits, s, loaded.origin(split_at).or(loaded.origin(at)))?;

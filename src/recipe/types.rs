@@ -842,6 +842,10 @@ pub struct EvaluateSettings {
     /// says [default: the folder's one split; needed when its files name several].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub split: Option<String>,
+    /// The config of a `dataset` folder's card (README.md `configs:`) whose splits to read, as
+    /// `dataset.config` [default: the card's default config].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
     /// Sequences per batch.
     #[serde(default = "default_batch")]
     #[schemars(range(min = 1, max = 65536))]

@@ -13,20 +13,21 @@ use crate::recipe::{DataFormat, EvalModel, EvaluateSettings};
 use crate::rng::Rng;
 use crate::train::evaluate;
 
-/// Tokenize an evaluate stage's own dataset (every row of the file, or of the folder's `split`)
-/// into its work folder, after checking it is still what the plan fingerprinted.
+/// Tokenize an evaluate stage's own dataset (every row of the file, or of the folder's `split`
+/// of its card's `config`) into its work folder, after checking it is still what the plan
+/// fingerprinted.
 fn own_dataset(
     ctx: &StageCtx<'_>,
     folder: &ModelFolder,
     (path, source): (&std::path::Path, &Source),
     rendering: &Rendering,
-    split: Option<&str>,
+    (split, config): (Option<&str>, Option<&str>),
 ) -> Result<TokenStore, StageError> {
     super::check_source(ctx, path, source)?;
     let Source::Local { shown, at, .. } = source else {
         return Err(StageError::Internal("an evaluate stage's dataset is a local file".into()));
     };
-    let files = crate::data::source::split_files(path, (split, None), &Default::default(), ctx.spans.origin(at))?;
+    let files = crate::data::source::split_files(path, (split, config), &Default::default(), ctx.spans.origin(at))?;
     let named = (&format!("`{shown}`")[..], ctx.spans.origin(at));
     let (encoded, bad, _) = super::encode::encode_dataset(ctx, rendering, folder, &files, named)?;
     for b in bad.iter().take(3) {
@@ -54,7 +55,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
                 Some(split) => format!("split `{split}` of `{shown}`"),
                 None => format!("`{shown}`"),
             };
-            (own_dataset(ctx, &folder, (path, src), rendering, split)?, named)
+            (own_dataset(ctx, &folder, (path, src), rendering, (split, s.config.as_deref()))?, named)
         }
         Some(_) => return Err(StageError::Internal("an evaluate stage's dataset is a local file".into())),
     };
