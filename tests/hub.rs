@@ -844,6 +844,14 @@ fn a_hub_dataset_card_chooses_the_config_files() {
         cached.contains("raw/train.jsonl") && !cached.contains("blank/"),
         "blank's file was never fetched: {cached}"
     );
+    // Offline, with a new store, the HF cache's `raw` files are enough: the plan's offline check
+    // reads the cached card too (it asked for every config's files).
+    let fresh = env.dir.path().join("fresh-store");
+    let o = env.rtune(
+        &["run", "hub.toml", "--until", "tokenize"],
+        &[("HF_HUB_OFFLINE", "1"), ("RTUNE_CACHE_DIR", fresh.to_str().unwrap())],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
     let (m, download, _) = tokenize_hub_dataset_stages(&env, "test-org/configs", "config = \"semi\"\n").unwrap();
     assert_eq!((m["rows"].as_u64(), &download["dataset"]["files"]), (Some(30), &2.into()), "{m} {download}");
     let err = tokenize("config = \"cooked\"\n").unwrap_err();

@@ -20,7 +20,7 @@ use serde_json::Value;
 pub use key::{Inputs, StageKey};
 pub use lockfile::{LockFile, LockedStage};
 pub use render::{render_dot, render_text};
-pub use sources::{DATASET_FILES, HubSource, MODEL_FILES, hub_problem, hub_sources};
+pub use sources::{CARD, DATASET_FILES, HubSource, MODEL_FILES, config_wanted, hub_problem, hub_sources};
 
 use crate::destination::Verdict;
 use crate::device::{self, Inventory, Resolution};

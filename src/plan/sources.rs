@@ -162,6 +162,36 @@ pub fn hub_problem(e: &crate::hub::HubError) -> Problem {
 
 /// Offline pre-flight: every file a download stage needs must be in the HF cache. Lists all
 /// missing files at once, with the command that would fetch them.
+/// A dataset card's file name.
+pub const CARD: &str = "README.md";
+
+/// The files of a Hub dataset to fetch, of the repository's files `names`, as its card (text
+/// `card`) says: where the card names configs, the card and the files of every split of
+/// `config` (the default config when None) among those `wanted` matches — as
+/// `load_dataset(repo, name)` fetches them; otherwise `wanted` as it is. `Err` says why the card
+/// cannot be read as asked.
+pub fn config_wanted(
+    names: &[String],
+    card: &str,
+    wanted: &crate::hub::Wanted,
+    config: Option<&str>,
+) -> Result<crate::hub::Wanted, String> {
+    // The data files the card's patterns choose among, as a local folder's (no hidden files).
+    let data: Vec<String> = names
+        .iter()
+        .filter(|n| wanted.wants(n) && crate::data::source::supported(n) && !n.split('/').any(|p| p.starts_with('.')))
+        .cloned()
+        .collect();
+    Ok(match crate::data::configs::card_splits(Some(card), &data, config)? {
+        None => wanted.clone(),
+        Some((splits, _)) => {
+            let mut include = vec![CARD.to_string()];
+            include.extend(splits.iter().flat_map(|(_, files)| files).map(|f| crate::glob::escape(f)));
+            crate::hub::Wanted { include, exclude: wanted.exclude.clone() }
+        }
+    })
+}
+
 pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &key::Sources) -> Result<(), Problem> {
     let cache = crate::hub::HubCache::new(&hub.cache_dir);
     let mut missing: Vec<String> = Vec::new();
@@ -180,8 +210,21 @@ pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &k
             .filter(|f| src.wanted.wants(f))
             .collect();
         let mut lacking: Vec<String> = Vec::new();
+        // A dataset's cached card narrows what it needs to its config's files, as the download
+        // stage does (a card that cannot be read so is the download stage's error to give).
+        let wanted = match (key, &snap, cache.read_tree(&pinned, commit)) {
+            ("dataset", Some(snap), Some(names)) if src.wanted.wants(CARD) => {
+                std::fs::read_to_string(snap.dir.join(CARD))
+                    .ok()
+                    .and_then(|card| {
+                        config_wanted(&names, &card, &src.wanted, loaded.recipe.dataset.config.as_deref()).ok()
+                    })
+                    .unwrap_or_else(|| src.wanted.clone())
+            }
+            _ => src.wanted.clone(),
+        };
         // The exact listing huggingface_hub or rtune saved when it was online, if there is one.
-        if let Some(missing) = cache.missing(&pinned, commit, &src.wanted, &files) {
+        if let Some(missing) = cache.missing(&pinned, commit, &wanted, &files) {
             lacking = missing;
         } else if key == "model" {
             for need in ["config.json", "tokenizer.json"] {
@@ -204,7 +247,7 @@ pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &k
         }
         if !lacking.is_empty() {
             first_at.get_or_insert(src.at);
-            commands.push(crate::hub::download_command(&src.repo.with_revision(commit), &src.wanted.include));
+            commands.push(crate::hub::download_command(&src.repo.with_revision(commit), &wanted.include));
             missing.extend(lacking.into_iter().map(|f| format!("{}: {f}", src.repo.id)));
         }
     }

@@ -220,7 +220,7 @@ fn config_files(
     wanted: &crate::hub::Wanted,
     config: Option<&str>,
 ) -> Result<crate::hub::Wanted, StageError> {
-    const CARD: &str = "README.md";
+    const CARD: &str = crate::plan::CARD;
     if !wanted.wants(CARD) {
         return Ok(wanted.clone());
     }
@@ -234,18 +234,8 @@ fn config_files(
     let card = crate::hub::snapshot(client, cache, pinned, &card_only, ctx.ui)?;
     let path = card.snapshot.join(CARD);
     let text = std::fs::read_to_string(&path).map_err(StageError::io(format!("cannot read `{}`", path.display())))?;
-    // The data files the card's patterns choose among, as a local folder's (no hidden files).
-    let data: Vec<String> = names
-        .into_iter()
-        .filter(|n| wanted.wants(n) && crate::data::source::supported(n) && !n.split('/').any(|p| p.starts_with('.')))
-        .collect();
-    match crate::data::configs::card_splits(Some(&text), &data, config) {
-        Ok(None) => Ok(wanted.clone()),
-        Ok(Some((splits, _))) => {
-            let mut include = vec![CARD.to_string()];
-            include.extend(splits.iter().flat_map(|(_, files)| files).map(|f| crate::glob::escape(f)));
-            Ok(crate::hub::Wanted { include, exclude: wanted.exclude.clone() })
-        }
+    match crate::plan::config_wanted(&names, &text, wanted, config) {
+        Ok(narrowed) => Ok(narrowed),
         Err(message) => {
             let (at, label) = match ctx.spans.origin(&["dataset", "config"]) {
                 Some(at) => (Some(at), "this config"),
