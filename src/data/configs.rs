@@ -58,10 +58,7 @@ struct Config {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Reading {
     /// A CSV's cell separator (`sep` or `delimiter`); None: `,`, or a tab in a `.tsv` file.
-    pub sep: Option<String>,
-    /// The separator was written as more than one character, which pandas reads as a regular
-    /// expression, splitting at every match: quotes are not special then.
-    pub sep_ignores_quotes: bool,
+    pub sep: Option<Sep>,
     /// A JSON file is one object whose `field` holds the rows: a list of objects, a list of
     /// strings (`text` rows) or an object of equal-length lists (its columns).
     pub field: Option<String>,
@@ -72,6 +69,22 @@ pub struct Reading {
 }
 
 pub use crate::recipe::SampleBy;
+
+/// A CSV cell separator as rtune reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sep {
+    pub text: String,
+    /// RFC 4180 quotes are special. Not where the separator was written as more than one
+    /// character, which pandas reads as a regular expression, splitting at every match.
+    pub quotes: bool,
+}
+
+impl Sep {
+    /// A one-character separator, with quotes.
+    pub fn plain(text: &str) -> Sep {
+        Sep { text: text.into(), quotes: true }
+    }
+}
 
 /// Loader settings that change the rows in ways rtune does not read; refused by name.
 const REFUSED: [&str; 21] = [
@@ -133,17 +146,15 @@ impl Reading {
             }
             (a, b) => a.or(b).map(|s| literal_sep(&format!("config `{name}`'s"), &s)).transpose()?,
         };
-        r.sep_ignores_quotes = text("sep")?.or(text("delimiter")?).is_some_and(|s| s.chars().count() > 1);
         r.field = text("field")?;
-        r.sample_by = match text("sample_by")?.as_deref() {
-            None | Some("line") => SampleBy::Line,
-            Some("paragraph") => SampleBy::Paragraph,
-            Some("document") => SampleBy::Document,
-            Some(other) => {
-                return Err(format!(
-                    "config `{name}`'s `sample_by` is `{other}`: datasets' text loader takes line, paragraph or document"
-                ));
-            }
+        // The names are the recipe's `dataset.sample_by`'s.
+        r.sample_by = match text("sample_by")? {
+            None => SampleBy::default(),
+            Some(by) => serde_yaml_ng::from_value(Value::String(by.clone())).map_err(|_| {
+                format!(
+                    "config `{name}`'s `sample_by` is `{by}`: datasets' text loader takes line, paragraph or document"
+                )
+            })?,
         };
         r.keep_linebreaks = match settings.get("keep_linebreaks") {
             None | Some(Value::Null) => false,
@@ -156,10 +167,10 @@ impl Reading {
 
 /// The separator `sep` as literal text. pandas reads a separator of more than one character as
 /// a regular expression: one that matches only itself (`::`, or an escaped character such as
-/// `\t` or `\|`) is read; a pattern is refused.
-fn literal_sep(whose: &str, sep: &str) -> Result<String, String> {
+/// `\t` or `\|`) is read, without quotes; a pattern is refused.
+fn literal_sep(whose: &str, sep: &str) -> Result<Sep, String> {
     if sep.chars().count() == 1 {
-        return Ok(sep.to_string());
+        return Ok(Sep::plain(sep));
     }
     let mut out = String::new();
     let mut chars = sep.chars();
@@ -179,7 +190,7 @@ fn literal_sep(whose: &str, sep: &str) -> Result<String, String> {
     if out.is_empty() {
         return Err(format!("{whose} `sep` is empty"));
     }
-    Ok(out)
+    Ok(Sep { text: out, quotes: false })
 }
 
 fn refused_sep(whose: &str, sep: &str) -> String {
@@ -204,7 +215,6 @@ impl Overrides {
     pub fn apply(&self, mut reading: Reading) -> Result<Reading, (&'static str, String)> {
         if let Some(sep) = &self.sep {
             reading.sep = Some(literal_sep("the recipe's", sep).map_err(|e| ("sep", e))?);
-            reading.sep_ignores_quotes = sep.chars().count() > 1;
         }
         if let Some(field) = &self.field {
             reading.field = Some(field.clone());
@@ -389,7 +399,9 @@ mod tests {
 
     #[test]
     fn loader_settings_read_or_are_refused_by_name() {
-        let sep = |yaml: &str| reading(yaml).map(|r| (r.sep, r.sep_ignores_quotes));
+        let sep = |yaml: &str| {
+            reading(yaml).map(|r| (r.sep.as_ref().map(|s| s.text.clone()), r.sep.is_some_and(|s| !s.quotes)))
+        };
         assert_eq!(sep("sep: ';'"), Ok((Some(";".into()), false)));
         assert_eq!(sep("delimiter: '\\t'"), Ok((Some("\t".into()), true)));
         assert_eq!(sep("sep: \"\\t\""), Ok((Some("\t".into()), false)));

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use super::configs::{Reading, SampleBy};
+use super::configs::{Reading, SampleBy, Sep};
 use super::splits::Splits;
 
 use super::DataError;
@@ -166,7 +166,7 @@ fn data_names(path: &Path) -> Result<Vec<String>, DataError> {
     let mut names = Vec::new();
     for rel in crate::store::walk(path).map_err(|e| DataError::Io { path: path.display().to_string(), source: e })? {
         let name = rel.to_string_lossy().replace(std::path::MAIN_SEPARATOR, "/");
-        if !name.starts_with('.') && supported(&name) {
+        if is_data_file(&name) {
             names.push(name);
         }
     }
@@ -236,6 +236,12 @@ pub const SPLIT_NAMES: &str = "files name their split as in 🤗 datasets: `trai
 
 /// The dataset files rtune reads, by extension, as a sentence's list.
 pub const FORMATS: &str = ".jsonl, .json, .csv, .tsv, .txt or .parquet";
+
+/// Whether a folder's file at `rel` (relative, with `/`) is one of its data files: not hidden,
+/// and of a kind rtune reads.
+pub fn is_data_file(rel: &str) -> bool {
+    !rel.starts_with('.') && supported(rel)
+}
 
 /// Whether rtune reads a file of this name as data (by its extension, in any case).
 pub fn supported(name: &str) -> bool {
@@ -321,10 +327,9 @@ fn read_file(path: &Path, reading: &Reading, push: Push<'_>, progress: &mut dyn 
             }
         },
         "jsonl" => Lines::Json,
-        "csv" | "tsv" => Lines::Csv {
-            sep: reading.sep.clone().unwrap_or_else(|| if ext == "tsv" { "\t" } else { "," }.into()),
-            quotes: !reading.sep_ignores_quotes,
-        },
+        "csv" | "tsv" => {
+            Lines::Csv(reading.sep.clone().unwrap_or_else(|| Sep::plain(if ext == "tsv" { "\t" } else { "," })))
+        }
         _ if reading.sample_by != SampleBy::Line => {
             read_text_samples(path, &name, reading.sample_by, push, progress)?;
             return Ok(size);
@@ -336,9 +341,9 @@ fn read_file(path: &Path, reading: &Reading, push: Push<'_>, progress: &mut dyn 
     let mut header: Option<Vec<String>> = None;
     // A CSV record whose quoted cell is still open: its first line, its text so far.
     let mut record: Option<(usize, String)> = None;
+    let csv = matches!(kind, Lines::Csv(_));
     while let Some((line, ended)) = lines.next(&name, progress)? {
         let i = lines.line;
-        let csv = matches!(kind, Lines::Csv { .. });
         let mut line = match line {
             Ok(line) => line,
             // A line of a JSON Lines or text file is a row: with `skip_bad_rows` it is skipped
@@ -355,10 +360,9 @@ fn read_file(path: &Path, reading: &Reading, push: Push<'_>, progress: &mut dyn 
                     push(parse_object(&name, i, &line))?;
                 }
             }
-            Lines::Csv { sep, quotes } => {
+            Lines::Csv(sep) => {
                 // A quoted cell may hold line breaks: a record goes on until its quotes balance.
-                let quoted = *quotes;
-                let quotes = if quoted { line.bytes().filter(|b| *b == b'"').count() } else { 0 };
+                let quotes = if sep.quotes { line.bytes().filter(|b| *b == b'"').count() } else { 0 };
                 let (start, line) = match record.take() {
                     Some((start, mut text)) => {
                         text.push('\n');
@@ -380,20 +384,20 @@ fn read_file(path: &Path, reading: &Reading, push: Push<'_>, progress: &mut dyn 
                     None => (i, line),
                 };
                 let Some(header) = &header else {
-                    header = Some(split_csv(&line, sep, quoted));
+                    header = Some(split_csv(&line, sep));
                     continue;
                 };
                 if line.trim().is_empty() {
                     continue;
                 }
-                let cells = split_csv(&line, sep, quoted);
+                let cells = split_csv(&line, sep);
                 if cells.len() != header.len() {
-                    let help = match (sep.as_str(), quoted) {
+                    let help = match (sep.text.as_str(), sep.quotes) {
                         ("\t", _) => "quote cells that contain tabs: \"a<tab>b\"".to_string(),
-                        (_, true) => format!("quote cells that contain `{sep}`: \"a{sep} b\""),
+                        (s, true) => format!("quote cells that contain `{s}`: \"a{s} b\""),
                         // pandas splits at a separator of several characters as at a pattern.
-                        (_, false) => {
-                            format!("a separator of several characters ignores quotes: no cell may hold `{sep}`")
+                        (s, false) => {
+                            format!("a separator of several characters ignores quotes: no cell may hold `{s}`")
                         }
                     };
                     push(Err(DataError::bad_row(
@@ -475,11 +479,11 @@ impl LineReader {
     }
 }
 
-/// How a line-by-line file reads: each line a JSON object, CSV records with this separator
-/// (and RFC 4180 quotes, or none), or text.
+/// How a line-by-line file reads: each line a JSON object, CSV records with this separator, or
+/// text.
 enum Lines {
     Json,
-    Csv { sep: String, quotes: bool },
+    Csv(Sep),
     Text { keep_linebreaks: bool },
 }
 
@@ -562,12 +566,7 @@ fn read_json_objects(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn
         match Value::deserialize(&mut de) {
             Ok(Value::Object(fields)) => push(Ok(Row { fields, file: name.to_string(), line }))?,
             Ok(_) => unreachable!("a JSON value that starts with `{{` is an object"),
-            Err(e) => {
-                let at = line + e.line() - 1;
-                let col = e.column().saturating_sub(1);
-                let msg = format!("malformed JSON: {e}");
-                return Err(DataError::bad_row(name, at, &read_line(path, at), Some(col..col + 1), msg, None));
-            }
+            Err(e) => return Err(json_error(name, path, e, line - 1)),
         }
     }
 }
@@ -581,7 +580,7 @@ fn read_json_field(path: &Path, name: &str, field: &str, push: Push<'_>) -> Resu
     let text = bytes.strip_prefix(BOM.as_bytes()).unwrap_or(&bytes);
     let invalid = |message: String, help: &str| DataError::Invalid { message, help: Some(help.into()) };
     let help = "the dataset card's config reads the rows from this field of the file's one JSON object";
-    let top = match serde_json::from_slice::<Value>(text) {
+    let mut top = match serde_json::from_slice::<Value>(text) {
         Ok(Value::Object(top)) => top,
         Ok(other) => {
             return Err(invalid(
@@ -589,17 +588,17 @@ fn read_json_field(path: &Path, name: &str, field: &str, push: Push<'_>) -> Resu
                 help,
             ));
         }
-        Err(e) => return Err(json_error(name, path, e)),
+        Err(e) => return Err(json_error(name, path, e, 0)),
     };
-    let Some(rows) = top.get(field) else {
+    let Some(rows) = top.remove(field) else {
         let has = top.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
         return Err(invalid(format!("`{name}` has no field `{field}`; its fields are {has}"), help));
     };
     let items: Vec<Value> = match rows {
-        Value::Array(items) => items.clone(),
-        Value::Object(columns) => {
+        Value::Array(items) => items,
+        Value::Object(mut columns) => {
             let mut n = None;
-            for (col, v) in columns {
+            for (col, v) in &columns {
                 let len = v.as_array().map(Vec::len);
                 if len.is_none() || n.is_some_and(|n| Some(n) != len) {
                     let what = format!(
@@ -610,11 +609,11 @@ fn read_json_field(path: &Path, name: &str, field: &str, push: Push<'_>) -> Resu
                 n = len;
             }
             (0..n.unwrap_or(0))
-                .map(|i| Value::Object(columns.iter().map(|(c, v)| (c.clone(), v[i].clone())).collect()))
+                .map(|i| Value::Object(columns.iter_mut().map(|(c, v)| (c.clone(), v[i].take())).collect()))
                 .collect()
         }
         other => {
-            let what = format!("`{name}`'s field `{field}` is {}, not a list of rows", kind(other));
+            let what = format!("`{name}`'s field `{field}` is {}, not a list of rows", kind(&other));
             return Err(invalid(what, "the field holds a list of objects, a list of strings, or an object of columns"));
         }
     };
@@ -723,7 +722,7 @@ fn read_json_array(path: &Path, name: &str, push: Push<'_>, progress: &mut dyn F
     if let Some(e) = stopped {
         return Err(e);
     }
-    result.map_err(|e| json_error(name, path, e))
+    result.map_err(|e| json_error(name, path, e, 0))
 }
 
 /// A reader that tells `progress` how far it has read, every 4 MiB, and counts the lines it has
@@ -798,11 +797,12 @@ fn parse_object(file: &str, line: usize, text: &str) -> Result<Row, DataError> {
     }
 }
 
-/// A JSON parse error located in its file: the line is read back (bounded) for the snippet.
-fn json_error(file: &str, path: &Path, e: serde_json::Error) -> DataError {
-    let line_text = read_line(path, e.line());
+/// A JSON parse error located in its file, where the parsed text began after `before` lines:
+/// the line is read back (bounded) for the snippet.
+fn json_error(file: &str, path: &Path, e: serde_json::Error, before: usize) -> DataError {
+    let line = before + e.line();
     let col = e.column().saturating_sub(1);
-    DataError::bad_row(file, e.line(), &line_text, Some(col..col + 1), format!("malformed JSON: {e}"), None)
+    DataError::bad_row(file, line, &read_line(path, line), Some(col..col + 1), format!("malformed JSON: {e}"), None)
 }
 
 pub fn kind(v: &Value) -> &'static str {
@@ -816,9 +816,10 @@ pub fn kind(v: &Value) -> &'static str {
     }
 }
 
-/// Split one CSV record at `sep`, with RFC 4180 quoting (a quoted cell may hold line breaks) if
-/// `quotes`.
-fn split_csv(line: &str, sep: &str, quotes: bool) -> Vec<String> {
+/// Split one CSV record at `sep`, with RFC 4180 quoting (a quoted cell may hold line breaks)
+/// where the separator has quotes.
+fn split_csv(line: &str, sep: &Sep) -> Vec<String> {
+    let (quotes, sep) = (sep.quotes, sep.text.as_str());
     if !quotes {
         return line.split(sep).map(str::to_string).collect();
     }
@@ -973,6 +974,7 @@ mod tests {
 
     #[test]
     fn csv_quotes() {
+        let split_csv = |line: &str, sep: &str, quotes| split_csv(line, &Sep { text: sep.into(), quotes });
         assert_eq!(split_csv(r#"a,"b, c","say ""hi""""#, ",", true), ["a", "b, c", "say \"hi\""]);
         assert_eq!(split_csv("a::\"b::c\"::", "::", true), ["a", "b::c", ""]);
         assert_eq!(split_csv("a\t\"b\tc\"", "\t", true), ["a", "b\tc"]);

@@ -160,8 +160,6 @@ pub fn hub_problem(e: &crate::hub::HubError) -> Problem {
     p
 }
 
-/// Offline pre-flight: every file a download stage needs must be in the HF cache. Lists all
-/// missing files at once, with the command that would fetch them.
 /// A dataset card's file name.
 pub const CARD: &str = "README.md";
 
@@ -176,12 +174,9 @@ pub fn config_wanted(
     wanted: &crate::hub::Wanted,
     config: Option<&str>,
 ) -> Result<crate::hub::Wanted, String> {
-    // The data files the card's patterns choose among, as a local folder's (no hidden files).
-    let data: Vec<String> = names
-        .iter()
-        .filter(|n| wanted.wants(n) && crate::data::source::supported(n) && !n.split('/').any(|p| p.starts_with('.')))
-        .cloned()
-        .collect();
+    // The data files the card's patterns choose among, as a local folder's.
+    let data: Vec<String> =
+        names.iter().filter(|n| wanted.wants(n) && crate::data::source::is_data_file(n)).cloned().collect();
     Ok(match crate::data::configs::card_splits(Some(card), &data, config)? {
         None => wanted.clone(),
         Some((splits, _)) => {
@@ -192,6 +187,8 @@ pub fn config_wanted(
     })
 }
 
+/// Offline pre-flight: every file a download stage needs must be in the HF cache. Lists all
+/// missing files at once, with the command that would fetch them.
 pub(super) fn offline_preflight(loaded: &LoadedRecipe, hub: &HubEnv, sources: &key::Sources) -> Result<(), Problem> {
     let cache = crate::hub::HubCache::new(&hub.cache_dir);
     let mut missing: Vec<String> = Vec::new();
