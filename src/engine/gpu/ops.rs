@@ -360,21 +360,17 @@ impl Ops<'_> {
     /// `y = x ⊙ mask` (inverted dropout; `y` may be `x`) for elements `offset ..` of the
     /// adapter's whole input.
     pub fn dropout(&self, x: u64, y: u64, key: u64, offset: usize, p: f64, n: usize) -> R {
-        let (threshold, scale) = crate::model::lora::dropout_params(p);
-        let args = [
-            Arg::Ptr(x),
-            Arg::Ptr(y),
-            Arg::U64(key),
-            Arg::U64(offset as u64),
-            Arg::U32(threshold),
-            Arg::F32(scale),
-            i(n),
-        ];
-        self.run("dropout", n, &args)
+        self.masked("dropout", x, y, key, offset, p, n)
     }
 
     /// `dst += src ⊙ mask`.
     pub fn dropout_acc(&self, src: u64, dst: u64, key: u64, offset: usize, p: f64, n: usize) -> R {
+        self.masked("dropout_acc", src, dst, key, offset, p, n)
+    }
+
+    /// A dropout kernel over `n` elements from `src` to `dst`, its mask drawn from `key` at
+    /// element `offset` with drop probability `p`.
+    fn masked(&self, kernel: &str, src: u64, dst: u64, key: u64, offset: usize, p: f64, n: usize) -> R {
         let (threshold, scale) = crate::model::lora::dropout_params(p);
         let args = [
             Arg::Ptr(src),
@@ -385,7 +381,7 @@ impl Ops<'_> {
             Arg::F32(scale),
             i(n),
         ];
-        self.run("dropout_acc", n, &args)
+        self.run(kernel, n, &args)
     }
 
     pub fn cross_entropy(&self, logits: u64, targets: u64, loss: u64, rows: usize, vocab: usize, grad_scale: f32) -> R {
