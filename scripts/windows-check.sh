@@ -18,7 +18,8 @@
 #   scripts/windows-check.sh
 #
 # Installs what is missing: rustup's x86_64-pc-windows-gnu target, and from Debian MinGW-w64,
-# wine64 and xvfb (Xvfb). Builds in the dev profile (dependencies optimised, as `cargo test` does).
+# wine64 and xvfb (Xvfb). Builds in the dev profile, the dependencies at opt-level 1 but gemm's
+# crates at 3 (see wcargo below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=x86_64-pc-windows-gnu
@@ -37,8 +38,22 @@ trap 'wineserver -k >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 export WINEPREFIX="$work/wine" WINEDEBUG=-all WINEDLLOVERRIDES="mscoree,mshtml=" RTUNE_NO_PROGRESS=1
 wine_path() { winepath -w "$1" 2>/dev/null; }
 
-# Windows commands build without debug info: smaller on a CI runner's disk, faster to link.
-wcargo() { local sub=$1; shift; CARGO_PROFILE_DEV_DEBUG=0 cargo "$sub" --locked --target "$target" "$@"; }
+# Windows commands build without debug info: smaller on a CI runner's disk, faster to link. Their
+# dependencies build at opt-level 1, not Cargo.toml's 3: candle-core, tokenizers and ash with
+# their dependencies took 283 s instead of 506 s for this target (2-core Xeon, 2026-11-29), and
+# these runs compute little outside the fused CPU engine's products, which are gemm's: its crates
+# stay at 3. The results do not depend on it (no fast-math at any level): step 3 compares the
+# artifacts' fingerprints and the eval losses with the Linux build's.
+gemm3=()
+for c in gemm gemm-common gemm-f16 gemm-f32 gemm-f64 gemm-c32 gemm-c64; do
+  gemm3+=(--config "profile.dev.package.$c.opt-level=3")
+done
+wcargo() {
+  local sub=$1
+  shift
+  CARGO_PROFILE_DEV_DEBUG=0 cargo "$sub" --locked --target "$target" \
+    --config 'profile.dev.package."*".opt-level=1' "${gemm3[@]}" "$@"
+}
 
 echo "== build for Windows ($target)"
 wcargo build --bin rtune

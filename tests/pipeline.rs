@@ -1344,7 +1344,7 @@ fn cache_prune_keeps_what_named_recipes_use_and_rm_removes_by_fingerprint() {
 /// The default recipe on a Vulkan device (lavapipe in CI) against the same run on the CPU: every
 /// stage builds, training runs on the GPU engine there, quantize merges on the CPU, and the eval
 /// losses agree within 1e-4 relative (f32). Shortened to 4 steps here; CI also runs the whole
-/// recipe (`default_recipe_on_vulkan_end_to_end_matches_the_cpu`, about 4 minutes on lavapipe).
+/// recipe (`default_recipe_on_vulkan_end_to_end_matches_the_cpu`, 3.5 minutes on Mesa 26's lavapipe).
 #[test]
 fn default_recipe_on_vulkan_matches_the_cpu() {
     default_recipe_on_vulkan(SHORT_RUN);
@@ -1362,8 +1362,8 @@ const SHORT_RUN: &[&str] = &[
 
 /// Issue 18's acceptance on lavapipe: `rtune run recipes/tiny-offline.toml --set
 /// 'device.prefer=["vulkan"]'` end to end, all 537 steps, against the CPU. Run by .ci/run
-/// (`cargo test --test pipeline -- --ignored vulkan`); ignored in the plain `cargo test` for its
-/// minutes.
+/// (`cargo test --test pipeline -- --ignored vulkan`, on Mesa 26's lavapipe with each `rtune`
+/// under the validation layer); ignored in the plain `cargo test` for its minutes.
 #[test]
 #[ignore]
 fn default_recipe_on_vulkan_end_to_end_matches_the_cpu() {

@@ -13,8 +13,22 @@ pub fn root() -> PathBuf {
 /// The `rtune` binary with one compute thread: the test harness runs tests in parallel (two on
 /// two cores), and two rtune processes each spinning up a pool per core oversubscribe the
 /// machine badly (the pipeline tests took 4x longer in parallel than one after another).
+///
+/// `RTUNE_TEST_RUNNER` (a program and its arguments, split at spaces) runs each `rtune` through
+/// it, as cargo's runner variable does for test binaries: .ci/run runs the Vulkan recipe's
+/// processes on Mesa 26's lavapipe under the validation layer (`scripts/newer-mesa.sh validate`).
 pub fn rtune_cmd() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+    let bin = env!("CARGO_BIN_EXE_rtune");
+    let runner = std::env::var("RTUNE_TEST_RUNNER").unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    let mut c = match words.next() {
+        Some(program) => {
+            let mut c = Command::new(program);
+            c.args(words).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    };
     c.env("RAYON_NUM_THREADS", "1");
     c
 }
