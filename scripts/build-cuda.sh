@@ -44,8 +44,12 @@ if [ "${1:-}" = "--lint" ]; then
     echo "exec '$CUDA_HOME/bin/nvcc' \"\${args[@]}\""
   } >"$stub/bin/nvcc"
   chmod +x "$stub/bin/nvcc"
-  NVCC="$stub/bin/nvcc" cargo clippy --locked --features cuda --all-targets -- -D warnings
-  exit
+  rc=0
+  NVCC="$stub/bin/nvcc" cargo clippy --locked --features cuda --all-targets -- -D warnings || rc=$?
+  # cudaforge keeps a cache of the objects it compiled, which a later build in this folder (run
+  # again for its different NVCC) would trust: forget it, so that build compiles them for real.
+  rm -f "$CARGO_TARGET_DIR"/debug/build/candle-kernels-*/out/.cudaforge_cache.json
+  exit $rc
 fi
 cargo build --locked --release --features cuda
 mkdir -p .gpu
