@@ -149,8 +149,7 @@ fn check_hub(rest: &str, record: &Record, hub: &HubEnv) -> Verdict {
     let Ok(repo) = crate::hub::parse_hf_url(rest) else {
         return Verdict::NotChecked(format!("destination not checked: `hf://{rest}` does not parse"));
     };
-    // One attempt: `plan` must not stall on an unreachable Hub.
-    let client = crate::hub::Client::new(HubEnv { attempts: 1, ..hub.clone() });
+    let client = crate::hub::Client::new(hub.clone());
     let listing = match crate::hub::list_files(&client, &repo) {
         Ok(Some(l)) => l,
         Ok(None) => return Verdict::Stale("destination missing on the Hub".into()),

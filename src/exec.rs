@@ -114,7 +114,8 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         }
         let started = Instant::now();
         let fp = &planned.fingerprint;
-        match planned.action {
+        let (action, reason) = recheck_destination(loaded, store, plan, planned, ui);
+        match action {
             Action::Skip => {
                 report.stages.push(StageReport::new(planned, "skipped", None, json!(null), 0.0));
                 continue;
@@ -134,7 +135,7 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
                         format!("another rtune run is building {} ({})", planned.name, planned.short()),
                     )
                 })?;
-                ui.status("restoring", format!("{} ({}) — {}", planned.name, planned.short(), planned.reason));
+                ui.status("restoring", format!("{} ({}) — {}", planned.name, planned.short(), reason));
                 restore(loaded, store, plan, planned, ui, false)?;
                 record_in_lock(&lock_file, plan, &planned.name)?;
                 let metrics = store.manifest(fp).map(|m| m.metrics).unwrap_or(json!(null));
@@ -245,6 +246,40 @@ pub fn run(loaded: &LoadedRecipe, plan: &Plan, store: &Store, ui: &Ui) -> Result
         }
     }
     Ok(report)
+}
+
+/// What to do with a planned stage. The plan checks an upload's Hub destination with one
+/// attempt (a plan must not stall on an unreachable Hub); where that attempt failed, a run asks
+/// again as persistently as an upload would, restores what it finds changed, and warns when the
+/// Hub still does not answer — a run that verified nothing must not read as one that found the
+/// destination intact.
+fn recheck_destination(
+    loaded: &LoadedRecipe,
+    store: &Store,
+    plan: &Plan,
+    planned: &crate::plan::PlannedStage,
+    ui: &Ui,
+) -> (Action, String) {
+    use crate::destination::{self, Verdict};
+    let unchecked = planned.action == Action::Cached
+        && planned.kind == crate::recipe::StageKind::Upload
+        && !plan.offline
+        && planned.reason.starts_with("destination not checked");
+    if !unchecked {
+        return (planned.action, planned.reason.clone());
+    }
+    let hub = crate::hub::HubEnv::from_env(None, false);
+    match destination::check(loaded, store, &planned.fingerprint, &hub) {
+        Verdict::Stale(why) => (Action::Restore, why),
+        Verdict::Intact => (Action::Cached, String::new()),
+        Verdict::NotChecked(why) => {
+            ui.warn(format!(
+                "{}: {why}; the files there were not verified or restored (run again when the Hub answers)",
+                planned.name
+            ));
+            (Action::Cached, why)
+        }
+    }
 }
 
 /// Copy an upload's files to its destination again from the store (only when the destination

@@ -496,6 +496,28 @@ fn a_recipe_with_hub_sources_downloads_trains_and_uploads() {
     assert!(stderr(&o).contains("re-uploaded"), "{}", stderr(&o));
     let restored = env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap();
     assert_eq!(restored, uploaded);
+
+    // The plan lists the destination once (it must not stall on an unreachable Hub); when that
+    // one answer fails, the run asks again as an upload would, and restores what is gone.
+    let listing = "GET /api/models/test-org/tiny-llama-tuned/revision/";
+    let few = [("HF_TOKEN", TOKEN), ("RTUNE_HUB_ATTEMPTS", "3")];
+    env.server.delete_files("model", "test-org/tiny-llama-tuned", &["README.md"]);
+    env.server.state.lock().unwrap().fail_matching = vec![(listing.into(), 503)];
+    let o = env.ok(&["run", "hub.toml"], &few);
+    let e = stderr(&o);
+    assert!(e.contains("cached destination not checked: listing") && e.contains("re-uploaded"), "{e}");
+    assert!(!e.contains("were not verified"), "{e}");
+    assert_eq!(env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap(), uploaded);
+    // A Hub that lists nothing: the run succeeds on what it has, and says it verified nothing.
+    env.server.delete_files("model", "test-org/tiny-llama-tuned", &["README.md"]);
+    env.server.state.lock().unwrap().fail_matching = vec![(listing.into(), 503); 4];
+    let o = env.ok(&["run", "hub.toml"], &few);
+    let e = stderr(&o);
+    assert!(e.contains("upload: destination not checked") && e.contains("were not verified or restored"), "{e}");
+    assert!(env.server.state.lock().unwrap().fail_matching.is_empty(), "the plan's one try and the run's three");
+    assert!(!env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap().contains_key("README.md"));
+    env.ok(&["run", "hub.toml"], &auth);
+    assert_eq!(env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap(), uploaded);
     let plan = stdout(&env.ok(&["plan", "hub.toml", "--offline"], &[]));
     assert!(plan.contains("cached  destination not checked (offline)"), "{plan}");
 
@@ -690,8 +712,36 @@ fn output_within(mut cmd: Command, dir: &Path, secs: u64) -> Option<Output> {
 impl Env {
     /// `rtune args` under a deadline, with two attempts per request (the chaos cases).
     fn rtune_within(&self, args: &[&str], secs: u64) -> Option<Output> {
-        let c = self.command(args, &[("RTUNE_HUB_BACKOFF_MS", "1"), ("RTUNE_HUB_ATTEMPTS", "2")]);
-        output_within(c, self.dir.path(), secs)
+        self.rtune_within_env(args, secs, &[])
+    }
+
+    fn rtune_within_env(&self, args: &[&str], secs: u64, extra: &[(&str, &str)]) -> Option<Output> {
+        let mut vars = vec![("RTUNE_HUB_BACKOFF_MS", "1"), ("RTUNE_HUB_ATTEMPTS", "2")];
+        vars.extend_from_slice(extra);
+        output_within(self.command(args, &vars), self.dir.path(), secs)
+    }
+
+    /// The upload stage of `run --json`'s report recorded files that the Hub holds, each with
+    /// the bytes it recorded.
+    fn hub_holds_the_upload(&self, report: &[u8]) -> Result<(), String> {
+        let report: serde_json::Value = serde_json::from_slice(report).map_err(|e| format!("report: {e}"))?;
+        let stage = report["stages"].as_array().into_iter().flatten().find(|s| s["name"] == "upload");
+        let dir = stage.and_then(|s| s["artifact"].as_str()).ok_or("no upload artifact in the report")?;
+        let record = std::fs::read_to_string(Path::new(dir).join("upload.json")).map_err(|e| format!("record: {e}"))?;
+        let record: serde_json::Value = serde_json::from_str(&record).unwrap();
+        let repo = record["destination"].as_str().unwrap().strip_prefix("hf://").unwrap();
+        let on_hub = self.server.files("model", repo, "main").ok_or(format!("{repo} is not on the Hub"))?;
+        let files = record["files"].as_object().unwrap();
+        if files.len() < 4 {
+            return Err(format!("the record names {} files", files.len()));
+        }
+        for (path, w) in files {
+            let bytes = on_hub.get(path).ok_or(format!("{path} is not on the Hub"))?;
+            if blake3::hash(bytes).to_hex().as_str() != w["digest"] || bytes.len() as u64 != w["size"] {
+                return Err(format!("{path} has other bytes on the Hub than the record's"));
+            }
+        }
+        Ok(())
     }
 
     /// Every blob in the repo's cache folder is named by its digest, and every snapshot file
@@ -901,13 +951,14 @@ mod chaos {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: std::env::var("CHAOS_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(40), failure_persistence: None, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: std::env::var("CHAOS_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(48), failure_persistence: None, ..ProptestConfig::default() })]
 
         #[test]
         fn random_hub_answers_never_panic_hang_or_poison_the_cache(
             seed in any::<u64>(),
             percent in prop::sample::select(vec![15u64, 40, 100]),
-            what in prop::sample::select(vec!["download", "upload", "run"]),
+            what in prop::sample::select(vec!["download", "upload", "run", "stage"]),
+            restore in any::<bool>(),
         ) {
             // One server for every case (each would hold two listening sockets to the end).
             static SERVER: std::sync::OnceLock<HubServer> = std::sync::OnceLock::new();
@@ -929,6 +980,36 @@ mod chaos {
                 let o = env.rtune_within(&args, 60).unwrap();
                 prop_assert!(o.status.success(), "a sound Hub after {:#?}:\n{}", applied, stderr(&o));
                 let o = env.rtune_within(&["cache", "verify"], 60).unwrap();
+                prop_assert!(o.status.success(), "cache verify after {:#?}:\n{}", applied, stderr(&o));
+            } else if what == "stage" {
+                // A recipe's upload stage: its first commit, to a repo it creates, or (`restore`)
+                // putting back files deleted on the Hub, which the plan finds by listing the repo.
+                env.server.state.lock().unwrap().chaos = None;
+                publish_tiny_model_and_data(&env.server);
+                std::fs::write(env.dir.path().join("hub.toml"), HUB_RECIPE).unwrap();
+                let auth = [("HF_TOKEN", TOKEN)];
+                let sound = |args: &[&str]| env.rtune_within_env(args, 60, &auth).unwrap();
+                let o = sound(if restore { &["run", "hub.toml"] } else { &["run", "hub.toml", "--until", "quantize"] });
+                prop_assert!(o.status.success(), "the sound run before the chaos:\n{}", stderr(&o));
+                if restore {
+                    env.server.delete_files("model", "test-org/tiny-llama-tuned", &["README.md", "merged/model.safetensors"]);
+                }
+                env.server.state.lock().unwrap().chaos = Some(Chaos::new(seed, percent));
+                let args = ["run", "hub.toml", "--json"];
+                let o = env.rtune_within_env(&args, 60, &auth);
+                let applied = env.server.state.lock().unwrap().chaos.take().unwrap().applied;
+                let (e, out) = o.as_ref().map(|o| (stderr(o), o.stdout.clone())).unwrap_or_default();
+                // A success has every recorded file on the Hub, unless the run said the Hub did
+                // not let it check the destination (and so it verified nothing).
+                if judge("run", o, &applied)? && !e.contains("were not verified or restored") {
+                    env.hub_holds_the_upload(&out).map_err(|m| TestCaseError::fail(format!("{m} after {applied:#?}:\n{e}")))?;
+                }
+                let o = sound(&args);
+                prop_assert!(o.status.success(), "a sound Hub after {:#?}:\n{}", applied, stderr(&o));
+                env.hub_holds_the_upload(&o.stdout).map_err(|m| TestCaseError::fail(format!("{m} after {applied:#?}")))?;
+                let o = sound(&["plan", "hub.toml"]);
+                prop_assert!(stdout(&o).contains("0 to run"), "the plan after {:#?}:\n{}", applied, stdout(&o));
+                let o = sound(&["cache", "verify"]);
                 prop_assert!(o.status.success(), "cache verify after {:#?}:\n{}", applied, stderr(&o));
             } else if what == "upload" {
                 // A file past the multipart threshold too.

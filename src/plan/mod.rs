@@ -232,7 +232,8 @@ pub fn make(
                 },
             ),
             (Some(Ok(())), false) if spec.kind == StageKind::Upload => {
-                match crate::destination::check(loaded, store, &fp, &hub) {
+                // One attempt: `plan` must not stall on an unreachable Hub (`run` asks again).
+                match crate::destination::check(loaded, store, &fp, &HubEnv { attempts: 1, ..hub.clone() }) {
                     Verdict::Intact => (Action::Cached, String::new()),
                     Verdict::NotChecked(why) => (Action::Cached, why),
                     Verdict::Stale(why) => (Action::Restore, why),

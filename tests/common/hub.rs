@@ -35,6 +35,9 @@ pub struct State {
     parts: HashMap<String, BTreeMap<u64, Vec<u8>>>,
     /// Statuses answered (in order) to the next requests instead of serving them.
     pub fail_next: Vec<u16>,
+    /// (prefix of "METHOD path", status): the first request that matches each is answered
+    /// with that status instead of being served.
+    pub fail_matching: Vec<(String, u16)>,
     /// Extra names put into every listing (hostile input).
     pub extra_listing: Vec<String>,
     /// Paths served with wrong bytes.
@@ -518,6 +521,11 @@ fn handle(req: &Req, st: &Mutex<State>, base: &str, cdn_base: &str) -> Resp {
     s.log.push((format!("{} {}", req.method, req.path), auth.is_some()));
     if !s.fail_next.is_empty() {
         let code = s.fail_next.remove(0);
+        return Resp::status(code, "injected failure");
+    }
+    let line = format!("{} {}", req.method, req.path);
+    if let Some(i) = s.fail_matching.iter().position(|(prefix, _)| line.starts_with(prefix.as_str())) {
+        let (_, code) = s.fail_matching.remove(i);
         return Resp::status(code, "injected failure");
     }
     let cdn = req.path.starts_with("/cdn/") || req.path.starts_with("/lfs-");
