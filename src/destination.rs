@@ -65,6 +65,13 @@ pub struct Written {
     pub size: u64,
     /// `<fingerprint>/<path>`: the store artifact file it is a copy of.
     pub from: String,
+    /// `hf://` only: the file's sha256, which the Hub lists for an LFS file (records written
+    /// before 2026-11-29 have none, and are checked by size alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// `hf://` only, for a file committed inline: its git blob id, which the Hub lists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub git: Option<String>,
 }
 
 impl Record {
@@ -157,7 +164,7 @@ fn check_hub(rest: &str, record: &Record, hub: &HubEnv) -> Verdict {
     };
     let mut gone = Vec::new();
     for (path, w) in &record.files {
-        if listing.files.get(path) != Some(&w.size) {
+        if !listing.files.get(path).is_some_and(|listed| holds(listed, w)) {
             gone.push(path.as_str());
         }
     }
@@ -165,6 +172,21 @@ fn check_hub(rest: &str, record: &Record, hub: &HubEnv) -> Verdict {
         return Verdict::Intact;
     }
     Verdict::Stale(format!("destination changed on the Hub: {}", list(&gone)))
+}
+
+/// Whether a file the Hub lists has the bytes `w` recorded: its size, and the digest the
+/// listing gives where the record has it too — an LFS file's sha256, an inline file's git blob
+/// id (a file committed through LFS and listed inline later, or a record without digests, is
+/// compared by size alone).
+fn holds(listed: &crate::hub::ListedFile, w: &Written) -> bool {
+    if listed.size != w.size {
+        return false;
+    }
+    match (&listed.lfs_sha256, &listed.blob_id) {
+        (Some(sha), _) => w.sha256.as_ref().is_none_or(|s| s == sha),
+        (None, Some(oid)) => w.git.as_ref().is_none_or(|g| g == oid),
+        (None, None) => true,
+    }
 }
 
 /// The first three paths, and how many more.
@@ -236,7 +258,7 @@ pub fn write_dir(
         if let Ok(meta) = std::fs::metadata(&target) {
             stamps.insert(&target, &meta, &digest);
         }
-        out.insert(rel.clone(), Written { digest, size, from: from.clone() });
+        out.insert(rel.clone(), Written { digest, size, from: from.clone(), sha256: None, git: None });
     }
     stamps.save(store);
     Ok(out)

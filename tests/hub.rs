@@ -497,6 +497,26 @@ fn a_recipe_with_hub_sources_downloads_trains_and_uploads() {
     let restored = env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap();
     assert_eq!(restored, uploaded);
 
+    // Bytes replaced on the Hub by others of the same size (another fine-tune of the same shape
+    // pushed to the repo) are found by their digests: an inline file's git blob id, an LFS
+    // file's sha256.
+    let largest = uploaded.iter().max_by_key(|(_, b)| b.len()).map(|(p, _)| p.clone()).unwrap();
+    let flipped = |p: &str| {
+        let mut b = uploaded[p].clone();
+        let mid = b.len() / 2;
+        b[mid] ^= 1;
+        b
+    };
+    env.server.add_commit(
+        "model",
+        "test-org/tiny-llama-tuned",
+        &[("README.md", flipped("README.md")), (largest.as_str(), flipped(&largest))],
+    );
+    let plan = stdout(&env.ok(&["plan", "hub.toml"], &auth));
+    assert!(plan.contains(&format!("restore  destination changed on the Hub: README.md, {largest}")), "{plan}");
+    env.ok(&["run", "hub.toml"], &auth);
+    assert_eq!(env.server.files("model", "test-org/tiny-llama-tuned", "main").unwrap(), uploaded);
+
     // The plan lists the destination once (it must not stall on an unreachable Hub); when that
     // one answer fails, the run asks again as an upload would, and restores what is gone.
     let listing = "GET /api/models/test-org/tiny-llama-tuned/revision/";

@@ -113,7 +113,17 @@ pub fn resolve_commit(client: &Client, repo: &RepoRef) -> Result<String, HubErro
 /// A repository's files at `repo.revision`: the commit and each file's size.
 pub struct Listing {
     pub commit: String,
-    pub files: std::collections::BTreeMap<String, u64>,
+    pub files: std::collections::BTreeMap<String, ListedFile>,
+}
+
+/// One file of a [`Listing`]: its size and the digests the Hub gives for its bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedFile {
+    pub size: u64,
+    /// An LFS file's sha256.
+    pub lfs_sha256: Option<String>,
+    /// The git blob id (for an LFS file, its pointer's).
+    pub blob_id: Option<String>,
 }
 
 /// List `repo` at its revision; `None` when the repository or the revision does not exist.
@@ -131,7 +141,8 @@ pub fn list_files(client: &Client, repo: &RepoRef) -> Result<Option<Listing>, Hu
         .into_iter()
         .map(|s| {
             let size = s.lfs.as_ref().map(|l| l.size).or(s.size).unwrap_or(0);
-            (s.rfilename, size)
+            let listed = ListedFile { size, lfs_sha256: s.lfs.map(|l| l.sha256), blob_id: s.blob_id };
+            (s.rfilename, listed)
         })
         .collect();
     Ok(Some(Listing { commit: info.sha.unwrap_or_default(), files }))

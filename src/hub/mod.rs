@@ -17,10 +17,10 @@ use std::path::PathBuf;
 pub use crate::glob::fnmatch;
 pub use cache::{CachedSnapshot, HubCache};
 pub use download::{
-    DownloadReport, FileReport, Listing, Wanted, download_command, list_files, resolve_commit, snapshot,
+    DownloadReport, FileReport, ListedFile, Listing, Wanted, download_command, list_files, resolve_commit, snapshot,
 };
 pub use http::Client;
-pub use upload::{CommitFile, CommitReport, Ignored, commit, create_repo};
+pub use upload::{CommitFile, CommitReport, HubDigests, Ignored, commit, create_repo, git_blob_id};
 
 /// The default Hub address; `HF_ENDPOINT` overrides it (mirrors, tests).
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";

@@ -33,6 +33,26 @@ pub struct CommitReport {
     pub bytes_uploaded: u64,
     /// Files the repository's .gitignore excludes (the Hub's `shouldIgnore`), not committed.
     pub ignored: Vec<String>,
+    /// What the Hub's listing will say of each committed file's bytes (path → digests).
+    #[serde(skip)]
+    pub digests: std::collections::BTreeMap<String, HubDigests>,
+}
+
+/// A committed file's digests as the Hub lists them (`?blobs=true`): every file's sha256 (an
+/// LFS file's `lfs.sha256`) and, for a file sent inline, its git blob id (`blobId`, the sha1 of
+/// `blob <len>\0<bytes>`; an LFS file's `blobId` is its pointer's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HubDigests {
+    pub sha256: String,
+    pub git: Option<String>,
+}
+
+/// The git blob id of `bytes`.
+pub fn git_blob_id(bytes: &[u8]) -> String {
+    let mut h = sha1::Sha1::new();
+    h.update(format!("blob {}\0", bytes.len()).as_bytes());
+    h.update(bytes);
+    hex(&h.finalize())
 }
 
 /// What [`commit`] does with files the repository's .gitignore excludes: skip them with a
@@ -244,9 +264,23 @@ pub fn commit(
 
     // 3. The commit.
     let mut lines = vec![json!({ "key": "header", "value": { "summary": message, "description": "" } })];
+    let mut digests = std::collections::BTreeMap::new();
+    for l in &lfs {
+        digests.insert(l.file.path.clone(), HubDigests { sha256: l.sha256.clone(), git: None });
+    }
     for l in &regular {
         let bytes =
             fs::read(&l.file.local).map_err(HubError::io(format!("cannot read `{}`", l.file.local.display())))?;
+        // The bytes sent are the ones described (a file changed since would commit bytes whose
+        // digests no record holds).
+        let sha256 = hex(&sha2::Sha256::digest(&bytes));
+        if sha256 != l.sha256 {
+            return Err(HubError::Io {
+                context: format!("`{}` changed while it was uploaded", l.file.local.display()),
+                source: std::io::Error::other("its sha256 differs from the one read first"),
+            });
+        }
+        digests.insert(l.file.path.clone(), HubDigests { sha256, git: Some(git_blob_id(&bytes)) });
         lines.push(json!({ "key": "file", "value": {
             "content": base64::engine::general_purpose::STANDARD.encode(&bytes),
             "path": l.file.path,
@@ -278,6 +312,7 @@ pub fn commit(
         regular_files: regular.len(),
         bytes_uploaded: uploaded,
         ignored,
+        digests,
     })
 }
 

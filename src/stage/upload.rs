@@ -67,7 +67,17 @@ pub fn run(ctx: &StageCtx<'_>, key: &UploadKey) -> Result<serde_json::Value, Sta
         for (rel, local, from) in &files {
             let (digest, size) =
                 crate::store::hash_file(local).map_err(StageError::io(format!("cannot hash `{}`", local.display())))?;
-            written.insert(rel.clone(), Written { digest, size, from: from.clone() });
+            let hub = report.digests.get(rel);
+            written.insert(
+                rel.clone(),
+                Written {
+                    digest,
+                    size,
+                    from: from.clone(),
+                    sha256: hub.map(|d| d.sha256.clone()),
+                    git: hub.and_then(|d| d.git.clone()),
+                },
+            );
         }
         ctx.ui.status("upload", format!("{} files → {} (commit {})", files.len(), repo.display(), &report.commit));
         let record = Record {
