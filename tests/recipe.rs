@@ -159,6 +159,26 @@ fn scratch_tokenizer_corpus_settings_change_the_download_fingerprint() {
     assert_eq!(base, fp(&["--set", "stages.train.learning_rate=1e-3"]));
 }
 
+/// Template variables shape the rows, so they are tokenize's (and what follows it), not the
+/// model's; without them the fingerprints stay as they were (`golden_fingerprints`).
+#[test]
+fn chat_template_kwargs_change_the_tokenize_fingerprint() {
+    let p = Project::tiny_offline();
+    let fps = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec!["plan", "tiny.toml", "--json"];
+        args.extend_from_slice(extra);
+        let o = p.run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        plan["stages"].as_array().unwrap().iter().map(|s| s["fingerprint"].as_str().unwrap().to_string()).collect()
+    };
+    let base = fps(&[]);
+    let off = fps(&["--set", "dataset.chat_template_kwargs={enable_thinking=false}"]);
+    assert_eq!(base[0], off[0], "download");
+    assert_ne!(base[1], off[1], "tokenize");
+    assert_ne!(base[2], off[2], "train");
+}
+
 /// Issue 20: the engine changes the last bits of training, so asking for one (`RTUNE_ENGINE`)
 /// is in the fingerprint of the stages that compute; without it, fingerprints stay as they were.
 #[test]

@@ -41,10 +41,15 @@ impl std::io::Write for Capped {
     }
 }
 
+/// The variables every rendering sets (a recipe's `chat_template_kwargs` may not).
+pub const RESERVED: [&str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// More variables (`dataset.chat_template_kwargs`), as `apply_chat_template(**kwargs)`.
+    kwargs: J,
 }
 
 impl ChatTemplate {
@@ -73,7 +78,19 @@ impl ChatTemplate {
             message: format!("the chat template does not parse: {e}"),
             help: Some("fix `chat_template` in tokenizer_config.json, or set `dataset.chat_template`".into()),
         })?;
-        Ok(ChatTemplate { env, bos_token: bos_token.into(), eos_token: eos_token.into() })
+        Ok(ChatTemplate {
+            env,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+            kwargs: J::from(std::collections::BTreeMap::<String, J>::new()),
+        })
+    }
+
+    /// Pass more variables to every rendering (`dataset.chat_template_kwargs`); those named in
+    /// [`RESERVED`] are the rendering's own and win.
+    pub fn with_kwargs(mut self, kwargs: &std::collections::BTreeMap<String, Value>) -> ChatTemplate {
+        self.kwargs = J::from(minijinja::value::Serde(kwargs));
+        self
     }
 
     /// The template for a model folder: `dataset.chat_template` (`"chatml"` or a Jinja
@@ -96,6 +113,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.as_str(),
                 eos_token => self.eos_token.as_str(),
+                ..self.kwargs.clone()
             },
             &mut out,
         )
@@ -379,6 +397,46 @@ mod tests {
         assert_eq!(turn_end(&alpaca, &tok).map(|t| t.0), Some("</s>".to_string()));
         let plain = ChatTemplate::new("{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "", "").unwrap();
         assert_eq!(turn_end(&plain, &tok), None);
+    }
+
+    /// `dataset.chat_template_kwargs` reach the template as transformers' `**kwargs` do
+    /// (Qwen3's `enable_thinking`), and never replace the rendering's own variables.
+    #[test]
+    fn template_kwargs_are_variables_of_every_rendering() {
+        let src = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}\
+                   {% if add_generation_prompt %}<a>{% if enable_thinking is defined and not enable_thinking %}\
+                   <think></think>{% endif %}{% endif %}";
+        let msgs = vec![serde_json::json!({ "role": "user", "content": "hi" })];
+        let plain = ChatTemplate::new(src, "<s>", "</s>").unwrap();
+        assert_eq!(plain.render(&msgs, true).unwrap(), "<s>hi<a>");
+        let kwargs: std::collections::BTreeMap<String, Value> = serde_json::from_value(
+            serde_json::json!({ "enable_thinking": false, "bos_token": "X", "add_generation_prompt": false }),
+        )
+        .unwrap();
+        let t = ChatTemplate::new(src, "<s>", "</s>").unwrap().with_kwargs(&kwargs);
+        assert_eq!(t.render(&msgs, true).unwrap(), "<s>hi<a><think></think>");
+        assert_eq!(t.render(&msgs, false).unwrap(), "<s>hi");
+
+        // Qwen3's non-thinking mode: the generation prompt holds the empty think block, so a
+        // one-exchange reply trains without it; earlier replies of a longer conversation render
+        // without the block, which such a prompt cannot be located in.
+        let qwen3 = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' and loop.last %}\
+                     {{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endfor %}\
+                     {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and \
+                     enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}";
+        let off: std::collections::BTreeMap<String, Value> =
+            serde_json::from_value(serde_json::json!({ "enable_thinking": false })).unwrap();
+        let t = ChatTemplate::new(qwen3, "", "").unwrap().with_kwargs(&off);
+        let one: Vec<Value> =
+            serde_json::from_str(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"}]"#)
+                .unwrap();
+        let (full, spans) = t.spans(&one).unwrap();
+        assert_eq!(spans.iter().map(|&(a, b)| &full[a..b]).collect::<Vec<_>>(), ["Hello!<|im_end|>\n"]);
+        let two: Vec<Value> = serde_json::from_str(
+            r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"},{"role":"user","content":"Bye"},{"role":"assistant","content":"Bye."}]"#,
+        )
+        .unwrap();
+        assert!(t.spans(&two).unwrap_err().contains("turn 1"));
     }
 
     #[test]

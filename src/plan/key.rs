@@ -187,6 +187,8 @@ pub struct Rendering {
     pub column_map: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub chat_template_kwargs: BTreeMap<String, Value>,
     pub max_seq_len: usize,
     pub truncate: bool,
     pub train_on_prompt: bool,
@@ -331,6 +333,9 @@ pub struct Template {
     pub format: DataFormat,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+    /// `dataset.chat_template_kwargs` where prompts are rendered (not what an export ships).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub chat_template_kwargs: BTreeMap<String, Value>,
 }
 
 /// `upload`: where to, and the model card written beside the exports.
@@ -419,6 +424,7 @@ mod tests {
             format: DataFormat::Alpaca,
             column_map: BTreeMap::from([("output".into(), "response".into())]),
             chat_template: None,
+            chat_template_kwargs: BTreeMap::new(),
             max_seq_len: 256,
             truncate: true,
             train_on_prompt: false,
@@ -512,7 +518,11 @@ mod tests {
                         adapter: Adapter::default(),
                         name: "r".into(),
                         base_name: "owner/model".into(),
-                        template: Template { format: DataFormat::Chat, chat_template: Some("chatml".into()) },
+                        template: Template {
+                            format: DataFormat::Chat,
+                            chat_template: Some("chatml".into()),
+                            chat_template_kwargs: BTreeMap::new(),
+                        },
                     },
                     device: DeviceKey { dtype: Dtype::F32, ..device() },
                     sources: Some(Sources { imatrix: Some(local("i")), ..Sources::default() }),

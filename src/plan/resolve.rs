@@ -43,6 +43,7 @@ pub(super) fn resolve_key(
         format: d.format,
         column_map: d.column_map.clone(),
         chat_template: d.chat_template.clone(),
+        chat_template_kwargs: d.chat_template_kwargs.clone(),
         max_seq_len: d.max_seq_len,
         truncate: d.truncate,
         train_on_prompt: d.train_on_prompt,
@@ -138,7 +139,11 @@ pub(super) fn resolve_key(
             StageKey::Evaluate(EvaluateKey {
                 settings: EvaluateKeySettings {
                     prompt_template: (d.format == crate::recipe::DataFormat::Chat && !evaluate.prompts.is_empty())
-                        .then(|| Template { format: d.format, chat_template: d.chat_template.clone() }),
+                        .then(|| Template {
+                            format: d.format,
+                            chat_template: d.chat_template.clone(),
+                            chat_template_kwargs: d.chat_template_kwargs.clone(),
+                        }),
                     evaluate,
                     data,
                     prompt_format: d.format,
@@ -176,7 +181,11 @@ pub(super) fn resolve_key(
                     adapter: recipe.adapter.clone(),
                     name: recipe.recipe.name.clone(),
                     base_name: base_named().unwrap_or_default(),
-                    template: Template { format: d.format, chat_template: d.chat_template.clone() },
+                    template: Template {
+                        format: d.format,
+                        chat_template: d.chat_template.clone(),
+                        chat_template_kwargs: std::collections::BTreeMap::new(),
+                    },
                 },
                 // Exports are computed in f32 with candle, whatever dtype and engine trained;
                 // candle has no Vulkan backend, so a Vulkan run merges on the CPU.

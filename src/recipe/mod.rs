@@ -423,6 +423,21 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
     }
     if let Some(ds) = tree.get(&["dataset"]).filter(|m| m.as_table().is_some()) {
         exactly_one(ds, "dataset", &["repo", "path"], problems);
+        for key in crate::data::chat::RESERVED {
+            if let Some(e) = ds.entry(&["chat_template_kwargs", key]) {
+                problems.push(
+                    Problem::new(
+                        "rtune::recipe::reserved_template_variable",
+                        format!("`dataset.chat_template_kwargs.{key}` is a variable rtune sets itself"),
+                    )
+                    .at(e.key.as_ref(), "set by rtune")
+                    .help(format!(
+                        "rtune passes {} to every rendering; remove it here",
+                        crate::data::chat::RESERVED.map(|r| format!("`{r}`")).join(", ")
+                    )),
+                );
+            }
+        }
         for key in ["revision", "files"] {
             if ds.get(&[key]).is_some() && ds.get(&["repo"]).is_none() {
                 let e = ds.entry(&[key]).and_then(|e| e.key.as_ref());

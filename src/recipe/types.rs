@@ -231,6 +231,11 @@ pub struct Dataset {
     /// `chat_template` from tokenizer_config.json].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+    /// `chat` format: more variables for the chat template, as transformers'
+    /// `apply_chat_template(…, **kwargs)` passes them, e.g. `{ enable_thinking = false }` for
+    /// Qwen3's non-thinking mode. Used for the training rows and for chat prompts.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub chat_template_kwargs: BTreeMap<String, serde_json::Value>,
 }
 
 /// datasets' text loader's `sample_by`: how a text file is cut into rows.

@@ -23,9 +23,10 @@ pub fn encode_each(
 ) -> Result<(Skipped, usize), StageError> {
     let tokenizer = folder.tokenizer()?;
     let chat = match d.format {
-        crate::recipe::DataFormat::Chat => {
-            Some(crate::data::chat::ChatTemplate::for_model(folder, d.chat_template.as_deref())?)
-        }
+        crate::recipe::DataFormat::Chat => Some(
+            crate::data::chat::ChatTemplate::for_model(folder, d.chat_template.as_deref())?
+                .with_kwargs(&d.chat_template_kwargs),
+        ),
         _ => None,
     };
     let renderer = Renderer {

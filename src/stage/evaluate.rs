@@ -65,7 +65,8 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
     // generation also stops at the token that ends the assistant's turn.
     let chat = match &key.settings.prompt_template {
         Some(t) => {
-            let template = crate::data::chat::ChatTemplate::for_model(&folder, t.chat_template.as_deref())?;
+            let template = crate::data::chat::ChatTemplate::for_model(&folder, t.chat_template.as_deref())?
+                .with_kwargs(&t.chat_template_kwargs);
             let turn_end = crate::data::chat::turn_end(&template, &tokenizer).map(|(_, id)| id);
             Some((template, turn_end))
         }
