@@ -77,6 +77,7 @@ const CHANGES: &[(&str, &str)] = &[
     ("dataset.format", "\"text\""),
     ("dataset.column_map", "{instruction=\"input\", input=\"instruction\"}"),
     ("dataset.chat_template", "\"chatml\""),
+    ("dataset.chat_template_kwargs", "{enable_thinking=false}"),
     ("dataset.eval_fraction", "0.1"),
     ("dataset.max_seq_len", "128"),
     ("dataset.truncate", "false"),

@@ -41,9 +41,6 @@ impl std::io::Write for Capped {
     }
 }
 
-/// The variables every rendering sets (a recipe's `chat_template_kwargs` may not).
-pub const RESERVED: [&str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
-
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
@@ -87,7 +84,7 @@ impl ChatTemplate {
     }
 
     /// Pass more variables to every rendering (`dataset.chat_template_kwargs`); those named in
-    /// [`RESERVED`] are the rendering's own and win.
+    /// [`crate::recipe::RESERVED_TEMPLATE_VARIABLES`] are the rendering's own and win.
     pub fn with_kwargs(mut self, kwargs: &std::collections::BTreeMap<String, Value>) -> ChatTemplate {
         self.kwargs = J::from(minijinja::value::Serde(kwargs));
         self

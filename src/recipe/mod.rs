@@ -356,6 +356,10 @@ pub fn is_device_name(s: &str) -> bool {
     DEVICE_NAMES.contains(&base) && index_ok
 }
 
+/// The variables every chat-template rendering sets itself (`dataset.chat_template_kwargs`
+/// may not name them).
+pub const RESERVED_TEMPLATE_VARIABLES: [&str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
+
 fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
     if let Some(model) = tree.get(&["model"]).filter(|m| m.as_table().is_some()) {
         exactly_one(model, "model", &["repo", "path", "scratch"], problems);
@@ -423,7 +427,7 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
     }
     if let Some(ds) = tree.get(&["dataset"]).filter(|m| m.as_table().is_some()) {
         exactly_one(ds, "dataset", &["repo", "path"], problems);
-        for key in crate::data::chat::RESERVED {
+        for key in RESERVED_TEMPLATE_VARIABLES {
             if let Some(e) = ds.entry(&["chat_template_kwargs", key]) {
                 problems.push(
                     Problem::new(
@@ -433,7 +437,7 @@ fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
                     .at(e.key.as_ref(), "set by rtune")
                     .help(format!(
                         "rtune passes {} to every rendering; remove it here",
-                        crate::data::chat::RESERVED.map(|r| format!("`{r}`")).join(", ")
+                        RESERVED_TEMPLATE_VARIABLES.map(|r| format!("`{r}`")).join(", ")
                     )),
                 );
             }
