@@ -236,6 +236,42 @@ fn long_conversations_are_located_only_up_to_the_truncation_point() {
     assert!(long.mask.contains(&1));
 }
 
+/// Chat templates' `tojson` writes what transformers' does — Python's `json.dumps` with the
+/// filter's keyword arguments (tests/fixtures/data/tojson.json, written by make_tojson.py):
+/// tool calls' arguments and tool schemas are part of the training rows.
+#[test]
+fn tojson_writes_what_transformers_writes() {
+    let path = common::root().join("tests/fixtures/data/tojson.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() > 100);
+    for case in cases {
+        let args: Vec<String> = case["kwargs"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::Array(seps) => format!("{k}=({}, {})", seps[0], seps[1]),
+                v => format!("{k}={v}"),
+            })
+            .collect();
+        let src = format!("{{{{ messages[0].v | tojson({}) }}}}", args.join(", "));
+        let t = ChatTemplate::new(&src, "", "").unwrap();
+        let msgs = vec![serde_json::json!({ "role": "user", "content": "", "v": case["value"] })];
+        let got = t.render(&msgs, false).unwrap_or_else(|e| panic!("{src}: {e}"));
+        assert_eq!(got, case["expected"].as_str().unwrap(), "{src} of {}", case["value"]);
+    }
+    // A template's own dicts keep their order, as Python's do; a first positional argument is
+    // `ensure_ascii`, as in transformers' filter.
+    let t = ChatTemplate::new(
+        r#"{{ {"name": "f", "arguments": {"z": 1, "a": [1.0, "é"]}} | tojson }}|{{ "é" | tojson(true) }}"#,
+        "",
+        "",
+    )
+    .unwrap();
+    assert_eq!(t.render(&[], false).unwrap(), r#"{"name": "f", "arguments": {"z": 1, "a": [1.0, "é"]}}|"\u00e9""#);
+}
+
 /// tests/fixtures/data/splits.json: 🤗 datasets' own splits of folder layouts and dataset cards.
 fn split_fixture() -> serde_json::Value {
     let path = common::root().join("tests/fixtures/data/splits.json");

@@ -177,6 +177,15 @@ fn chat_template_kwargs_change_the_tokenize_fingerprint() {
     assert_eq!(base[0], off[0], "download");
     assert_ne!(base[1], off[1], "tokenize");
     assert_ne!(base[2], off[2], "train");
+    // How rtune renders chat templates is versioned in chat rows' keys only.
+    let doc = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["plan", "tiny.toml", "--json"];
+        args.extend_from_slice(extra);
+        let plan: serde_json::Value = serde_json::from_slice(&p.run(&args).stdout).unwrap();
+        plan["stages"][1]["doc"]["settings"].clone()
+    };
+    assert_eq!(doc(&["--set", "dataset.format=chat"])["chat_rendering"], 2);
+    assert!(doc(&[]).get("chat_rendering").is_none());
 }
 
 /// Issue 20: the engine changes the last bits of training, so asking for one (`RTUNE_ENGINE`)

@@ -60,6 +60,8 @@ impl ChatTemplate {
                 .expect("default delimiters"),
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // transformers' `tojson` is Python's json.dumps (minijinja's escapes for HTML).
+        env.add_filter("tojson", super::pyjson::filter);
         // A template is code from a model folder: bounded in work and in output.
         env.set_fuel(Some(FUEL));
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {

@@ -4,6 +4,7 @@
 pub mod chat;
 pub mod configs;
 pub mod format;
+pub mod pyjson;
 pub mod source;
 pub mod splits;
 pub mod tokens;

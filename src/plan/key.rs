@@ -179,6 +179,13 @@ impl Serialize for Source {
     }
 }
 
+/// The version of chat-template rendering, in the key of what renders `chat` rows (tokenize,
+/// an evaluate stage's own data). History: 1 (unrecorded) — minijinja's `tojson` (HTML
+/// escapes, Rust's float text) and JSON floats read to within an ulp; 2 — `tojson` writes what
+/// transformers' does (Python's `json.dumps`), dicts a template builds keep their order, and
+/// JSON floats read exactly.
+pub const CHAT_RENDERING: u32 = 2;
+
 /// How dataset rows become token sequences (`tokenize`, and an `evaluate` stage with its own
 /// dataset): the `[dataset]` keys that shape each row.
 #[derive(Debug, Clone, Serialize)]
@@ -189,6 +196,10 @@ pub struct Rendering {
     pub chat_template: Option<String>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub chat_template_kwargs: BTreeMap<String, Value>,
+    /// `chat` rows only: how rtune renders templates, [`CHAT_RENDERING`] (absent before 2, so
+    /// other formats keep their fingerprints).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chat_rendering: Option<u32>,
     pub max_seq_len: usize,
     pub truncate: bool,
     pub train_on_prompt: bool,
@@ -425,6 +436,7 @@ mod tests {
             column_map: BTreeMap::from([("output".into(), "response".into())]),
             chat_template: None,
             chat_template_kwargs: BTreeMap::new(),
+            chat_rendering: None,
             max_seq_len: 256,
             truncate: true,
             train_on_prompt: false,

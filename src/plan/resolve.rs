@@ -44,6 +44,7 @@ pub(super) fn resolve_key(
         column_map: d.column_map.clone(),
         chat_template: d.chat_template.clone(),
         chat_template_kwargs: d.chat_template_kwargs.clone(),
+        chat_rendering: (d.format == crate::recipe::DataFormat::Chat).then_some(super::key::CHAT_RENDERING),
         max_seq_len: d.max_seq_len,
         truncate: d.truncate,
         train_on_prompt: d.train_on_prompt,
