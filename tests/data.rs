@@ -126,7 +126,7 @@ fn chat_rows_with_problems_name_the_line() {
     let msgs: Vec<String> = got[1..].iter().map(|e| rtune::ui::render_plain(e.as_ref().unwrap_err())).collect();
     assert!(msgs[0].contains("bad.jsonl:2") && msgs[0].contains("no assistant message"), "{}", msgs[0]);
     assert!(msgs[1].contains("bad.jsonl:3") && msgs[1].contains("must be a list of messages"), "{}", msgs[1]);
-    assert!(msgs[2].contains("bad.jsonl:4") && msgs[2].contains("string `role` and `content`"), "{}", msgs[2]);
+    assert!(msgs[2].contains("bad.jsonl:4") && msgs[2].contains("must have a string `role`"), "{}", msgs[2]);
     assert!(msgs[3].contains("bad.jsonl:5") && msgs[3].contains("no `messages` column"), "{}", msgs[3]);
 }
 
@@ -270,6 +270,47 @@ fn tojson_writes_what_transformers_writes() {
     )
     .unwrap();
     assert_eq!(t.render(&[], false).unwrap(), r#"{"name": "f", "arguments": {"z": 1, "a": [1.0, "é"]}}|"\u00e9""#);
+}
+
+/// Tool-calling rows (tests/fixtures/data/tool_chats.json, written by make_tool_chats.py with
+/// transformers): messages reach the template whole (`tool_calls`, `tool_call_id`, null
+/// content), the `tools` column (a list, or a JSON string) is the template's `tools`, the text
+/// is transformers' `apply_chat_template(…, tools=…)`'s, and the loss covers each assistant
+/// turn's tool calls, never the tool results.
+#[test]
+fn tool_calling_rows_render_as_transformers_renders_them() {
+    let path = common::root().join("tests/fixtures/data/tool_chats.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let t = ChatTemplate::new(fixture["template"].as_str().unwrap(), "", "").unwrap();
+    let none = BTreeMap::new();
+    for (i, case) in fixture["cases"].as_array().unwrap().iter().enumerate() {
+        let fields = serde_json::Map::from_iter([
+            ("messages".to_string(), case["messages"].clone()),
+            ("tools".to_string(), case["tools"].clone()),
+        ]);
+        let row = rtune::data::Row { fields, file: "t.jsonl".into(), line: i + 1 };
+        let msgs = rtune::data::format::conversation(&row, &none).unwrap();
+        let tools = rtune::data::format::tools(&row, &none).unwrap();
+        let full = t.render_with(&msgs, tools.as_ref(), false).unwrap();
+        assert_eq!(full, case["rendered"].as_str().unwrap(), "case {i}");
+        let with_prompt = t.render_with(&msgs[..msgs.len() - 1], tools.as_ref(), true).unwrap();
+        assert_eq!(with_prompt, case["rendered_gen"].as_str().unwrap(), "case {i}");
+        let spans = t.spans_before(&msgs, tools.as_ref(), &full, full.len()).unwrap();
+        let trained: Vec<&str> = spans.iter().map(|&(a, b)| &full[a..b]).collect();
+        let replies = msgs.iter().filter(|m| m["role"] == "assistant").count();
+        assert_eq!(trained.len(), replies, "case {i}: {trained:?}");
+        assert!(trained.iter().all(|s| s.ends_with("<|im_end|>\n") && !s.contains("<result")), "{trained:?}");
+        if i < 2 {
+            assert!(trained[0].contains("<call>{\"name\": \"get_"), "case {i}: {trained:?}");
+        }
+    }
+    // A `tools` cell that is not a list, or a string that is not JSON, is a bad row.
+    for bad in [serde_json::json!({ "name": "f" }), serde_json::json!("[{\"name\": "), serde_json::json!(3)] {
+        let fields = serde_json::Map::from_iter([("tools".to_string(), bad)]);
+        let row = rtune::data::Row { fields, file: "t.jsonl".into(), line: 1 };
+        let (msg, _) = rtune::data::format::tools(&row, &none).unwrap_err();
+        assert!(msg.starts_with("`tools`"), "{msg}");
+    }
 }
 
 /// tests/fixtures/data/splits.json: 🤗 datasets' own splits of folder layouts and dataset cards.

@@ -104,11 +104,24 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[Value], add_generation_prompt: bool) -> Result<String, String> {
+        self.render_with(messages, None, add_generation_prompt)
+    }
+
+    /// Render `messages` with `tools` (a list of tool schemas) as transformers does: `tools`
+    /// and `documents` are always variables, none when absent.
+    pub fn render_with(
+        &self,
+        messages: &[Value],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let t = self.env.get_template("chat").map_err(|e| e.to_string())?;
         let mut out = Capped(Vec::new());
         t.render_captured_to(
             context! {
                 messages => J::from(minijinja::value::Serde(messages)),
+                tools => tools.map(|t| J::from(minijinja::value::Serde(t))),
+                documents => J::from(()),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.as_str(),
                 eos_token => self.eos_token.as_str(),
@@ -136,7 +149,7 @@ impl ChatTemplate {
     /// `messages[..=i]` rendered without one.
     pub fn spans(&self, messages: &[Value]) -> Result<(String, Vec<(usize, usize)>), String> {
         let full = self.render(messages, false)?;
-        let spans = self.spans_before(messages, &full, full.len())?;
+        let spans = self.spans_before(messages, None, &full, full.len())?;
         Ok((full, spans))
     }
 
@@ -150,17 +163,23 @@ impl ChatTemplate {
     /// (Qwen3's gives only the last reply an empty `<think>` block) fail that; for them the turn
     /// ends after its content, found verbatim in `full`, and the closing text the template puts
     /// after it (`<|im_end|>\n`).
-    pub fn spans_before(&self, messages: &[Value], full: &str, limit: usize) -> Result<Vec<(usize, usize)>, String> {
+    pub fn spans_before(
+        &self,
+        messages: &[Value],
+        tools: Option<&Value>,
+        full: &str,
+        limit: usize,
+    ) -> Result<Vec<(usize, usize)>, String> {
         let mut spans = Vec::new();
         for (i, m) in messages.iter().enumerate() {
             if m["role"] != "assistant" {
                 continue;
             }
-            let prefix = self.render(&messages[..i], true)?;
+            let prefix = self.render_with(&messages[..i], tools, true)?;
             if prefix.len() >= limit {
                 break;
             }
-            let upto = self.render(&messages[..=i], false)?;
+            let upto = self.render_with(&messages[..=i], tools, false)?;
             let unstable = || {
                 format!(
                     "the chat template renders turn {i} in a way that cannot be located in the whole conversation \

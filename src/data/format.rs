@@ -42,8 +42,8 @@ pub struct Encoded {
     pub truncated: bool,
 }
 
-/// A rendered conversation and its messages (whose assistant spans are found after tokenizing).
-type Rendered = (String, Vec<Value>);
+/// A rendered conversation, its messages and tools (the assistant spans are found after tokenizing).
+type Rendered = (String, (Vec<Value>, Option<Value>));
 
 /// A row's conversation as `{role, content}` messages: the column `column_map` names for
 /// `messages`, else `messages`, else ShareGPT's `conversations` of `{from, value}` turns, whose
@@ -73,6 +73,10 @@ pub fn conversation(row: &Row, column_map: &BTreeMap<String, String>) -> Result<
         .enumerate()
         .map(|(i, m)| {
             let (role, content) = match (&m["role"], &m["content"], &m["from"], &m["value"]) {
+                // The message as it is, every key included (`tool_calls`, `name`,
+                // `tool_call_id`, …), as transformers hands it to the template; `content` may
+                // be missing or null where a reply is only tool calls.
+                (Value::String(_), Value::String(_) | Value::Null, _, _) if m.is_object() => return Ok(m.clone()),
                 (Value::String(r), Value::String(c), _, _) => (r.as_str(), c),
                 (Value::Null, Value::Null, Value::String(from), Value::String(v)) => (
                     match from.as_str() {
@@ -84,7 +88,7 @@ pub fn conversation(row: &Row, column_map: &BTreeMap<String, String>) -> Result<
                 ),
                 _ => {
                     return Err((
-                        format!("message {i} of `{col}` must have string `role` and `content` (or ShareGPT's `from` and `value`)"),
+                        format!("message {i} of `{col}` must have a string `role` and a string (or null) `content` (or ShareGPT's `from` and `value`)"),
                         Some("messages look like {\"role\": \"user\", \"content\": \"…\"}".into()),
                     ));
                 }
@@ -92,6 +96,30 @@ pub fn conversation(row: &Row, column_map: &BTreeMap<String, String>) -> Result<
             Ok(serde_json::json!({ "role": role, "content": content }))
         })
         .collect()
+}
+
+/// A chat row's tool schemas (the `tools` column, or the one `column_map` names for it), for
+/// the template's `tools` as `apply_chat_template(…, tools=…)` takes them: a list, or a JSON
+/// string holding one (as xLAM-style datasets store it); none when the column is absent or null.
+pub fn tools(row: &Row, column_map: &BTreeMap<String, String>) -> Result<Option<Value>, (String, Option<String>)> {
+    let col = column_map.get("tools").map(String::as_str).unwrap_or("tools");
+    match row.fields.get(col) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v @ Value::Array(_)) => Ok(Some(v.clone())),
+        Some(Value::String(s)) if s.trim().is_empty() => Ok(None),
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+            Ok(v @ Value::Array(_)) => Ok(Some(v)),
+            Ok(Value::Null) => Ok(None),
+            Ok(other) => {
+                Err((format!("`{col}` must hold a list of tools, found {}", super::source::kind(&other)), None))
+            }
+            Err(e) => Err((
+                format!("`{col}` is a string that is not JSON: {e}"),
+                Some("tools are a list of JSON schemas, or a JSON string holding that list".into()),
+            )),
+        },
+        Some(other) => Err((format!("`{col}` must be a list of tools, found {}", super::source::kind(other)), None)),
+    }
 }
 
 pub struct Renderer<'a> {
@@ -195,12 +223,13 @@ impl Renderer<'_> {
             .iter()
             .map(|row| {
                 let msgs = conversation(row, self.column_map).map_err(|(msg, help)| bad(row, msg, help))?;
+                let tools = tools(row, self.column_map).map_err(|(msg, help)| bad(row, msg, help))?;
                 if !msgs.iter().any(|m| m["role"] == "assistant") {
                     return Err(bad(row, "the conversation has no assistant message to learn from".into(), None));
                 }
                 template
-                    .render(&msgs, false)
-                    .map(|full| (full, msgs))
+                    .render_with(&msgs, tools.as_ref(), false)
+                    .map(|full| (full, (msgs, tools)))
                     .map_err(|e| bad(row, format!("chat template: {e}"), None))
             })
             .collect();
@@ -214,7 +243,7 @@ impl Renderer<'_> {
             .iter()
             .zip(rendered)
             .map(|(row, r)| {
-                r.and_then(|(full, msgs)| {
+                r.and_then(|(full, (msgs, tools))| {
                     let e = enc.next().expect("one encoding per valid row");
                     let ids = e.get_ids().to_vec();
                     // Only turns that start inside the kept tokens need locating; a row too
@@ -225,7 +254,7 @@ impl Renderer<'_> {
                         None => full.len(),
                     };
                     let spans = template
-                        .spans_before(&msgs, &full, limit)
+                        .spans_before(&msgs, tools.as_ref(), &full, limit)
                         .map_err(|e| bad(row, format!("chat template: {e}"), None))?;
                     let mask: Vec<u8> = e
                         .get_offsets()

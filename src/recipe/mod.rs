@@ -358,7 +358,8 @@ pub fn is_device_name(s: &str) -> bool {
 
 /// The variables every chat-template rendering sets itself (`dataset.chat_template_kwargs`
 /// may not name them).
-pub const RESERVED_TEMPLATE_VARIABLES: [&str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
+pub const RESERVED_TEMPLATE_VARIABLES: [&str; 6] =
+    ["messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"];
 
 fn semantic_checks(tree: &Node, problems: &mut Vec<Problem>) {
     if let Some(model) = tree.get(&["model"]).filter(|m| m.as_table().is_some()) {

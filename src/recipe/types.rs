@@ -224,7 +224,8 @@ pub struct Dataset {
     /// Skip malformed rows (they are counted and reported) instead of failing.
     #[serde(default)]
     pub skip_bad_rows: bool,
-    /// Rename source columns to the names the format expects, e.g. `{ output = "response" }`.
+    /// Rename source columns to the names the format expects, e.g. `{ output = "response" }`
+    /// (`chat`: `messages`, and `tools` for tool schemas).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub column_map: BTreeMap<String, String>,
     /// `chat` format: the template, `"chatml"` or a Jinja string [default: the model's
