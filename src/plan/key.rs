@@ -130,6 +130,10 @@ pub struct Corpus {
     /// `dataset.sep`, `dataset.field`, `dataset.sample_by`.
     #[serde(flatten)]
     pub reading: crate::data::configs::Overrides,
+    /// `chat` rows only: [`CHAT_RENDERING`] (since 2, rows whose replies hold only tool calls
+    /// are read, their other messages' text learned).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chat_rendering: Option<u32>,
 }
 
 /// Shown instead of a local path: the content is hashed, not where it lies.
@@ -181,9 +185,10 @@ impl Serialize for Source {
 
 /// The version of chat-template rendering, in the key of what renders `chat` rows (tokenize,
 /// an evaluate stage's own data). History: 1 (unrecorded) — minijinja's `tojson` (HTML
-/// escapes, Rust's float text) and JSON floats read to within an ulp; 2 — `tojson` writes what
-/// transformers' does (Python's `json.dumps`), dicts a template builds keep their order, and
-/// JSON floats read exactly.
+/// escapes, Rust's float text), JSON floats read to within an ulp, messages cut to `role` and
+/// `content`; 2 — `tojson` writes what transformers' does (Python's `json.dumps`), dicts a
+/// template builds keep their order, JSON floats read exactly, messages reach the template
+/// whole with the row's `tools` (and `documents` as none).
 pub const CHAT_RENDERING: u32 = 2;
 
 /// How dataset rows become token sequences (`tokenize`, and an `evaluate` stage with its own

@@ -73,6 +73,7 @@ pub(super) fn resolve_key(
                         split: train_split(loaded),
                         config: d.config.clone(),
                         reading: loader_settings(d),
+                        chat_rendering: (d.format == crate::recipe::DataFormat::Chat).then_some(key::CHAT_RENDERING),
                     }),
                 },
                 (_, Some(_), _) => ModelKey::Path { path: BY_CONTENT },
