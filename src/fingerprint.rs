@@ -1,6 +1,7 @@
 //! Fingerprints: blake3 of the canonical JSON of everything that changes a stage's output.
 //!
-//! Canonical means: object keys sorted (serde_json's map is a BTreeMap here), floats written in
+//! Canonical means: object keys sorted ([`crate::json::sorted`]: serde_json keeps insertion
+//! order in this build, as rows need), floats written in
 //! their shortest round-trip form (so `2e-4` and `0.0002` hash the same), settings typed before
 //! hashing (so `1` and `1.0` hash the same where a float is meant), and no paths, mtimes, thread
 //! counts or log levels.
@@ -104,7 +105,7 @@ pub fn short(fp: &str) -> &str {
 
 /// blake3 hex of the canonical form of `doc`.
 pub fn of(doc: &Value) -> String {
-    let text = serde_json::to_string(doc).expect("json values serialise");
+    let text = serde_json::to_string(&crate::json::sorted(doc.clone())).expect("json values serialise");
     blake3::hash(text.as_bytes()).to_hex().to_string()
 }
 

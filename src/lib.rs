@@ -18,6 +18,7 @@ pub mod exec;
 pub mod fingerprint;
 pub mod glob;
 pub mod hub;
+pub mod json;
 pub mod model;
 pub mod plan;
 pub mod recipe;

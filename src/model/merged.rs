@@ -341,7 +341,7 @@ impl Merged<'_> {
         if count > 1 {
             let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
             let path = dir.join("model.safetensors.index.json");
-            let mut text = serde_json::to_string_pretty(&index).expect("json");
+            let mut text = crate::json::pretty_sorted(&index);
             text.push('\n');
             std::fs::write(&path, text).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?;
             files.push("model.safetensors.index.json".into());

@@ -139,7 +139,7 @@ where
 }
 
 fn pretty(v: &serde_json::Value) -> String {
-    let mut s = serde_json::to_string_pretty(v).expect("json");
+    let mut s = crate::json::pretty_sorted(v);
     s.push('\n');
     s
 }

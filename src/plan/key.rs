@@ -70,7 +70,7 @@ pub fn document(key: &StageKey, inputs: &BTreeMap<String, String>) -> Value {
     doc["stage_version"] = json!(stage_version(kind));
     doc["kind"] = json!(kind.as_str());
     doc["inputs"] = json!(inputs);
-    doc
+    crate::json::sorted(doc)
 }
 
 /// `download`: the base model and the dataset.
@@ -187,8 +187,8 @@ impl Serialize for Source {
 /// an evaluate stage's own data). History: 1 (unrecorded) — minijinja's `tojson` (HTML
 /// escapes, Rust's float text), JSON floats read to within an ulp, messages cut to `role` and
 /// `content`; 2 — `tojson` writes what transformers' does (Python's `json.dumps`), dicts a
-/// template builds keep their order, JSON floats read exactly, messages reach the template
-/// whole with the row's `tools` (and `documents` as none).
+/// template builds and those of the rows keep their order, JSON floats read exactly, messages
+/// reach the template whole with the row's `tools` (and `documents` as none).
 pub const CHAT_RENDERING: u32 = 2;
 
 /// How dataset rows become token sequences (`tokenize`, and an `evaluate` stage with its own

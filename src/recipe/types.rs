@@ -1090,7 +1090,7 @@ impl Recipe {
             "type": "object",
             "additionalProperties": { "type": "object" }
         });
-        root
+        crate::json::sorted(root)
     }
 }
 

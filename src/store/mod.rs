@@ -280,7 +280,7 @@ impl Store {
         fs::rename(&view, &dir).map_err(io_err("commit", &dir))?;
         sync_dir(dir.parent().expect("artifacts have a parent"));
         manifest.files = files;
-        let text = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
+        let text = crate::json::pretty_sorted(&manifest).into_bytes();
         write_atomic(&self.manifest_path(&fp), &text)?;
         Ok(manifest)
     }

@@ -37,7 +37,7 @@ pub fn save(work: &Path, engine: &EngineState, state: &LoopState, keep: usize) -
         save_safetensors(&tmp.path().join("ema.safetensors"), e)?;
     }
     let saved = Saved { state: state.clone(), optimizer_step: engine.optimizer_step };
-    std::fs::write(tmp.path().join("state.json"), serde_json::to_vec_pretty(&saved).expect("json"))
+    std::fs::write(tmp.path().join("state.json"), crate::json::pretty_sorted(&saved))
         .map_err(ioerr("cannot write checkpoint state".into()))?;
     let dir = work.join(format!("ckpt-{:08}", state.step));
     if dir.exists() {
