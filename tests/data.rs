@@ -311,6 +311,11 @@ fn tool_calling_rows_render_as_transformers_renders_them() {
         let (msg, _) = rtune::data::format::tools(&row, &none).unwrap_err();
         assert!(msg.starts_with("`tools`"), "{msg}");
     }
+    // A column the recipe maps `tools` to must be there.
+    let row = rtune::data::Row { fields: serde_json::Map::new(), file: "t.jsonl".into(), line: 1 };
+    assert_eq!(rtune::data::format::tools(&row, &none).unwrap(), None);
+    let map = BTreeMap::from([("tools".to_string(), "functions".to_string())]);
+    assert_eq!(rtune::data::format::tools(&row, &map).unwrap_err().0, "row has no `functions` column");
 }
 
 /// tests/fixtures/data/splits.json: 🤗 datasets' own splits of folder layouts and dataset cards.

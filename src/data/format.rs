@@ -100,10 +100,16 @@ pub fn conversation(row: &Row, column_map: &BTreeMap<String, String>) -> Result<
 
 /// A chat row's tool schemas (the `tools` column, or the one `column_map` names for it), for
 /// the template's `tools` as `apply_chat_template(…, tools=…)` takes them: a list, or a JSON
-/// string holding one (as xLAM-style datasets store it); none when the column is absent or null.
+/// string holding one (as xLAM-style datasets store it); none when the column is null, or absent
+/// and not named by `column_map`.
 pub fn tools(row: &Row, column_map: &BTreeMap<String, String>) -> Result<Option<Value>, (String, Option<String>)> {
-    let col = column_map.get("tools").map(String::as_str).unwrap_or("tools");
+    let mapped = column_map.get("tools").map(String::as_str);
+    let col = mapped.unwrap_or("tools");
     match row.fields.get(col) {
+        // A column the recipe names must be there (a misspelt name would train without tools).
+        None if mapped.is_some() => {
+            Err((format!("row has no `{col}` column"), Some("check `[dataset] column_map`".into())))
+        }
         None | Some(Value::Null) => Ok(None),
         Some(v @ Value::Array(_)) => Ok(Some(v.clone())),
         Some(Value::String(s)) if s.trim().is_empty() => Ok(None),
