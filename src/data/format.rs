@@ -45,10 +45,11 @@ pub struct Encoded {
 /// A rendered conversation, its messages and tools (the assistant spans are found after tokenizing).
 type Rendered = (String, (Vec<Value>, Option<Value>));
 
-/// A row's conversation as `{role, content}` messages: the column `column_map` names for
-/// `messages`, else `messages`, else ShareGPT's `conversations` of `{from, value}` turns, whose
-/// speakers are named as Unsloth's `standardize_sharegpt` reads them (`human`, `input` → user;
-/// `gpt`, `output` → assistant; others as written). `Err((message, help))` says what is wrong.
+/// A row's conversation: the column `column_map` names for `messages`, else `messages` (each
+/// message whole, as transformers passes it), else ShareGPT's `conversations` of `{from, value}`
+/// turns as `{role, content}`, whose speakers are named as Unsloth's `standardize_sharegpt`
+/// reads them (`human`, `input` → user; `gpt`, `output` → assistant; others as written).
+/// `Err((message, help))` says what is wrong.
 pub fn conversation(row: &Row, column_map: &BTreeMap<String, String>) -> Result<Vec<Value>, (String, Option<String>)> {
     let mapped = column_map.get("messages").map(String::as_str);
     let (col, msgs) = match (mapped, row.fields.get(mapped.unwrap_or("messages"))) {

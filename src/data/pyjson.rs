@@ -7,7 +7,7 @@
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Error, ErrorKind};
 
-/// How [`dumps`] writes: `json.dumps`'s keyword arguments.
+/// How [`filter`] writes: `json.dumps`'s keyword arguments.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Style {
     pub ensure_ascii: bool,
@@ -64,13 +64,6 @@ pub fn filter(value: &Value, ensure_ascii: Option<Value>, kwargs: Kwargs) -> Res
     let mut out = String::new();
     write(value, &style, 0, &mut out)?;
     Ok(Value::from_safe_string(out))
-}
-
-/// `json.dumps(value, …)` as Python writes it.
-pub fn dumps(value: &Value, style: &Style) -> Result<String, Error> {
-    let mut out = String::new();
-    write(value, style, 0, &mut out)?;
-    Ok(out)
 }
 
 fn write(v: &Value, style: &Style, depth: usize, out: &mut String) -> Result<(), Error> {

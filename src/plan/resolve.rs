@@ -39,12 +39,14 @@ pub(super) fn resolve_key(
     let d = &recipe.dataset;
     // The base model as the exports and the card name it: the Hub id, else the recipe's path.
     let base_named = || m.repo.clone().or_else(|| m.path.clone());
+    // Chat rows' keys name how rtune renders templates (tokenize, evaluate's own data, a scratch corpus).
+    let chat_rendering = (d.format == crate::recipe::DataFormat::Chat).then_some(key::CHAT_RENDERING);
     let rendering = || Rendering {
         format: d.format,
         column_map: d.column_map.clone(),
         chat_template: d.chat_template.clone(),
         chat_template_kwargs: d.chat_template_kwargs.clone(),
-        chat_rendering: (d.format == crate::recipe::DataFormat::Chat).then_some(super::key::CHAT_RENDERING),
+        chat_rendering,
         max_seq_len: d.max_seq_len,
         truncate: d.truncate,
         train_on_prompt: d.train_on_prompt,
@@ -73,7 +75,7 @@ pub(super) fn resolve_key(
                         split: train_split(loaded),
                         config: d.config.clone(),
                         reading: loader_settings(d),
-                        chat_rendering: (d.format == crate::recipe::DataFormat::Chat).then_some(key::CHAT_RENDERING),
+                        chat_rendering,
                     }),
                 },
                 (_, Some(_), _) => ModelKey::Path { path: BY_CONTENT },
