@@ -207,24 +207,6 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
                 .cpu_lanes()
                 .is_some()
                 .then(|| rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap().with_gpu_kernels());
-            // RTUNE_REQUIRE_MATRIX_UNITS=f16,bf16: the products of those types must run on the
-            // device's matrix units (`gemm_cm`), so a driver that lists cooperative matrices
-            // (CI's newer lavapipe, hardware) never tests only the tiled kernel by accident.
-            let with_gpu_kernels = gpu_kernels.as_ref().unwrap_or(&g);
-            for dt in required_matrix_units() {
-                assert!(
-                    with_gpu_kernels.matrix_shape(dt).unwrap().is_some(),
-                    "{}: no matrix units for {dt:?} products, or they failed their check",
-                    with_gpu_kernels.name()
-                );
-                // The kernel's first form stands in for a failing current one in training; here
-                // that is a failure to see.
-                assert!(
-                    !with_gpu_kernels.first_form_products(dt),
-                    "{}: the {dt:?} product kernel failed its check (its first form stood in)",
-                    with_gpu_kernels.name()
-                );
-            }
             v.extend(gpu_kernels.map(|g| Rc::new(g) as Rc<dyn Gpu>));
             v.push(Rc::new(g));
         }
@@ -234,6 +216,38 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
         Some(Err(e)) => eprintln!("no Vulkan device for the GPU engine tests: {e}"),
     }
     v
+}
+
+/// `RTUNE_REQUIRE_MATRIX_UNITS=f16,bf16`: the products of those types must run on the Vulkan
+/// device's matrix units (`gemm_cm`), so that a driver that lists cooperative matrices (CI's
+/// newer lavapipe, hardware) never tests only the tiled kernel by accident. Here once, not in
+/// [`devices`]: the check compiles every tile, minutes on lavapipe, which tests that run no such
+/// product would each pay.
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_products_run_on_the_matrix_units_where_required() {
+    if !testing("vulkan") || required_matrix_units().is_empty() {
+        return;
+    }
+    let gpu = match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
+        Ok(g) if g.cpu_lanes().is_some() => g.with_gpu_kernels(),
+        Ok(g) => g,
+        Err(e) => panic!("RTUNE_REQUIRE_MATRIX_UNITS is set but there is no Vulkan device: {e}"),
+    };
+    for dt in required_matrix_units() {
+        assert!(
+            gpu.matrix_shape(dt).unwrap().is_some(),
+            "{}: no matrix units for {dt:?} products, or they failed their check",
+            gpu.name()
+        );
+        // The kernel's first form stands in for a failing current one in training; here that is
+        // a failure to see.
+        assert!(
+            !gpu.first_form_products(dt),
+            "{}: the {dt:?} product kernel failed its check (its first form stood in)",
+            gpu.name()
+        );
+    }
 }
 
 /// The input types whose products (and, in the attention test, attention) must run on a Vulkan
@@ -1122,7 +1136,7 @@ fn products_time_their_tile_once_per_shape_and_keep_c() {
 #[cfg(feature = "vulkan")]
 fn matrix_unit_device(
     shape: [u32; 3],
-    how: fn(rtune::engine::gpu::vulkan::VulkanGpu) -> rtune::engine::gpu::vulkan::VulkanGpu,
+    how: impl FnOnce(rtune::engine::gpu::vulkan::VulkanGpu) -> rtune::engine::gpu::vulkan::VulkanGpu,
 ) -> Option<rtune::engine::gpu::vulkan::VulkanGpu> {
     if !testing("vulkan") {
         return None;
@@ -1152,10 +1166,17 @@ fn matrix_unit_device(
 }
 
 /// The matrix-unit kernels (`gemm_cm`, `attn_*_mma`) with matrix shape `shape`
-/// ([`matrix_unit_device`]): products and attention in f16 against the references.
+/// ([`matrix_unit_device`]): products and attention in f16 against the references; the products
+/// with every tile the device offers, or with `tile` alone where one is given.
 #[cfg(feature = "vulkan")]
-fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
-    let Some(gpu) = matrix_unit_device(shape, |g| g) else { return };
+fn matrix_unit_kernels_with_shape(shape: [u32; 3], tile: Option<[u32; 2]>) {
+    let Some(gpu) = matrix_unit_device(shape, |g| match tile {
+        Some(t) => g.with_gemm_tile(t),
+        None => g,
+    }) else {
+        return;
+    };
+    assert_eq!(gpu.gemm_tile(Dt::F16), tile, "{}: tile {tile:?} with shape {shape:?}", gpu.name());
     assert!(
         !gpu.first_form_products(Dt::F16),
         "{}: the product kernel failed its check with shape {shape:?}",
@@ -1175,37 +1196,44 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
     check_attention(&gpu, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc), (Dt::F16, 64, AttnKernels::Products { rows: 48 })]);
 }
 
-/// NVIDIA's and AMD's shape.
+// Every matrix-unit kernel is a long compile on lavapipe (up to a minute and more each, nearly
+// all of it in LLVM), so these tests are cut and ordered for CI's two cores: libtest starts them
+// in name order, so the Intel test starts beside NVIDIA's first, and the short ones follow it;
+// the products' four tiles run at NVIDIA's shape here and at lavapipe's own in the tests above
+// (the tile code does not depend on the shape but through its fragment counts), the smallest
+// tile alone elsewhere.
+
+/// Intel's shape: deeper than it is tall (the 32 × 32 tile: see above).
 #[cfg(feature = "vulkan")]
 #[test]
-fn matrix_unit_kernels_match_references_with_16x16x16_tiles() {
-    matrix_unit_kernels_with_shape([16, 16, 16]);
+fn matrix_unit_kernels_match_references_with_intel_8x8x16_tiles() {
+    matrix_unit_kernels_with_shape([8, 8, 16], Some([32, 32]));
 }
 
-/// Intel's shape: deeper than it is tall.
+/// NVIDIA's and AMD's shape, with every tile.
 #[cfg(feature = "vulkan")]
 #[test]
-fn matrix_unit_kernels_match_references_with_8x8x16_tiles() {
-    matrix_unit_kernels_with_shape([8, 8, 16]);
+fn matrix_unit_kernels_match_references_with_nvidia_16x16x16_tiles() {
+    matrix_unit_kernels_with_shape([16, 16, 16], None);
 }
-
-// The stand-in forms, with NVIDIA's shape, in tests of their own: every matrix-unit kernel is a
-// long compile on lavapipe, and separate tests compile on separate cores.
 
 /// The attention kernels' `_rows` form, which a driver whose column-major loads are wrong gets
 /// (NVIDIA's shape; the form's staging does not depend on it); and where the direct form fails its
 /// check for a reason the load probe does not see, the check tries the `_rows` form, which then
-/// stands in.
+/// stands in. The products, which are not what this tests, with one tile.
 #[cfg(feature = "vulkan")]
 #[test]
-fn matrix_unit_kernels_match_references_with_16x16x16_tiles_in_the_rows_form() {
+fn matrix_unit_kernels_match_references_with_nvidia_16x16x16_tiles_in_the_rows_form() {
     let shape = [16, 16, 16];
-    let Some(rows) = matrix_unit_device(shape, |g| g.with_row_loads()) else { return };
+    let Some(rows) = matrix_unit_device(shape, |g| g.with_row_loads().with_gemm_tile([32, 32])) else { return };
     let rows: Rc<dyn Gpu> = Rc::new(rows);
     let tc = AttnKernels::TensorCores;
     assert!(rows.tensor_core_attention(Dt::F16), "{}: the `_rows` attention failed its check", rows.name());
     check_attention(&rows, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc)]);
-    let Some(fallback) = matrix_unit_device(shape, |g| g.with_direct_attention_rejected()) else { return };
+    let Some(fallback) = matrix_unit_device(shape, |g| g.with_direct_attention_rejected().with_gemm_tile([32, 32]))
+    else {
+        return;
+    };
     let fallback: Rc<dyn Gpu> = Rc::new(fallback);
     assert!(
         fallback.tensor_core_attention(Dt::F16),
@@ -1218,7 +1246,7 @@ fn matrix_unit_kernels_match_references_with_16x16x16_tiles_in_the_rows_form() {
 /// Where the products' current kernel fails its check, its first form stands in.
 #[cfg(feature = "vulkan")]
 #[test]
-fn matrix_unit_kernels_match_references_with_16x16x16_tiles_in_the_products_first_form() {
+fn matrix_unit_kernels_match_references_with_nvidia_16x16x16_tiles_in_the_products_first_form() {
     let Some(first) = matrix_unit_device([16, 16, 16], |g| g.with_current_products_rejected()) else { return };
     assert!(first.first_form_products(Dt::F16), "{}: the products did not switch to the first form", first.name());
     assert!(first.products_account(Dt::F16).contains("first form (gemm_cm1"), "{}", first.products_account(Dt::F16));

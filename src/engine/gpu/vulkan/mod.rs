@@ -1000,9 +1000,9 @@ impl VulkanGpu {
         Ok(Some([bad[0], bad[1], n]))
     }
 
-    /// `None` when `gemm_cm` agrees with an f64 product with every tile the device can run, else
-    /// how it differs. The sides are not multiples of 8, so tiles and the kernel's 16-byte
-    /// pieces end inside the matrices; each product runs with the operands as given and both
+    /// `None` when `gemm_cm` agrees with an f64 product with every tile the device can run (the
+    /// forced one only, where one is: no other runs here), else how it differs. The sides are
+    /// not multiples of 8, so tiles and the kernel's 16-byte pieces end inside the matrices; each product runs with the operands as given and both
     /// transposed, and aligned (16-byte loads; the pitches' padding holds values that must not
     /// leak into C) and 2 bytes off (loads value by value).
     fn matrix_check(&self, dt: Dt) -> Result<Option<String>, GpuError> {
@@ -1015,11 +1015,12 @@ impl VulkanGpu {
             dt.decode(&dt.encode(&v))
         };
         // (tile, split): the first form has one tile of its own; the current form runs every
-        // tile, whole and with the inner dimension split in two (32 + 12).
+        // tile it may run with, whole and with the inner dimension split in two (32 + 12).
         let runs: Vec<(Option<[u32; 2]>, Option<usize>)> = if self.units(dt).is_some_and(|u| u.first_form) {
             vec![(None, None)]
         } else {
-            self.gemm_cm_tiles(dt).into_iter().flat_map(|t| [(Some(t), None), (Some(t), Some(32))]).collect()
+            let tiles = self.gemm_tile(dt).map_or_else(|| self.gemm_cm_tiles(dt), |t| vec![t]);
+            tiles.into_iter().flat_map(|t| [(Some(t), None), (Some(t), Some(32))]).collect()
         };
         if runs.is_empty() {
             return Ok(Some(format!(
@@ -1269,7 +1270,8 @@ impl VulkanGpu {
 
     /// For tests and measurements: every product on the matrix units runs with tile `tile`
     /// (`[64, 32]`: each subgroup computes 64 × 32 of C), where the device can run it; as
-    /// `RTUNE_VULKAN_GEMM_TILE=64x32` does.
+    /// `RTUNE_VULKAN_GEMM_TILE=64x32` does. The products' first-use check then runs that tile
+    /// only (on lavapipe, each tile is a compile of up to a minute).
     #[doc(hidden)]
     pub fn with_gemm_tile(mut self, tile: [u32; 2]) -> VulkanGpu {
         self.gemm_tile = Some(tile);
