@@ -98,6 +98,9 @@ pub struct VulkanGpu {
     cpu_subgroup: Option<u32>,
     /// A CPU implementation of Vulkan (lavapipe, SwiftShader).
     software: bool,
+    /// The matrix-unit kernels' loops are compiled rolled (`RTUNE_VULKAN_ROLL_LOOPS=1`, for
+    /// tests on lavapipe: see [`roll_loops`] and docs/devices.md).
+    roll_loops: bool,
     /// The matrix units for bf16 and f16 inputs and the state of their kernels' first-use
     /// checks; `None` where the device has none for that type (see [`choose_shape`]).
     matrix: Cell<[Option<MatrixUnits>; 2]>,
@@ -231,6 +234,28 @@ fn tile_key(ab: Dt, c: Dt, mnk: [usize; 3], a_trans: bool, b_trans: bool, count:
 /// are timed a handful of times, not at every step.
 fn shape_class(mnk: [usize; 3]) -> [usize; 3] {
     mnk.map(usize::next_power_of_two)
+}
+
+/// Asks the driver to keep every loop of SPIR-V module `code` rolled: each `OpLoopMerge`'s loop
+/// control loses `Unroll` and gains `DontUnroll`. Both are hints, so the program computes the
+/// same; only how the driver compiles it changes ([`VulkanGpu::roll_loops`]).
+fn roll_loops(code: &mut [u32]) {
+    const OP_LOOP_MERGE: u32 = 246;
+    const UNROLL: u32 = 0x1;
+    const DONT_UNROLL: u32 = 0x2;
+    // Past the five-word header, instructions: word count in the high half, opcode in the low.
+    let mut i = 5;
+    while i < code.len() {
+        let (words, op) = ((code[i] >> 16) as usize, code[i] & 0xffff);
+        if words == 0 {
+            break;
+        }
+        // OpLoopMerge: merge block, continue target, loop control (then its parameters).
+        if op == OP_LOOP_MERGE && words >= 4 && i + 3 < code.len() {
+            code[i + 3] = (code[i + 3] & !UNROLL) | DONT_UNROLL;
+        }
+        i += words;
+    }
 }
 
 /// The tile `RTUNE_VULKAN_GEMM_TILE` forces on device `name` (matrix shapes `matrix`), if any;
@@ -456,13 +481,17 @@ fn pack(args: &[Arg]) -> Vec<u8> {
 }
 
 impl VulkanGpu {
-    /// Open Vulkan device `ordinal` (in the loader's order, as `rtune doctor` lists them).
+    /// Open Vulkan device `ordinal` (in the loader's order, as `rtune doctor` lists them). On a
+    /// CPU implementation of Vulkan, `RTUNE_VULKAN_GPU_KERNELS=1` runs the kernels written for
+    /// GPUs ([`Self::with_gpu_kernels`]), so that a run there goes through the matrix units.
     pub fn new(ordinal: usize) -> Result<VulkanGpu, GpuError> {
         // The instance is destroyed in `drop` (or below on failure).
         let crate::device::vulkan::Opened { entry, instance, .. } =
             crate::device::vulkan::instance().map_err(GpuError::Device)?;
+        let gpu_kernels = std::env::var_os("RTUNE_VULKAN_GPU_KERNELS").is_some_and(|v| v == "1");
         // SAFETY: `instance` is live; on failure it is destroyed before returning.
         match unsafe { Self::open(entry, instance.clone(), ordinal) } {
+            Ok(gpu) if gpu_kernels => Ok(gpu.with_gpu_kernels()),
             Ok(gpu) => Ok(gpu),
             Err(e) => {
                 // SAFETY: nothing created from the instance outlives a failed `open`.
@@ -625,6 +654,7 @@ impl VulkanGpu {
                 storage16: support.storage16,
                 cpu_subgroup,
                 software: props.device_type == vk::PhysicalDeviceType::CPU,
+                roll_loops: std::env::var_os("RTUNE_VULKAN_ROLL_LOOPS").is_some_and(|v| v == "1"),
                 reject_direct_attention: false,
                 reject_current_products: false,
                 gemm_tile,
@@ -1543,8 +1573,11 @@ impl VulkanGpu {
         let module = match st.modules.get(name) {
             Some(m) => *m,
             None => {
-                let code = ash::util::read_spv(&mut std::io::Cursor::new(spv))
+                let mut code = ash::util::read_spv(&mut std::io::Cursor::new(spv))
                     .map_err(|e| GpuError::Device(format!("kernel `{kernel}`: bad SPIR-V ({e})")))?;
+                if self.roll_loops && matrix_module(name).is_some() {
+                    roll_loops(&mut code);
+                }
                 // SAFETY: valid SPIR-V words (checked by glslang when built).
                 let m = unsafe {
                     self.device.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None)
@@ -1989,6 +2022,35 @@ mod tests {
             i += len;
         }
         out
+    }
+
+    /// `roll_loops` turns every loop's `Unroll` hint into `DontUnroll` and changes nothing else:
+    /// the matrix-unit kernels ask for unrolled loops, and after it no loop does.
+    #[test]
+    fn rolled_loops_change_only_the_loop_controls() {
+        let mut unrolled = 0;
+        for (name, spv) in KERNELS.iter().filter(|(n, _)| matrix_module(n).is_some()) {
+            let before: Vec<u32> = spv.chunks_exact(4).map(|w| u32::from_le_bytes(w.try_into().unwrap())).collect();
+            let mut after = before.clone();
+            super::roll_loops(&mut after);
+            let bytes: Vec<u8> = after.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let (old, new) = (instructions(spv), instructions(&bytes));
+            assert_eq!(old.len(), new.len(), "{name}");
+            let mut loops = 0;
+            for ((op, a), (op2, b)) in old.iter().zip(&new) {
+                assert_eq!(op, op2, "{name}");
+                if *op == 246 {
+                    loops += 1;
+                    unrolled += usize::from(a[2] & 1 == 1);
+                    assert_eq!((b[2] & 1, b[2] & 2), (0, 2), "{name}: loop control {:#x}", b[2]);
+                    assert_eq!((&a[..2], a[2] & !3, &a[3..]), (&b[..2], b[2] & !3, &b[3..]), "{name}");
+                } else {
+                    assert_eq!(a, b, "{name}: only loop controls change");
+                }
+            }
+            assert!(loops > 0, "{name} has no loops");
+        }
+        assert!(unrolled > 0, "no matrix-unit kernel asks for an unrolled loop");
     }
 
     /// The capabilities a SPIR-V module declares (`OpCapability` operands).
