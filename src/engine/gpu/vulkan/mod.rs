@@ -1032,9 +1032,10 @@ impl VulkanGpu {
 
     /// `None` when `gemm_cm` agrees with an f64 product with every tile the device can run (the
     /// forced one only, where one is: no other runs here), else how it differs. The sides are
-    /// not multiples of 8, so tiles and the kernel's 16-byte pieces end inside the matrices; each product runs with the operands as given and both
-    /// transposed, and aligned (16-byte loads; the pitches' padding holds values that must not
-    /// leak into C) and 2 bytes off (loads value by value).
+    /// not multiples of 8, so tiles and the kernel's 16-byte pieces end inside the matrices;
+    /// each product runs with the operands as given and both transposed, and aligned (16-byte
+    /// loads; the pitches' padding holds values that must not leak into C) and 2 bytes off
+    /// (loads value by value).
     fn matrix_check(&self, dt: Dt) -> Result<Option<String>, GpuError> {
         let (m, n, k) = (70usize, 78usize, 44usize);
         // Values exactly representable in bf16 and f16, so the host computes the same product;
