@@ -36,7 +36,14 @@ fi
 work=$(mktemp -d)
 trap 'wineserver -k >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 export WINEPREFIX="$work/wine" WINEDEBUG=-all WINEDLLOVERRIDES="mscoree,mshtml=" RTUNE_NO_PROGRESS=1
-wine_path() { winepath -w "$1" 2>/dev/null; }
+# A path as Windows sees it. On a machine's first Wine run the prefix may still be setting up
+# (a clean-clone run here once stopped at the first call, silently): wait for it and try again,
+# and say so if it still fails.
+wine_path() {
+  winepath -w "$1" 2>/dev/null && return
+  wineserver -w >/dev/null 2>&1 || true
+  winepath -w "$1" || { echo "windows-check: winepath failed for $1" >&2; return 1; }
+}
 
 # Windows commands build without debug info: smaller on a CI runner's disk, faster to link. Their
 # dependencies build at opt-level 1, not Cargo.toml's 3: candle-core, tokenizers and ash with
