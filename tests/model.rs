@@ -119,6 +119,50 @@ fn qwen3_matches_transformers() {
     check(&model, &g, "base");
 }
 
+/// Gemma 2 and Gemma 3 (text): their layer in full (tests/fixtures/make_golden.py `--gemma`: GELU
+/// gate, random `1 + w` norms around attention and the MLP, scaled embeddings, scores scaled by
+/// `query_pre_attn_scalar`, local layers whose window of 3 is shorter than the rows; Gemma 2's
+/// tanh caps, Gemma 3's query/key norms and two rotary tables, the global one scaled linearly):
+/// logits and loss of the base and the LoRA model, and the gradients of every adapter matrix and
+/// of every base weight, against transformers and PEFT.
+#[test]
+fn gemma_matches_transformers_forward_and_backward() {
+    for name in ["tiny-gemma2", "tiny-gemma3"] {
+        let g = golden(name);
+        let base = load(name, &Trainable::nothing());
+        let local = base.cfg.local_attention.as_ref().expect("local layers");
+        assert_eq!(local.window, 3, "{name}");
+        assert!(base.cfg.norm_offset && base.cfg.sandwich_norms && base.cfg.embed_scale.is_some());
+        check(&base, &g, "base");
+        check(&with_adapter(name), &g, "lora");
+        let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+        let cpu = rtune::device::Resolution::cpu();
+        let batch = rtune::engine::HostBatch::from_parts(&g.rows, &g.lens, None, g.select.clone(), g.targets.clone());
+        let dir = fixture(name).join("adapter");
+        for (key, trainable, trained) in [
+            ("lora", Trainable::lora(peft::read_config(&dir).unwrap()), Some(dir.as_path())),
+            ("full", Trainable::weights(vec!["*".into()]), None),
+        ] {
+            // The CPU's engine for this model is candle's autograd (the fused engine refuses it).
+            let mut engine = rtune::engine::build(&cpu_setup(&folder, &cpu, trainable, trained, None)).unwrap();
+            assert_eq!(engine.describe(), "candle autograd", "{name}");
+            engine.accumulate(&batch, 1.0, 1.0, None).unwrap();
+            let (loss, _) = engine.gradients().unwrap();
+            let want_loss = g.expected[key]["loss"].as_f64().unwrap();
+            assert!(((loss - want_loss) / want_loss).abs() < 1e-5, "{name} {key}: loss {loss} vs {want_loss}");
+            let got = engine.gradient_values().unwrap();
+            let want: BTreeMap<String, Vec<f32>> = serde_json::from_value(g.expected[key]["grads"].clone()).unwrap();
+            assert_eq!(got.len(), want.len(), "{name} {key}: {:?}", got.keys().collect::<Vec<_>>());
+            for (n, want) in &want {
+                let got: Vec<f32> = got[&n.replace(".default", "")].flatten_all().unwrap().to_vec1().unwrap();
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let diff = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(diff <= 1e-4 * scale, "{name} {key}: {n}: max |diff| {diff} of {scale}");
+            }
+        }
+    }
+}
+
 fn with_adapter(name: &str) -> Transformer {
     let dir = fixture(name).join("adapter");
     let spec = peft::read_config(&dir).unwrap();

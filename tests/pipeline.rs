@@ -1714,6 +1714,73 @@ fn a_qwen3_model_trains_and_exports_end_to_end() {
     assert!((ratio - 1.0).abs() < 0.003, "q8_0 perplexity ratio {ratio}: {gguf}");
 }
 
+/// The default recipe's model as a Gemma 3 (heads wider than hidden / heads; three layers, so
+/// that the window of its local layers and the global one both run).
+const GEMMA3: &str = "model.scratch={arch=\"gemma3\", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, \
+                      head_dim=32, intermediate_size=128, vocab_size=512}";
+
+/// A scratch Gemma 3 trains (its norms beside the adapter), evaluates, generates and exports
+/// end to end on candle's engine: a Gemma 3 folder of the trained values with its four norms a
+/// layer and PEFT's adapter; a GGUF export is refused before any export is written, naming what
+/// rtune writes instead; a Vulkan device is refused naming the engine that runs the model.
+#[test]
+fn a_gemma3_model_trains_and_exports_end_to_end() {
+    let p = Project::tiny_offline();
+    let report = p.run_json(&[
+        "tiny.toml",
+        "--set",
+        GEMMA3,
+        "--set",
+        r#"stages.train.trainable=["adapter", "*feedforward_layernorm.weight"]"#,
+        "--set",
+        "stages.train.max_steps=30",
+        "--set",
+        "stages.evaluate.max_new_tokens=2",
+        "--set",
+        r#"stages.quantize.formats=["peft-adapter", "safetensors-merged"]"#,
+    ]);
+    assert!(outcomes(&report).iter().all(|(_, o)| o == "built"), "{:?}", outcomes(&report));
+    let trained = artifact(&report, "train");
+    let c = read_json(&trained.join("adapter_config.json"));
+    assert_eq!(c["modules_to_save"].as_array().map(Vec::len), Some(6), "{c}");
+    let metrics = read_json(&trained.join("metrics.json"));
+    assert_eq!(metrics["engine"].as_str(), Some("candle autograd"), "{metrics}");
+    let end = metrics["eval_loss_end"].as_f64().unwrap();
+    assert!(metrics["eval_loss_start"].as_f64().unwrap() - end > 0.5, "it trained: {metrics}");
+    let evaluate = artifact(&report, "evaluate");
+    let tuned = read_json(&evaluate.join("metrics.json"))["eval_loss"].as_f64().unwrap();
+    assert!((end - tuned).abs() <= 1e-6 * end, "evaluate {tuned} vs train's last eval {end}");
+    let exports = artifact(&report, "quantize");
+    let config = read_json(&exports.join("merged/config.json"));
+    assert_eq!(config["architectures"][0].as_str(), Some("Gemma3ForCausalLM"));
+    let merged = rtune::model::ModelFolder::open(&exports.join("merged")).unwrap();
+    let weights = merged.load_weights(&candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let trained_norms = rtune::model::peft::read_weights(&trained, &candle_core::Device::Cpu).unwrap();
+    for n in rtune::model::FEEDFORWARD_NORMS {
+        let name = format!("model.layers.2.{n}.weight");
+        let (got, want) = (&weights[&name], &trained_norms[&name]);
+        let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(diff, 0.0, "{name} in the merged folder is the trained value");
+    }
+    // GGUF: refused before any export is written (the trained stages stay cached).
+    let gguf = p.run(&[
+        "run",
+        "tiny.toml",
+        "--set",
+        GEMMA3,
+        "--set",
+        r#"stages.train.trainable=["adapter", "*feedforward_layernorm.weight"]"#,
+        "--set",
+        "stages.train.max_steps=30",
+        "--set",
+        "stages.evaluate.max_new_tokens=2",
+    ]);
+    assert!(!gguf.status.success());
+    let err = stderr(&gguf);
+    assert!(err.contains("rtune::model::no_gguf") && err.contains("no GGUF of Gemma 3"), "{err}");
+    assert!(err.contains("cached  train") && err.contains("cached  evaluate"), "only the quantize stage ran: {err}");
+}
+
 /// The Qwen3 model on Vulkan (the GPU engine) against the CPU (the fused engine): the eval
 /// losses agree within 1e-4 relative after 4 steps.
 #[test]

@@ -26,13 +26,19 @@ pub struct RawConfig {
     pub max_position_embeddings: usize,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "default_theta")]
-    pub rope_theta: f64,
+    /// Default: 10000 (Gemma 3: 1e6).
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
     #[serde(default)]
     pub rope_scaling: Option<RopeParameters>,
-    /// transformers ≥ 5 writes `rope_theta` and the scaling here instead.
+    /// transformers ≥ 5 writes `rope_theta` and the scaling here instead: one set of
+    /// [`RopeParameters`], or (Gemma 3) one for each kind of layer, keyed by `full_attention`
+    /// and `sliding_attention`.
     #[serde(default)]
-    pub rope_parameters: Option<RopeParameters>,
+    pub rope_parameters: Option<serde_json::Value>,
+    /// Gemma 3 before transformers 5: the rotary base of its local-attention layers.
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
     #[serde(default)]
     pub tie_word_embeddings: Option<bool>,
     #[serde(default)]
@@ -41,6 +47,27 @@ pub struct RawConfig {
     pub mlp_bias: Option<bool>,
     #[serde(default)]
     pub hidden_act: Option<String>,
+    /// Gemma's name for the MLP's activation (it wins over `hidden_act`).
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    /// Gemma: attention scores are scaled by `query_pre_attn_scalar^-½` instead of `head_dim^-½`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 2: attention scores become `c · tanh(scores / c)` before the mask and softmax.
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Gemma 2: logits become `c · tanh(logits / c)`.
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    /// Gemma 3 embedding models attend both ways.
+    #[serde(default)]
+    pub use_bidirectional_attention: Option<bool>,
+    /// Gemma 3 before transformers 4.53 wrote no `layer_types`: every `n`-th layer is global
+    /// (written under both names by some versions, so two fields, not an alias).
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    #[serde(default, rename = "_sliding_window_pattern")]
+    pub sliding_window_pattern_: Option<usize>,
     #[serde(default)]
     pub bos_token_id: Option<u32>,
     #[serde(default)]
@@ -65,9 +92,6 @@ fn default_max_pos() -> usize {
 }
 fn default_eps() -> f64 {
     1e-6
-}
-fn default_theta() -> f64 {
-    10000.0
 }
 
 /// `eos_token_id` is an integer or a list in the wild.
@@ -104,6 +128,27 @@ pub struct RopeParameters {
     pub original_max_position_embeddings: Option<usize>,
 }
 
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// `silu`.
+    Silu,
+    /// `gelu_pytorch_tanh`: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
+    GeluTanh,
+}
+
+/// Layers that attend to at most `window` positions: each query to itself and the
+/// `window − 1` before it, as transformers' `sliding_attention` layers do.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LocalAttention {
+    pub window: usize,
+    /// Which layers are local (the rest attend to every earlier position).
+    pub layers: Vec<bool>,
+    /// The local layers' rotary base (Gemma 3: 10000; the global layers keep `rope_theta`).
+    pub rope_theta: f64,
+}
+
 /// The resolved configuration the model code uses.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ModelConfig {
@@ -122,9 +167,28 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
-    /// llama3 frequency scaling, when configured.
+    /// llama3 or linear frequency scaling, when configured.
     pub rope_scaling: Option<RopeParameters>,
     pub tie_word_embeddings: bool,
+    /// The MLP's gate activation: SiLU (Llama, Qwen), or GELU's tanh approximation (Gemma).
+    pub activation: Activation,
+    /// Gemma's RMSNorm: `x̂ · (1 + w)` computed in f32, its weights stored as offsets from one
+    /// (zeros at initialisation), instead of `x̂ · w`.
+    pub norm_offset: bool,
+    /// Gemma 2 and 3: the attention's and the MLP's outputs are RMS-normalised before they join
+    /// the residual stream (`post_attention_layernorm`, `post_feedforward_layernorm`), and the
+    /// MLP reads `pre_feedforward_layernorm` — where Llama's MLP reads `post_attention_layernorm`.
+    pub sandwich_norms: bool,
+    /// Embeddings are multiplied by this (Gemma: √hidden, rounded to the weights' dtype).
+    pub embed_scale: Option<f64>,
+    /// Attention scores' scale: `head_dim^-½`, or Gemma's `query_pre_attn_scalar^-½`.
+    pub attn_scale: f64,
+    /// Gemma 2's tanh caps: attention scores and final logits become `c · tanh(x / c)`.
+    pub attn_softcap: Option<f64>,
+    pub final_softcap: Option<f64>,
+    /// Gemma 2 and 3: the layers that attend only within a window of earlier positions, computed
+    /// exactly at every length (unlike [`ModelConfig::sliding_window`]).
+    pub local_attention: Option<LocalAttention>,
     /// q/k/v projections carry a bias (Qwen2, or Llama and Qwen3 with `attention_bias`).
     pub qkv_bias: bool,
     /// o_proj carries a bias (Llama and Qwen3 with `attention_bias`).
@@ -146,27 +210,39 @@ impl ModelConfig {
             "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => Arch::Llama,
             "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
             "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
+            "Gemma2ForCausalLM" | "gemma2" => Arch::Gemma2,
+            "Gemma3ForCausalLM" | "gemma3_text" => Arch::Gemma3,
             other => {
                 return Err(ModelError::UnsupportedArchitecture { name: other.to_string() });
             }
         };
-        if let Some(act) = &raw.hidden_act
-            && act != "silu"
-        {
-            return Err(ModelError::Unsupported { what: format!("activation `{act}` (only `silu`)") });
+        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+        let act = raw.hidden_activation.as_deref().or(raw.hidden_act.as_deref());
+        let activation = match (act, gemma) {
+            (Some("silu") | None, false) => Activation::Silu,
+            (Some("gelu_pytorch_tanh") | None, true) => Activation::GeluTanh,
+            (Some(act), _) => {
+                return Err(ModelError::Unsupported {
+                    what: format!("activation `{act}` (only `silu`, and `gelu_pytorch_tanh` for Gemma)"),
+                });
+            }
+        };
+        if raw.use_bidirectional_attention == Some(true) {
+            return Err(ModelError::Unsupported {
+                what: "bidirectional attention (config.json `use_bidirectional_attention`)".into(),
+            });
         }
-        // transformers ≥ 5 moved the theta and the scaling into `rope_parameters`.
-        let rope = raw.rope_parameters.clone().or_else(|| raw.rope_scaling.clone());
-        let rope_theta = raw.rope_parameters.as_ref().and_then(|r| r.rope_theta).unwrap_or(raw.rope_theta);
-        let rope_type = rope.as_ref().and_then(|r| r.rope_type.clone()).unwrap_or_else(|| "default".into());
-        if rope_type != "llama3" && rope_type != "default" {
-            return Err(ModelError::Unsupported { what: format!("rope scaling `{rope_type}`") });
-        }
-        let rope_scaling = rope.filter(|_| rope_type == "llama3");
-        let sliding_layers = raw.layer_types.iter().flatten().any(|t| t != "full_attention");
-        if raw.use_sliding_window == Some(true) || sliding_layers {
-            return Err(ModelError::Unsupported { what: "sliding-window attention".into() });
-        }
+        let rope = Rope::read(raw, arch)?;
+        let local_attention = match arch {
+            Arch::Gemma2 | Arch::Gemma3 => local_layers(raw, arch, rope.local_theta)?,
+            _ => {
+                let sliding_layers = raw.layer_types.iter().flatten().any(|t| t != "full_attention");
+                if raw.use_sliding_window == Some(true) || sliding_layers {
+                    return Err(ModelError::Unsupported { what: "sliding-window attention".into() });
+                }
+                None
+            }
+        };
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
         if raw.num_attention_heads == 0 || num_kv_heads == 0 || !raw.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(ModelError::Unsupported {
@@ -211,13 +287,38 @@ impl ModelConfig {
                 _ => None,
             },
             rms_norm_eps: raw.rms_norm_eps,
-            rope_theta,
-            rope_scaling,
-            // LlamaConfig and Qwen2Config both default to untied embeddings.
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
+            // LlamaConfig and Qwen2Config default to untied embeddings, Gemma's configs to tied.
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
+            activation,
+            norm_offset: gemma,
+            sandwich_norms: gemma,
+            embed_scale: gemma.then(|| (raw.hidden_size as f64).sqrt()),
+            // Gemma2Config and Gemma3TextConfig default the scalar to 256.
+            attn_scale: match (raw.query_pre_attn_scalar, gemma) {
+                (Some(s), true) if s > 0.0 => s.powf(-0.5),
+                (None, true) => 256f64.powf(-0.5),
+                (Some(s), true) => {
+                    return Err(ModelError::Unsupported { what: format!("config.json `query_pre_attn_scalar` = {s}") });
+                }
+                (_, false) => (head_dim as f64).powf(-0.5),
+            },
+            // Gemma2Config caps scores at 50 and logits at 30 unless told otherwise; Gemma 3 does not.
+            attn_softcap: match arch {
+                Arch::Gemma2 => raw.attn_logit_softcapping.or(Some(50.0)),
+                Arch::Gemma3 => raw.attn_logit_softcapping,
+                _ => None,
+            },
+            final_softcap: match arch {
+                Arch::Gemma2 => raw.final_logit_softcapping.or(Some(30.0)),
+                Arch::Gemma3 => raw.final_logit_softcapping,
+                _ => None,
+            },
+            local_attention,
             qkv_bias: arch == Arch::Qwen2 || attention_bias,
             o_bias: arch != Arch::Qwen2 && attention_bias,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             mlp_bias: raw.mlp_bias.unwrap_or(false),
             bos_token_id: raw.bos_token_id,
             eos_token_ids: raw.eos_token_id.as_ref().map(TokenIds::to_vec).unwrap_or_default(),
@@ -257,6 +358,11 @@ impl ModelConfig {
                 }
             }
             out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            if self.sandwich_norms {
+                for n in super::FEEDFORWARD_NORMS {
+                    out.push((format!("{p}.{n}.weight"), vec![h]));
+                }
+            }
             for (n, (inp, o, bias)) in super::LAYER_LINEARS.iter().zip(self.layer_linears()) {
                 out.push((format!("{p}.{n}.weight"), vec![o, inp]));
                 if bias {
@@ -269,6 +375,28 @@ impl ModelConfig {
             out.push(("lm_head.weight".into(), vec![self.vocab_size, h]));
         }
         out
+    }
+
+    /// Why only candle's engine computes this model, or `None`: the fused CPU engine and the GPU
+    /// engine compute the Llama and Qwen layer (SiLU gate, `x̂ · w` norms before attention and
+    /// the MLP, global attention), not Gemma's.
+    pub fn candle_only(&self) -> Option<String> {
+        let gemma = self.activation != Activation::Silu
+            || self.norm_offset
+            || self.sandwich_norms
+            || self.embed_scale.is_some()
+            || self.attn_softcap.is_some()
+            || self.final_softcap.is_some()
+            || self.local_attention.is_some()
+            || self.attn_scale != (self.head_dim as f64).powf(-0.5)
+            || self.rope_scaling.as_ref().is_some_and(|r| r.rope_type.as_deref() == Some("linear"));
+        gemma.then(|| {
+            format!(
+                "{:?}'s layer (GELU gate, `1 + w` norms around attention and the MLP, scaled embeddings, local \
+                 attention) is computed by candle's engine only so far",
+                self.arch
+            )
+        })
     }
 
     /// The longest sequence rtune computes exactly as transformers does: the rotary tables'
@@ -297,6 +425,8 @@ impl ModelConfig {
             Arch::Llama => ("LlamaForCausalLM", "llama"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+            Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
+            Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         };
         let mut v = serde_json::json!({
             "architectures": [architectures],
@@ -332,9 +462,122 @@ impl ModelConfig {
                 v["attention_bias"] = false.into();
                 v["use_sliding_window"] = false.into();
             }
+            Arch::Gemma2 | Arch::Gemma3 => {
+                // As Gemma's own configs: the GELU gate, scores scaled by the head size, and
+                // transformers' default windows (every second layer local in Gemma 2, five of
+                // six in Gemma 3, with its local rotary base).
+                let o = v.as_object_mut().expect("an object");
+                o.remove("hidden_act");
+                let head_dim = s.head_dim.unwrap_or(s.hidden_size / s.num_heads.max(1));
+                v["hidden_activation"] = "gelu_pytorch_tanh".into();
+                v["attention_bias"] = false.into();
+                v["query_pre_attn_scalar"] = head_dim.into();
+                if s.arch == Arch::Gemma2 {
+                    v["sliding_window"] = 4096.into();
+                    v["attn_logit_softcapping"] = 50.0.into();
+                    v["final_logit_softcapping"] = 30.0.into();
+                } else {
+                    v["sliding_window"] = 512.into();
+                    v["rope_local_base_freq"] = 10000.0.into();
+                }
+                let every = if s.arch == Arch::Gemma2 { 2 } else { 6 };
+                let kinds: Vec<&str> = (0..s.num_layers)
+                    .map(|i| if (i + 1) % every != 0 { "sliding_attention" } else { "full_attention" })
+                    .collect();
+                v["layer_types"] = kinds.into();
+            }
         }
         v
     }
+}
+
+/// The rotary embedding a config asks for: the base and scaling of its (global) layers, and
+/// Gemma 3's base for its local layers.
+struct Rope {
+    theta: f64,
+    scaling: Option<RopeParameters>,
+    local_theta: f64,
+}
+
+impl Rope {
+    fn read(raw: &RawConfig, arch: Arch) -> Result<Rope, ModelError> {
+        let parse = |v: &serde_json::Value| {
+            serde_json::from_value::<RopeParameters>(v.clone())
+                .map_err(|e| ModelError::Unsupported { what: format!("config.json `rope_parameters` ({e})") })
+        };
+        // transformers ≥ 5 moved the theta and the scaling into `rope_parameters`; for Gemma 3,
+        // one set per kind of layer.
+        let per_kind = raw.rope_parameters.as_ref().filter(|v| v.get("full_attention").is_some());
+        let (global, local) = match (per_kind, &raw.rope_parameters) {
+            (Some(v), _) => (Some(parse(&v["full_attention"])?), v.get("sliding_attention").map(parse).transpose()?),
+            (None, Some(v)) => (Some(parse(v)?), None),
+            (None, None) => (raw.rope_scaling.clone(), None),
+        };
+        // Gemma 3's defaults (Gemma3TextConfig.default_theta): 1e6 globally, 1e4 locally.
+        let default_theta = if arch == Arch::Gemma3 { 1e6 } else { 1e4 };
+        let theta = global.as_ref().and_then(|r| r.rope_theta).or(raw.rope_theta).unwrap_or(default_theta);
+        let rope_type = |r: &Option<RopeParameters>| {
+            r.as_ref().and_then(|r| r.rope_type.clone()).unwrap_or_else(|| "default".into())
+        };
+        let kind = rope_type(&global);
+        // Linear scaling (Gemma 3's larger models) only where no engine but candle's runs the
+        // model and no GGUF is written: the other paths know the llama3 form only.
+        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+        if !(kind == "default" || kind == "llama3" || (gemma && kind == "linear")) {
+            return Err(ModelError::Unsupported { what: format!("rope scaling `{kind}`") });
+        }
+        if rope_type(&local) != "default" {
+            return Err(ModelError::Unsupported {
+                what: format!("rope scaling `{}` of local layers", rope_type(&local)),
+            });
+        }
+        let local_theta = match arch {
+            Arch::Gemma3 => local.and_then(|r| r.rope_theta).or(raw.rope_local_base_freq).unwrap_or(1e4),
+            _ => theta,
+        };
+        Ok(Rope { theta, scaling: global.filter(|_| kind != "default"), local_theta })
+    }
+}
+
+/// Gemma's local-attention layers: `layer_types` where the config has it, else Gemma 2's every
+/// other layer (the first local) or Gemma 3's `sliding_window_pattern` (every sixth global).
+fn local_layers(raw: &RawConfig, arch: Arch, rope_theta: f64) -> Result<Option<LocalAttention>, ModelError> {
+    let n = raw.num_hidden_layers;
+    let layers: Vec<bool> = match &raw.layer_types {
+        Some(types) => {
+            if types.len() != n {
+                return Err(ModelError::Unsupported {
+                    what: format!("config.json `layer_types` with {} entries for {n} layers", types.len()),
+                });
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(ModelError::Unsupported { what: format!("attention of kind `{other}`") }),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        None => {
+            let every = if arch == Arch::Gemma2 {
+                2
+            } else {
+                raw.sliding_window_pattern.or(raw.sliding_window_pattern_).unwrap_or(6).max(1)
+            };
+            (0..n).map(|i| !(i + 1).is_multiple_of(every)).collect()
+        }
+    };
+    let window = match &raw.sliding_window {
+        Some(serde_json::Value::Number(w)) => match w.as_u64() {
+            Some(w) if w > 0 => w as usize,
+            _ => return Err(ModelError::Unsupported { what: format!("config.json `sliding_window` = {w}") }),
+        },
+        // A null window attends everywhere: local layers then differ only by their rotary base.
+        None | Some(serde_json::Value::Null) => usize::MAX,
+        Some(other) => return Err(ModelError::Unsupported { what: format!("config.json `sliding_window` = {other}") }),
+    };
+    Ok(layers.iter().any(|&l| l).then_some(LocalAttention { window, layers, rope_theta }))
 }
 
 #[cfg(test)]
@@ -388,6 +631,57 @@ mod tests {
         let c = parse(v).unwrap();
         assert_eq!(c.max_positions(), 32768);
         assert!(c.sequence_too_long(40000).unwrap().contains("32768 positions"));
+    }
+
+    /// Gemma 3's and Gemma 2's configs as transformers 4 wrote them on the Hub (no
+    /// `rope_parameters`; Gemma 2 without `layer_types`, Gemma 3 with both spellings of its
+    /// pattern): the rotary bases, the local layers and window, the scale and the caps.
+    #[test]
+    fn gemma_configs_as_the_hub_has_them() {
+        let gemma3 = serde_json::json!({
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
+            "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": null, "sliding_window": 512,
+            "sliding_window_pattern": 6, "_sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": null,
+            "attn_logit_softcapping": null, "eos_token_id": [1, 106], "bos_token_id": 2, "pad_token_id": 0,
+        });
+        let c = parse(gemma3.clone()).unwrap();
+        assert_eq!((c.arch, c.rope_theta, c.attn_scale, c.tie_word_embeddings), (Arch::Gemma3, 1e6, 1.0 / 16.0, true));
+        assert_eq!(
+            (c.activation, c.norm_offset, c.sandwich_norms, c.qk_norm),
+            (Activation::GeluTanh, true, true, true)
+        );
+        assert_eq!((c.embed_scale, c.attn_softcap, c.final_softcap), (Some(640f64.sqrt()), None, None));
+        let local = c.local_attention.clone().unwrap();
+        assert_eq!((local.window, local.rope_theta), (512, 10000.0));
+        let globals: Vec<usize> = (0..18).filter(|&i| !local.layers[i]).collect();
+        assert_eq!(globals, [5, 11, 17]);
+        assert_eq!(c.max_positions(), 32768, "the window is computed, not a bound");
+        assert!(c.candle_only().unwrap().contains("candle's engine only"));
+        let gemma2 = serde_json::json!({
+            "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304,
+            "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 256, "vocab_size": 256000, "max_position_embeddings": 8192, "rope_theta": 10000.0,
+            "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+        });
+        let c = parse(gemma2).unwrap();
+        assert_eq!((c.arch, c.qk_norm, c.attn_softcap, c.final_softcap), (Arch::Gemma2, false, Some(50.0), Some(30.0)));
+        let local = c.local_attention.unwrap();
+        assert_eq!(
+            (local.window, local.rope_theta, &local.layers[..4]),
+            (4096, 10000.0, &[true, false, true, false][..])
+        );
+        let mut vision = gemma3.clone();
+        vision["architectures"] = serde_json::json!(["Gemma3ForConditionalGeneration"]);
+        assert!(matches!(parse(vision), Err(ModelError::UnsupportedArchitecture { .. })));
+        let mut both = gemma3;
+        both["use_bidirectional_attention"] = true.into();
+        assert!(parse(both).unwrap_err().to_string().contains("bidirectional"));
+        // Llama's layer stays on every engine.
+        assert_eq!(parse(base()).unwrap().candle_only(), None);
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub use batch::Batch;
 pub use config::{ModelConfig, RawConfig};
 pub use folder::ModelFolder;
 pub use lora::{Linear, LoraSpec, Param};
-pub use transformer::{KvCache, LAYER_LINEARS, Observer, QK_NORMS, Trainable, Transformer};
+pub use transformer::{FEEDFORWARD_NORMS, KvCache, LAYER_LINEARS, Observer, QK_NORMS, Trainable, Transformer};
 
 /// Why a model could not be loaded, built or saved.
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
@@ -44,14 +44,24 @@ pub enum ModelError {
     #[diagnostic(
         code(rtune::model::architecture),
         help(
-            "rtune trains LlamaForCausalLM (Llama, SmolLM, TinyLlama, Mistral-style), Qwen2ForCausalLM and \
-             Qwen3ForCausalLM"
+            "rtune trains LlamaForCausalLM (Llama, SmolLM, TinyLlama, Mistral-style), Qwen2ForCausalLM, \
+             Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (Gemma 3's text models)"
         )
     )]
     UnsupportedArchitecture { name: String },
     #[error("{what} is not supported")]
     #[diagnostic(code(rtune::model::unsupported))]
     Unsupported { what: String },
+    #[error("rtune writes no GGUF of {arch} models yet")]
+    #[diagnostic(
+        code(rtune::model::no_gguf),
+        help(
+            "drop the `gguf-*` formats from `stages.quantize.formats`: the `peft-adapter` and \
+             `safetensors-merged` exports are written, and llama.cpp's convert_hf_to_gguf.py converts the \
+             merged folder"
+        )
+    )]
+    NoGguf { arch: String },
     #[error("the adapter holds `{name}`, but its config targets no such linear of this model")]
     #[diagnostic(
         code(rtune::model::stray_adapter),

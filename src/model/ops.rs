@@ -23,6 +23,17 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     xf.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(&weight.to_dtype(dtype)?)
 }
 
+/// Gemma's RMSNorm: `x̂ · (1 + w)` with both in f32, then rounded to `x`'s dtype once
+/// (transformers' `Gemma3RMSNorm`; Llama's rounds `x̂` before the product).
+pub fn rms_norm_offset(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv = (var + eps)?.sqrt()?.recip()?;
+    let w = (weight.to_dtype(DType::F32)? + 1.0)?;
+    xf.broadcast_mul(&inv)?.broadcast_mul(&w)?.to_dtype(dtype)
+}
+
 /// Softmax over the last dimension from differentiable ops (in f32 as transformers does).
 pub(super) fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let dtype = x.dtype();
@@ -85,11 +96,15 @@ pub(super) fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> R
 }
 
 /// The rotary tables' values for positions `0 .. n`, row-major `[n, head_dim]` each, in f32:
-/// transformers' `rope_init_fn` (default or llama3 scaling) with `emb = cat(freqs, freqs)`.
+/// transformers' `rope_init_fn` (default, llama3 or linear scaling) with `emb = cat(freqs, freqs)`.
 pub fn rope_values(cfg: &ModelConfig, n: usize) -> (Vec<f32>, Vec<f32>) {
     let d = cfg.head_dim;
     let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32)).collect();
-    if let Some(rs) = &cfg.rope_scaling {
+    if let Some(rs) = cfg.rope_scaling.as_ref().filter(|rs| rs.rope_type.as_deref() == Some("linear")) {
+        // transformers' `_compute_linear_scaling_rope_parameters`: every frequency divided.
+        let factor = rs.factor.unwrap_or(1.0) as f32;
+        inv.iter_mut().for_each(|f| *f /= factor);
+    } else if let Some(rs) = &cfg.rope_scaling {
         let factor = rs.factor.unwrap_or(8.0) as f32;
         let low = rs.low_freq_factor.unwrap_or(1.0) as f32;
         let high = rs.high_freq_factor.unwrap_or(4.0) as f32;

@@ -70,7 +70,10 @@ pub fn init_weights(
     };
     let mut out = BTreeMap::new();
     for (name, shape) in cfg.tensors() {
-        let t = if name.ends_with("norm.weight") {
+        let t = if name.ends_with("norm.weight") && cfg.norm_offset {
+            // Gemma's norms hold offsets from one.
+            Tensor::zeros(shape.as_slice(), candle_core::DType::F32, device).map_err(ModelError::candle("init norm"))?
+        } else if name.ends_with("norm.weight") {
             Tensor::ones(shape.as_slice(), candle_core::DType::F32, device).map_err(ModelError::candle("init norm"))?
         } else if name.ends_with(".bias") {
             Tensor::zeros(shape.as_slice(), candle_core::DType::F32, device).map_err(ModelError::candle("init bias"))?

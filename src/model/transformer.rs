@@ -1,11 +1,13 @@
 //! Decoder-only transformers of the Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral on
-//! sequences within its sliding window), Qwen2/Qwen2.5 and Qwen3, with LoRA adapters on any
-//! linear projection.
+//! sequences within its sliding window), Qwen2/Qwen2.5, Qwen3, Gemma 2 and Gemma 3 (text), with
+//! LoRA adapters on any linear projection.
 //!
-//! Follows transformers' `modeling_llama.py`, `modeling_qwen2.py` and `modeling_qwen3.py`
-//! (RMSNorm, rotary embeddings with `rotate_half`, grouped-query attention, Qwen3's RMSNorm of
-//! each query and key head before the rotary embedding, SiLU-gated MLP), so that logits and
-//! losses match transformers for the same weights. Every op on the training path is one with a
+//! Follows transformers' `modeling_llama.py`, `modeling_qwen2.py`, `modeling_qwen3.py`,
+//! `modeling_gemma2.py` and `modeling_gemma3.py` (RMSNorm, rotary embeddings with
+//! `rotate_half`, grouped-query attention, Qwen3's and Gemma 3's RMSNorm of each query and key
+//! head before the rotary embedding, SiLU- or GELU-gated MLP; Gemma's `(1 + w)` norms, scaled
+//! embeddings, norms after attention and the MLP, local attention within a window and Gemma 2's
+//! tanh caps), so that logits and losses match transformers for the same weights. Every op on the training path is one with a
 //! backward pass in candle: candle's fused `rms_norm`, `softmax_last_dim` and `rope` kernels
 //! have none and would silently drop gradients.
 
@@ -14,9 +16,9 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, Var};
 
 use super::batch::{Batch, MASKED};
-use super::config::ModelConfig;
+use super::config::{Activation, ModelConfig};
 use super::lora::{Linear, LoraSpec, Param};
-use super::ops::{apply_rope, cross_entropy, repeat_kv, rms_norm, rope_tables, softmax_last};
+use super::ops::{apply_rope, cross_entropy, repeat_kv, rms_norm, rms_norm_offset, rope_tables, softmax_last};
 use crate::rng::Rng;
 
 /// A decoder layer's linears, as their names continue `model.layers.<i>.`, in the order the
@@ -41,9 +43,14 @@ pub type Observer<'o> = &'o mut dyn FnMut(usize, &[usize], &Tensor) -> Result<()
 /// An [`Observer`] inside one decoder layer: `(linears, x)`.
 type LayerObserver<'a, 'o> = &'a mut (dyn FnMut(&[usize], &Tensor) -> Result<()> + 'o);
 
-/// The per-head query and key RMSNorms of a layer with `qk_norm` (Qwen3), as their names
-/// continue `model.layers.<i>.` (each with a `.weight` of `head_dim` values).
+/// The per-head query and key RMSNorms of a layer with `qk_norm` (Qwen3, Gemma 3), as their
+/// names continue `model.layers.<i>.` (each with a `.weight` of `head_dim` values).
 pub const QK_NORMS: [&str; 2] = ["self_attn.q_norm", "self_attn.k_norm"];
+
+/// Gemma's norms around the MLP in a layer with `sandwich_norms`, as their names continue
+/// `model.layers.<i>.`: before it, and on its output (its `post_attention_layernorm` is then the
+/// attention output's norm).
+pub const FEEDFORWARD_NORMS: [&str; 2] = ["pre_feedforward_layernorm", "post_feedforward_layernorm"];
 
 /// Which weights train: a LoRA adapter, base weights whose Hugging Face names match patterns,
 /// both (the base weights are then what PEFT calls `modules_to_save`), or nothing.
@@ -115,9 +122,13 @@ struct Attention {
     k: Linear,
     v: Linear,
     o: Linear,
-    /// Qwen3's per-head RMSNorm weights of queries and keys (`[head_dim]` each).
+    /// Qwen3's and Gemma 3's per-head RMSNorm weights of queries and keys (`[head_dim]` each).
     qk_norm: Option<(Tensor, Tensor)>,
-    eps: f64,
+    norm: Norm,
+    scale: f64,
+    softcap: Option<f64>,
+    /// A local-attention layer (its own mask and rotary tables).
+    local: bool,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -127,13 +138,36 @@ struct Mlp {
     gate: Linear,
     up: Linear,
     down: Linear,
+    activation: Activation,
 }
 
 struct Layer {
     input_norm: Tensor,
     attn: Attention,
+    /// Llama's norm before the MLP; with `sandwich_norms`, the attention output's norm.
     post_norm: Tensor,
+    /// With `sandwich_norms`: the norms before the MLP and on its output.
+    feedforward_norms: Option<(Tensor, Tensor)>,
+    norm: Norm,
     mlp: Mlp,
+}
+
+/// How a model's RMSNorms compute ([`Norm::apply`]).
+#[derive(Debug, Clone, Copy)]
+struct Norm {
+    eps: f64,
+    /// Gemma's `x̂ · (1 + w)` in f32.
+    offset: bool,
+}
+
+impl Norm {
+    fn of(cfg: &ModelConfig) -> Norm {
+        Norm { eps: cfg.rms_norm_eps, offset: cfg.norm_offset }
+    }
+
+    fn apply(self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        if self.offset { rms_norm_offset(x, w, self.eps) } else { rms_norm(x, w, self.eps) }
+    }
 }
 
 /// One decoder layer built on its own ([`Transformer::layer`]), for a forward that holds one
@@ -164,6 +198,8 @@ pub struct Transformer {
     lm_head: Linear,
     cos: Tensor,
     sin: Tensor,
+    /// Gemma 3's local layers' rotary tables (their own base), where they differ.
+    local_rope: Option<(Tensor, Tensor)>,
     pub params: Vec<Param>,
     dtype: DType,
 }
@@ -235,7 +271,17 @@ impl Transformer {
         };
         let params = std::mem::take(&mut b.params);
         let (cos, sin) = rope_tables(cfg, embed.device(), dtype).map_err(super::ModelError::candle("rotary tables"))?;
-        Ok(Transformer { cfg: cfg.clone(), embed, layers, norm, lm_head, cos, sin, params, dtype })
+        let local_rope = match &cfg.local_attention {
+            Some(local) if local.rope_theta != cfg.rope_theta || cfg.rope_scaling.is_some() => {
+                let local_cfg = ModelConfig { rope_theta: local.rope_theta, rope_scaling: None, ..cfg.clone() };
+                Some(
+                    rope_tables(&local_cfg, embed.device(), dtype)
+                        .map_err(super::ModelError::candle("rotary tables"))?,
+                )
+            }
+            _ => None,
+        };
+        Ok(Transformer { cfg: cfg.clone(), embed, layers, norm, lm_head, cos, sin, local_rope, params, dtype })
     }
 
     /// Decoder layer `i`, built on its own from Hugging Face-named `weights` (only layer `i`'s
@@ -299,9 +345,9 @@ impl Transformer {
         }
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(&x, &inputs, self.cfg.rms_norm_eps, dropout, slot, None)?;
+            x = layer.forward(&x, &inputs, dropout, slot, None)?;
         }
-        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+        Norm::of(&self.cfg).apply(&x, &self.norm)
     }
 
     /// Hidden states after the final norm of each of `batches`, the decoder layers built one at
@@ -327,33 +373,54 @@ impl Transformer {
                 let seen = seen.as_mut().map(|f| f as &mut dyn FnMut(&[usize], &Tensor) -> Result<()>);
                 // Detached: the result must not keep the layer (its adapters are variables)
                 // alive through candle's graph once the layer is dropped.
-                *x = l
-                    .forward(x, inputs, self.cfg.rms_norm_eps, None, None, seen)
-                    .map_err(E::candle(format!("layer {i}")))?
-                    .detach();
+                *x = l.forward(x, inputs, None, None, seen).map_err(E::candle(format!("layer {i}")))?.detach();
             }
         }
         states
             .into_iter()
-            .map(|(x, _)| rms_norm(&x, &self.norm, self.cfg.rms_norm_eps).map_err(E::candle("final norm")))
+            .map(|(x, _)| Norm::of(&self.cfg).apply(&x, &self.norm).map_err(E::candle("final norm")))
             .collect()
     }
 
     /// The LM head's logits (f32) for hidden states `[..., hidden]`.
     pub fn head(&self, h: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward_t(h, None)?.to_dtype(DType::F32)
+        self.head_t(h, None)
+    }
+
+    /// The LM head's f32 logits, capped where the model caps them (Gemma 2).
+    fn head_t(&self, h: &Tensor, dropout: Option<u64>) -> Result<Tensor> {
+        let logits = self.lm_head.forward_t(h, dropout)?.to_dtype(DType::F32)?;
+        match self.cfg.final_softcap {
+            Some(c) => softcap(&logits, c),
+            None => Ok(logits),
+        }
     }
 
     /// A batch's embedded tokens `[b, t, hidden]` and what every layer reads beside them.
     fn inputs(&self, batch: &Batch) -> Result<(Tensor, LayerInputs)> {
         let (b, t) = batch.ids.dims2()?;
         let embed = self.embed.to_dtype(self.dtype)?;
-        let x = embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        let mut x = embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        if let Some(scale) = self.cfg.embed_scale {
+            // Gemma multiplies by √hidden rounded to the weights' dtype.
+            let scale = Tensor::new(scale as f32, x.device())?.to_dtype(self.dtype)?;
+            x = x.broadcast_mul(&scale)?;
+        }
         let pos = batch.positions.flatten_all()?;
-        let cos = self.cos.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
-        let sin = self.sin.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim))?;
+        let table = |t_: &Tensor| t_.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim));
+        let (cos, sin) = (table(&self.cos)?, table(&self.sin)?);
         let mask = batch.mask.to_dtype(self.dtype)?;
-        Ok((x, LayerInputs { cos, sin, mask }))
+        let local = match &self.cfg.local_attention {
+            Some(l) => {
+                let rope = match &self.local_rope {
+                    Some((c, s)) => (table(c)?, table(s)?),
+                    None => (cos.clone(), sin.clone()),
+                };
+                Some(LocalInputs { mask: window_mask(&mask, l.window)?, cos: rope.0, sin: rope.1 })
+            }
+            None => None,
+        };
+        Ok((x, LayerInputs { cos, sin, mask, local }))
     }
 
     /// Logits for every position: `[b, t, vocab]` (f32).
@@ -367,8 +434,7 @@ impl Transformer {
     pub fn loss(&self, batch: &Batch, select: &Tensor, targets: &Tensor, dropout: Option<u64>) -> Result<Tensor> {
         let h = self.hidden(batch, dropout, None)?;
         let h = h.flatten_to(1)?.index_select(select, 0)?;
-        let logits = self.lm_head.forward_t(&h, dropout)?.to_dtype(DType::F32)?;
-        cross_entropy(&logits, targets)
+        cross_entropy(&self.head_t(&h, dropout)?, targets)
     }
 
     /// Next-token logits `[vocab]` after feeding `ids` at position `cache.len()` onwards.
@@ -391,7 +457,7 @@ impl Transformer {
         };
         let h = self.hidden(&batch, None, Some(cache))?;
         let last = h.i((0, t - 1))?.unsqueeze(0)?;
-        self.lm_head.forward_t(&last, None)?.to_dtype(DType::F32)?.squeeze(0)
+        self.head(&last)?.squeeze(0)
     }
 
     /// Every named linear layer (HF prefix without `.weight`), for merging and export.
@@ -409,11 +475,43 @@ impl Transformer {
     }
 }
 
-/// The rotary tables at a batch's positions and its attention mask, read by every layer.
+/// The rotary tables at a batch's positions and its attention mask, read by every layer, and
+/// the local-attention layers' own.
 struct LayerInputs {
     cos: Tensor,
     sin: Tensor,
     mask: Tensor,
+    local: Option<LocalInputs>,
+}
+
+struct LocalInputs {
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+}
+
+/// `mask` (`[b, 1, t, keys]`, the last `t` keys being the queries') with every key `window` or
+/// more places before its query masked too: each query sees itself and the `window − 1` keys
+/// before it, as transformers' sliding-window mask has it. Places, not rotary positions, as
+/// there: within a packed document they differ by the same amount, and across documents the
+/// mask already hides every key.
+fn window_mask(mask: &Tensor, window: usize) -> Result<Tensor> {
+    let (_, _, t, keys) = mask.dims4()?;
+    if window >= keys {
+        return Ok(mask.clone());
+    }
+    let first = keys - t;
+    let far: Vec<u8> = (0..t).flat_map(|q| (0..keys).map(move |k| u8::from(first + q >= k + window))).collect();
+    let far = Tensor::from_vec(far, (1, 1, t, keys), mask.device())?.broadcast_as(mask.shape())?;
+    // The masked value itself, not added again: a query whose keys are all hidden (padding)
+    // gets an even softmax, never −inf or NaN.
+    let masked = Tensor::full(MASKED, mask.shape(), mask.device())?.to_dtype(mask.dtype())?;
+    far.where_cond(&masked, mask)
+}
+
+/// Gemma 2's cap: `c · tanh(x / c)`.
+fn softcap(x: &Tensor, c: f64) -> Result<Tensor> {
+    (x / c)?.tanh()? * c
 }
 
 impl Layer {
@@ -421,25 +519,47 @@ impl Layer {
         &self,
         x: &Tensor,
         inputs: &LayerInputs,
-        eps: f64,
         dropout: Option<u64>,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         mut observe: Option<LayerObserver<'_, '_>>,
     ) -> Result<Tensor> {
         let mut see = |linears: &[usize], t: &Tensor| observe.as_mut().map_or(Ok(()), |o| o(linears, t));
-        let LayerInputs { cos, sin, mask } = inputs;
-        let h = rms_norm(x, &self.input_norm, eps)?;
+        let (cos, sin, mask) = match (&inputs.local, self.attn.local) {
+            (Some(l), true) => (&l.cos, &l.sin, &l.mask),
+            _ => (&inputs.cos, &inputs.sin, &inputs.mask),
+        };
+        let norm = self.norm;
+        let h = norm.apply(x, &self.input_norm)?;
         see(&[0, 1, 2], &h)?;
         let mixed = self.attn.mix(&h, cos, sin, mask, dropout, cache)?;
         see(&[3], &mixed)?;
-        let x = (x + self.attn.o.forward_t(&mixed, dropout)?)?;
-        let h = rms_norm(&x, &self.post_norm, eps)?;
+        let attended = self.attn.o.forward_t(&mixed, dropout)?;
+        let (x, h) = match &self.feedforward_norms {
+            Some((pre, _)) => {
+                let x = (x + norm.apply(&attended, &self.post_norm)?)?;
+                let h = norm.apply(&x, pre)?;
+                (x, h)
+            }
+            None => {
+                let x = (x + attended)?;
+                let h = norm.apply(&x, &self.post_norm)?;
+                (x, h)
+            }
+        };
         see(&[4, 5], &h)?;
-        let gate = self.mlp.gate.forward_t(&h, dropout)?.silu()?;
+        let gate = self.mlp.gate.forward_t(&h, dropout)?;
+        let gate = match self.mlp.activation {
+            Activation::Silu => gate.silu()?,
+            Activation::GeluTanh => gate.gelu()?,
+        };
         let up = self.mlp.up.forward_t(&h, dropout)?;
         let act = (gate * up)?;
         see(&[6], &act)?;
-        x + self.mlp.down.forward_t(&act, dropout)?
+        let out = self.mlp.down.forward_t(&act, dropout)?;
+        match &self.feedforward_norms {
+            Some((_, post)) => x + norm.apply(&out, post)?,
+            None => x + out,
+        }
     }
 }
 
@@ -461,8 +581,8 @@ impl Attention {
         let mut q = self.q.forward_t(x, dropout)?.reshape((b, t, self.heads, d))?;
         let mut k = self.k.forward_t(x, dropout)?.reshape((b, t, self.kv_heads, d))?;
         if let Some((qn, kn)) = &self.qk_norm {
-            q = rms_norm(&q, qn, self.eps)?;
-            k = rms_norm(&k, kn, self.eps)?;
+            q = self.norm.apply(&q, qn)?;
+            k = self.norm.apply(&k, kn)?;
         }
         let (q, k) = (q.transpose(1, 2)?, k.transpose(1, 2)?);
         let v = self.v.forward_t(x, dropout)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
@@ -478,7 +598,10 @@ impl Attention {
         }
         let k = repeat_kv(&k, self.heads / self.kv_heads)?;
         let v = repeat_kv(&v, self.heads / self.kv_heads)?;
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+        let mut scores = (q.matmul(&k.t()?)? * self.scale)?;
+        if let Some(c) = self.softcap {
+            scores = softcap(&scores, c)?;
+        }
         let scores = scores.broadcast_add(mask)?;
         let probs = softmax_last(&scores)?;
         // [b, heads, t, d] → [b, t, heads*d]
@@ -518,22 +641,38 @@ impl Builder<'_> {
             false => None,
         };
         let (gate, up, down) = (lin(self, 4)?, lin(self, 5)?, lin(self, 6)?);
+        let norm = Norm::of(cfg);
         let attn = Attention {
             q,
             k,
             v,
             o,
             qk_norm,
-            eps: cfg.rms_norm_eps,
+            norm,
+            scale: cfg.attn_scale,
+            softcap: cfg.attn_softcap,
+            local: cfg.local_attention.as_ref().is_some_and(|l| l.layers[i]),
             heads: cfg.num_heads,
             kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
         };
+        let h = cfg.hidden_size;
+        let input_norm = self.weight(&format!("{p}.input_layernorm.weight"), &[h])?;
+        let post_norm = self.weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?;
+        let feedforward_norms = match cfg.sandwich_norms {
+            true => Some((
+                self.weight(&format!("{p}.{}.weight", FEEDFORWARD_NORMS[0]), &[h])?,
+                self.weight(&format!("{p}.{}.weight", FEEDFORWARD_NORMS[1]), &[h])?,
+            )),
+            false => None,
+        };
         Ok(Layer {
-            input_norm: self.weight(&format!("{p}.input_layernorm.weight"), &[cfg.hidden_size])?,
+            input_norm,
             attn,
-            post_norm: self.weight(&format!("{p}.post_attention_layernorm.weight"), &[cfg.hidden_size])?,
-            mlp: Mlp { gate, up, down },
+            post_norm,
+            feedforward_norms,
+            norm,
+            mlp: Mlp { gate, up, down, activation: cfg.activation },
         })
     }
 

@@ -144,6 +144,14 @@ pub enum Arch {
     Qwen2,
     /// `Qwen3ForCausalLM`: Qwen3 (RMSNorm on each query and key head, no biases).
     Qwen3,
+    /// `Gemma2ForCausalLM`: Gemma 2 (GELU-gated MLP, RMSNorm before and after attention and the
+    /// MLP, scaled embeddings, tanh-capped attention scores and logits, local attention in every
+    /// other layer).
+    Gemma2,
+    /// `Gemma3ForCausalLM`: Gemma 3's text models (Gemma 2's layer with query/key norms instead
+    /// of capped scores, five local-attention layers to a global one, each kind its own rotary
+    /// base).
+    Gemma3,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

@@ -45,6 +45,10 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     // The tuned model, merged one tensor at a time from the mapped base in f32 (exact merges,
     // whatever dtype trained); the self-checks run on the key's device one layer at a time.
     let merged = Merged::open(&folder, Some(&weights_dir))?;
+    // Before any export is written: an architecture without a GGUF writer fails the stage here.
+    if s.formats.iter().any(|f| gguf::target(*f).is_some()) {
+        gguf::architecture(&folder.config)?;
+    }
     let device = key.device.resolution().candle_device().map_err(StageError::candle("cannot open the device"))?;
     let base_name = &key.settings.base_name;
     // The template the data was rendered with.
@@ -539,6 +543,9 @@ fn gguf_eval_loss(
         }
         crate::recipe::Arch::Qwen3 => {
             Q::Qwen3(quantized_qwen3::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
+        }
+        crate::recipe::Arch::Gemma2 | crate::recipe::Arch::Gemma3 => {
+            return Err(StageError::Internal("no GGUF of Gemma is written, so none is checked".into()));
         }
     };
     let (mut sum, mut n, mut same) = (0f64, 0usize, 0usize);

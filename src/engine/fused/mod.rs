@@ -48,7 +48,7 @@ pub fn unsupported(model: &Transformer) -> Option<String> {
     if model.compute_dtype() != candle_core::DType::F32 {
         return Some(format!("the model computes in {:?}, not f32", model.compute_dtype()));
     }
-    None
+    model.cfg.candle_only()
 }
 
 /// Mean cross-entropy at the selected positions (as [`Transformer::loss`]), without gradients.

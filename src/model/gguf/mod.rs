@@ -49,7 +49,7 @@ pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target:
         && match cfg.arch {
             Arch::Llama => cfg.num_kv_heads != cfg.num_heads,
             Arch::Qwen2 => true,
-            Arch::Qwen3 => false,
+            Arch::Qwen3 | Arch::Gemma2 | Arch::Gemma3 => false,
         };
     let gqa = cfg.num_heads / cfg.num_kv_heads.max(1);
     let mut out = Vec::new();
@@ -65,6 +65,19 @@ pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target:
         out.push(Typed { index, name, ty, fallback });
     }
     out
+}
+
+/// llama.cpp's name for `cfg`'s architecture, or why rtune writes no GGUF of it.
+pub fn architecture(cfg: &ModelConfig) -> Result<&'static str, ModelError> {
+    match cfg.arch {
+        Arch::Llama => Ok("llama"),
+        Arch::Qwen2 => Ok("qwen2"),
+        Arch::Qwen3 => Ok("qwen3"),
+        // Their GGUFs need llama.cpp's Gemma tensors and metadata (norms stored as 1 + w, the
+        // local layers' window and rotary base) and a SentencePiece vocabulary, not written yet.
+        Arch::Gemma2 => Err(ModelError::NoGguf { arch: "Gemma 2".into() }),
+        Arch::Gemma3 => Err(ModelError::NoGguf { arch: "Gemma 3".into() }),
+    }
 }
 
 /// A GGUF export format: the ggml type most tensors take, llama.cpp's `general.file_type`
@@ -264,11 +277,7 @@ pub fn write(
 ) -> Result<GgufReport, ModelError> {
     let cfg = merged.config();
     let target = target(format).ok_or_else(|| ModelError::Unsupported { what: format!("{format:?} as GGUF") })?;
-    let arch = match cfg.arch {
-        Arch::Llama => "llama",
-        Arch::Qwen2 => "qwen2",
-        Arch::Qwen3 => "qwen3",
-    };
+    let arch = architecture(cfg)?;
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         ("general.name".into(), Value::String(name.into())),
