@@ -486,8 +486,8 @@ fn row_kernels_take_more_rows_than_one_grid_holds() {
             Buf::new(&gpu, n, Dt::F32).unwrap(),
             Buf::zeros(&gpu, n * h, Dt::F32).unwrap(),
         );
-        o.rmsnorm_fwd(xb.ptr(), wb.ptr(), y.ptr(), inv.ptr(), n, h, 1e-5).unwrap();
-        o.rmsnorm_bwd(xb.ptr(), inv.ptr(), wb.ptr(), dyb.ptr(), dx.ptr(), n, h, false).unwrap();
+        o.rmsnorm_fwd(xb.ptr(), wb.ptr(), y.ptr(), inv.ptr(), n, h, 1e-5, false).unwrap();
+        o.rmsnorm_bwd(xb.ptr(), inv.ptr(), wb.ptr(), dyb.ptr(), dx.ptr(), n, h, false, false).unwrap();
         let (want_y, want_inv, want_dx) = rmsnorm_reference(&x, &w, &dy, h);
         assert_close("rmsnorm", &y.to_vec().unwrap(), &want_y, tol(Dt::F32));
         assert_close("rmsnorm inv", &inv.to_vec().unwrap(), &want_inv, 1e-5);
@@ -521,35 +521,48 @@ fn row_kernels_match_references() {
                 Buf::from_f32(&gpu, &w, dt).unwrap(),
                 Buf::from_f32(&gpu, &dy, dt).unwrap(),
             );
-            // RMSNorm forward, recompute and backward.
-            let (y, inv) = (Buf::new(&gpu, n * h, dt).unwrap(), Buf::new(&gpu, n, Dt::F32).unwrap());
-            o.rmsnorm_fwd(xb.ptr(), wb.ptr(), y.ptr(), inv.ptr(), n, h, 1e-5).unwrap();
-            let (want_y, want_inv, want_dx) = rmsnorm_reference(&x, &w, &dy, h);
-            assert_close(&format!("{dt:?} rmsnorm"), &y.to_vec().unwrap(), &want_y, tol(dt));
-            assert_close(&format!("{dt:?} rmsnorm inv"), &inv.to_vec().unwrap(), &want_inv, 1e-5);
-            let y2 = Buf::new(&gpu, n * h, dt).unwrap();
-            o.rmsnorm_apply(xb.ptr(), inv.ptr(), wb.ptr(), y2.ptr(), n, h).unwrap();
-            assert_eq!(y2.to_vec().unwrap(), y.to_vec().unwrap(), "{dt:?}: recomputed norm differs");
-            let dx = Buf::from_f32(&gpu, &vec![0.5; n * h], dt).unwrap();
-            o.rmsnorm_bwd(xb.ptr(), inv.ptr(), wb.ptr(), dyb.ptr(), dx.ptr(), n, h, true).unwrap();
-            let want_acc: Vec<f32> = want_dx.iter().map(|v| v + 0.5).collect();
-            assert_close(&format!("{dt:?} rmsnorm backward"), &dx.to_vec().unwrap(), &want_acc, tol(dt) * 4.0);
+            // RMSNorm forward, recompute and backward: `x̂ · w`, and Gemma's `x̂ · (1 + w)`.
+            for offset in [false, true] {
+                let (y, inv) = (Buf::new(&gpu, n * h, dt).unwrap(), Buf::new(&gpu, n, Dt::F32).unwrap());
+                o.rmsnorm_fwd(xb.ptr(), wb.ptr(), y.ptr(), inv.ptr(), n, h, 1e-5, offset).unwrap();
+                let w_eff: Vec<f32> = w.iter().map(|v| if offset { 1.0 + v } else { *v }).collect();
+                let (want_y, want_inv, want_dx) = rmsnorm_reference(&x, &w_eff, &dy, h);
+                let what = format!("{dt:?} rmsnorm (offset {offset})");
+                assert_close(&what, &y.to_vec().unwrap(), &want_y, tol(dt));
+                assert_close(&format!("{what} inv"), &inv.to_vec().unwrap(), &want_inv, 1e-5);
+                let y2 = Buf::new(&gpu, n * h, dt).unwrap();
+                o.rmsnorm_apply(xb.ptr(), inv.ptr(), wb.ptr(), y2.ptr(), n, h, offset).unwrap();
+                assert_eq!(y2.to_vec().unwrap(), y.to_vec().unwrap(), "{what}: recomputed norm differs");
+                let dx = Buf::from_f32(&gpu, &vec![0.5; n * h], dt).unwrap();
+                o.rmsnorm_bwd(xb.ptr(), inv.ptr(), wb.ptr(), dyb.ptr(), dx.ptr(), n, h, true, offset).unwrap();
+                let want_acc: Vec<f32> = want_dx.iter().map(|v| v + 0.5).collect();
+                assert_close(&format!("{what} backward"), &dx.to_vec().unwrap(), &want_acc, tol(dt) * 4.0);
+            }
 
-            // SiLU gating and its derivative.
+            // SiLU and GELU (tanh approximation) gating and their derivatives.
             let g = rounded(dt, &rand_vec(&mut rng, n * h, 4.0));
             let gb = Buf::from_f32(&gpu, &g, dt).unwrap();
-            let a = Buf::new(&gpu, n * h, dt).unwrap();
-            o.swiglu(gb.ptr(), xb.ptr(), a.ptr(), n * h).unwrap();
             let sig = |z: f32| 1.0 / (1.0 + (-z).exp());
-            let want: Vec<f32> = (0..n * h).map(|i| g[i] * sig(g[i]) * x[i]).collect();
-            assert_close(&format!("{dt:?} swiglu"), &a.to_vec().unwrap(), &want, tol(dt));
-            let (dg, du) = (Buf::new(&gpu, n * h, dt).unwrap(), Buf::new(&gpu, n * h, dt).unwrap());
-            o.swiglu_bwd(gb.ptr(), xb.ptr(), dyb.ptr(), dg.ptr(), du.ptr(), n * h).unwrap();
-            let want_du: Vec<f32> = (0..n * h).map(|i| dy[i] * g[i] * sig(g[i])).collect();
-            let want_dg: Vec<f32> =
-                (0..n * h).map(|i| dy[i] * x[i] * sig(g[i]) * (1.0 + g[i] * (1.0 - sig(g[i])))).collect();
-            assert_close(&format!("{dt:?} swiglu du"), &du.to_vec().unwrap(), &want_du, tol(dt));
-            assert_close(&format!("{dt:?} swiglu dg"), &dg.to_vec().unwrap(), &want_dg, tol(dt));
+            let silu = |z: f32| (z * sig(z), sig(z) * (1.0 + z * (1.0 - sig(z))));
+            let gelu = |z: f64| {
+                let (k, c) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
+                let t = (k * (z + c * z * z * z)).tanh();
+                (0.5 * z * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * k * (1.0 + 3.0 * c * z * z))
+            };
+            for is_gelu in [false, true] {
+                let act = |z: f32| if is_gelu { (gelu(z as f64).0 as f32, gelu(z as f64).1 as f32) } else { silu(z) };
+                let what = if is_gelu { format!("{dt:?} geglu") } else { format!("{dt:?} swiglu") };
+                let a = Buf::new(&gpu, n * h, dt).unwrap();
+                o.swiglu(gb.ptr(), xb.ptr(), a.ptr(), n * h, is_gelu).unwrap();
+                let want: Vec<f32> = (0..n * h).map(|i| act(g[i]).0 * x[i]).collect();
+                assert_close(&what, &a.to_vec().unwrap(), &want, tol(dt));
+                let (dg, du) = (Buf::new(&gpu, n * h, dt).unwrap(), Buf::new(&gpu, n * h, dt).unwrap());
+                o.swiglu_bwd(gb.ptr(), xb.ptr(), dyb.ptr(), dg.ptr(), du.ptr(), n * h, is_gelu).unwrap();
+                let want_du: Vec<f32> = (0..n * h).map(|i| dy[i] * act(g[i]).0).collect();
+                let want_dg: Vec<f32> = (0..n * h).map(|i| dy[i] * x[i] * act(g[i]).1).collect();
+                assert_close(&format!("{what} du"), &du.to_vec().unwrap(), &want_du, tol(dt));
+                assert_close(&format!("{what} dg"), &dg.to_vec().unwrap(), &want_dg, tol(dt));
+            }
 
             // Dropout: the same mask as the CPU engines draw, from an offset into the input.
             let key = 0xfeed_beef;
@@ -674,11 +687,14 @@ fn weight_gradient_kernels_match_references() {
             };
             let grad = Buf::from_f32(&gpu, &vec![0.5; vocab * h], Dt::F32).unwrap();
             let bufs = [&rows, &starts, &tokens].map(|v| Buf::from_u32(&gpu, v).unwrap());
-            o.embed_bwd(dyb.ptr(), bufs[0].ptr(), bufs[1].ptr(), bufs[2].ptr(), grad.ptr(), tokens.len(), h).unwrap();
+            // Scaled as Gemma's embeddings are (√hidden).
+            let scale = 5.5f32;
+            o.embed_bwd(dyb.ptr(), bufs[0].ptr(), bufs[1].ptr(), bufs[2].ptr(), grad.ptr(), tokens.len(), h, scale)
+                .unwrap();
             let mut want = vec![0.5f64; vocab * h];
             for r in 0..n {
                 for j in 0..h {
-                    want[ids[r] as usize * h + j] += dy[r * h + j] as f64;
+                    want[ids[r] as usize * h + j] += dy[r * h + j] as f64 * scale as f64;
                 }
             }
             let want: Vec<f32> = want.iter().map(|&v| v as f32).collect();
@@ -1542,6 +1558,35 @@ fn engine_matches_autograd_training_base_weights() {
             }
         }
     }
+}
+
+/// Gemma 3 on the GPU engine (the golden tiny-gemma3: GELU gate, `1 + w` norms after attention
+/// and the MLP as well as before, √hidden embeddings, query/key norms, scores scaled by
+/// `query_pre_attn_scalar` 12 (not the head size 16), local layers with a window of 3 and their own
+/// rotary base, the global one scaled linearly): loss and every gradient against candle's
+/// autograd (itself checked against transformers and PEFT in tests/model.rs) with PEFT's adapter,
+/// in a full fine-tune (every norm and the scaled embedding tied to the LM head), on packed rows
+/// whose documents the windows cut too, with an adapter on every linear and dropout, and in bf16
+/// and f16 within their rounding; and Gemma 2's tanh caps are refused by name.
+#[test]
+fn gemma3_engine_matches_autograd() {
+    let folder = ModelFolder::open(&fixture("tiny-gemma3").join("model")).unwrap();
+    let adapter = fixture("tiny-gemma3").join("adapter");
+    let batch = golden_batch("tiny-gemma3");
+    let all = || Trainable::weights(vec!["*".into()]);
+    for gpu in devices() {
+        assert_engine_matches(&gpu, &folder, &adapter, &batch, None, Dtype::F32, 2e-5);
+        assert_trainable_matches(&gpu, &folder, all(), None, &batch, None, Dtype::F32, 2e-5);
+        assert_trainable_matches(&gpu, &folder, all(), None, &packed_batch(), None, Dtype::F32, 2e-5);
+        let every = all_targets_adapter(&folder, 0.1, false);
+        assert_engine_matches(&gpu, &folder, every.path(), &packed_batch(), Some(42), Dtype::F32, 2e-5);
+        for (dtype, tol) in [(Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
+            assert_engine_matches(&gpu, &folder, &adapter, &batch, None, dtype, tol);
+        }
+    }
+    let gemma2 = ModelFolder::open(&fixture("tiny-gemma2").join("model")).unwrap();
+    let why = rtune::engine::gpu::model_unsupported(&gemma2.config).unwrap();
+    assert!(why.contains("tanh caps"), "{why}");
 }
 
 /// A LoRA adapter and base weights together (PEFT's `modules_to_save`): the adapter of the

@@ -16,7 +16,8 @@ use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, 
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
-use crate::model::{LAYER_LINEARS, ModelConfig, ModelError, QK_NORMS, nf4};
+use crate::model::config::Activation;
+use crate::model::{FEEDFORWARD_NORMS, LAYER_LINEARS, ModelConfig, ModelError, QK_NORMS, nf4};
 use crate::recipe::{BaseQuant, Dtype};
 use crate::rng::Rng;
 
@@ -68,9 +69,14 @@ struct Lin {
 
 struct Layer {
     input_norm: W,
+    /// Llama's norm before the MLP; with Gemma's `sandwich_norms`, the attention output's.
     post_norm: W,
-    /// Qwen3's RMSNorms of each query and key head (`[head_dim]` weights).
+    /// Qwen3's and Gemma 3's RMSNorms of each query and key head (`[head_dim]` weights).
     qk_norm: Option<[W; 2]>,
+    /// Gemma's norms before the MLP and on its output.
+    feedforward_norms: Option<[W; 2]>,
+    /// A local-attention layer: its own key ranges and rotary tables.
+    local: bool,
     lin: [Lin; 7],
 }
 
@@ -214,6 +220,8 @@ struct DevBatch {
     pos: Buf,
     lo: Buf,
     hi: Buf,
+    /// The local-attention layers' first keys (the window cut into `lo`), where the model has them.
+    lo_local: Option<Buf>,
     sel: Buf,
     tgt: Buf,
     select: usize,
@@ -274,6 +282,9 @@ struct Saved {
     u: [Option<Buf>; 7],
     /// With head norms: the query and key projections before them, and each head's inverse RMS.
     qk: Option<[(Buf, Buf); 2]>,
+    /// With Gemma's norms after attention and the MLP: o_proj's and down_proj's outputs before
+    /// them, with each row's inverse RMS.
+    post: Option<[(Buf, Buf); 2]>,
 }
 
 pub struct GpuEngine {
@@ -292,8 +303,10 @@ pub struct GpuEngine {
     trained: Option<Trained>,
     /// `[loss, squared gradient norm]` accumulators, f64.
     acc: Buf,
-    /// Rotary tables `[positions, head_dim]` f32, grown on demand.
+    /// Rotary tables `[positions, head_dim]` f32, grown on demand: the model's, and its local
+    /// layers' where their base differs (Gemma 3).
     rope: Option<(Buf, Buf, usize)>,
+    rope_local: Option<(Buf, Buf)>,
     checkpointing: bool,
     describe: String,
     /// The last attention call's shape (for [`Engine::kernels`]).
@@ -423,10 +436,21 @@ impl GpuEngine {
                 ]),
                 false => None,
             };
+            let input_norm = weight(&format!("{p}.input_layernorm.weight"), &[h])?;
+            let post_norm = weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?;
+            let feedforward_norms = match cfg.sandwich_norms {
+                true => Some([
+                    weight(&format!("{p}.{}.weight", FEEDFORWARD_NORMS[0]), &[h])?,
+                    weight(&format!("{p}.{}.weight", FEEDFORWARD_NORMS[1]), &[h])?,
+                ]),
+                false => None,
+            };
             layers.push(Layer {
-                input_norm: weight(&format!("{p}.input_layernorm.weight"), &[h])?,
-                post_norm: weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                input_norm,
+                post_norm,
                 qk_norm,
+                feedforward_norms,
+                local: cfg.local_attention.as_ref().is_some_and(|l| l.layers[i]),
                 lin: lins.try_into().map_err(|_| ()).expect("seven linears"),
             });
         }
@@ -506,6 +530,7 @@ impl GpuEngine {
             trained,
             acc,
             rope: None,
+            rope_local: None,
             checkpointing: false,
             last_attn: std::cell::Cell::new(None),
         };
@@ -547,6 +572,10 @@ impl GpuEngine {
         if c.qk_norm {
             // The projections before the head norms, and each head's inverse RMS.
             per_layer += s * (qd + kvd) + 4 * (c.num_heads + c.num_kv_heads);
+        }
+        if c.sandwich_norms {
+            // o_proj's and down_proj's outputs before their norms, and their inverse RMS.
+            per_layer += s * 2 * c.hidden_size + 4 * 2;
         }
         let input = s * c.hidden_size;
         let kept = if checkpointing { input * c.num_layers + per_layer } else { (per_layer + input) * c.num_layers };
@@ -660,7 +689,9 @@ impl GpuEngine {
             self.col_grad(dy, Some((x, inv)), g, n, h)?;
         }
         match dx {
-            Some((dx, accumulate)) => self.ops().rmsnorm_bwd(x, inv, self.w(w), dy, dx, n, h, accumulate),
+            Some((dx, accumulate)) => {
+                self.ops().rmsnorm_bwd(x, inv, self.w(w), dy, dx, n, h, accumulate, self.cfg.norm_offset)
+            }
             None => Ok(()),
         }
     }
@@ -689,13 +720,23 @@ impl GpuEngine {
             return Ok(());
         }
         let n = need.next_power_of_two().min(self.cfg.max_position_embeddings).max(need);
-        let (mut cos, mut sin) = rope_values(&self.cfg, n);
-        if self.dt != Dt::F32 {
-            for v in cos.iter_mut().chain(sin.iter_mut()) {
-                *v = self.dt.decode(&self.dt.encode(&[*v]))[0];
+        let tables = |cfg: &ModelConfig| -> Result<(Buf, Buf), GpuError> {
+            let (mut cos, mut sin) = rope_values(cfg, n);
+            if self.dt != Dt::F32 {
+                for v in cos.iter_mut().chain(sin.iter_mut()) {
+                    *v = self.dt.decode(&self.dt.encode(&[*v]))[0];
+                }
             }
-        }
-        self.rope = Some((Buf::from_f32(&self.gpu, &cos, Dt::F32)?, Buf::from_f32(&self.gpu, &sin, Dt::F32)?, n));
+            Ok((Buf::from_f32(&self.gpu, &cos, Dt::F32)?, Buf::from_f32(&self.gpu, &sin, Dt::F32)?))
+        };
+        let (cos, sin) = tables(&self.cfg)?;
+        self.rope_local = match &self.cfg.local_attention {
+            Some(l) if l.rope_theta != self.cfg.rope_theta || self.cfg.rope_scaling.is_some() => {
+                Some(tables(&ModelConfig { rope_theta: l.rope_theta, rope_scaling: None, ..self.cfg.clone() })?)
+            }
+            _ => None,
+        };
+        self.rope = Some((cos, sin, n));
         Ok(())
     }
 
@@ -738,6 +779,23 @@ impl GpuEngine {
             }
             None => None,
         };
+        // A local layer's query sees itself and the `window − 1` keys before it (a padding query,
+        // whose range starts no later than its row's first document ends, keeps its range: nothing
+        // reads its output, and an empty range would be all it had).
+        let lo_local = match &self.cfg.local_attention {
+            Some(l) => {
+                let w = l.window.min(i32::MAX as usize) as i64;
+                let lo: Vec<i32> = (0..n)
+                    .map(|i| {
+                        let (lo, hi, q) = (b.layout.lo[i], b.layout.hi[i], (i % b.t) as i64);
+                        let cut = (q - w + 1).max(lo as i64);
+                        if cut <= hi as i64 { cut as i32 } else { lo }
+                    })
+                    .collect();
+                Some(Buf::from_i32(g, &lo).map_err(ctx)?)
+            }
+            None => None,
+        };
         Ok(DevBatch {
             b: b.b,
             t: b.t,
@@ -746,6 +804,7 @@ impl GpuEngine {
             pos: Buf::from_u32(g, &b.layout.positions).map_err(ctx)?,
             lo: Buf::from_i32(g, &b.layout.lo).map_err(ctx)?,
             hi: Buf::from_i32(g, &b.layout.hi).map_err(ctx)?,
+            lo_local,
             sel: Buf::from_u32(g, &b.select).map_err(ctx)?,
             tgt: Buf::from_u32(g, &b.targets).map_err(ctx)?,
             select: b.select.len(),
@@ -762,7 +821,7 @@ impl GpuEngine {
             hq: c.num_heads,
             hk: c.num_kv_heads,
             d: c.head_dim,
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            scale: c.attn_scale as f32,
             kernels: super::ops::attention_kernels(),
         };
         self.last_attn.set(Some(s));
@@ -885,23 +944,23 @@ impl GpuEngine {
         let row0 = bt.origin.token;
         let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
-        let (cos, sin, _) = self.rope.as_ref().expect("rope tables before a forward pass");
+        let (cos, sin, lo) = self.layer_attention(l, bt);
+        let (eps, off) = (c.rms_norm_eps as f32, c.norm_offset);
         let xn = self.buf(n * h, dt)?;
         let inv1 = self.buf(n, Dt::F32)?;
-        o.rmsnorm_fwd(x.ptr(), self.w(l.input_norm), xn.ptr(), inv1.ptr(), n, h, c.rms_norm_eps as f32)?;
+        o.rmsnorm_fwd(x.ptr(), self.w(l.input_norm), xn.ptr(), inv1.ptr(), n, h, eps, off)?;
         let mut u: [Option<Buf>; 7] = Default::default();
         let (mut q, mut k, v) = (self.buf(n * qd, dt)?, self.buf(n * kvd, dt)?, self.buf(n * kvd, dt)?);
         u[Q] = self.lin_fwd(&l.lin[Q], xn.ptr(), n, q.ptr(), false, dropout, row0)?;
         u[K] = self.lin_fwd(&l.lin[K], xn.ptr(), n, k.ptr(), false, dropout, row0)?;
         u[V] = self.lin_fwd(&l.lin[V], xn.ptr(), n, v.ptr(), false, dropout, row0)?;
         drop(xn);
-        // Qwen3: each query and key head RMS-normalised before the rotary embedding.
+        // Qwen3 and Gemma 3: each query and key head RMS-normalised before the rotary embedding.
         let qk = match l.qk_norm {
             Some([qn, kn]) => {
                 let norm = |w: W, x: &mut Buf, heads: usize| -> Result<(Buf, Buf), GpuError> {
                     let (normed, inv) = (self.buf(x.len, dt)?, self.buf(n * heads, Dt::F32)?);
-                    let eps = c.rms_norm_eps as f32;
-                    o.rmsnorm_fwd(x.ptr(), self.w(w), normed.ptr(), inv.ptr(), n * heads, c.head_dim, eps)?;
+                    o.rmsnorm_fwd(x.ptr(), self.w(w), normed.ptr(), inv.ptr(), n * heads, c.head_dim, eps, off)?;
                     Ok((std::mem::replace(x, normed), inv))
                 };
                 let q_raw = norm(qn, &mut q, c.num_heads)?;
@@ -909,30 +968,94 @@ impl GpuEngine {
             }
             None => None,
         };
-        o.rope(q.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, false)?;
-        o.rope(k.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, false)?;
+        o.rope(q.ptr(), bt.pos.ptr(), cos, sin, n, c.num_heads, c.head_dim, false)?;
+        o.rope(k.ptr(), bt.pos.ptr(), cos, sin, n, c.num_kv_heads, c.head_dim, false)?;
         let attn = self.buf(n * qd, dt)?;
         let lse = self.buf(bt.b * c.num_heads * bt.t, Dt::F32)?;
         let s = self.attn_shape(bt);
         let scratch = self.buf(s.scratch_len(dt, &*self.gpu, false), Dt::F32)?;
-        o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), attn.ptr(), lse.ptr(), bt.lo.ptr(), bt.hi.ptr(), scratch.ptr())?;
+        o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), attn.ptr(), lse.ptr(), lo, bt.hi.ptr(), scratch.ptr())?;
         drop(scratch);
-        // The residual: o_proj accumulates into a copy of the layer's input.
+        // The residual: o_proj accumulates into a copy of the layer's input — or, with Gemma's
+        // norms after attention and the MLP, its normed output is added to that copy.
         let hid = self.copy(x)?;
-        u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, hid.ptr(), true, dropout, row0)?;
+        let post_attn = match l.feedforward_norms {
+            None => {
+                u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, hid.ptr(), true, dropout, row0)?;
+                None
+            }
+            Some(_) => {
+                let y = self.buf(n * h, dt)?;
+                u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, y.ptr(), false, dropout, row0)?;
+                Some(self.add_normed(y, l.post_norm, &hid, n)?)
+            }
+        };
         let hn = self.buf(n * h, dt)?;
         let inv2 = self.buf(n, Dt::F32)?;
-        o.rmsnorm_fwd(hid.ptr(), self.w(l.post_norm), hn.ptr(), inv2.ptr(), n, h, c.rms_norm_eps as f32)?;
+        o.rmsnorm_fwd(hid.ptr(), self.w(Self::mlp_norm(l)), hn.ptr(), inv2.ptr(), n, h, eps, off)?;
         let (gate, up) = (self.buf(n * inter, dt)?, self.buf(n * inter, dt)?);
         u[GATE] = self.lin_fwd(&l.lin[GATE], hn.ptr(), n, gate.ptr(), false, dropout, row0)?;
         u[UP] = self.lin_fwd(&l.lin[UP], hn.ptr(), n, up.ptr(), false, dropout, row0)?;
         drop(hn);
         let act = self.buf(n * inter, dt)?;
-        o.swiglu(gate.ptr(), up.ptr(), act.ptr(), n * inter)?;
+        o.swiglu(gate.ptr(), up.ptr(), act.ptr(), n * inter, self.gelu())?;
         let next = self.copy(&hid)?;
-        u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, next.ptr(), true, dropout, row0)?;
-        let saved = save.then_some(Saved { inv1, q, k, v, attn, lse, h: hid, inv2, gate, up, u, qk });
+        let post_mlp = match l.feedforward_norms {
+            None => {
+                u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, next.ptr(), true, dropout, row0)?;
+                None
+            }
+            Some([_, post]) => {
+                let y = self.buf(n * h, dt)?;
+                u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, y.ptr(), false, dropout, row0)?;
+                Some(self.add_normed(y, post, &next, n)?)
+            }
+        };
+        let post = post_attn.zip(post_mlp).map(|(a, m)| [a, m]);
+        let saved = save.then_some(Saved { inv1, q, k, v, attn, lse, h: hid, inv2, gate, up, u, qk, post });
         Ok((next, saved))
+    }
+
+    /// `acc += norm(y)` by the weight `w` (Gemma's norms after attention and the MLP); `y` and
+    /// its rows' inverse RMS, for the backward pass.
+    fn add_normed(&self, y: Buf, w: W, acc: &Buf, n: usize) -> Result<(Buf, Buf), GpuError> {
+        let c = &self.cfg;
+        let h = c.hidden_size;
+        let (normed, inv) = (self.buf(n * h, self.dt)?, self.buf(n, Dt::F32)?);
+        self.ops().rmsnorm_fwd(y.ptr(), self.w(w), normed.ptr(), inv.ptr(), n, h, c.rms_norm_eps as f32, c.norm_offset)?;
+        self.ops().add(acc.ptr(), normed.ptr(), n * h)?;
+        Ok((y, inv))
+    }
+
+    /// The norm the MLP reads: Llama's `post_attention_layernorm`, Gemma's
+    /// `pre_feedforward_layernorm`.
+    fn mlp_norm(l: &Layer) -> W {
+        l.feedforward_norms.map_or(l.post_norm, |[pre, _]| pre)
+    }
+
+    /// What embeddings are multiplied by: 1, or Gemma's √hidden rounded to the compute dtype
+    /// (as transformers rounds it to the weights').
+    fn embed_scale(&self) -> f32 {
+        self.cfg.embed_scale.map_or(1.0, |s| self.dt.decode(&self.dt.encode(&[s as f32]))[0])
+    }
+
+    /// Whether the MLP's gate is GELU (Gemma) rather than SiLU.
+    fn gelu(&self) -> bool {
+        self.cfg.activation == Activation::GeluTanh
+    }
+
+    /// A layer's rotary tables and first keys: the local layers' own where the model has them.
+    fn layer_attention(&self, l: &Layer, bt: &DevBatch) -> (u64, u64, u64) {
+        let (cos, sin, _) = self.rope.as_ref().expect("rope tables before a pass");
+        let (cos, sin) = match (&self.rope_local, l.local) {
+            (Some((c, s)), true) => (c.ptr(), s.ptr()),
+            _ => (cos.ptr(), sin.ptr()),
+        };
+        let lo = match (&bt.lo_local, l.local) {
+            (Some(lo), true) => lo.ptr(),
+            _ => bt.lo.ptr(),
+        };
+        (cos, sin, lo)
     }
 
     /// Backward of one decoder layer: `dx` holds the gradient of its output and becomes that
@@ -954,27 +1077,39 @@ impl GpuEngine {
         let row0 = bt.origin.token;
         let qd = c.num_heads * c.head_dim;
         let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
-        let (cos, sin, _) = self.rope.as_ref().expect("rope tables");
+        let (cos, sin, lo) = self.layer_attention(l, bt);
+        let (off, gelu, mlp_norm) = (c.norm_offset, self.gelu(), Self::mlp_norm(l));
+        // With Gemma's norms on the attention's and the MLP's outputs: the gradients of those
+        // outputs, through their norms (the residual's gradient, dx, passes by them).
+        let post = match (&s.post, l.feedforward_norms) {
+            (Some([(a, a_inv), (m, m_inv)]), Some([_, post_mlp])) => {
+                let (da, dm) = (self.buf(n * h, dt)?, self.buf(n * h, dt)?);
+                self.norm_bwd(post_mlp, m.ptr(), m_inv.ptr(), dx.ptr(), Some((dm.ptr(), false)), n, h)?;
+                Some((l.post_norm, a.ptr(), a_inv.ptr(), da, dm))
+            }
+            _ => None,
+        };
         // MLP. A linear layer's input is only needed for its adapter's or its weight's gradients.
         let act = match self.needs_input(&l.lin[DOWN]) {
             true => {
                 let a = self.buf(n * inter, dt)?;
-                o.swiglu(s.gate.ptr(), s.up.ptr(), a.ptr(), n * inter)?;
+                o.swiglu(s.gate.ptr(), s.up.ptr(), a.ptr(), n * inter, gelu)?;
                 Some(a)
             }
             false => None,
         };
         let dact = self.buf(n * inter, dt)?;
         let act_ptr = act.as_ref().map_or(0, Buf::ptr);
-        self.lin_bwd(&l.lin[DOWN], s.u[DOWN].as_ref(), act_ptr, n, dx.ptr(), Some((dact.ptr(), false)), dropout, row0)?;
+        let d_down = post.as_ref().map_or(dx.ptr(), |p| p.4.ptr());
+        self.lin_bwd(&l.lin[DOWN], s.u[DOWN].as_ref(), act_ptr, n, d_down, Some((dact.ptr(), false)), dropout, row0)?;
         drop(act);
         // Gate and up gradients replace the saved activations.
-        o.swiglu_bwd(s.gate.ptr(), s.up.ptr(), dact.ptr(), s.gate.ptr(), s.up.ptr(), n * inter)?;
+        o.swiglu_bwd(s.gate.ptr(), s.up.ptr(), dact.ptr(), s.gate.ptr(), s.up.ptr(), n * inter, gelu)?;
         drop(dact);
         let hn = match self.needs_input(&l.lin[GATE]) || self.needs_input(&l.lin[UP]) {
             true => {
                 let b = self.buf(n * h, dt)?;
-                o.rmsnorm_apply(s.h.ptr(), s.inv2.ptr(), self.w(l.post_norm), b.ptr(), n, h)?;
+                o.rmsnorm_apply(s.h.ptr(), s.inv2.ptr(), self.w(mlp_norm), b.ptr(), n, h, off)?;
                 Some(b)
             }
             false => None,
@@ -993,11 +1128,20 @@ impl GpuEngine {
         )?;
         self.lin_bwd(&l.lin[UP], s.u[UP].as_ref(), hn_ptr, n, s.up.ptr(), Some((dhn.ptr(), true)), dropout, row0)?;
         drop(hn);
-        self.norm_bwd(l.post_norm, s.h.ptr(), s.inv2.ptr(), dhn.ptr(), Some((dx.ptr(), true)), n, h)?;
+        self.norm_bwd(mlp_norm, s.h.ptr(), s.inv2.ptr(), dhn.ptr(), Some((dx.ptr(), true)), n, h)?;
         drop(dhn);
-        // Attention; dx is now the gradient of the attention block's output too.
+        // Attention; dx is now the gradient of the attention block's output too (through its
+        // norm with Gemma's).
+        let d_o = match &post {
+            Some((w, a, a_inv, da, _)) => {
+                self.norm_bwd(*w, *a, *a_inv, dx.ptr(), Some((da.ptr(), false)), n, h)?;
+                da.ptr()
+            }
+            None => dx.ptr(),
+        };
         let dattn = self.buf(n * qd, dt)?;
-        self.lin_bwd(&l.lin[O], s.u[O].as_ref(), s.attn.ptr(), n, dx.ptr(), Some((dattn.ptr(), false)), dropout, row0)?;
+        self.lin_bwd(&l.lin[O], s.u[O].as_ref(), s.attn.ptr(), n, d_o, Some((dattn.ptr(), false)), dropout, row0)?;
+        drop(post);
         let (mut dq, mut dk, dv) = (self.buf(s.q.len, dt)?, self.buf(s.k.len, dt)?, self.buf(s.v.len, dt)?);
         let delta = self.buf(s.lse.len, Dt::F32)?;
         let shape = self.attn_shape(bt);
@@ -1015,12 +1159,12 @@ impl GpuEngine {
             dq.ptr(),
             dk.ptr(),
             dv.ptr(),
-            bt.lo.ptr(),
+            lo,
             bt.hi.ptr(),
         )?;
         drop((dattn, delta, scratch));
-        o.rope(dq.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_heads, c.head_dim, true)?;
-        o.rope(dk.ptr(), bt.pos.ptr(), cos.ptr(), sin.ptr(), n, c.num_kv_heads, c.head_dim, true)?;
+        o.rope(dq.ptr(), bt.pos.ptr(), cos, sin, n, c.num_heads, c.head_dim, true)?;
+        o.rope(dk.ptr(), bt.pos.ptr(), cos, sin, n, c.num_kv_heads, c.head_dim, true)?;
         if let (Some(norms), Some(raw)) = (l.qk_norm, &s.qk) {
             // Through the head norms to the projections' outputs.
             for ((w, (x, inv)), (dy, heads)) in
@@ -1034,7 +1178,7 @@ impl GpuEngine {
         let xn = match [Q, K, V].iter().any(|&i| self.needs_input(&l.lin[i])) {
             true => {
                 let b = self.buf(n * h, dt)?;
-                o.rmsnorm_apply(x.ptr(), s.inv1.ptr(), self.w(l.input_norm), b.ptr(), n, h)?;
+                o.rmsnorm_apply(x.ptr(), s.inv1.ptr(), self.w(l.input_norm), b.ptr(), n, h, off)?;
                 Some(b)
             }
             false => None,
@@ -1065,7 +1209,7 @@ impl GpuEngine {
         let dropout = train.and_then(|t| t.dropout);
         let training = train.is_some();
         let mut x = self.buf(n * h, dt)?;
-        o.embed(bt.ids.ptr(), self.w(self.embed), x.ptr(), n, h)?;
+        o.embed(bt.ids.ptr(), self.w(self.embed), x.ptr(), n, h, self.embed_scale())?;
         // Per layer: its input, and what its backward pass needs unless it is recomputed then.
         let mut kept: Vec<(Buf, Option<Saved>)> = Vec::with_capacity(self.layers.len());
         for li in 0..self.layers.len() {
@@ -1078,7 +1222,7 @@ impl GpuEngine {
         }
         let hn = self.buf(n * h, dt)?;
         let inv = self.buf(n, Dt::F32)?;
-        o.rmsnorm_fwd(x.ptr(), self.w(self.norm), hn.ptr(), inv.ptr(), n, h, c.rms_norm_eps as f32)?;
+        o.rmsnorm_fwd(x.ptr(), self.w(self.norm), hn.ptr(), inv.ptr(), n, h, c.rms_norm_eps as f32, c.norm_offset)?;
         // LM head and loss in chunks of selected positions: each chunk's logits gradient goes
         // straight back through the head, so no [positions, vocabulary] matrix exists whole.
         let dhn = if training { Some(Buf::zeros(&self.gpu, n * h, dt)?) } else { None };
@@ -1126,7 +1270,8 @@ impl GpuEngine {
             self.layer_bwd(li, &input, saved, &dx, bt, dropout, li > 0 || embed_grad.is_some())?;
         }
         if let (Some(g), Some(tr)) = (embed_grad, &bt.token_rows) {
-            o.embed_bwd(dx.ptr(), tr.rows.ptr(), tr.starts.ptr(), tr.tokens.ptr(), g, tr.uniq, h)?;
+            let scale = self.embed_scale();
+            o.embed_bwd(dx.ptr(), tr.rows.ptr(), tr.starts.ptr(), tr.tokens.ptr(), g, tr.uniq, h, scale)?;
         }
         Ok(())
     }
@@ -1211,13 +1356,14 @@ impl GpuEngine {
         let o = self.ops();
         let run = || -> Result<Vec<f32>, GpuError> {
             let mut x = self.buf(t * h, dt)?;
-            o.embed(bt.ids.ptr(), self.w(self.embed), x.ptr(), t, h)?;
+            o.embed(bt.ids.ptr(), self.w(self.embed), x.ptr(), t, h, self.embed_scale())?;
             for li in 0..self.layers.len() {
                 x = self.layer_fwd(li, &x, &bt, None, false)?.0;
             }
             let last = self.buf(h, dt)?;
             let inv = self.buf(1, Dt::F32)?;
-            o.rmsnorm_fwd(x.at((t - 1) * h), self.w(self.norm), last.ptr(), inv.ptr(), 1, h, c.rms_norm_eps as f32)?;
+            let (eps, off) = (c.rms_norm_eps as f32, c.norm_offset);
+            o.rmsnorm_fwd(x.at((t - 1) * h), self.w(self.norm), last.ptr(), inv.ptr(), 1, h, eps, off)?;
             let logits = self.buf(c.vocab_size, dt)?;
             self.lin_fwd(&self.lm_head, last.ptr(), 1, logits.ptr(), false, None, 0)?;
             logits.to_vec()

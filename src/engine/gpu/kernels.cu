@@ -121,14 +121,17 @@ __device__ float block_reduce(float v, float* red) {
 // ------------------------------------------------------------------------------------------------
 // Embedding, row gather/scatter, residual and bias adds, casts.
 
+// out = T(table[ids] · scale): Gemma scales its embeddings by √hidden (already rounded to T); 1
+// copies them.
 template <typename T>
-__device__ void embed(const uint32_t* ids, const T* table, T* out, int n, int h) {
+__device__ void embed(const uint32_t* ids, const T* table, T* out, int n, int h, float scale) {
     FOR_EACH(i, (long long)n * h) {
         long long r = i / h, c = i % h;
-        out[i] = table[(long long)ids[r] * h + c];
+        out[i] = from_f<T>(to_f(table[(long long)ids[r] * h + c]) * scale);
     }
 }
-KERNEL_T(embed, (const uint32_t* ids, const T* table, T* out, int n, int h), (ids, table, out, n, h))
+KERNEL_T(embed, (const uint32_t* ids, const T* table, T* out, int n, int h, float scale),
+         (ids, table, out, n, h, scale))
 
 // dst[r] = src[idx[r]]
 template <typename T>
@@ -196,11 +199,16 @@ __device__ void cast_from_f32(const float* src, T* dst, int n) {
 KERNEL_T(cast_from_f32, (const float* src, T* dst, int n), (src, dst, n))
 
 // ------------------------------------------------------------------------------------------------
-// RMSNorm as transformers computes it: y = w · T(x · inv), inv = 1/√(mean(x²) + eps) in f32.
-// One block per row.
+// RMSNorm as transformers computes it: y = w · T(x · inv), inv = 1/√(mean(x²) + eps) in f32; with
+// `offset` Gemma's y = T(x · inv · (1 + w)), all in f32. One block per row.
 
 template <typename T>
-__device__ void rmsnorm_fwd(const T* x, const T* w, T* y, float* inv, int h, float eps) {
+__device__ __forceinline__ float normed(float x, float iv, const T* w, int j, int offset) {
+    return offset ? x * iv * (1.0f + to_f(w[j])) : rnd<T>(x * iv) * to_f(w[j]);
+}
+
+template <typename T>
+__device__ void rmsnorm_fwd(const T* x, const T* w, T* y, float* inv, int h, float eps, int offset) {
     __shared__ float red[33];
     const long long row = blockIdx.x;
     const T* xr = x + row * h;
@@ -213,36 +221,42 @@ __device__ void rmsnorm_fwd(const T* x, const T* w, T* y, float* inv, int h, flo
     ss = block_reduce<false>(ss, red);
     const float iv = 1.0f / sqrtf(ss / (float)h + eps);
     if (threadIdx.x == 0) inv[row] = iv;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) yr[j] = from_f<T>(rnd<T>(to_f(xr[j]) * iv) * to_f(w[j]));
+    for (int j = threadIdx.x; j < h; j += blockDim.x) yr[j] = from_f<T>(normed(to_f(xr[j]), iv, w, j, offset));
 }
-KERNEL_T(rmsnorm_fwd, (const T* x, const T* w, T* y, float* inv, int h, float eps), (x, w, y, inv, h, eps))
+KERNEL_T(rmsnorm_fwd, (const T* x, const T* w, T* y, float* inv, int h, float eps, int offset),
+         (x, w, y, inv, h, eps, offset))
 
 // The forward output again from the saved `inv` (the backward pass recomputes normed inputs).
 template <typename T>
-__device__ void rmsnorm_apply(const T* x, const float* inv, const T* w, T* y, int n, int h) {
-    FOR_EACH(i, (long long)n * h) y[i] = from_f<T>(rnd<T>(to_f(x[i]) * inv[i / h]) * to_f(w[i % h]));
+__device__ void rmsnorm_apply(const T* x, const float* inv, const T* w, T* y, int n, int h, int offset) {
+    FOR_EACH(i, (long long)n * h) y[i] = from_f<T>(normed(to_f(x[i]), inv[i / h], w, (int)(i % h), offset));
 }
-KERNEL_T(rmsnorm_apply, (const T* x, const float* inv, const T* w, T* y, int n, int h), (x, inv, w, y, n, h))
+KERNEL_T(rmsnorm_apply, (const T* x, const float* inv, const T* w, T* y, int n, int h, int offset),
+         (x, inv, w, y, n, h, offset))
 
-// dx [+]= inv·g − x·inv³·mean(g·x) with g = dy ⊙ w (the weight is frozen). One block per row.
+// dx [+]= inv·g − x·inv³·mean(g·x) with g = dy ⊙ w (g = dy ⊙ (1 + w) with `offset`). One block
+// per row.
 template <typename T>
-__device__ void rmsnorm_bwd(const T* x, const float* inv, const T* w, const T* dy, T* dx, int h, int accumulate) {
+__device__ void rmsnorm_bwd(const T* x, const float* inv, const T* w, const T* dy, T* dx, int h, int accumulate,
+                            int offset) {
+    const float one = offset ? 1.0f : 0.0f;
     __shared__ float red[33];
     const long long row = blockIdx.x;
     const T* xr = x + row * h;
     const T* dyr = dy + row * h;
     T* dxr = dx + row * h;
     float dot = 0.0f;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) dot += to_f(xr[j]) * to_f(dyr[j]) * to_f(w[j]);
+    for (int j = threadIdx.x; j < h; j += blockDim.x) dot += to_f(xr[j]) * to_f(dyr[j]) * (one + to_f(w[j]));
     dot = block_reduce<false>(dot, red) / (float)h;
     const float iv = inv[row], c = iv * iv * iv * dot;
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        float g = iv * (to_f(dyr[j]) * to_f(w[j])) - to_f(xr[j]) * c;
+        float g = iv * (to_f(dyr[j]) * (one + to_f(w[j]))) - to_f(xr[j]) * c;
         dxr[j] = from_f<T>(accumulate ? to_f(dxr[j]) + g : g);
     }
 }
-KERNEL_T(rmsnorm_bwd, (const T* x, const float* inv, const T* w, const T* dy, T* dx, int h, int accumulate),
-         (x, inv, w, dy, dx, h, accumulate))
+KERNEL_T(rmsnorm_bwd,
+         (const T* x, const float* inv, const T* w, const T* dy, T* dx, int h, int accumulate, int offset),
+         (x, inv, w, dy, dx, h, accumulate, offset))
 
 // ------------------------------------------------------------------------------------------------
 // Rotary embeddings in place on [n, heads, d] rows: x·cos + rotate_half(x)·sin, or with
@@ -273,29 +287,47 @@ KERNEL_T(rope, (T * x, const uint32_t* pos, const float* cos, const float* sin, 
          (x, pos, cos, sin, n, heads, d, inverse))
 
 // ------------------------------------------------------------------------------------------------
-// SiLU-gated MLP product a = T(silu(g)) · u, and its derivative.
+// Gated MLP product a = T(act(g)) · u, and its derivative: `gelu` 0 is SiLU (Llama, Qwen), 1 is
+// GELU's tanh approximation (Gemma's gelu_pytorch_tanh).
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
 
-template <typename T>
-__device__ void swiglu(const T* g, const T* u, T* a, int n) {
-    FOR_EACH(i, n) {
-        float z = to_f(g[i]);
-        a[i] = from_f<T>(rnd<T>(z * sigmoid(z)) * to_f(u[i]));
+// act(z) and act'(z).
+__device__ __forceinline__ void gate_act(float z, int gelu, float* a, float* da) {
+    if (gelu) {
+        const float k = 0.7978845608028654f, c = 0.044715f;
+        const float t = tanhf(k * (z + c * z * z * z));
+        *a = 0.5f * z * (1.0f + t);
+        *da = 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * k * (1.0f + 3.0f * c * z * z);
+    } else {
+        const float sg = sigmoid(z);
+        *a = z * sg;
+        *da = sg * (1.0f + z * (1.0f - sg));
     }
 }
-KERNEL_T(swiglu, (const T* g, const T* u, T* a, int n), (g, u, a, n))
+
+template <typename T>
+__device__ void swiglu(const T* g, const T* u, T* a, int n, int gelu) {
+    FOR_EACH(i, n) {
+        float act, dact;
+        gate_act(to_f(g[i]), gelu, &act, &dact);
+        a[i] = from_f<T>(rnd<T>(act) * to_f(u[i]));
+    }
+}
+KERNEL_T(swiglu, (const T* g, const T* u, T* a, int n, int gelu), (g, u, a, n, gelu))
 
 // dg and du may be g and u themselves.
 template <typename T>
-__device__ void swiglu_bwd(const T* g, const T* u, const T* da, T* dg, T* du, int n) {
+__device__ void swiglu_bwd(const T* g, const T* u, const T* da, T* dg, T* du, int n, int gelu) {
     FOR_EACH(i, n) {
-        const float z = to_f(g[i]), up = to_f(u[i]), d = to_f(da[i]), sg = sigmoid(z);
-        du[i] = from_f<T>(d * z * sg);
-        dg[i] = from_f<T>(d * up * sg * (1.0f + z * (1.0f - sg)));
+        const float up = to_f(u[i]), d = to_f(da[i]);
+        float act, dact;
+        gate_act(to_f(g[i]), gelu, &act, &dact);
+        du[i] = from_f<T>(d * act);
+        dg[i] = from_f<T>(d * up * dact);
     }
 }
-KERNEL_T(swiglu_bwd, (const T* g, const T* u, const T* da, T* dg, T* du, int n), (g, u, da, dg, du, n))
+KERNEL_T(swiglu_bwd, (const T* g, const T* u, const T* da, T* dg, T* du, int n, int gelu), (g, u, da, dg, du, n, gelu))
 
 // ------------------------------------------------------------------------------------------------
 // LoRA dropout from a counter-based generator: element i of the input of the linear layer with
@@ -395,23 +427,24 @@ extern "C" __global__ void col_sum(const float* partial, float* out, int chunks,
 }
 EMU_REGISTER(col_sum)
 
-// grad[tokens[u], j] += Σ_{k = starts[u] .. starts[u + 1]} dx[rows[k], j]: an embedding table's
-// gradient, the rows of each distinct token (listed in order by the host) summed by one thread
-// per element of its table row, so no two threads add to the same element.
+// grad[tokens[u], j] += scale · Σ_{k = starts[u] .. starts[u + 1]} dx[rows[k], j]: an embedding
+// table's gradient (`scale` that of its forward), the rows of each distinct token (listed in order
+// by the host) summed by one thread per element of its table row, so no two threads add to the
+// same element.
 template <typename T>
 __device__ void embed_bwd(const T* dx, const uint32_t* rows, const uint32_t* starts, const uint32_t* tokens,
-                          float* grad, int uniq, int h) {
+                          float* grad, int uniq, int h, float scale) {
     FOR_EACH(i, (long long)uniq * h) {
         const int u = (int)(i / h), j = (int)(i % h);
         float s = 0.0f;
         for (uint32_t k = starts[u]; k < starts[u + 1]; k++) s += to_f(dx[(long long)rows[k] * h + j]);
-        grad[(long long)tokens[u] * h + j] += s;
+        grad[(long long)tokens[u] * h + j] += s * scale;
     }
 }
 KERNEL_T(embed_bwd,
          (const T* dx, const uint32_t* rows, const uint32_t* starts, const uint32_t* tokens, float* grad, int uniq,
-          int h),
-         (dx, rows, starts, tokens, grad, uniq, h))
+          int h, float scale),
+         (dx, rows, starts, tokens, grad, uniq, h, scale))
 
 // ------------------------------------------------------------------------------------------------
 // Optimizer and reductions over f32 buffers.

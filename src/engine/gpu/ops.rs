@@ -262,8 +262,9 @@ impl Ops<'_> {
         })
     }
 
-    pub fn embed(&self, ids: u64, table: u64, out: u64, n: usize, h: usize) -> R {
-        self.run("embed", n * h, &[Arg::Ptr(ids), Arg::Ptr(table), Arg::Ptr(out), i(n), i(h)])
+    /// `out = T(table[ids] · scale)` (`scale` 1, or Gemma's √hidden rounded to the compute dtype).
+    pub fn embed(&self, ids: u64, table: u64, out: u64, n: usize, h: usize, scale: f32) -> R {
+        self.run("embed", n * h, &[Arg::Ptr(ids), Arg::Ptr(table), Arg::Ptr(out), i(n), i(h), Arg::F32(scale)])
     }
 
     pub fn gather_rows(&self, src: u64, idx: u64, dst: u64, rows: usize, width: usize) -> R {
@@ -274,11 +275,26 @@ impl Ops<'_> {
         self.run("scatter_add_rows", rows * width, &[Arg::Ptr(src), Arg::Ptr(idx), Arg::Ptr(dst), i(rows), i(width)])
     }
 
-    /// `grad[tokens[u]] += Σ dx[rows[k]]` for `k` in `starts[u] .. starts[u + 1]`: a trained
-    /// embedding table's f32 gradient, the batch's rows grouped by token (`uniq` tokens).
-    pub fn embed_bwd(&self, dx: u64, rows: u64, starts: u64, tokens: u64, grad: u64, uniq: usize, h: usize) -> R {
-        let args =
-            [dx, rows, starts, tokens, grad].map(Arg::Ptr).into_iter().chain([i(uniq), i(h)]).collect::<Vec<_>>();
+    /// `grad[tokens[u]] += scale · Σ dx[rows[k]]` for `k` in `starts[u] .. starts[u + 1]`: a
+    /// trained embedding table's f32 gradient (`scale` that of [`Ops::embed`]), the batch's rows
+    /// grouped by token (`uniq` tokens).
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_bwd(
+        &self,
+        dx: u64,
+        rows: u64,
+        starts: u64,
+        tokens: u64,
+        grad: u64,
+        uniq: usize,
+        h: usize,
+        scale: f32,
+    ) -> R {
+        let args = [dx, rows, starts, tokens, grad]
+            .map(Arg::Ptr)
+            .into_iter()
+            .chain([i(uniq), i(h), Arg::F32(scale)])
+            .collect::<Vec<_>>();
         self.run("embed_bwd", uniq * h, &args)
     }
 
@@ -303,6 +319,11 @@ impl Ops<'_> {
         n.div_ceil(COL_CHUNK).max(1) * w
     }
 
+    /// `dst += src` over `n` values (a residual).
+    pub fn add(&self, dst: u64, src: u64, n: usize) -> R {
+        self.run("add", n, &[Arg::Ptr(dst), Arg::Ptr(src), i(n)])
+    }
+
     pub fn add_bias(&self, y: u64, bias: u64, rows: usize, width: usize) -> R {
         self.run("add_bias", rows * width, &[Arg::Ptr(y), Arg::Ptr(bias), i(rows), i(width)])
     }
@@ -324,22 +345,40 @@ impl Ops<'_> {
         self.run("cast_from_f32", n, &[Arg::Ptr(src), Arg::Ptr(dst), i(n)])
     }
 
-    pub fn rmsnorm_fwd(&self, x: u64, w: u64, y: u64, inv: u64, n: usize, h: usize, eps: f32) -> R {
+    /// RMSNorm of `n` rows of width `h` by the weight `w`: `x̂ · w`, or with `offset` Gemma's
+    /// `x̂ · (1 + w)` in f32; each row's inverse RMS into `inv`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_fwd(&self, x: u64, w: u64, y: u64, inv: u64, n: usize, h: usize, eps: f32, offset: bool) -> R {
         let row = (h * self.dt.size()) as u64;
         self.per_row("rmsnorm_fwd", n, self.row_block(ROW_BLOCK), |r| {
-            vec![Arg::Ptr(x + r * row), Arg::Ptr(w), Arg::Ptr(y + r * row), Arg::Ptr(inv + r * 4), i(h), Arg::F32(eps)]
+            let ptrs = [x + r * row, w, y + r * row, inv + r * 4];
+            ptrs.map(Arg::Ptr).into_iter().chain([i(h), Arg::F32(eps), Arg::I32(offset as i32)]).collect()
         })
     }
 
-    pub fn rmsnorm_apply(&self, x: u64, inv: u64, w: u64, y: u64, n: usize, h: usize) -> R {
-        self.run("rmsnorm_apply", n * h, &[Arg::Ptr(x), Arg::Ptr(inv), Arg::Ptr(w), Arg::Ptr(y), i(n), i(h)])
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_apply(&self, x: u64, inv: u64, w: u64, y: u64, n: usize, h: usize, offset: bool) -> R {
+        let args = [Arg::Ptr(x), Arg::Ptr(inv), Arg::Ptr(w), Arg::Ptr(y), i(n), i(h), Arg::I32(offset as i32)];
+        self.run("rmsnorm_apply", n * h, &args)
     }
 
-    pub fn rmsnorm_bwd(&self, x: u64, inv: u64, w: u64, dy: u64, dx: u64, n: usize, h: usize, accumulate: bool) -> R {
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_bwd(
+        &self,
+        x: u64,
+        inv: u64,
+        w: u64,
+        dy: u64,
+        dx: u64,
+        n: usize,
+        h: usize,
+        accumulate: bool,
+        offset: bool,
+    ) -> R {
         let row = (h * self.dt.size()) as u64;
         self.per_row("rmsnorm_bwd", n, self.row_block(ROW_BLOCK), |r| {
             let rows = [x + r * row, inv + r * 4, w, dy + r * row, dx + r * row];
-            rows.map(Arg::Ptr).into_iter().chain([i(h), Arg::I32(accumulate as i32)]).collect()
+            rows.map(Arg::Ptr).into_iter().chain([i(h), Arg::I32(accumulate as i32), Arg::I32(offset as i32)]).collect()
         })
     }
 
@@ -349,12 +388,15 @@ impl Ops<'_> {
         self.run("rope", n * heads * d / 2, &args)
     }
 
-    pub fn swiglu(&self, g: u64, u: u64, a: u64, n: usize) -> R {
-        self.run("swiglu", n, &[Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(a), i(n)])
+    /// The gated MLP's `a = T(act(g)) · u`: SiLU, or with `gelu` GELU's tanh approximation.
+    pub fn swiglu(&self, g: u64, u: u64, a: u64, n: usize, gelu: bool) -> R {
+        self.run("swiglu", n, &[Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(a), i(n), Arg::I32(gelu as i32)])
     }
 
-    pub fn swiglu_bwd(&self, g: u64, u: u64, da: u64, dg: u64, du: u64, n: usize) -> R {
-        self.run("swiglu_bwd", n, &[Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(da), Arg::Ptr(dg), Arg::Ptr(du), i(n)])
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_bwd(&self, g: u64, u: u64, da: u64, dg: u64, du: u64, n: usize, gelu: bool) -> R {
+        let args = [Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(da), Arg::Ptr(dg), Arg::Ptr(du), i(n), Arg::I32(gelu as i32)];
+        self.run("swiglu_bwd", n, &args)
     }
 
     /// `y = x ⊙ mask` (inverted dropout; `y` may be `x`) for elements `offset ..` of the

@@ -101,12 +101,13 @@ float block_reduce(float v, bool is_max) {
 // ------------------------------------------------------------------------------------------------
 // Embedding, row gather/scatter, residual and bias adds, casts.
 
+// dst = T(table[ids] · scale) (Gemma's √hidden, already rounded to T; 1 copies).
 #ifdef K_embed
-layout(push_constant) uniform P { U32 ids; TB table; TB dst; int n; int h; } p;
+layout(push_constant) uniform P { U32 ids; TB table; TB dst; int n; int h; float scale; } p;
 void main() {
     FOR_EACH(i, p.n * p.h) {
         int r = i / p.h, c = i % p.h;
-        st(p.dst, i, ld(p.table, int(p.ids.v[r]) * p.h + c));
+        st(p.dst, i, ld(p.table, int(p.ids.v[r]) * p.h + c) * p.scale);
     }
 }
 #endif
@@ -198,11 +199,15 @@ void main() {
 #endif
 
 // ------------------------------------------------------------------------------------------------
-// RMSNorm as transformers computes it: y = w · T(x · inv), inv = 1/√(mean(x²) + eps) in f32.
-// One workgroup per row.
+// RMSNorm as transformers computes it: y = w · T(x · inv), inv = 1/√(mean(x²) + eps) in f32; with
+// `offset` Gemma's y = T(x · inv · (1 + w)), all in f32. One workgroup per row.
+
+#if defined(K_rmsnorm_fwd) || defined(K_rmsnorm_apply)
+float normed(float x, float iv, float w, int offset) { return offset != 0 ? x * iv * (1.0 + w) : rnd(x * iv) * w; }
+#endif
 
 #ifdef K_rmsnorm_fwd
-layout(push_constant) uniform P { TB x; TB w; TB y; F32 inv; int h; float eps; } p;
+layout(push_constant) uniform P { TB x; TB w; TB y; F32 inv; int h; float eps; int offset; } p;
 void main() {
     int row = int(gl_WorkGroupID.x), base = row * p.h;
     float ss = 0.0;
@@ -213,28 +218,30 @@ void main() {
     ss = block_reduce(ss, false);
     float iv = 1.0 / sqrt(ss / float(p.h) + p.eps);
     if (TID == 0) p.inv.v[row] = iv;
-    for (int j = TID; j < p.h; j += BLOCK) st(p.y, base + j, rnd(ld(p.x, base + j) * iv) * ld(p.w, j));
+    for (int j = TID; j < p.h; j += BLOCK) st(p.y, base + j, normed(ld(p.x, base + j), iv, ld(p.w, j), p.offset));
 }
 #endif
 
 #ifdef K_rmsnorm_apply
-layout(push_constant) uniform P { TB x; F32 inv; TB w; TB y; int n; int h; } p;
+layout(push_constant) uniform P { TB x; F32 inv; TB w; TB y; int n; int h; int offset; } p;
 void main() {
-    FOR_EACH(i, p.n * p.h) st(p.y, i, rnd(ld(p.x, i) * p.inv.v[i / p.h]) * ld(p.w, i % p.h));
+    FOR_EACH(i, p.n * p.h) st(p.y, i, normed(ld(p.x, i), p.inv.v[i / p.h], ld(p.w, i % p.h), p.offset));
 }
 #endif
 
-// dx [+]= inv·g − x·inv³·mean(g·x) with g = dy ⊙ w (the weight is frozen). One workgroup per row.
+// dx [+]= inv·g − x·inv³·mean(g·x) with g = dy ⊙ w (g = dy ⊙ (1 + w) with `offset`). One
+// workgroup per row.
 #ifdef K_rmsnorm_bwd
-layout(push_constant) uniform P { TB x; F32 inv; TB w; TB dy; TB dx; int h; int accumulate; } p;
+layout(push_constant) uniform P { TB x; F32 inv; TB w; TB dy; TB dx; int h; int accumulate; int offset; } p;
 void main() {
     int row = int(gl_WorkGroupID.x), base = row * p.h;
+    float one = p.offset != 0 ? 1.0 : 0.0;
     float dot_ = 0.0;
-    for (int j = TID; j < p.h; j += BLOCK) dot_ += ld(p.x, base + j) * ld(p.dy, base + j) * ld(p.w, j);
+    for (int j = TID; j < p.h; j += BLOCK) dot_ += ld(p.x, base + j) * ld(p.dy, base + j) * (one + ld(p.w, j));
     dot_ = block_reduce(dot_, false) / float(p.h);
     float iv = p.inv.v[row], c = iv * iv * iv * dot_;
     for (int j = TID; j < p.h; j += BLOCK) {
-        float g = iv * (ld(p.dy, base + j) * ld(p.w, j)) - ld(p.x, base + j) * c;
+        float g = iv * (ld(p.dy, base + j) * (one + ld(p.w, j))) - ld(p.x, base + j) * c;
         st(p.dx, base + j, p.accumulate != 0 ? ld(p.dx, base + j) + g : g);
     }
 }
@@ -263,17 +270,18 @@ void main() {
 }
 #endif
 
-// grad[tokens[u], j] += Σ_{k = starts[u] .. starts[u + 1]} dx[rows[k], j]: an embedding table's
-// gradient, each distinct token's rows summed by one invocation per element of its table row.
+// grad[tokens[u], j] += scale · Σ_{k = starts[u] .. starts[u + 1]} dx[rows[k], j]: an embedding
+// table's gradient (`scale` that of its forward), each distinct token's rows summed by one
+// invocation per element of its table row.
 #ifdef K_embed_bwd
-layout(push_constant) uniform P { TB dx; U32 rows; U32 starts; U32 tokens; F32 grad; int uniq; int h; } p;
+layout(push_constant) uniform P { TB dx; U32 rows; U32 starts; U32 tokens; F32 grad; int uniq; int h; float scale; } p;
 void main() {
     FOR_EACH(i, p.uniq * p.h) {
         int u = i / p.h, j = i % p.h;
         float s = 0.0;
         for (uint k = p.starts.v[u]; k < p.starts.v[u + 1]; k++) s += ld(p.dx, int(p.rows.v[k]) * p.h + j);
         int d = int(p.tokens.v[u]) * p.h + j;
-        p.grad.v[d] += s;
+        p.grad.v[d] += s * p.scale;
     }
 }
 #endif
@@ -305,28 +313,41 @@ void main() {
 #endif
 
 // ------------------------------------------------------------------------------------------------
-// SiLU-gated MLP product a = T(silu(g)) · u, and its derivative.
+// Gated MLP product a = T(act(g)) · u, and its derivative: `gelu` 0 is SiLU (Llama, Qwen), 1 is
+// GELU's tanh approximation (Gemma's gelu_pytorch_tanh).
 
 float sigmoid(float z) { return 1.0 / (1.0 + exp(-z)); }
 
-#ifdef K_swiglu
-layout(push_constant) uniform P { TB g; TB u; TB a; int n; } p;
-void main() {
-    FOR_EACH(i, p.n) {
-        float z = ld(p.g, i);
-        st(p.a, i, rnd(z * sigmoid(z)) * ld(p.u, i));
+#if defined(K_swiglu) || defined(K_swiglu_bwd)
+// act(z) in x, act'(z) in y. tanh through exp (GLSL's tanh may lose accuracy near 0 on some
+// drivers): tanh(y) = 1 − 2 / (exp(2y) + 1), which saturates cleanly at ±1.
+vec2 gate_act(float z, int gelu) {
+    if (gelu != 0) {
+        const float k = 0.7978845608028654, c = 0.044715;
+        float t = 1.0 - 2.0 / (exp(2.0 * k * (z + c * z * z * z)) + 1.0);
+        return vec2(0.5 * z * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * k * (1.0 + 3.0 * c * z * z));
     }
+    float sg = sigmoid(z);
+    return vec2(z * sg, sg * (1.0 + z * (1.0 - sg)));
+}
+#endif
+
+#ifdef K_swiglu
+layout(push_constant) uniform P { TB g; TB u; TB a; int n; int gelu; } p;
+void main() {
+    FOR_EACH(i, p.n) st(p.a, i, rnd(gate_act(ld(p.g, i), p.gelu).x) * ld(p.u, i));
 }
 #endif
 
 // dg and du may be g and u themselves.
 #ifdef K_swiglu_bwd
-layout(push_constant) uniform P { TB g; TB u; TB da; TB dg; TB du; int n; } p;
+layout(push_constant) uniform P { TB g; TB u; TB da; TB dg; TB du; int n; int gelu; } p;
 void main() {
     FOR_EACH(i, p.n) {
-        float z = ld(p.g, i), up = ld(p.u, i), d = ld(p.da, i), sg = sigmoid(z);
-        st(p.du, i, d * z * sg);
-        st(p.dg, i, d * up * sg * (1.0 + z * (1.0 - sg)));
+        float up = ld(p.u, i), d = ld(p.da, i);
+        vec2 a = gate_act(ld(p.g, i), p.gelu);
+        st(p.du, i, d * a.x);
+        st(p.dg, i, d * up * a.y);
     }
 }
 #endif
