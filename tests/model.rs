@@ -124,7 +124,9 @@ fn qwen3_matches_transformers() {
 /// `query_pre_attn_scalar`, local layers whose window of 3 is shorter than the rows; Gemma 2's
 /// tanh caps, Gemma 3's query/key norms and two rotary tables, the global one scaled linearly):
 /// logits and loss of the base and the LoRA model, and the gradients of every adapter matrix and
-/// of every base weight, against transformers and PEFT.
+/// of every base weight, against transformers and PEFT — on candle's autograd, and for Gemma 3
+/// on the fused CPU engine too (the one `rtune run` picks for it on the CPU; Gemma 2's caps run
+/// on candle's alone).
 #[test]
 fn gemma_matches_transformers_forward_and_backward() {
     for name in ["tiny-gemma2", "tiny-gemma3"] {
@@ -139,17 +141,28 @@ fn gemma_matches_transformers_forward_and_backward() {
         let cpu = rtune::device::Resolution::cpu();
         let batch = rtune::engine::HostBatch::from_parts(&g.rows, &g.lens, None, g.select.clone(), g.targets.clone());
         let dir = fixture(name).join("adapter");
-        for (key, trainable, trained) in [
+        let cases = [
             ("lora", Trainable::lora(peft::read_config(&dir).unwrap()), Some(dir.as_path())),
             ("full", Trainable::weights(vec!["*".into()]), None),
-        ] {
-            // The CPU's engine for this model is candle's autograd (the fused engine refuses it).
-            let mut engine = rtune::engine::build(&cpu_setup(&folder, &cpu, trainable, trained, None)).unwrap();
-            assert_eq!(engine.describe(), "candle autograd", "{name}");
+        ];
+        for ((key, trainable, trained), fused) in cases.iter().flat_map(|c| [(c, false), (c, true)]) {
+            let setup = cpu_setup(&folder, &cpu, trainable.clone(), *trained, None);
+            let default = rtune::engine::build(&setup).unwrap().describe();
+            let gemma2 = name == "tiny-gemma2";
+            assert_eq!(default, if gemma2 { "candle autograd" } else { "fused CPU engine" }, "{name}");
+            if fused && gemma2 {
+                continue;
+            }
+            use rtune::engine::Engine as _;
+            let mut engine = rtune::engine::candle::CandleEngine::build(&setup, fused).unwrap();
+            let key = *key;
             engine.accumulate(&batch, 1.0, 1.0, None).unwrap();
             let (loss, _) = engine.gradients().unwrap();
             let want_loss = g.expected[key]["loss"].as_f64().unwrap();
-            assert!(((loss - want_loss) / want_loss).abs() < 1e-5, "{name} {key}: loss {loss} vs {want_loss}");
+            assert!(
+                ((loss - want_loss) / want_loss).abs() < 1e-5,
+                "{name} {key} fused {fused}: loss {loss} vs {want_loss}"
+            );
             let got = engine.gradient_values().unwrap();
             let want: BTreeMap<String, Vec<f32>> = serde_json::from_value(g.expected[key]["grads"].clone()).unwrap();
             assert_eq!(got.len(), want.len(), "{name} {key}: {:?}", got.keys().collect::<Vec<_>>());
@@ -157,7 +170,7 @@ fn gemma_matches_transformers_forward_and_backward() {
                 let got: Vec<f32> = got[&n.replace(".default", "")].flatten_all().unwrap().to_vec1().unwrap();
                 let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let diff = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert!(diff <= 1e-4 * scale, "{name} {key}: {n}: max |diff| {diff} of {scale}");
+                assert!(diff <= 1e-4 * scale, "{name} {key} fused {fused}: {n}: max |diff| {diff} of {scale}");
             }
         }
     }
@@ -1245,8 +1258,8 @@ fn assert_fused_matches(model: &Transformer, batch: &Batch, select: &[u32], targ
 #[test]
 fn fused_engine_matches_autograd_on_the_golden_models() {
     // Llama with llama3 rope scaling and GQA; Qwen2 with q/k/v biases and tied embeddings;
-    // Qwen3 with head norms and wide heads.
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+    // Qwen3 with head norms and wide heads; Gemma 3's layer (local windows shorter than the rows).
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
         let g = golden(name);
         let model = with_adapter(name);
         let batch = Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap();
@@ -1257,9 +1270,12 @@ fn fused_engine_matches_autograd_on_the_golden_models() {
 #[test]
 fn fused_engine_matches_autograd_with_packing_padding_dropout_and_lm_head() {
     // In row shards (one per thread; 3 rows split unevenly on 2 threads) with and without
-    // dropout: masks are keyed by element, so shards draw what one pass would.
-    for dropout in [0.1, 0.0] {
-        packed_batch_matches(dropout);
+    // dropout: masks are keyed by element, so shards draw what one pass would. Gemma 3's local
+    // windows cut the packed documents too.
+    for name in ["tiny-qwen2", "tiny-gemma3"] {
+        for dropout in [0.1, 0.0] {
+            packed_batch_matches(name, dropout);
+        }
     }
 }
 
@@ -1289,12 +1305,13 @@ fn packed_batch() -> (Batch, Vec<u32>, Vec<u32>) {
 /// Base weights that train — in full, selectively, and beside an adapter — get autograd's loss
 /// and every gradient from the fused engine: matrices, q/k/v biases, RMSNorm weights, the LM
 /// head, the embedding (tied to the head in Qwen2, so its gradient sums both uses; packed rows
-/// repeat tokens, whose rows sum), Qwen3's head norms, in row shards and in one pass.
+/// repeat tokens, whose rows sum), Qwen3's head norms, Gemma 3's four norms a layer (offsets from
+/// one) and scaled embedding, in row shards and in one pass.
 #[test]
 fn fused_engine_matches_autograd_training_base_weights() {
     let (batch, select, tgt) = packed_batch();
     let patterns = |p: &[&str]| p.iter().map(|p| p.to_string()).collect::<Vec<_>>();
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
         let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
         let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
         let adapter = fixture(name).join("adapter");
@@ -1324,8 +1341,8 @@ fn fused_engine_matches_autograd_training_base_weights() {
     }
 }
 
-fn packed_batch_matches(dropout: f64) {
-    let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
+fn packed_batch_matches(name: &str, dropout: f64) {
+    let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
     let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
     let targets: Vec<String> = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
         .map(String::from)

@@ -1721,7 +1721,7 @@ const GEMMA3: &str = "model.scratch={arch=\"gemma3\", hidden_size=64, num_layers
                       head_dim=32, intermediate_size=128, vocab_size=512}";
 
 /// A scratch Gemma 3 trains (its norms beside the adapter), evaluates, generates and exports
-/// end to end on the CPU (candle's engine): a Gemma 3 folder of the trained values with its four
+/// end to end on the CPU (the fused engine): a Gemma 3 folder of the trained values with its four
 /// norms a layer and PEFT's adapter; a GGUF export is refused before any export is written,
 /// naming what rtune writes instead.
 #[test]
@@ -1745,7 +1745,7 @@ fn a_gemma3_model_trains_and_exports_end_to_end() {
     let c = read_json(&trained.join("adapter_config.json"));
     assert_eq!(c["modules_to_save"].as_array().map(Vec::len), Some(6), "{c}");
     let metrics = read_json(&trained.join("metrics.json"));
-    assert_eq!(metrics["engine"].as_str(), Some("candle autograd"), "{metrics}");
+    assert_eq!(metrics["engine"].as_str(), Some("fused CPU engine"), "{metrics}");
     let end = metrics["eval_loss_end"].as_f64().unwrap();
     assert!(metrics["eval_loss_start"].as_f64().unwrap() - end > 0.5, "it trained: {metrics}");
     let evaluate = artifact(&report, "evaluate");
@@ -1782,7 +1782,7 @@ fn a_gemma3_model_trains_and_exports_end_to_end() {
     assert!(err.contains("cached  train") && err.contains("cached  evaluate"), "only the quantize stage ran: {err}");
 }
 
-/// The Gemma 3 model on Vulkan (the GPU engine) against the CPU (candle's engine): the eval
+/// The Gemma 3 model on Vulkan (the GPU engine) against the CPU (the fused engine): the eval
 /// losses agree within 1e-4 relative after 4 steps.
 #[test]
 fn a_gemma3_model_on_vulkan_matches_the_cpu() {

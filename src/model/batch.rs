@@ -8,6 +8,15 @@ use candle_core::{Device, Result, Tensor};
 /// is (-1e9 became −inf there). exp(MASKED − max) is 0 in f32 for any realistic score.
 pub(crate) const MASKED: f32 = -65504.0;
 
+/// Whether the key at place `k` is too far before the query at place `q` (counted along the same
+/// keys) for a local-attention layer with `window`: each query sees itself and the `window − 1`
+/// keys before it, as transformers' sliding-window masks have it. Places, not rotary positions:
+/// within a packed document they differ by the same amount, and across documents the mask already
+/// hides every key.
+pub fn outside_window(q: usize, k: usize, window: usize) -> bool {
+    q >= k.saturating_add(window)
+}
+
 /// Token ids plus the attention structure of a batch.
 #[derive(Debug, Clone)]
 pub struct Batch {

@@ -378,22 +378,12 @@ impl ModelConfig {
     }
 
     /// Why only candle's engine computes this model, or `None`: the fused CPU engine and the GPU
-    /// engine compute the Llama and Qwen layer (SiLU gate, `x̂ · w` norms before attention and
-    /// the MLP, global attention), not Gemma's.
+    /// engine compute every layer rtune loads except Gemma 2's tanh caps on attention scores and
+    /// logits.
     pub fn candle_only(&self) -> Option<String> {
-        let gemma = self.activation != Activation::Silu
-            || self.norm_offset
-            || self.sandwich_norms
-            || self.embed_scale.is_some()
-            || self.attn_softcap.is_some()
-            || self.final_softcap.is_some()
-            || self.local_attention.is_some()
-            || self.attn_scale != (self.head_dim as f64).powf(-0.5)
-            || self.rope_scaling.as_ref().is_some_and(|r| r.rope_type.as_deref() == Some("linear"));
-        gemma.then(|| {
+        (self.attn_softcap.is_some() || self.final_softcap.is_some()).then(|| {
             format!(
-                "{:?}'s layer (GELU gate, `1 + w` norms around attention and the MLP, scaled embeddings, local \
-                 attention) is computed by candle's engine only so far",
+                "{:?}'s tanh caps on attention scores and logits are computed by candle's engine only so far",
                 self.arch
             )
         })
@@ -659,7 +649,7 @@ mod tests {
         let globals: Vec<usize> = (0..18).filter(|&i| !local.layers[i]).collect();
         assert_eq!(globals, [5, 11, 17]);
         assert_eq!(c.max_positions(), 32768, "the window is computed, not a bound");
-        assert!(c.candle_only().unwrap().contains("candle's engine only"));
+        assert_eq!(c.candle_only(), None, "every engine computes Gemma 3");
         let gemma2 = serde_json::json!({
             "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304,
             "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -669,6 +659,7 @@ mod tests {
         });
         let c = parse(gemma2).unwrap();
         assert_eq!((c.arch, c.qk_norm, c.attn_softcap, c.final_softcap), (Arch::Gemma2, false, Some(50.0), Some(30.0)));
+        assert!(c.candle_only().unwrap().contains("tanh caps"));
         let local = c.local_attention.unwrap();
         assert_eq!(
             (local.window, local.rope_theta, &local.layers[..4]),

@@ -330,9 +330,24 @@ impl Transformer {
         self.layers[i].attn.qk_norm.as_ref().map(|(q, k)| (q, k))
     }
 
+    /// Layer `i`'s norms before and after its MLP (Gemma's `sandwich_norms`).
+    pub fn feedforward_norms(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
+        self.layers[i].feedforward_norms.as_ref().map(|(a, b)| (a, b))
+    }
+
+    /// Whether layer `i` attends within the model's local window.
+    pub fn is_local(&self, i: usize) -> bool {
+        self.layers[i].attn.local
+    }
+
     /// The rotary cos/sin tables, `[max_positions, head_dim]` each.
     pub fn rope_tables(&self) -> (&Tensor, &Tensor) {
         (&self.cos, &self.sin)
+    }
+
+    /// The local layers' own rotary tables, where their base differs (Gemma 3).
+    pub fn local_rope_tables(&self) -> Option<(&Tensor, &Tensor)> {
+        self.local_rope.as_ref().map(|(c, s)| (c, s))
     }
 
     /// Hidden states after the final norm: `[b, t, hidden]`.
@@ -490,18 +505,17 @@ struct LocalInputs {
     mask: Tensor,
 }
 
-/// `mask` (`[b, 1, t, keys]`, the last `t` keys being the queries') with every key `window` or
-/// more places before its query masked too: each query sees itself and the `window − 1` keys
-/// before it, as transformers' sliding-window mask has it. Places, not rotary positions, as
-/// there: within a packed document they differ by the same amount, and across documents the
-/// mask already hides every key.
+/// `mask` (`[b, 1, t, keys]`, the last `t` keys being the queries') with every key outside a
+/// local layer's window masked too ([`super::batch::outside_window`]).
 fn window_mask(mask: &Tensor, window: usize) -> Result<Tensor> {
     let (_, _, t, keys) = mask.dims4()?;
     if window >= keys {
         return Ok(mask.clone());
     }
     let first = keys - t;
-    let far: Vec<u8> = (0..t).flat_map(|q| (0..keys).map(move |k| u8::from(first + q >= k + window))).collect();
+    let far: Vec<u8> = (0..t)
+        .flat_map(|q| (0..keys).map(move |k| u8::from(super::batch::outside_window(first + q, k, window))))
+        .collect();
     let far = Tensor::from_vec(far, (1, 1, t, keys), mask.device())?.broadcast_as(mask.shape())?;
     // The masked value itself, not added again: a query whose keys are all hidden (padding)
     // gets an even softmax, never −inf or NaN.

@@ -15,7 +15,8 @@ pub(super) fn query_blocks(t: usize) -> impl Iterator<Item = (usize, usize, usiz
     })
 }
 
-/// `S = Q Kᵀ/√d + mask` for one query block, over its `keys`.
+/// `S = scale · Q Kᵀ + mask` for one query block, over its `keys` (`scale`: 1/√d, or Gemma's
+/// `query_pre_attn_scalar^-½`).
 pub(super) fn block_scores(
     s: &mut [f32],
     qh: &[f32],
@@ -25,7 +26,7 @@ pub(super) fn block_scores(
     dims: &Dims,
 ) {
     let ((r0, rows, keys), t, d) = (block, dims.t, dims.d);
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = dims.scale;
     matmul_here(s, Mat::rm(&qh[r0 * d..][..rows * d], rows, d), Mat::rm(&kg[..keys * d], keys, d).t(), scale, false);
     for (i, row) in s.chunks_mut(keys).enumerate() {
         add(row, &mask[(r0 + i) * t..][..keys]);
@@ -103,7 +104,7 @@ pub(super) fn attention_backward(
 ) {
     let Dims { t, heads, kv_heads, d, .. } = *dims;
     let rep = heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = dims.scale;
     dq.par_chunks_mut(rep * t * d).zip(dk.par_chunks_mut(t * d)).zip(dv.par_chunks_mut(t * d)).enumerate().for_each(
         |(bg, ((dq, dk), dv))| {
             let bi = bg / kv_heads;

@@ -110,18 +110,23 @@ struct LinW<'a> {
 
 struct LayerW<'a> {
     input_norm: W<'a>,
+    /// Llama's norm before the MLP; with Gemma's `sandwich_norms`, the attention output's.
     post_norm: W<'a>,
     /// The norm weights' names where they train.
     train_input_norm: Option<String>,
     train_post_norm: Option<String>,
-    /// Qwen3's per-head query and key norms.
-    qk_norm: Option<[HeadNorm<'a>; 2]>,
+    /// Qwen3's and Gemma 3's per-head query and key norms.
+    qk_norm: Option<[NormW<'a>; 2]>,
+    /// Gemma's norms before the MLP and on its output.
+    feedforward_norms: Option<[NormW<'a>; 2]>,
+    /// A local-attention layer: its own mask and rotary tables.
+    local: bool,
     /// q, k, v, o, gate, up, down.
     lin: [LinW<'a>; 7],
 }
 
-/// An RMSNorm over each head (`[head_dim]` weights), and its weight's name where it trains.
-struct HeadNorm<'a> {
+/// An RMSNorm's weights (over each head, or a layer's rows), and its name where it trains.
+struct NormW<'a> {
     w: W<'a>,
     train: Option<String>,
 }
@@ -136,24 +141,38 @@ struct Weights<'a> {
     lm_head: LinW<'a>,
     cos: W<'a>,
     sin: W<'a>,
+    /// Gemma 3's local layers' rotary tables, where they differ.
+    local_rope: Option<(W<'a>, W<'a>)>,
+    /// Gemma: embeddings times √hidden, and the MLP's gate is GELU.
+    embed_scale: Option<f32>,
+    gelu: bool,
+    /// The local layers' window.
+    window: Option<usize>,
 }
 
-/// The model's tensors in the order [`Weights::new`] consumes them.
-fn tensors(model: &Transformer) -> Vec<&Tensor> {
+/// The model's tensors in the order [`Weights::new`] consumes them, each with whether it is an
+/// RMSNorm weight (Gemma's are offsets from one, which [`run`] adds).
+fn tensors(model: &Transformer) -> Vec<(&Tensor, bool)> {
     let (cos, sin) = model.rope_tables();
-    let mut out = vec![model.embed_weight(), model.norm_weight(), cos, sin];
+    let mut out = vec![(model.embed_weight(), false), (model.norm_weight(), true), (cos, false), (sin, false)];
+    if let Some((cos, sin)) = model.local_rope_tables() {
+        out.extend([(cos, false), (sin, false)]);
+    }
     for i in 0..model.cfg.num_layers {
         let (a, b) = model.layer_norms(i);
-        out.extend([a, b]);
+        out.extend([(a, true), (b, true)]);
         if let Some((q, k)) = model.qk_norms(i) {
-            out.extend([q, k]);
+            out.extend([(q, true), (k, true)]);
+        }
+        if let Some((pre, post)) = model.feedforward_norms(i) {
+            out.extend([(pre, true), (post, true)]);
         }
     }
     for (_, l) in model.linears() {
-        out.push(l.weight());
-        out.extend(l.bias());
+        out.push((l.weight(), false));
+        out.extend(l.bias().map(|b| (b, false)));
         if let Some(lo) = &l.lora {
-            out.extend([&lo.a, &lo.b]);
+            out.extend([(&lo.a, false), (&lo.b, false)]);
         }
     }
     out
@@ -179,8 +198,15 @@ impl<'a> Weights<'a> {
         let mut it = data.iter().copied();
         let mut next = || it.next().expect("one slice per tensor");
         let (embed, norm, cos, sin) = (next(), next(), next(), next());
-        let norms: Vec<(W<'a>, W<'a>, Option<[W<'a>; 2]>)> =
-            (0..model.cfg.num_layers).map(|i| (next(), next(), model.qk_norms(i).map(|_| [next(), next()]))).collect();
+        let local_rope = model.local_rope_tables().map(|_| (next(), next()));
+        type Norms<'a> = (W<'a>, W<'a>, Option<[W<'a>; 2]>, Option<[W<'a>; 2]>);
+        let norms: Vec<Norms<'a>> = (0..model.cfg.num_layers)
+            .map(|i| {
+                let (a, b) = (next(), next());
+                let qk = model.qk_norms(i).map(|_| [next(), next()]);
+                (a, b, qk, model.feedforward_norms(i).map(|_| [next(), next()]))
+            })
+            .collect();
         let mut lins = Vec::new();
         for (name, l) in model.linears() {
             let (out, inp) = l.weight().dims2()?;
@@ -206,21 +232,63 @@ impl<'a> Weights<'a> {
         let layers = norms
             .into_iter()
             .enumerate()
-            .map(|(i, (input_norm, post_norm, qk))| LayerW {
-                input_norm,
-                post_norm,
-                train_input_norm: trains(format!("model.layers.{i}.input_layernorm.weight")),
-                train_post_norm: trains(format!("model.layers.{i}.post_attention_layernorm.weight")),
-                qk_norm: qk.map(|[q, k]| {
-                    let norm = |w, name| HeadNorm { w, train: trains(format!("model.layers.{i}.{name}.weight")) };
-                    [norm(q, crate::model::QK_NORMS[0]), norm(k, crate::model::QK_NORMS[1])]
-                }),
-                lin: std::array::from_fn(|_| lins.next().expect("seven linears per layer")),
+            .map(|(i, (input_norm, post_norm, qk, ff))| {
+                let norm = |w, name: &str| NormW { w, train: trains(format!("model.layers.{i}.{name}.weight")) };
+                LayerW {
+                    input_norm,
+                    post_norm,
+                    train_input_norm: trains(format!("model.layers.{i}.input_layernorm.weight")),
+                    train_post_norm: trains(format!("model.layers.{i}.post_attention_layernorm.weight")),
+                    qk_norm: qk.map(|[q, k]| [norm(q, crate::model::QK_NORMS[0]), norm(k, crate::model::QK_NORMS[1])]),
+                    feedforward_norms: ff.map(|[pre, post]| {
+                        let [a, b] = crate::model::FEEDFORWARD_NORMS;
+                        [norm(pre, a), norm(post, b)]
+                    }),
+                    local: model.is_local(i),
+                    lin: std::array::from_fn(|_| lins.next().expect("seven linears per layer")),
+                }
             })
             .collect();
         let train_embed = trained.contains("model.embed_tokens.weight");
         let train_norm = trained.contains("model.norm.weight");
-        Ok(Weights { embed, layers, norm, train_embed, train_norm, lm_head, cos, sin })
+        let embed_scale = model.cfg.embed_scale.map(|s| s as f32);
+        let gelu = model.cfg.activation == crate::model::config::Activation::GeluTanh;
+        let window = model.cfg.local_attention.as_ref().map(|l| l.window);
+        Ok(Weights {
+            embed,
+            layers,
+            norm,
+            train_embed,
+            train_norm,
+            lm_head,
+            cos,
+            sin,
+            local_rope,
+            embed_scale,
+            gelu,
+            window,
+        })
+    }
+}
+
+impl<'a> Weights<'a> {
+    /// A layer's rotary tables: the local layers' own where the model has them.
+    fn rope(&self, lw: &LayerW<'_>) -> (W<'a>, W<'a>) {
+        match self.local_rope {
+            Some(local) if lw.local => local,
+            _ => (self.cos, self.sin),
+        }
+    }
+}
+
+impl<'a> LayerW<'a> {
+    /// The norm the MLP reads (Llama's `post_attention_layernorm`, Gemma's
+    /// `pre_feedforward_layernorm`) and its name where it trains.
+    fn mlp_norm(&self) -> (W<'a>, &Option<String>) {
+        match &self.feedforward_norms {
+            Some([pre, _]) => (pre.w, &pre.train),
+            None => (self.post_norm, &self.train_post_norm),
+        }
     }
 }
 
@@ -238,6 +306,8 @@ struct Dims {
     inter: usize,
     vocab: usize,
     eps: f32,
+    /// Attention scores' scale (1/√d; Gemma's `query_pre_attn_scalar^-½`).
+    scale: f32,
     /// The first token of this shard in the whole batch, and the index of its first selected
     /// position among the batch's (dropout masks are indexed by them).
     row0: usize,
@@ -274,6 +344,9 @@ struct LayerSave {
     /// With head norms: the query and key projections `[n, heads·d]`, `[n, kv_heads·d]`
     /// before them, and the inverse RMS of each head's row.
     qk: Option<[(Vec<f32>, Vec<f32>); 2]>,
+    /// With Gemma's norms on the attention's and the MLP's outputs: o_proj's and down_proj's
+    /// outputs before them, and each row's inverse RMS.
+    post: Option<[(Vec<f32>, Vec<f32>); 2]>,
 }
 
 /// Gradient accumulators by parameter name.
@@ -294,7 +367,7 @@ fn run(
     let mut unique: Vec<&Tensor> = Vec::new();
     let slot: Vec<usize> = all
         .iter()
-        .map(|t| match unique.iter().position(|u| u.id() == t.id()) {
+        .map(|(t, _)| match unique.iter().position(|u| u.id() == t.id()) {
             Some(i) => i,
             None => {
                 unique.push(t);
@@ -304,7 +377,14 @@ fn run(
         .collect();
     let held: Vec<_> = unique.iter().map(|t| t.storage_and_layout()).collect();
     let views: Vec<&[f32]> = held.iter().map(|(s, l)| f32_data(s, l)).collect::<Result<_>>()?;
-    let data: Vec<&[f32]> = slot.iter().map(|&i| views[i]).collect();
+    // Gemma's RMSNorms multiply by `1 + w`: in f32 throughout, so the sum is taken once here and
+    // every norm (and its input gradient) uses it; the weight's own gradient is the same.
+    let shifted: Vec<Option<Vec<f32>>> = all
+        .iter()
+        .zip(&slot)
+        .map(|((_, norm), &i)| (*norm && model.cfg.norm_offset).then(|| views[i].iter().map(|w| 1.0 + w).collect()))
+        .collect();
+    let data: Vec<&[f32]> = slot.iter().zip(&shifted).map(|(&i, s)| s.as_deref().unwrap_or(views[i])).collect();
     let w = Weights::new(model, &data)?;
     let (b, t) = batch.ids.dims2()?;
     let cfg = &model.cfg;
@@ -319,6 +399,7 @@ fn run(
         inter: cfg.intermediate_size,
         vocab: cfg.vocab_size,
         eps: cfg.rms_norm_eps as f32,
+        scale: cfg.attn_scale as f32,
         row0: 0,
         sel0: 0,
     };
@@ -459,10 +540,25 @@ fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, 
     let mut x = vec![0f32; dims.n * dims.hidden];
     x.par_chunks_mut(dims.hidden).zip(ids.par_iter()).for_each(|(row, &id)| {
         row.copy_from_slice(&w.embed[id as usize * dims.hidden..][..dims.hidden]);
+        if let Some(s) = w.embed_scale {
+            scale(row, s);
+        }
     });
+    // The local layers' mask: the batch's with keys outside their window hidden too.
+    let local_mask = w.window.filter(|_| w.layers.iter().any(|l| l.local)).map(|window| {
+        let t = dims.t;
+        let mut m = mask.to_vec();
+        for (i, v) in m.iter_mut().enumerate() {
+            if crate::model::batch::outside_window((i / t) % t, i % t, window) {
+                *v = crate::model::batch::MASKED;
+            }
+        }
+        m
+    });
+    let layer_mask = |lw: &LayerW<'_>| if lw.local { local_mask.as_deref().unwrap_or(mask) } else { mask };
     let mut saves = Vec::with_capacity(w.layers.len());
     for lw in &w.layers {
-        let (next, save) = layer_forward(lw, w, &dims, x, positions, mask, dropout, training);
+        let (next, save) = layer_forward(lw, w, &dims, x, positions, layer_mask(lw), dropout, training);
         x = next;
         saves.extend(save);
     }
@@ -504,10 +600,15 @@ fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, 
     }
     drop((hn, dhn));
     for (i, (lw, save)) in w.layers.iter().zip(saves).enumerate().rev() {
-        layer_backward(lw, w, &dims, save, &mut dx, positions, mask, i > 0 || w.train_embed, &mut grads);
+        let need_input_grad = i > 0 || w.train_embed;
+        layer_backward(lw, w, &dims, save, &mut dx, positions, layer_mask(lw), need_input_grad, &mut grads);
     }
     if w.train_embed {
-        // Each token's row of the first layer's input gradient, in token order.
+        // Each token's row of the first layer's input gradient, in token order (times Gemma's
+        // embedding scale).
+        if let Some(s) = w.embed_scale {
+            scale(&mut dx, s);
+        }
         let g = grad_of(&mut grads, "model.embed_tokens.weight", dims.vocab * dims.hidden);
         for (row, &id) in dx.chunks(dims.hidden).zip(ids) {
             add_here(&mut g[id as usize * dims.hidden..][..dims.hidden], row);
@@ -548,8 +649,9 @@ fn layer_forward(
         let k_raw = std::mem::replace(&mut k, normed);
         [(q_raw, q_inv), (k_raw, k_inv)]
     });
-    let q = to_heads(&q, b, t, heads, d, Some((positions, w.cos, w.sin)));
-    let k = to_heads(&k, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
+    let (cos, sin) = w.rope(lw);
+    let q = to_heads(&q, b, t, heads, d, Some((positions, cos, sin)));
+    let k = to_heads(&k, b, t, kv_heads, d, Some((positions, cos, sin)));
     let v = to_heads(&v, b, t, kv_heads, d, None);
     let mut lse = if training { vec![0f32; b * heads * t] } else { Vec::new() };
     let mut out = vec![0f32; b * heads * t * d];
@@ -557,20 +659,32 @@ fn layer_forward(
     let attn = from_heads(&out, b, t, heads, d, None);
     drop(out);
     let o = proj(O, &attn, hidden);
+    // The residual; with Gemma's norms after attention and the MLP, their normed outputs join it.
+    let residual = |acc: &mut Vec<f32>, y: Vec<f32>, norm: Option<W<'_>>| match norm {
+        None => {
+            add(acc, &y);
+            None
+        }
+        Some(w) => {
+            let (normed, inv) = rms_norm(&y, w, hidden, dims.eps);
+            add(acc, &normed);
+            Some((y, inv))
+        }
+    };
     let mut h = x.clone();
-    add(&mut h, &o);
-    drop(o);
-    let (hn, inv2) = rms_norm(&h, lw.post_norm, hidden, dims.eps);
+    let post_attn = residual(&mut h, o, lw.feedforward_norms.as_ref().map(|_| lw.post_norm));
+    let (hn, inv2) = rms_norm(&h, lw.mlp_norm().0, hidden, dims.eps);
     let gate = proj(GATE, &hn, inter);
     let up = proj(UP, &hn, inter);
     drop(hn);
-    let act = swiglu(&gate, &up);
+    let act = swiglu(&gate, &up, w.gelu);
     let down = proj(DOWN, &act, hidden);
     drop(act);
     let mut next = h.clone();
-    add(&mut next, &down);
+    let post_mlp = residual(&mut next, down, lw.feedforward_norms.as_ref().map(|[_, post]| post.w));
     let qk = qk.filter(|_| training);
-    let save = training.then_some(LayerSave { x, inv1, q, k, v, lse, attn, h, inv2, gate, up, lin, qk });
+    let post = post_attn.zip(post_mlp).map(|(a, m)| [a, m]).filter(|_| training);
+    let save = training.then_some(LayerSave { x, inv1, q, k, v, lse, attn, h, inv2, gate, up, lin, qk, post });
     (next, save)
 }
 
@@ -588,30 +702,52 @@ fn layer_backward(
 ) {
     let Dims { b, t, n, heads, kv_heads, d, inter, .. } = *dims;
     let qd = heads * d;
+    let hidden = dims.hidden;
+    // Through a norm on a branch's output (Gemma) to the branch: `dy` is the residual's gradient.
+    let through = |norm: &NormW<'_>, (y, inv): &(Vec<f32>, Vec<f32>), dy: &[f32], grads: &mut Grads| {
+        if let Some(name) = &norm.train {
+            rms_norm_weight_grad(y, inv, dy, hidden, grad_of(grads, name, hidden));
+        }
+        let mut d = vec![0f32; n * hidden];
+        rms_norm_backward(y, inv, norm.w, dy, &mut d, false, hidden);
+        d
+    };
+    let post_attn_norm = NormW { w: lw.post_norm, train: lw.train_post_norm.clone() };
     // dx holds d(loss)/d(layer output); the residual makes it d/dh too, and we add into it.
     // A linear layer's input is only needed for its weight's or adapter's gradients.
-    let act = if lw.lin[DOWN].needs_input() { swiglu(&s.gate, &s.up) } else { Vec::new() };
+    let d_down = match (&lw.feedforward_norms, &s.post) {
+        (Some([_, post]), Some([_, m])) => Some(through(post, m, dx, grads)),
+        _ => None,
+    };
+    let act = if lw.lin[DOWN].needs_input() { swiglu(&s.gate, &s.up, w.gelu) } else { Vec::new() };
     let mut dact = vec![0f32; n * inter];
-    linear_backward(&lw.lin[DOWN], &s.lin[DOWN], &act, n, dx, Some(&mut dact), grads);
-    drop(act);
-    let (dgate, dup) = swiglu_backward(&s.gate, &s.up, &dact);
+    linear_backward(&lw.lin[DOWN], &s.lin[DOWN], &act, n, d_down.as_deref().unwrap_or(dx), Some(&mut dact), grads);
+    drop((act, d_down));
+    let (dgate, dup) = swiglu_backward(&s.gate, &s.up, &dact, w.gelu);
     drop(dact);
+    let (mlp_norm, mlp_norm_train) = lw.mlp_norm();
     let hn = if lw.lin[GATE].needs_input() || lw.lin[UP].needs_input() {
-        rms_norm_with(&s.h, &s.inv2, lw.post_norm, dims.hidden)
+        rms_norm_with(&s.h, &s.inv2, mlp_norm, hidden)
     } else {
         Vec::new()
     };
-    let mut dhn = vec![0f32; n * dims.hidden];
+    let mut dhn = vec![0f32; n * hidden];
     linear_backward(&lw.lin[GATE], &s.lin[GATE], &hn, n, &dgate, Some(&mut dhn), grads);
     linear_backward_acc(&lw.lin[UP], &s.lin[UP], &hn, n, &dup, &mut dhn, grads);
     drop((hn, dgate, dup));
-    if let Some(name) = &lw.train_post_norm {
-        rms_norm_weight_grad(&s.h, &s.inv2, &dhn, dims.hidden, grad_of(grads, name, dims.hidden));
+    if let Some(name) = mlp_norm_train {
+        rms_norm_weight_grad(&s.h, &s.inv2, &dhn, hidden, grad_of(grads, name, hidden));
     }
-    rms_norm_backward(&s.h, &s.inv2, lw.post_norm, &dhn, dx, true, dims.hidden);
-    // dx is now d/dh = d/d(layer input) through the residual, plus the attention branch below.
+    rms_norm_backward(&s.h, &s.inv2, mlp_norm, &dhn, dx, true, hidden);
+    // dx is now d/dh = d/d(layer input) through the residual, plus the attention branch below
+    // (through the attention output's norm with Gemma's).
+    let d_o = match &s.post {
+        Some([a, _]) => Some(through(&post_attn_norm, a, dx, grads)),
+        None => None,
+    };
     let mut dattn = vec![0f32; n * qd];
-    linear_backward(&lw.lin[O], &s.lin[O], &s.attn, n, dx, Some(&mut dattn), grads);
+    linear_backward(&lw.lin[O], &s.lin[O], &s.attn, n, d_o.as_deref().unwrap_or(dx), Some(&mut dattn), grads);
+    drop(d_o);
     let dout = to_heads(&dattn, b, t, heads, d, None);
     drop(dattn);
     let mut dq = vec![0f32; b * heads * t * d];
@@ -619,8 +755,9 @@ fn layer_backward(
     let mut dv = vec![0f32; b * kv_heads * t * d];
     attention_backward(&s.q, &s.k, &s.v, mask, &s.lse, &dout, dims, &mut dq, &mut dk, &mut dv);
     drop(dout);
-    let mut dq = from_heads(&dq, b, t, heads, d, Some((positions, w.cos, w.sin)));
-    let mut dk = from_heads(&dk, b, t, kv_heads, d, Some((positions, w.cos, w.sin)));
+    let (cos, sin) = w.rope(lw);
+    let mut dq = from_heads(&dq, b, t, heads, d, Some((positions, cos, sin)));
+    let mut dk = from_heads(&dk, b, t, kv_heads, d, Some((positions, cos, sin)));
     if let (Some(norms), Some(raw)) = (&lw.qk_norm, &s.qk) {
         // Through the head norms to the projections' outputs.
         for ((norm, (x, inv)), dy) in norms.iter().zip(raw).zip([&mut dq, &mut dk]) {

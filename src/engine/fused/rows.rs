@@ -228,13 +228,13 @@ pub(super) fn silu(z: f32) -> f32 {
     z / (1.0 + exp(-z))
 }
 
-/// `silu(gate) ⊙ up`.
-pub(super) fn swiglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
+/// `act(gate) ⊙ up`: SiLU, or with `gelu` GELU's tanh approximation (Gemma).
+pub(super) fn swiglu(gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32> {
     let mut out = vec![0f32; gate.len()];
     out.par_chunks_mut(1 << 14)
         .zip(gate.par_chunks(1 << 14))
         .zip(up.par_chunks(1 << 14))
-        .for_each(|((o, g), u)| swiglu_chunk(o, g, u));
+        .for_each(|((o, g), u)| if gelu { geglu_chunk(o, g, u) } else { swiglu_chunk(o, g, u) });
     out
 }
 
@@ -243,6 +243,21 @@ row_kernel! {
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
             *o = silu(g) * u;
         }
+    }
+}
+
+/// GELU's tanh approximation, `½z(1 + tanh(√(2/π)(z + 0.044715z³)))`, and its derivative.
+#[inline(always)]
+fn gelu_tanh(z: f32) -> (f32, f32) {
+    const K: f32 = 0.797_884_6;
+    const C: f32 = 0.044715;
+    let t = (K * (z + C * z * z * z)).tanh();
+    (0.5 * z * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * K * (1.0 + 3.0 * C * z * z))
+}
+
+fn geglu_chunk(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = gelu_tanh(g).0 * u;
     }
 }
 
@@ -256,8 +271,16 @@ row_kernel! {
     }
 }
 
-/// Gradients of `silu(gate) ⊙ up` with respect to gate and up.
-pub(super) fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32]) -> (Vec<f32>, Vec<f32>) {
+fn geglu_backward_chunk(dg: &mut [f32], du: &mut [f32], gate: &[f32], up: &[f32], da: &[f32]) {
+    for ((((dg, du), &g), &u), &da) in dg.iter_mut().zip(du).zip(gate).zip(up).zip(da) {
+        let (a, d) = gelu_tanh(g);
+        *du = da * a;
+        *dg = da * u * d;
+    }
+}
+
+/// Gradients of [`swiglu`] with respect to gate and up.
+pub(super) fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], gelu: bool) -> (Vec<f32>, Vec<f32>) {
     let mut dg = vec![0f32; gate.len()];
     let mut du = vec![0f32; gate.len()];
     const C: usize = 1 << 14;
@@ -266,7 +289,10 @@ pub(super) fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32]) -> (Vec<f32>
         .zip(gate.par_chunks(C))
         .zip(up.par_chunks(C))
         .zip(da.par_chunks(C))
-        .for_each(|((((dg, du), g), u), da)| swiglu_backward_chunk(dg, du, g, u, da));
+        .for_each(|((((dg, du), g), u), da)| match gelu {
+            true => geglu_backward_chunk(dg, du, g, u, da),
+            false => swiglu_backward_chunk(dg, du, g, u, da),
+        });
     (dg, du)
 }
 

@@ -14,9 +14,9 @@ use super::ops::{AdamWCoefficients, AttnShape, Ops};
 use crate::engine::optim::AdamWConfig;
 use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Origin, Setup};
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
+use crate::model::config::Activation;
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
-use crate::model::config::Activation;
 use crate::model::{FEEDFORWARD_NORMS, LAYER_LINEARS, ModelConfig, ModelError, QK_NORMS, nf4};
 use crate::recipe::{BaseQuant, Dtype};
 use crate::rng::Rng;
@@ -1022,7 +1022,16 @@ impl GpuEngine {
         let c = &self.cfg;
         let h = c.hidden_size;
         let (normed, inv) = (self.buf(n * h, self.dt)?, self.buf(n, Dt::F32)?);
-        self.ops().rmsnorm_fwd(y.ptr(), self.w(w), normed.ptr(), inv.ptr(), n, h, c.rms_norm_eps as f32, c.norm_offset)?;
+        self.ops().rmsnorm_fwd(
+            y.ptr(),
+            self.w(w),
+            normed.ptr(),
+            inv.ptr(),
+            n,
+            h,
+            c.rms_norm_eps as f32,
+            c.norm_offset,
+        )?;
         self.ops().add(acc.ptr(), normed.ptr(), n * h)?;
         Ok((y, inv))
     }
