@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = {"tiny": 30, "135m": 5, "qwen3-0.6b": 3}
+STEPS = {"tiny": 30, "135m": 5, "qwen3-0.6b": 3, "gemma3-270m": 3}
 args = sys.argv[1:]
 epoch = "--epoch" in args
 evaluate = "--eval" in args

@@ -189,6 +189,12 @@ second)
   DEVICE=cuda BENCH_DIR=/tmp/rtune-export-1b step export-memory-cuda 150 60 \
     scripts/bench_export_memory.sh 1b "$PWD/.gpu/rtune"
   show export-memory-cuda "quantize \\(|rror"
+  # Gemma 3 (since 2026-12-02; its engine tests ran in `first`): the 270M shape through Vulkan and
+  # on CUDA, each against PyTorch + PEFT on CUDA.
+  OUT="$work/bench-gemma3-vulkan" DEVICE=vulkan step bench-gemma3-vulkan 100 50 scripts/gpu_bench.sh gemma3-270m:4x512
+  bench_table bench-gemma3-vulkan
+  OUT="$work/bench-gemma3-cuda" DEVICE=cuda SKIP_TORCH=1 step bench-gemma3-cuda 60 30 scripts/gpu_bench.sh gemma3-270m:4x512
+  bench_table bench-gemma3-cuda
   ;;
 esac
 pack

@@ -9,7 +9,7 @@
 #   . scripts/gpu-env.sh && scripts/gpu_bench.sh [SHAPE:BATCHxSEQ ...]
 #
 # Default shapes: smollm2-135m:4x1024 qwen2.5-0.5b:4x1024 qwen2.5-3b:4x1024 qwen2.5-3b:1x512
-# (also: smollm2-360m, qwen3-0.6b; benches/reference/gpu_shapes.py).
+# (also: smollm2-360m, qwen3-0.6b, gemma3-270m; benches/reference/gpu_shapes.py).
 # STEPS (default 20) timed steps each; RTUNE (default .gpu/rtune) the binary; SKIP_TORCH=1 runs
 # rtune alone (e.g. with RTUNE_ENGINE=candle, to measure candle's autograd on the GPU); DEVICE
 # (default cuda) and DTYPE (default bf16) are the recipe's device preference and dtype — issue

@@ -1663,6 +1663,20 @@ fn assert_merged_holds(dir: &Path, want: &std::collections::BTreeMap<String, can
     assert!(compared > 0, "no trained tensor in the merged folder");
 }
 
+/// Every stage of `report` built, its train stage trained (the eval loss fell by more than 0.5)
+/// and its evaluate stage measured the train stage's last eval loss: the train artifact and its
+/// metrics.
+fn built_trained_and_evaluated(report: &serde_json::Value) -> (PathBuf, serde_json::Value) {
+    assert!(outcomes(report).iter().all(|(_, o)| o == "built"), "{:?}", outcomes(report));
+    let trained = artifact(report, "train");
+    let metrics = read_json(&trained.join("metrics.json"));
+    let end = metrics["eval_loss_end"].as_f64().unwrap();
+    assert!(metrics["eval_loss_start"].as_f64().unwrap() - end > 0.5, "it trained: {metrics}");
+    let tuned = read_json(&artifact(report, "evaluate").join("metrics.json"))["eval_loss"].as_f64().unwrap();
+    assert!((end - tuned).abs() <= 1e-6 * end, "evaluate {tuned} vs train's last eval {end}");
+    (trained, metrics)
+}
+
 /// The default recipe's model as a Qwen3 (heads wider than hidden / heads, a query and key
 /// RMSNorm in each layer).
 const QWEN3: &str = "model.scratch={arch=\"qwen3\", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, \
@@ -1685,18 +1699,12 @@ fn a_qwen3_model_trains_and_exports_end_to_end() {
         "--set",
         "stages.evaluate.max_new_tokens=2",
     ]);
-    assert!(outcomes(&report).iter().all(|(_, o)| o == "built"), "{:?}", outcomes(&report));
-    let trained = artifact(&report, "train");
+    let (trained, _) = built_trained_and_evaluated(&report);
     let c = read_json(&trained.join("adapter_config.json"));
     assert_eq!(
         c["modules_to_save"],
         serde_json::json!(["model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.q_norm"])
     );
-    let metrics = read_json(&trained.join("metrics.json"));
-    let end = metrics["eval_loss_end"].as_f64().unwrap();
-    assert!(metrics["eval_loss_start"].as_f64().unwrap() - end > 0.5, "it trained: {metrics}");
-    let tuned = read_json(&artifact(&report, "evaluate").join("metrics.json"))["eval_loss"].as_f64().unwrap();
-    assert!((end - tuned).abs() <= 1e-6 * end, "evaluate {tuned} vs train's last eval {end}");
     let exports = artifact(&report, "quantize");
     let config = read_json(&exports.join("merged/config.json"));
     assert_eq!(
@@ -1740,17 +1748,10 @@ fn a_gemma3_model_trains_and_exports_end_to_end() {
         "--set",
         r#"stages.quantize.formats=["peft-adapter", "safetensors-merged"]"#,
     ]);
-    assert!(outcomes(&report).iter().all(|(_, o)| o == "built"), "{:?}", outcomes(&report));
-    let trained = artifact(&report, "train");
+    let (trained, metrics) = built_trained_and_evaluated(&report);
     let c = read_json(&trained.join("adapter_config.json"));
     assert_eq!(c["modules_to_save"].as_array().map(Vec::len), Some(6), "{c}");
-    let metrics = read_json(&trained.join("metrics.json"));
     assert_eq!(metrics["engine"].as_str(), Some("fused CPU engine"), "{metrics}");
-    let end = metrics["eval_loss_end"].as_f64().unwrap();
-    assert!(metrics["eval_loss_start"].as_f64().unwrap() - end > 0.5, "it trained: {metrics}");
-    let evaluate = artifact(&report, "evaluate");
-    let tuned = read_json(&evaluate.join("metrics.json"))["eval_loss"].as_f64().unwrap();
-    assert!((end - tuned).abs() <= 1e-6 * end, "evaluate {tuned} vs train's last eval {end}");
     let exports = artifact(&report, "quantize");
     let config = read_json(&exports.join("merged/config.json"));
     assert_eq!(config["architectures"][0].as_str(), Some("Gemma3ForCausalLM"));

@@ -82,6 +82,7 @@ fn shipped_recipes_validate_and_the_offline_one_plans() {
         "qwen2.5-3b-lora-rocm",
         "qwen3-0.6b-lora",
         "qwen3-8b-qlora",
+        "gemma3-270m-lora",
         "smollm2-135m-lora",
         "smollm2-360m-lora",
     ] {

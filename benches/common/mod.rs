@@ -7,7 +7,8 @@ use rtune::recipe::{Arch, ScratchModel};
 
 /// `tiny` (hidden 64, 2 layers, vocab 1000), `small` (hidden 256, 8 layers, vocab 8000) or `135m`
 /// (SmolLM2-135M's shape: hidden 576, 30 layers, vocab 49152, tied embeddings), as random-weight
-/// The benchmarks' shapes (Llamas, and the Qwen3-0.6B shape) with room for `max_positions` tokens.
+/// The benchmarks' shapes (Llamas, the Qwen3-0.6B and the Gemma 3 270M shapes) with room for
+/// `max_positions` tokens.
 pub fn shape(name: &str, max_positions: usize) -> ScratchModel {
     if name == "qwen3-0.6b" {
         // Qwen/Qwen3-0.6B-Base: heads of 128 in a hidden size of 1024, q/k head norms.
@@ -20,6 +21,25 @@ pub fn shape(name: &str, max_positions: usize) -> ScratchModel {
             head_dim: Some(128),
             intermediate_size: 3072,
             vocab_size: 151936,
+            max_position_embeddings: max_positions,
+            rope_theta: 1000000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            initializer_range: 0.02,
+        };
+    }
+    if name == "gemma3-270m" {
+        // google/gemma-3-270m: heads of 256, a 262k vocabulary, Gemma 3's layer (scratch Gemma 3
+        // models take its local window of 512 and one global layer in six).
+        return ScratchModel {
+            arch: Arch::Gemma3,
+            hidden_size: 640,
+            num_layers: 18,
+            num_heads: 4,
+            num_kv_heads: Some(1),
+            head_dim: Some(256),
+            intermediate_size: 2048,
+            vocab_size: 262144,
             max_position_embeddings: max_positions,
             rope_theta: 1000000.0,
             rms_norm_eps: 1e-6,

@@ -31,6 +31,12 @@ SHAPES = {
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
                                  rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)),
+    # google/gemma-3-270m (GELU gate, 1 + w norms around attention and the MLP, local attention
+    # over 512 positions in five layers of six, heads of 256, a 262k vocabulary)
+    "gemma3-270m": ("gemma3", dict(hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                                   head_dim=256, intermediate_size=2048, vocab_size=262144, tie_word_embeddings=True,
+                                   query_pre_attn_scalar=256, sliding_window=512, rms_norm_eps=1e-6,
+                                   max_position_embeddings=32768)),
     # Not a real model: a small shape to dry-run the benchmark's scripts without a GPU
     # (TORCH_DEVICE=cpu DEVICE=vulkan scripts/gpu_bench.sh smoke:2x128, on lavapipe).
     "smoke": ("qwen2", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -39,10 +45,20 @@ SHAPES = {
     "smoke-qwen3": ("qwen3", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=64, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
                                   rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=1024)),
+    "smoke-gemma3": ("gemma3", dict(hidden_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=64, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
+                                    query_pre_attn_scalar=64, sliding_window=64, rms_norm_eps=1e-6,
+                                    max_position_embeddings=1024)),
 }
 
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    return Gemma3TextConfig, Gemma3ForCausalLM
+
+
 CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": _gemma3()}
 
 WORDS = 4000
 

@@ -21,6 +21,7 @@ static ALL: &[Builtin] = builtins![
     "qwen2.5-3b-lora-rocm",
     "qwen3-0.6b-lora",
     "qwen3-8b-qlora",
+    "gemma3-270m-lora",
     "llama-3.2-1b-chat",
     "smollm2-135m-full",
 ];

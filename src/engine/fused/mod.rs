@@ -741,10 +741,7 @@ fn layer_backward(
     rms_norm_backward(&s.h, &s.inv2, mlp_norm, &dhn, dx, true, hidden);
     // dx is now d/dh = d/d(layer input) through the residual, plus the attention branch below
     // (through the attention output's norm with Gemma's).
-    let d_o = match &s.post {
-        Some([a, _]) => Some(through(&post_attn_norm, a, dx, grads)),
-        None => None,
-    };
+    let d_o = s.post.as_ref().map(|[a, _]| through(&post_attn_norm, a, dx, grads));
     let mut dattn = vec![0f32; n * qd];
     linear_backward(&lw.lin[O], &s.lin[O], &s.attn, n, d_o.as_deref().unwrap_or(dx), Some(&mut dattn), grads);
     drop(d_o);
