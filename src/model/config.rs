@@ -377,6 +377,17 @@ impl ModelConfig {
         out
     }
 
+    /// The config whose rotary embedding is the local layers' (their base, unscaled), where it
+    /// differs from the model's (Gemma 3): every engine builds their tables from it.
+    pub fn local_rope(&self) -> Option<ModelConfig> {
+        let local = self.local_attention.as_ref()?;
+        (local.rope_theta != self.rope_theta || self.rope_scaling.is_some()).then(|| ModelConfig {
+            rope_theta: local.rope_theta,
+            rope_scaling: None,
+            ..self.clone()
+        })
+    }
+
     /// Why only candle's engine computes this model, or `None`: the fused CPU engine and the GPU
     /// engine compute every layer rtune loads except Gemma 2's tanh caps on attention scores and
     /// logits.

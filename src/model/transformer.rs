@@ -7,9 +7,9 @@
 //! `rotate_half`, grouped-query attention, Qwen3's and Gemma 3's RMSNorm of each query and key
 //! head before the rotary embedding, SiLU- or GELU-gated MLP; Gemma's `(1 + w)` norms, scaled
 //! embeddings, norms after attention and the MLP, local attention within a window and Gemma 2's
-//! tanh caps), so that logits and losses match transformers for the same weights. Every op on the training path is one with a
-//! backward pass in candle: candle's fused `rms_norm`, `softmax_last_dim` and `rope` kernels
-//! have none and would silently drop gradients.
+//! tanh caps), so that logits and losses match transformers for the same weights. Every op on
+//! the training path is one with a backward pass in candle: candle's fused `rms_norm`,
+//! `softmax_last_dim` and `rope` kernels have none and would silently drop gradients.
 
 use std::collections::BTreeMap;
 
@@ -271,15 +271,11 @@ impl Transformer {
         };
         let params = std::mem::take(&mut b.params);
         let (cos, sin) = rope_tables(cfg, embed.device(), dtype).map_err(super::ModelError::candle("rotary tables"))?;
-        let local_rope = match &cfg.local_attention {
-            Some(local) if local.rope_theta != cfg.rope_theta || cfg.rope_scaling.is_some() => {
-                let local_cfg = ModelConfig { rope_theta: local.rope_theta, rope_scaling: None, ..cfg.clone() };
-                Some(
-                    rope_tables(&local_cfg, embed.device(), dtype)
-                        .map_err(super::ModelError::candle("rotary tables"))?,
-                )
+        let local_rope = match cfg.local_rope() {
+            Some(local) => {
+                Some(rope_tables(&local, embed.device(), dtype).map_err(super::ModelError::candle("rotary tables"))?)
             }
-            _ => None,
+            None => None,
         };
         Ok(Transformer { cfg: cfg.clone(), embed, layers, norm, lm_head, cos, sin, local_rope, params, dtype })
     }

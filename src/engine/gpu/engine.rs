@@ -730,12 +730,7 @@ impl GpuEngine {
             Ok((Buf::from_f32(&self.gpu, &cos, Dt::F32)?, Buf::from_f32(&self.gpu, &sin, Dt::F32)?))
         };
         let (cos, sin) = tables(&self.cfg)?;
-        self.rope_local = match &self.cfg.local_attention {
-            Some(l) if l.rope_theta != self.cfg.rope_theta || self.cfg.rope_scaling.is_some() => {
-                Some(tables(&ModelConfig { rope_theta: l.rope_theta, rope_scaling: None, ..self.cfg.clone() })?)
-            }
-            _ => None,
-        };
+        self.rope_local = self.cfg.local_rope().map(|local| tables(&local)).transpose()?;
         self.rope = Some((cos, sin, n));
         Ok(())
     }
