@@ -369,11 +369,7 @@ pub fn vulkan_engine_refused(requested: Option<&str>) -> Option<String> {
 /// (`RTUNE_ENGINE=candle|fused|gpu`) asks for one (to compare engines); asking for one that
 /// cannot run the model is an error.
 pub fn choose(cfg: &ModelConfig, device: &Resolution, requested: Option<&str>) -> Result<EngineKind, EngineError> {
-    let fused_why = match (device.class, device.dtype) {
-        (DeviceClass::Cpu, crate::recipe::Dtype::F32) => cfg.candle_only(),
-        _ => Some("the fused CPU engine computes in f32 on the CPU".to_string()),
-    };
-    let fused_ok = fused_why.is_none();
+    let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32;
     let gpu_why = gpu::unsupported(cfg, device);
     // candle has no Vulkan backend: on a Vulkan device the GPU engine is the only engine.
     if device.class == DeviceClass::Vulkan {
@@ -391,7 +387,9 @@ pub fn choose(cfg: &ModelConfig, device: &Resolution, requested: Option<&str>) -
         Some("candle") => return Ok(EngineKind::Candle),
         Some("fused") if fused_ok => return Ok(EngineKind::Fused),
         Some("fused") => {
-            return Err(EngineError::Unsupported(format!("RTUNE_ENGINE=fused: {}", fused_why.unwrap_or_default())));
+            return Err(EngineError::Unsupported(
+                "RTUNE_ENGINE=fused: the fused CPU engine computes in f32 on the CPU".into(),
+            ));
         }
         Some("gpu") => {
             return match gpu_why {

@@ -388,18 +388,6 @@ impl ModelConfig {
         })
     }
 
-    /// Why only candle's engine computes this model, or `None`: the fused CPU engine and the GPU
-    /// engine compute every layer rtune loads except Gemma 2's tanh caps on attention scores and
-    /// logits.
-    pub fn candle_only(&self) -> Option<String> {
-        (self.attn_softcap.is_some() || self.final_softcap.is_some()).then(|| {
-            format!(
-                "{:?}'s tanh caps on attention scores and logits are computed by candle's engine only so far",
-                self.arch
-            )
-        })
-    }
-
     /// The longest sequence rtune computes exactly as transformers does: the rotary tables'
     /// reach, and within a sliding window (Mistral v0.1) only the window's length.
     pub fn max_positions(&self) -> usize {
@@ -660,7 +648,6 @@ mod tests {
         let globals: Vec<usize> = (0..18).filter(|&i| !local.layers[i]).collect();
         assert_eq!(globals, [5, 11, 17]);
         assert_eq!(c.max_positions(), 32768, "the window is computed, not a bound");
-        assert_eq!(c.candle_only(), None, "every engine computes Gemma 3");
         let gemma2 = serde_json::json!({
             "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304,
             "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -670,7 +657,6 @@ mod tests {
         });
         let c = parse(gemma2).unwrap();
         assert_eq!((c.arch, c.qk_norm, c.attn_softcap, c.final_softcap), (Arch::Gemma2, false, Some(50.0), Some(30.0)));
-        assert!(c.candle_only().unwrap().contains("tanh caps"));
         let local = c.local_attention.unwrap();
         assert_eq!(
             (local.window, local.rope_theta, &local.layers[..4]),
@@ -682,8 +668,6 @@ mod tests {
         let mut both = gemma3;
         both["use_bidirectional_attention"] = true.into();
         assert!(parse(both).unwrap_err().to_string().contains("bidirectional"));
-        // Llama's layer stays on every engine.
-        assert_eq!(parse(base()).unwrap().candle_only(), None);
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub(super) fn query_blocks(t: usize) -> impl Iterator<Item = (usize, usize, usiz
 }
 
 /// `S = scale · Q Kᵀ + mask` for one query block, over its `keys` (`scale`: 1/√d, or Gemma's
-/// `query_pre_attn_scalar^-½`).
+/// `query_pre_attn_scalar^-½`; Gemma 2 caps `scale · Q Kᵀ` at `c · tanh(· / c)` before the mask).
 pub(super) fn block_scores(
     s: &mut [f32],
     qh: &[f32],
@@ -28,6 +28,9 @@ pub(super) fn block_scores(
     let ((r0, rows, keys), t, d) = (block, dims.t, dims.d);
     let scale = dims.scale;
     matmul_here(s, Mat::rm(&qh[r0 * d..][..rows * d], rows, d), Mat::rm(&kg[..keys * d], keys, d).t(), scale, false);
+    if let Some(c) = dims.softcap {
+        softcap(s, c);
+    }
     for (i, row) in s.chunks_mut(keys).enumerate() {
         add(row, &mask[(r0 + i) * t..][..keys]);
     }
@@ -113,6 +116,8 @@ pub(super) fn attention_backward(
             let m = &mask[bi * t * t..][..t * t];
             let mut p = vec![0f32; QUERY_BLOCK * t];
             let mut dp = vec![0f32; QUERY_BLOCK * t];
+            // With Gemma 2's cap, the capped scores (plus the mask) before the softmax.
+            let mut capped = if dims.softcap.is_some() { vec![0f32; QUERY_BLOCK * t] } else { Vec::new() };
             for (j, dq) in dq.chunks_mut(t * d).enumerate() {
                 let bh = bi * heads + (bg % kv_heads) * rep + j;
                 let qh = &q[bh * t * d..][..t * d];
@@ -122,6 +127,9 @@ pub(super) fn attention_backward(
                     let (p, dp) = (&mut p[..rows * keys], &mut dp[..rows * keys]);
                     // P again, from the scores and the saved log-sum-exp.
                     block_scores(p, qh, kg, m, (r0, rows, keys), dims);
+                    if dims.softcap.is_some() {
+                        capped[..rows * keys].copy_from_slice(p);
+                    }
                     for (i, row) in p.chunks_mut(keys).enumerate() {
                         exp_shifted(row, lse[r0 + i]);
                     }
@@ -133,6 +141,14 @@ pub(super) fn attention_backward(
                         let dot = dot3(dp, p, None);
                         for (dp, p) in dp.iter_mut().zip(p) {
                             *dp = p * (*dp - dot);
+                        }
+                    }
+                    if let Some(c) = dims.softcap {
+                        // Through the cap: d tanh = 1 − tanh², tanh = capped / c (a masked key's
+                        // clamps to −1, and its gradient is 0 already).
+                        for (ds, s) in dp.iter_mut().zip(&capped[..rows * keys]) {
+                            let th = (s / c).clamp(-1.0, 1.0);
+                            *ds *= 1.0 - th * th;
                         }
                     }
                     let ds = Mat::rm(dp, rows, keys);

@@ -48,7 +48,7 @@ pub fn unsupported(model: &Transformer) -> Option<String> {
     if model.compute_dtype() != candle_core::DType::F32 {
         return Some(format!("the model computes in {:?}, not f32", model.compute_dtype()));
     }
-    model.cfg.candle_only()
+    None
 }
 
 /// Mean cross-entropy at the selected positions (as [`Transformer::loss`]), without gradients.
@@ -148,6 +148,8 @@ struct Weights<'a> {
     gelu: bool,
     /// The local layers' window.
     window: Option<usize>,
+    /// Gemma 2's cap on the logits.
+    final_softcap: Option<f32>,
 }
 
 /// The model's tensors in the order [`Weights::new`] consumes them, each with whether it is an
@@ -254,6 +256,7 @@ impl<'a> Weights<'a> {
         let embed_scale = model.cfg.embed_scale.map(|s| s as f32);
         let gelu = model.cfg.activation == crate::model::config::Activation::GeluTanh;
         let window = model.cfg.local_attention.as_ref().map(|l| l.window);
+        let final_softcap = model.cfg.final_softcap.map(|c| c as f32);
         Ok(Weights {
             embed,
             layers,
@@ -267,6 +270,7 @@ impl<'a> Weights<'a> {
             embed_scale,
             gelu,
             window,
+            final_softcap,
         })
     }
 }
@@ -306,8 +310,9 @@ struct Dims {
     inter: usize,
     vocab: usize,
     eps: f32,
-    /// Attention scores' scale (1/√d; Gemma's `query_pre_attn_scalar^-½`).
+    /// Attention scores' scale (1/√d; Gemma's `query_pre_attn_scalar^-½`), and Gemma 2's cap.
     scale: f32,
+    softcap: Option<f32>,
     /// The first token of this shard in the whole batch, and the index of its first selected
     /// position among the batch's (dropout masks are indexed by them).
     row0: usize,
@@ -400,6 +405,7 @@ fn run(
         vocab: cfg.vocab_size,
         eps: cfg.rms_norm_eps as f32,
         scale: cfg.attn_scale as f32,
+        softcap: cfg.attn_softcap.map(|c| c as f32),
         row0: 0,
         sel0: 0,
     };
@@ -579,7 +585,17 @@ fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, 
         }
         let mut logits = vec![0f32; c * dims.vocab];
         let lsave = linear_forward(&w.lm_head, &hs, c, dropout, dims.sel0 + ci * chunk, &mut logits);
+        // Gemma 2 caps the logits; the cap's derivative, 1 − tanh², needs tanh kept.
+        let capped = w.final_softcap.map(|cap| {
+            softcap(&mut logits, cap);
+            logits.iter().map(|z| z / cap).collect::<Vec<f32>>()
+        });
         loss_sum += cross_entropy(&mut logits, tgt, dims.vocab, grad_scale);
+        if let (Some(th), true) = (&capped, grad_scale.is_some()) {
+            for (g, t) in logits.iter_mut().zip(th) {
+                *g *= 1.0 - t * t;
+            }
+        }
         if grad_scale.is_some() {
             let mut dhs = vec![0f32; c * dims.hidden];
             linear_backward(&w.lm_head, &lsave, &hs, c, &logits, Some(&mut dhs), &mut grads);

@@ -354,6 +354,13 @@ pub(super) fn from_heads(x: &[f32], b: usize, t: usize, heads: usize, d: usize, 
 
 /// Sum of cross-entropies of `[c, vocab]` logits against `targets`; with `grad_scale`, the
 /// logits are replaced by `(softmax − onehot) · grad_scale`.
+/// Gemma 2's cap in place: `x = c · tanh(x / c)`.
+pub(super) fn softcap(x: &mut [f32], c: f32) {
+    for v in x {
+        *v = c * (*v / c).tanh();
+    }
+}
+
 pub(super) fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, grad_scale: Option<f32>) -> f64 {
     logits
         .par_chunks_mut(vocab)

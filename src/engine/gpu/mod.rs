@@ -54,8 +54,11 @@ pub fn unsupported(cfg: &ModelConfig, device: &Resolution) -> Option<String> {
 /// Why the GPU engine cannot run this model on any device (it trains LoRA adapters and base
 /// weights alike).
 pub fn model_unsupported(cfg: &ModelConfig) -> Option<String> {
-    if let Some(why) = cfg.candle_only() {
-        return Some(why);
+    if cfg.attn_softcap.is_some() || cfg.final_softcap.is_some() {
+        return Some(format!(
+            "{:?}'s tanh caps on attention scores and logits are not in the GPU engine's kernels yet",
+            cfg.arch
+        ));
     }
     if !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > 256 {
         return Some(format!("the GPU engine's attention takes even head sizes up to 256, not {}", cfg.head_dim));
