@@ -704,6 +704,25 @@ fn layer_forward(
     (next, save)
 }
 
+/// Backward of an RMSNorm by `w` over rows of `width` (`x` and its rows' inverse RMS as saved)
+/// from its output's gradient `dy`: the weight's gradient where it trains (`train`), and the
+/// input's gradient, returned.
+fn norm_backward_new(
+    w: W<'_>,
+    train: &Option<String>,
+    (x, inv): &(Vec<f32>, Vec<f32>),
+    dy: &[f32],
+    width: usize,
+    grads: &mut Grads,
+) -> Vec<f32> {
+    if let Some(name) = train {
+        rms_norm_weight_grad(x, inv, dy, width, grad_of(grads, name, width));
+    }
+    let mut dx = vec![0f32; dy.len()];
+    rms_norm_backward(x, inv, w, dy, &mut dx, false, width);
+    dx
+}
+
 #[allow(clippy::too_many_arguments)]
 fn layer_backward(
     lw: &LayerW<'_>,
@@ -719,20 +738,11 @@ fn layer_backward(
     let Dims { b, t, n, heads, kv_heads, d, inter, .. } = *dims;
     let qd = heads * d;
     let hidden = dims.hidden;
-    // Through a norm on a branch's output (Gemma) to the branch: `dy` is the residual's gradient.
-    let through = |norm: &NormW<'_>, (y, inv): &(Vec<f32>, Vec<f32>), dy: &[f32], grads: &mut Grads| {
-        if let Some(name) = &norm.train {
-            rms_norm_weight_grad(y, inv, dy, hidden, grad_of(grads, name, hidden));
-        }
-        let mut d = vec![0f32; n * hidden];
-        rms_norm_backward(y, inv, norm.w, dy, &mut d, false, hidden);
-        d
-    };
-    let post_attn_norm = NormW { w: lw.post_norm, train: lw.train_post_norm.clone() };
     // dx holds d(loss)/d(layer output); the residual makes it d/dh too, and we add into it.
-    // A linear layer's input is only needed for its weight's or adapter's gradients.
+    // A linear layer's input is only needed for its weight's or adapter's gradients. With Gemma's
+    // norm on the MLP's output, the down projection's output gradient comes through it.
     let d_down = match (&lw.feedforward_norms, &s.post) {
-        (Some([_, post]), Some([_, m])) => Some(through(post, m, dx, grads)),
+        (Some([_, post]), Some([_, m])) => Some(norm_backward_new(post.w, &post.train, m, dx, hidden, grads)),
         _ => None,
     };
     let act = if lw.lin[DOWN].needs_input() { swiglu(&s.gate, &s.up, w.gelu) } else { Vec::new() };
@@ -757,7 +767,7 @@ fn layer_backward(
     rms_norm_backward(&s.h, &s.inv2, mlp_norm, &dhn, dx, true, hidden);
     // dx is now d/dh = d/d(layer input) through the residual, plus the attention branch below
     // (through the attention output's norm with Gemma's).
-    let d_o = s.post.as_ref().map(|[a, _]| through(&post_attn_norm, a, dx, grads));
+    let d_o = s.post.as_ref().map(|[a, _]| norm_backward_new(lw.post_norm, &lw.train_post_norm, a, dx, hidden, grads));
     let mut dattn = vec![0f32; n * qd];
     linear_backward(&lw.lin[O], &s.lin[O], &s.attn, n, d_o.as_deref().unwrap_or(dx), Some(&mut dattn), grads);
     drop(d_o);
@@ -773,13 +783,8 @@ fn layer_backward(
     let mut dk = from_heads(&dk, b, t, kv_heads, d, Some((positions, cos, sin)));
     if let (Some(norms), Some(raw)) = (&lw.qk_norm, &s.qk) {
         // Through the head norms to the projections' outputs.
-        for ((norm, (x, inv)), dy) in norms.iter().zip(raw).zip([&mut dq, &mut dk]) {
-            if let Some(name) = &norm.train {
-                rms_norm_weight_grad(x, inv, dy, d, grad_of(grads, name, d));
-            }
-            let mut dx = vec![0f32; dy.len()];
-            rms_norm_backward(x, inv, norm.w, dy, &mut dx, false, d);
-            *dy = dx;
+        for ((norm, saved), dy) in norms.iter().zip(raw).zip([&mut dq, &mut dk]) {
+            *dy = norm_backward_new(norm.w, &norm.train, saved, dy, d, grads);
         }
     }
     let dv = from_heads(&dv, b, t, kv_heads, d, None);
