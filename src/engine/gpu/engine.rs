@@ -265,6 +265,9 @@ struct Train {
     dropout: Option<u64>,
 }
 
+/// A norm's input and its rows' inverse RMS, kept for the backward pass.
+type Normed = (Buf, Buf);
+
 /// What a layer's backward pass needs from its forward pass (besides its input).
 struct Saved {
     inv1: Buf,
@@ -284,7 +287,7 @@ struct Saved {
     qk: Option<[(Buf, Buf); 2]>,
     /// With Gemma's norms after attention and the MLP: o_proj's and down_proj's outputs before
     /// them, with each row's inverse RMS.
-    post: Option<[(Buf, Buf); 2]>,
+    post: Option<[Normed; 2]>,
 }
 
 pub struct GpuEngine {
@@ -974,17 +977,9 @@ impl GpuEngine {
         // The residual: o_proj accumulates into a copy of the layer's input — or, with Gemma's
         // norms after attention and the MLP, its normed output is added to that copy.
         let hid = self.copy(x)?;
-        let post_attn = match l.feedforward_norms {
-            None => {
-                u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, hid.ptr(), true, dropout, row0)?;
-                None
-            }
-            Some(_) => {
-                let y = self.buf(n * h, dt)?;
-                u[O] = self.lin_fwd(&l.lin[O], attn.ptr(), n, y.ptr(), false, dropout, row0)?;
-                Some(self.add_normed(y, l.post_norm, &hid, n)?)
-            }
-        };
+        let post_norm = l.feedforward_norms.map(|_| l.post_norm);
+        let post_attn;
+        (u[O], post_attn) = self.residual_branch(&l.lin[O], attn.ptr(), n, &hid, post_norm, dropout, row0)?;
         let hn = self.buf(n * h, dt)?;
         let inv2 = self.buf(n, Dt::F32)?;
         o.rmsnorm_fwd(hid.ptr(), self.w(Self::mlp_norm(l)), hn.ptr(), inv2.ptr(), n, h, eps, off)?;
@@ -995,40 +990,39 @@ impl GpuEngine {
         let act = self.buf(n * inter, dt)?;
         o.swiglu(gate.ptr(), up.ptr(), act.ptr(), n * inter, self.gelu())?;
         let next = self.copy(&hid)?;
-        let post_mlp = match l.feedforward_norms {
-            None => {
-                u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, next.ptr(), true, dropout, row0)?;
-                None
-            }
-            Some([_, post]) => {
-                let y = self.buf(n * h, dt)?;
-                u[DOWN] = self.lin_fwd(&l.lin[DOWN], act.ptr(), n, y.ptr(), false, dropout, row0)?;
-                Some(self.add_normed(y, post, &next, n)?)
-            }
-        };
+        let post_norm = l.feedforward_norms.map(|[_, post]| post);
+        let post_mlp;
+        (u[DOWN], post_mlp) = self.residual_branch(&l.lin[DOWN], act.ptr(), n, &next, post_norm, dropout, row0)?;
         let post = post_attn.zip(post_mlp).map(|(a, m)| [a, m]);
         let saved = save.then_some(Saved { inv1, q, k, v, attn, lse, h: hid, inv2, gate, up, u, qk, post });
         Ok((next, saved))
     }
 
-    /// `acc += norm(y)` by the weight `w` (Gemma's norms after attention and the MLP); `y` and
-    /// its rows' inverse RMS, for the backward pass.
-    fn add_normed(&self, y: Buf, w: W, acc: &Buf, n: usize) -> Result<(Buf, Buf), GpuError> {
+    /// A branch joining the residual `acc`: `acc += l(x)`, or with a norm on the branch's output
+    /// (Gemma's after attention and the MLP) `acc += norm(l(x))`, keeping `l(x)` and its rows'
+    /// inverse RMS for the backward pass; and the adapter's `x Aᵀ`.
+    fn residual_branch(
+        &self,
+        l: &Lin,
+        x: u64,
+        n: usize,
+        acc: &Buf,
+        norm: Option<W>,
+        dropout: Option<u64>,
+        row0: usize,
+    ) -> Result<(Option<Buf>, Option<Normed>), GpuError> {
+        let Some(w) = norm else {
+            return Ok((self.lin_fwd(l, x, n, acc.ptr(), true, dropout, row0)?, None));
+        };
         let c = &self.cfg;
         let h = c.hidden_size;
+        let y = self.buf(n * h, self.dt)?;
+        let u = self.lin_fwd(l, x, n, y.ptr(), false, dropout, row0)?;
         let (normed, inv) = (self.buf(n * h, self.dt)?, self.buf(n, Dt::F32)?);
-        self.ops().rmsnorm_fwd(
-            y.ptr(),
-            self.w(w),
-            normed.ptr(),
-            inv.ptr(),
-            n,
-            h,
-            c.rms_norm_eps as f32,
-            c.norm_offset,
-        )?;
+        let eps = c.rms_norm_eps as f32;
+        self.ops().rmsnorm_fwd(y.ptr(), self.w(w), normed.ptr(), inv.ptr(), n, h, eps, c.norm_offset)?;
         self.ops().add(acc.ptr(), normed.ptr(), n * h)?;
-        Ok((y, inv))
+        Ok((u, Some((y, inv))))
     }
 
     /// The norm the MLP reads: Llama's `post_attention_layernorm`, Gemma's
