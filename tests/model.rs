@@ -1099,7 +1099,7 @@ fn imatrix_counts_what_each_linear_reads() {
         assert_eq!(im.len(), sums.len(), "{name}: every decoder linear, nothing else");
         assert_eq!(im.tokens(), rows.iter().map(Vec::len).sum::<usize>() as u64);
         for (hf, want) in sums {
-            let gguf = tensor_name(&format!("{hf}.weight")).unwrap();
+            let gguf = tensor_name(&format!("{hf}.weight"), false).unwrap();
             let tokens = expected["tokens"][hf].as_f64().unwrap();
             let ours = im.importance(&gguf).unwrap();
             let want: Vec<f64> = want.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() / tokens).collect();
@@ -1352,5 +1352,135 @@ fn packed_batch_matches(name: &str, dropout: f64) {
         // One pass over the whole batch draws the same masks as the shards.
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         one.install(|| assert_fused_matches(&model, &batch, &select, &tgt, Some(42)));
+    }
+}
+
+/// The tiny Gemma 3 of tests/fixtures/gguf/tiny-gemma3 (made by make_gemma_gguf.py: a
+/// Gemma-style SentencePiece `tokenizer.model` with transformers' tokenizer.json, six layers
+/// with local attention in five) exported by rtune as an f32 GGUF.
+fn gemma3_gguf() -> (tempfile::TempDir, PathBuf, ModelFolder) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-gemma3");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let folder = ModelFolder::open(dir.path()).unwrap();
+    let path = dir.path().join("m.gguf");
+    {
+        let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
+        rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufF32, None, None)
+            .unwrap();
+    }
+    (dir, path, folder)
+}
+
+fn gguf_fixture(name: &str) -> serde_json::Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-gemma3").join(name);
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// A GGUF metadata value as gguf-py's `contents()` gives it.
+fn gguf_json(v: &candle_core::quantized::gguf_file::Value) -> serde_json::Value {
+    use candle_core::quantized::gguf_file::Value as V;
+    match v {
+        V::U8(x) => (*x).into(),
+        V::I8(x) => (*x).into(),
+        V::U16(x) => (*x).into(),
+        V::I16(x) => (*x).into(),
+        V::U32(x) => (*x).into(),
+        V::I32(x) => (*x).into(),
+        V::U64(x) => (*x).into(),
+        V::I64(x) => (*x).into(),
+        V::F32(x) => f64::from(*x).into(),
+        V::F64(x) => (*x).into(),
+        V::Bool(x) => (*x).into(),
+        V::String(x) => x.clone().into(),
+        V::Array(a) => a.iter().map(gguf_json).collect(),
+    }
+}
+
+/// rtune's Gemma 3 GGUF holds what llama.cpp's own convert_hf_to_gguf.py writes of the same
+/// folder (converter.json): every metadata key with its value — the SentencePiece pieces, scores
+/// and types, the special tokens, the rotary bases and window — and every tensor with its shape,
+/// type and bytes (norms stored as `1 + w`), bit for bit. Only the converter's naming guesses
+/// (`general.name`, `general.size_label`, `general.type`) are not compared.
+#[test]
+fn gemma3_gguf_is_what_llama_cpps_converter_writes() {
+    use sha2::Digest;
+    let (_dir, path, _) = gemma3_gguf();
+    let reference = gguf_fixture("converter.json");
+    let bytes = std::fs::read(&path).unwrap();
+    let mut f = std::io::Cursor::new(&bytes);
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    let naming = ["general.name", "general.size_label", "general.type"];
+    let theirs = reference["metadata"].as_object().unwrap();
+    for (key, want) in theirs {
+        if naming.contains(&key.as_str()) {
+            continue;
+        }
+        let got = content.metadata.get(key).unwrap_or_else(|| panic!("rtune wrote no `{key}`"));
+        assert_eq!(gguf_json(got), want["value"], "`{key}`");
+    }
+    for key in content.metadata.keys() {
+        assert!(theirs.contains_key(key), "rtune wrote `{key}`, which the converter does not");
+    }
+    let tensors = reference["tensors"].as_array().unwrap();
+    assert_eq!(content.tensor_infos.len(), tensors.len());
+    for t in tensors {
+        let name = t["name"].as_str().unwrap();
+        let info = &content.tensor_infos[name];
+        let mut shape: Vec<usize> = info.shape.dims().to_vec();
+        shape.reverse();
+        assert_eq!(serde_json::json!(shape), t["shape"], "{name}");
+        assert_eq!(format!("{:?}", info.ggml_dtype).to_uppercase(), t["type"].as_str().unwrap(), "{name}");
+        let start = (content.tensor_data_offset + info.offset) as usize;
+        let data = &bytes[start..start + info.shape.elem_count() * 4];
+        let digest: String = sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(digest, t["sha256"].as_str().unwrap(), "{name}: its bytes differ from the converter's");
+    }
+}
+
+/// The self-check's reading of a Gemma 3 GGUF (llama.cpp's rules: the config from the metadata
+/// and what llama.cpp hard-codes) computes the logits llama.cpp computes on the converter's file
+/// of the same folder (llama_cpp.json, llama.cpp through llama-cpp-python) for a sequence past
+/// the window, and those of rtune's model of the folder; and rtune's tokenizer (the one training
+/// uses) splits text, special tokens and bytes as llama.cpp's SentencePiece tokenizer does.
+#[test]
+fn gemma3_gguf_reads_as_llama_cpp_computes_and_tokenizes() {
+    let (_dir, path, folder) = gemma3_gguf();
+    let expected = gguf_fixture("llama_cpp.json");
+    let model = rtune::model::gguf::read::GgufModel::open(&path, &folder.config, &Device::Cpu).unwrap();
+    // The metadata holds the epsilon in f32, as llama.cpp computes with it.
+    assert_eq!(model.config.rms_norm_eps, f64::from(folder.config.rms_norm_eps as f32));
+    let read = rtune::model::ModelConfig { rms_norm_eps: folder.config.rms_norm_eps, ..model.config.clone() };
+    assert_eq!(read, folder.config, "the config llama.cpp reads is the folder's");
+    let ids: Vec<u32> = serde_json::from_value(expected["ids"].clone()).unwrap();
+    let batch = Batch::new(std::slice::from_ref(&ids), &[ids.len()], None, &Device::Cpu).unwrap();
+    let h = model.hidden(&[batch]).unwrap().remove(0).flatten_to(1).unwrap();
+    let got: Vec<Vec<f32>> = model.logits(&h).unwrap().to_vec2().unwrap();
+    let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let ours = full_forward(
+        &Transformer::new(&folder.config, &weights, &Trainable::nothing(), &mut Rng::new(0)).unwrap(),
+        &ids,
+    );
+    for (what, want) in
+        [("llama.cpp", &expected["logits"]["llama_cpp"]), ("transformers", &expected["logits"]["transformers"])]
+    {
+        let want: Vec<Vec<f32>> = serde_json::from_value(want.clone()).unwrap();
+        for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+            let d = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-4, "position {j}: max |logit difference| from {what} {d}");
+        }
+    }
+    let d = got.iter().flatten().zip(ours.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(d < 1e-5, "the GGUF read back against rtune's model: {d}");
+    let tokenizer = folder.tokenizer().unwrap();
+    for row in expected["tokenized"].as_array().unwrap() {
+        let text = row["text"].as_str().unwrap();
+        for (key, bos) in [("with_bos", true), ("without_bos", false)] {
+            let want: Vec<u32> = serde_json::from_value(row[key]["llama_cpp"].clone()).unwrap();
+            let got = tokenizer.encode(text, bos).unwrap().get_ids().to_vec();
+            assert_eq!(got, want, "{key}: {text:?}");
+        }
     }
 }

@@ -52,16 +52,15 @@ pub enum ModelError {
     #[error("{what} is not supported")]
     #[diagnostic(code(rtune::model::unsupported))]
     Unsupported { what: String },
-    #[error("rtune writes no GGUF of {arch} models yet")]
+    #[error("rtune writes no GGUF of this {arch} model: {why}")]
     #[diagnostic(
         code(rtune::model::no_gguf),
         help(
-            "drop the `gguf-*` formats from `stages.quantize.formats`: the `peft-adapter` and \
-             `safetensors-merged` exports are written, and llama.cpp's convert_hf_to_gguf.py converts the \
-             merged folder"
+            "llama.cpp would compute another model from the file; drop the `gguf-*` formats from \
+             `stages.quantize.formats`: the `peft-adapter` and `safetensors-merged` exports are written"
         )
     )]
-    NoGguf { arch: String },
+    NoGguf { arch: String, why: String },
     #[error("the adapter holds `{name}`, but its config targets no such linear of this model")]
     #[diagnostic(
         code(rtune::model::stray_adapter),

@@ -47,7 +47,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     let merged = Merged::open(&folder, Some(&weights_dir))?;
     // Before any export is written: an architecture without a GGUF writer fails the stage here.
     if s.formats.iter().any(|f| gguf::target(*f).is_some()) {
-        gguf::architecture(&folder.config)?;
+        gguf::check(&folder.config, &model_dir)?;
     }
     let device = key.device.resolution().candle_device().map_err(StageError::candle("cannot open the device"))?;
     let base_name = &key.settings.base_name;
@@ -196,7 +196,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                         self_check.insert((eval, rows, reference, split))
                     }
                 };
-                let (loss, n, same) = gguf_eval_loss(&path, folder.config.arch, eval, *rows, &reference.top, &device)?;
+                let (loss, n, same) = gguf_eval_loss(&path, merged.config(), eval, *rows, &reference.top, &device)?;
                 let agreement = same as f64 / n.max(1) as f64;
                 let reference = reference.loss;
                 // A perplexity that is not finite is no quantization cost: the file or the reader
@@ -309,6 +309,31 @@ struct Reference {
     top: Vec<u32>,
 }
 
+/// A model that computes whole rows, one decoder layer at a time: the adapter model, or a Gemma
+/// GGUF as llama.cpp reads it.
+trait Rows {
+    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, crate::model::ModelError>;
+    fn logits(&self, h: &Tensor) -> Result<Tensor, crate::model::ModelError>;
+}
+
+impl Rows for crate::model::merged::Streamed<'_, '_> {
+    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, crate::model::ModelError> {
+        self.hidden(batches)
+    }
+    fn logits(&self, h: &Tensor) -> Result<Tensor, crate::model::ModelError> {
+        self.logits(h)
+    }
+}
+
+impl Rows for gguf::read::GgufModel {
+    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, crate::model::ModelError> {
+        self.hidden(batches)
+    }
+    fn logits(&self, h: &Tensor) -> Result<Tensor, crate::model::ModelError> {
+        self.logits(h)
+    }
+}
+
 /// The adapter model's [`Reference`] over the first `rows` eval rows (one row a batch, as the
 /// evaluate stage batches them), computed one decoder layer at a time.
 fn adapter_reference(
@@ -317,6 +342,11 @@ fn adapter_reference(
     rows: usize,
     device: &Device,
 ) -> Result<Reference, StageError> {
+    rows_reference(&merged.streamed(Form::Adapter, device)?, eval, rows, device)
+}
+
+/// `model`'s mean next-token loss and most likely tokens over the first `rows` eval rows.
+fn rows_reference(model: &impl Rows, eval: &TokenStore, rows: usize, device: &Device) -> Result<Reference, StageError> {
     let err = |what: &str| StageError::candle(format!("GGUF self-check reference: {what}"));
     let mut batches = Vec::new();
     let mut picks = Vec::new();
@@ -332,7 +362,6 @@ fn adapter_reference(
         let targets = Tensor::from_slice(&hb.targets, n, device).map_err(err("batch"))?;
         picks.push((select, targets, n));
     }
-    let model = merged.streamed(Form::Adapter, device)?;
     let hidden = model.hidden(&batches)?;
     let (mut sum, mut count, mut top) = (0f64, 0usize, Vec::new());
     for (h, (select, targets, n)) in hidden.iter().zip(&picks) {
@@ -363,7 +392,7 @@ fn given_imatrix(
         .layout()
         .iter()
         .filter_map(|e| match e.shape.as_slice() {
-            [_, cols] => gguf::tensor_name(&e.name).map(|n| (n, *cols)),
+            [_, cols] => gguf::tensor_name(&e.name, merged.config().sandwich_norms).map(|n| (n, *cols)),
             _ => None,
         })
         .collect();
@@ -513,13 +542,14 @@ fn check_rows(lens: impl Iterator<Item = usize>, params: usize, cpu: bool) -> us
 }
 
 /// Mean next-token loss of a GGUF file over the first `rows` eval rows, decoded token by token
-/// with candle's quantized Llama/Qwen2/Qwen3 (llama.cpp's conventions: it is a check of names,
-/// layout and metadata as much as of quantization error), the tokens it counted, and at how many
-/// of them its most likely token is the reference's (`top`, one per counted token, in order; the
-/// first of equal logits, as candle's argmax takes it).
+/// with candle's quantized Llama/Qwen2/Qwen3, and for Gemma computed row by row as llama.cpp
+/// reads the file ([`gguf::read`]) — a check of names, layout and metadata as much as of
+/// quantization error —, the tokens it counted, and at how many of them its most likely token
+/// is the reference's (`top`, one per counted token, in order; the first of equal logits, as
+/// candle's argmax takes it).
 fn gguf_eval_loss(
     path: &Path,
-    arch: crate::recipe::Arch,
+    cfg: &crate::model::ModelConfig,
     eval: &TokenStore,
     rows: usize,
     top: &[u32],
@@ -534,7 +564,7 @@ fn gguf_eval_loss(
     let ctx = |what: &str| StageError::candle(format!("GGUF self-check: {what}"));
     let mut f = std::fs::File::open(path).map_err(StageError::io(format!("cannot open `{}`", path.display())))?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(ctx("read"))?;
-    let mut model = match arch {
+    let mut model = match cfg.arch {
         crate::recipe::Arch::Llama => {
             Q::Llama(quantized_llama::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
         }
@@ -545,7 +575,17 @@ fn gguf_eval_loss(
             Q::Qwen3(quantized_qwen3::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
         }
         crate::recipe::Arch::Gemma2 | crate::recipe::Arch::Gemma3 => {
-            return Err(StageError::Internal("no GGUF of Gemma is written, so none is checked".into()));
+            let model = gguf::read::GgufModel::open(path, cfg, device)?;
+            let r = rows_reference(&model, eval, rows, device)?;
+            let same = r.top.iter().zip(top).filter(|(a, b)| a == b).count();
+            if r.top.len() != top.len() {
+                return Err(StageError::Internal(format!(
+                    "the GGUF self-check counted {} tokens, its reference {}",
+                    r.top.len(),
+                    top.len()
+                )));
+            }
+            return Ok((r.loss, r.top.len(), same));
         }
     };
     let (mut sum, mut n, mut same) = (0f64, 0usize, 0usize);

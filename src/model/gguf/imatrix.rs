@@ -50,7 +50,8 @@ impl Imatrix {
         let tokens = x.dim(0)? as u64;
         let sums: Vec<f32> = x.sqr()?.sum(0)?.to_vec1()?;
         for &k in linears {
-            let name = super::tensor_name(&format!("model.layers.{layer}.{}.weight", LAYER_LINEARS[k]))
+            // Linears have one name in every architecture.
+            let name = super::tensor_name(&format!("model.layers.{layer}.{}.weight", LAYER_LINEARS[k]), false)
                 .expect("every decoder linear has a llama.cpp name");
             let e = self.entries.entry(name).or_insert_with(|| Entry { sums: vec![0.0; cols], tokens: 0 });
             if e.sums.len() != cols {

@@ -1,7 +1,8 @@
 //! GGUF export in llama.cpp's conventions (gguf-py's constants and convert_hf_to_gguf.py):
 //! `blk.N.attn_q.weight`-style tensor names, `general.*` and `<arch>.*` metadata, the tokenizer
-//! embedded as `tokenizer.ggml.*`, Llama's q/k rows permuted for llama.cpp's interleaved rotary
-//! embedding, llama3 rope factors as `rope_freqs.weight`, and 1-D tensors kept in f32.
+//! embedded as `tokenizer.ggml.*` (byte-level BPE as `gpt2`, a SentencePiece model's pieces as
+//! `llama`), Llama's q/k rows permuted for llama.cpp's interleaved rotary embedding, llama3 rope
+//! factors as `rope_freqs.weight`, Gemma's norms stored as `1 + w`, and 1-D tensors kept in f32.
 //! The container is GGUF v2, as candle's `gguf_file::write` writes it, but streamed: the header
 //! first, then each tensor computed, quantized and written in turn (never the model in memory).
 
@@ -15,14 +16,18 @@ use crate::recipe::{Arch, ExportFormat};
 
 pub mod imatrix;
 pub mod quants;
+pub mod read;
+pub mod spm;
 
 pub use imatrix::Imatrix;
 
 /// llama.cpp token types.
 const NORMAL: i32 = 1;
+const UNKNOWN: i32 = 2;
 const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
 const UNUSED: i32 = 5;
+const BYTE: i32 = 6;
 
 /// One tensor of a GGUF export: which of the model's weights, its llama.cpp name and ggml type,
 /// and why it is not in the type it would have had (a row that is not whole blocks).
@@ -54,7 +59,7 @@ pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target:
     let gqa = cfg.num_heads / cfg.num_kv_heads.max(1);
     let mut out = Vec::new();
     for (index, (hf, shape)) in weights.iter().enumerate() {
-        let Some(name) = tensor_name(hf) else { continue };
+        let Some(name) = tensor_name(hf, cfg.sandwich_norms) else { continue };
         let (ty, fallback) = match shape.as_slice() {
             [_, row] => {
                 let site = Site { name: &name, row: *row, layers: cfg.num_layers, tied, is_70b, gqa, imatrix };
@@ -67,16 +72,77 @@ pub fn tensor_types(cfg: &ModelConfig, weights: &[(String, Vec<usize>)], target:
     out
 }
 
-/// llama.cpp's name for `cfg`'s architecture, or why rtune writes no GGUF of it.
+/// llama.cpp's name for `cfg`'s architecture, or why rtune writes no GGUF of it: a model that
+/// llama.cpp would compute otherwise than transformers (it hard-codes parts of Gemma's config).
 pub fn architecture(cfg: &ModelConfig) -> Result<&'static str, ModelError> {
+    let arch = match cfg.arch {
+        Arch::Llama => "llama",
+        Arch::Qwen2 => "qwen2",
+        Arch::Qwen3 => "qwen3",
+        Arch::Gemma2 => "gemma2",
+        Arch::Gemma3 => "gemma3",
+    };
+    match llama_cpp_misreads(cfg) {
+        Some(why) => Err(ModelError::NoGguf { arch: arch_title(cfg.arch).into(), why }),
+        None => Ok(arch),
+    }
+}
+
+fn arch_title(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Llama => "Llama",
+        Arch::Qwen2 => "Qwen2",
+        Arch::Qwen3 => "Qwen3",
+        Arch::Gemma2 => "Gemma 2",
+        Arch::Gemma3 => "Gemma 3",
+    }
+}
+
+/// What llama.cpp would read otherwise than the config says, for Gemma: llama.cpp derives the
+/// attention scale from the head size (from hidden / heads for the 27B, which it knows by its
+/// layer count), has no score cap in Gemma 3 and always caps Gemma 2, scales only Gemma 3's
+/// global rotary embedding (linearly), and reads no LM head of Gemma 2.
+fn llama_cpp_misreads(cfg: &ModelConfig) -> Option<String> {
+    let name = arch_title(cfg.arch);
+    let big = match cfg.arch {
+        Arch::Gemma2 => cfg.num_layers == 46,
+        Arch::Gemma3 => cfg.num_layers == 62,
+        _ => return None,
+    };
+    let scalar = if big { (cfg.hidden_size / cfg.num_heads) as f64 } else { cfg.head_dim as f64 };
+    if (cfg.attn_scale * scalar.sqrt() - 1.0).abs() > 1e-9 {
+        let from = if big { "hidden size / heads, as for the 27B" } else { "the head size" };
+        return Some(format!(
+            "llama.cpp scales {name}'s attention scores by 1/√{scalar} ({from}), but config.json's \
+             `query_pre_attn_scalar` gives 1/√{}",
+            cfg.attn_scale.powi(-2)
+        ));
+    }
     match cfg.arch {
-        Arch::Llama => Ok("llama"),
-        Arch::Qwen2 => Ok("qwen2"),
-        Arch::Qwen3 => Ok("qwen3"),
-        // Their GGUFs need llama.cpp's Gemma tensors and metadata (norms stored as 1 + w, the
-        // local layers' window and rotary base) and a SentencePiece vocabulary, not written yet.
-        Arch::Gemma2 => Err(ModelError::NoGguf { arch: "Gemma 2".into() }),
-        Arch::Gemma3 => Err(ModelError::NoGguf { arch: "Gemma 3".into() }),
+        Arch::Gemma3 if cfg.attn_softcap.is_some() => {
+            return Some(
+                "llama.cpp's Gemma 3 has no cap on attention scores (config.json `attn_logit_softcapping`)".into(),
+            );
+        }
+        Arch::Gemma2 if cfg.attn_softcap.is_none() || cfg.final_softcap.is_none() => {
+            return Some(
+                "llama.cpp's Gemma 2 caps attention scores and logits (config.json `attn_logit_softcapping`, \
+                 `final_logit_softcapping`)"
+                    .into(),
+            );
+        }
+        Arch::Gemma2 if !cfg.tie_word_embeddings => {
+            return Some("llama.cpp's Gemma 2 reads no LM head of its own (an adapter on `lm_head` untied it)".into());
+        }
+        _ => {}
+    }
+    match (&cfg.rope_scaling, cfg.arch) {
+        (None, _) => None,
+        (Some(r), Arch::Gemma3) if r.rope_type.as_deref() == Some("linear") => None,
+        (Some(r), _) => Some(format!(
+            "llama.cpp reads no `{}` rotary scaling of {name}",
+            r.rope_type.as_deref().unwrap_or("unnamed")
+        )),
     }
 }
 
@@ -218,8 +284,10 @@ pub struct GgufReport {
     pub fallbacks: Vec<String>,
 }
 
-/// llama.cpp's name for an HF tensor name.
-pub fn tensor_name(hf: &str) -> Option<String> {
+/// llama.cpp's name for an HF tensor name. `sandwich`: the model normalises the attention's and
+/// the MLP's outputs (Gemma), where `post_attention_layernorm` is the attention's output norm and
+/// `pre_feedforward_layernorm` the MLP's input norm (Llama's `post_attention_layernorm`).
+pub fn tensor_name(hf: &str, sandwich: bool) -> Option<String> {
     let fixed = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -232,18 +300,21 @@ pub fn tensor_name(hf: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, tail) = rest.split_once('.')?;
     let (module, kind) = tail.rsplit_once('.')?;
-    let name = match module {
-        "input_layernorm" => "attn_norm",
-        "post_attention_layernorm" => "ffn_norm",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
+    let name = match (module, sandwich) {
+        ("input_layernorm", _) => "attn_norm",
+        ("post_attention_layernorm", false) => "ffn_norm",
+        ("post_attention_layernorm", true) => "post_attention_norm",
+        ("pre_feedforward_layernorm", true) => "ffn_norm",
+        ("post_feedforward_layernorm", true) => "post_ffw_norm",
+        ("self_attn.q_proj", _) => "attn_q",
+        ("self_attn.k_proj", _) => "attn_k",
+        ("self_attn.v_proj", _) => "attn_v",
+        ("self_attn.o_proj", _) => "attn_output",
+        ("mlp.gate_proj", _) => "ffn_gate",
+        ("mlp.up_proj", _) => "ffn_up",
+        ("mlp.down_proj", _) => "ffn_down",
+        ("self_attn.q_norm", _) => "attn_q_norm",
+        ("self_attn.k_norm", _) => "attn_k_norm",
         _ => return None,
     };
     Some(format!("blk.{layer}.{name}.{kind}"))
@@ -284,24 +355,7 @@ pub fn write(
         ("general.file_type".into(), Value::U32(target.file_type)),
         ("general.quantization_version".into(), Value::U32(2)),
     ];
-    let a = |k: &str| format!("{arch}.{k}");
-    md.push((a("context_length"), Value::U32(cfg.max_position_embeddings as u32)));
-    md.push((a("embedding_length"), Value::U32(cfg.hidden_size as u32)));
-    md.push((a("block_count"), Value::U32(cfg.num_layers as u32)));
-    md.push((a("feed_forward_length"), Value::U32(cfg.intermediate_size as u32)));
-    md.push((a("attention.head_count"), Value::U32(cfg.num_heads as u32)));
-    md.push((a("attention.head_count_kv"), Value::U32(cfg.num_kv_heads as u32)));
-    md.push((a("attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_norm_eps as f32)));
-    md.push((a("rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
-    md.push((a("rope.dimension_count"), Value::U32(cfg.head_dim as u32)));
-    md.push((a("vocab_size"), Value::U32(cfg.vocab_size as u32)));
-    // llama.cpp derives the head size from these when they differ from hidden / heads; its
-    // converter writes them for every Qwen3 (whose config names `head_dim`), and candle's
-    // quantized Qwen3 requires them.
-    if cfg.head_dim * cfg.num_heads != cfg.hidden_size || cfg.arch == Arch::Qwen3 {
-        md.push((a("attention.key_length"), Value::U32(cfg.head_dim as u32)));
-        md.push((a("attention.value_length"), Value::U32(cfg.head_dim as u32)));
-    }
+    md.extend(model_metadata(cfg, arch));
     md.extend(tokenizer_metadata(cfg, model_dir, chat)?);
     // What llama-quantize records of an importance matrix.
     if let Some(im) = imatrix.filter(|_| target.ty != GgmlDType::F32 && target.ty != GgmlDType::F16) {
@@ -349,6 +403,9 @@ pub fn write(
             t = permute(&t, cfg.num_heads).map_err(err(&p.name))?;
         } else if cfg.arch == Arch::Llama && p.name.ends_with("attn_k.weight") {
             t = permute(&t, cfg.num_kv_heads).map_err(err(&p.name))?;
+        } else if cfg.norm_offset && p.name.ends_with("norm.weight") {
+            // llama.cpp's Gemma multiplies by the norm's weight: the `1 + w` Gemma computes.
+            t = t.affine(1.0, 1.0).map_err(err(&p.name))?;
         }
         let values = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(err(&p.name))?;
         drop(t);
@@ -566,22 +623,338 @@ fn llama3_rope_factors(cfg: &ModelConfig) -> Option<Vec<f32>> {
     )
 }
 
-/// `tokenizer.ggml.*` from tokenizer.json and tokenizer_config.json (byte-level BPE only).
+/// The `<arch>.*` metadata: what convert_hf_to_gguf.py writes for the architecture, and so what
+/// llama.cpp reads (for Gemma, besides what it hard-codes: [`llama_cpp_misreads`]).
+fn model_metadata(cfg: &ModelConfig, arch: &str) -> Vec<(String, Value)> {
+    let a = |k: &str| format!("{arch}.{k}");
+    let u = |x: usize| Value::U32(x as u32);
+    let mut md = vec![
+        (a("context_length"), u(cfg.max_position_embeddings)),
+        (a("embedding_length"), u(cfg.hidden_size)),
+        (a("block_count"), u(cfg.num_layers)),
+        (a("feed_forward_length"), u(cfg.intermediate_size)),
+        (a("attention.head_count"), u(cfg.num_heads)),
+        (a("attention.head_count_kv"), u(cfg.num_kv_heads)),
+        (a("attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_norm_eps as f32)),
+    ];
+    if matches!(cfg.arch, Arch::Gemma2 | Arch::Gemma3) {
+        md.push((a("attention.key_length"), u(cfg.head_dim)));
+        md.push((a("attention.value_length"), u(cfg.head_dim)));
+        // Gemma 2's converter writes no rotary base (llama.cpp's default is Gemma 2's 10000).
+        if cfg.arch == Arch::Gemma3 || cfg.rope_theta != 10000.0 {
+            md.push((a("rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
+        }
+        if let Some(r) = &cfg.rope_scaling {
+            md.push((a("rope.scaling.type"), Value::String("linear".into())));
+            md.push((a("rope.scaling.factor"), Value::F32(r.factor.unwrap_or(1.0) as f32)));
+        }
+        if let Some(local) = &cfg.local_attention {
+            if cfg.arch == Arch::Gemma3 {
+                md.push((a("rope.freq_base_swa"), Value::F32(local.rope_theta as f32)));
+            }
+            md.push((a("attention.sliding_window"), u(local.window)));
+        }
+        // llama.cpp's layers of local attention unless told: five of six in Gemma 3 (the sixth
+        // global), every other in Gemma 2 (the first local). Another pattern is written out.
+        let every = if cfg.arch == Arch::Gemma3 { 6 } else { 2 };
+        let local: Vec<bool> = (0..cfg.num_layers)
+            .map(|i| cfg.local_attention.as_ref().is_some_and(|l| l.layers.get(i) == Some(&true)))
+            .collect();
+        let usual = (0..cfg.num_layers).all(|i| local[i] == (i % every < every - 1));
+        if cfg.local_attention.is_some() && !usual || cfg.arch == Arch::Gemma2 && cfg.local_attention.is_none() {
+            md.push((
+                a("attention.sliding_window_pattern"),
+                Value::Array(local.into_iter().map(Value::Bool).collect()),
+            ));
+        }
+        if let Some(c) = cfg.attn_softcap {
+            md.push((a("attn_logit_softcapping"), Value::F32(c as f32)));
+        }
+        if let Some(c) = cfg.final_softcap {
+            md.push((a("final_logit_softcapping"), Value::F32(c as f32)));
+        }
+        return md;
+    }
+    md.push((a("rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
+    md.push((a("rope.dimension_count"), u(cfg.head_dim)));
+    md.push((a("vocab_size"), u(cfg.vocab_size)));
+    // llama.cpp derives the head size from these when they differ from hidden / heads; its
+    // converter writes them for every Qwen3 (whose config names `head_dim`), and candle's
+    // quantized Qwen3 requires them.
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size || cfg.arch == Arch::Qwen3 {
+        md.push((a("attention.key_length"), u(cfg.head_dim)));
+        md.push((a("attention.value_length"), u(cfg.head_dim)));
+    }
+    md
+}
+
+/// Which vocabulary a GGUF of the model in `model_dir` carries.
+enum Vocabulary {
+    /// The pieces of this `tokenizer.model`.
+    SentencePiece(std::path::PathBuf),
+    /// tokenizer.json's byte-level BPE.
+    ByteLevel,
+}
+
+/// The vocabulary a GGUF of the model in `model_dir` carries, as llama.cpp's converter chooses
+/// it (Gemma's and Llama's `tokenizer.model` first), or why none: a SentencePiece tokenizer.json
+/// (byte fallback, no byte-level pre-tokenizer) without its `tokenizer.model`, whose pieces'
+/// scores llama.cpp's tokenizer needs.
+fn vocabulary(cfg: &ModelConfig, model_dir: &Path) -> Result<Vocabulary, ModelError> {
+    let spm = model_dir.join("tokenizer.model");
+    if matches!(cfg.arch, Arch::Llama | Arch::Gemma2 | Arch::Gemma3) && spm.is_file() {
+        return Ok(Vocabulary::SentencePiece(spm));
+    }
+    let tj = read_json(&model_dir.join("tokenizer.json"))?;
+    fn byte_level(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::Object(o) => {
+                o.get("type").is_some_and(|t| t == "ByteLevel") || o.values().any(byte_level)
+            }
+            serde_json::Value::Array(a) => a.iter().any(byte_level),
+            _ => false,
+        }
+    }
+    if tj["model"]["type"] == "BPE" && (byte_level(&tj["pre_tokenizer"]) || byte_level(&tj["decoder"])) {
+        return Ok(Vocabulary::ByteLevel);
+    }
+    let kind = tj["model"]["type"].as_str().unwrap_or("unknown");
+    Err(ModelError::NoGguf {
+        arch: arch_title(cfg.arch).into(),
+        why: format!(
+            "its tokenizer.json is a `{kind}` tokenizer without byte-level pre-tokenization (SentencePiece-style), \
+             and the folder has no tokenizer.model, whose pieces and scores a GGUF carries for llama.cpp's \
+             SentencePiece tokenizer"
+        ),
+    })
+}
+
+/// Whether rtune writes a GGUF of the model in `model_dir` (config `cfg`): its architecture
+/// as llama.cpp reads it ([`architecture`]) and a vocabulary llama.cpp tokenizes with as the
+/// model was trained.
+pub fn check(cfg: &ModelConfig, model_dir: &Path) -> Result<(), ModelError> {
+    architecture(cfg)?;
+    vocabulary(cfg, model_dir).map(drop)
+}
+
+/// `tokenizer.ggml.*`: a SentencePiece model's pieces where the folder has its
+/// `tokenizer.model` and llama.cpp's converter reads it (Gemma, Llama), else tokenizer.json's
+/// byte-level BPE.
 fn tokenizer_metadata(
     cfg: &ModelConfig,
     model_dir: &Path,
     chat: Option<ChatMetadata<'_>>,
 ) -> Result<Vec<(String, Value)>, ModelError> {
+    let mut md = match vocabulary(cfg, model_dir)? {
+        Vocabulary::SentencePiece(spm) => sentencepiece_metadata(cfg, model_dir, &spm)?,
+        Vocabulary::ByteLevel => byte_level_metadata(cfg, model_dir)?,
+    };
+    // The template the model was trained with, and the token its turns end with: llama.cpp
+    // stops generation at EOS and at `eot_token_id`.
+    if let Some(chat) = chat {
+        md.push(("tokenizer.chat_template".into(), Value::String(chat.template.to_string())));
+        if let Some(id) = chat.turn_end
+            && cfg.eos_token_ids.first() != Some(&id)
+        {
+            md.push(("tokenizer.ggml.eot_token_id".into(), Value::U32(id)));
+        }
+    }
+    Ok(md)
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })
+}
+
+/// A SentencePiece vocabulary as convert_hf_to_gguf.py writes it (`_set_vocab_sentencepiece`
+/// and gguf-py's `SpecialVocab`): every piece with its score and type (user-defined pieces as
+/// normal ones), ids past the model's `[PAD<id>]` and unused; `added_tokens.json` and
+/// tokenizer_config.json's `added_tokens_decoder` over them (control tokens where special or
+/// special-looking, else user-defined; score -1000); the special tokens' ids and whether BOS,
+/// EOS and a separator are added; Gemma's no space prefix.
+fn sentencepiece_metadata(cfg: &ModelConfig, model_dir: &Path, spm: &Path) -> Result<Vec<(String, Value)>, ModelError> {
+    let pieces = spm::read(spm)?;
+    let n = cfg.vocab_size;
+    let mut tokens: Vec<String> = (0..n).map(|i| format!("[PAD{i}]")).collect();
+    let mut scores = vec![-10000f32; n];
+    let mut types = vec![UNUSED; n];
+    for (i, p) in pieces.iter().enumerate().take(n) {
+        tokens[i] = p.text.clone();
+        scores[i] = p.score;
+        types[i] = match p.kind {
+            spm::Kind::Unknown => UNKNOWN,
+            spm::Kind::Control => CONTROL,
+            spm::Kind::Unused => UNUSED,
+            spm::Kind::Byte => BYTE,
+            spm::Kind::Normal | spm::Kind::UserDefined => NORMAL,
+        };
+    }
+    let added = model_dir.join("added_tokens.json");
+    if added.is_file() {
+        for (text, id) in read_json(&added)?.as_object().into_iter().flatten() {
+            if let Some(i) = id.as_u64().map(|i| i as usize).filter(|&i| i < n) {
+                (tokens[i], scores[i], types[i]) = (text.clone(), -1000.0, USER_DEFINED);
+            }
+        }
+    }
+    let tc_path = model_dir.join("tokenizer_config.json");
+    let tc = if tc_path.is_file() { Some(read_json(&tc_path)?) } else { None };
+    for (id, t) in tc.iter().flat_map(|tc| tc["added_tokens_decoder"].as_object()).flatten() {
+        let (Some(i), Some(text)) = (id.parse::<usize>().ok().filter(|&i| i < n), t["content"].as_str()) else {
+            continue;
+        };
+        let special = t["special"].as_bool() == Some(true) || looks_special(text);
+        (tokens[i], scores[i], types[i]) = match special {
+            true => (text.to_string(), -1000.0, CONTROL),
+            false => (text.replace('\u{2581}', " "), -1000.0, USER_DEFINED),
+        };
+    }
+    let mut md = vec![
+        ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
+        ("tokenizer.ggml.pre".to_string(), Value::String("default".into())),
+        ("tokenizer.ggml.tokens".to_string(), Value::Array(tokens.into_iter().map(Value::String).collect())),
+        ("tokenizer.ggml.scores".to_string(), Value::Array(scores.into_iter().map(Value::F32).collect())),
+        ("tokenizer.ggml.token_type".to_string(), Value::Array(types.into_iter().map(Value::I32).collect())),
+    ];
+    md.extend(special_tokens(model_dir, tc.as_ref(), n)?);
+    match cfg.arch {
+        Arch::Gemma2 | Arch::Gemma3 => md.push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false))),
+        _ => {
+            if let Some(b) = tc.as_ref().and_then(|tc| tc["add_prefix_space"].as_bool()) {
+                md.push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(b)));
+            }
+        }
+    }
+    Ok(md)
+}
+
+/// convert_hf_to_gguf's `does_token_look_special`: added tokens that models mark as not special
+/// but llama.cpp must treat as control tokens.
+fn looks_special(t: &str) -> bool {
+    matches!(t, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
+        || (t.starts_with("<|") && t.ends_with("|>"))
+        || (t.starts_with("<\u{ff5c}") && t.ends_with("\u{ff5c}>"))
+        || (t.starts_with("<unused") && t.ends_with('>'))
+}
+
+/// gguf-py's `SpecialVocab` for the common layouts: each special token's id (tokenizer_config's
+/// `<kind>_token` found among tokenizer.json's added tokens, else config.json's
+/// `<kind>_token_id`), and whether BOS/EOS/a separator are added (tokenizer.json's
+/// TemplateProcessing first, then tokenizer_config's `add_<kind>_token`).
+fn special_tokens(
+    model_dir: &Path,
+    tc: Option<&serde_json::Value>,
+    n: usize,
+) -> Result<Vec<(String, Value)>, ModelError> {
+    const KINDS: [(&str, &str); 7] = [
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("unk", "unknown_token_id"),
+        ("sep", "seperator_token_id"),
+        ("pad", "padding_token_id"),
+        ("cls", "cls_token_id"),
+        ("mask", "mask_token_id"),
+    ];
+    let tj = read_json(&model_dir.join("tokenizer.json"))?;
+    let cfg_path = model_dir.join("config.json");
+    let config = if cfg_path.is_file() { read_json(&cfg_path)? } else { serde_json::Value::Null };
+    let null = serde_json::Value::Null;
+    let tc = tc.unwrap_or(&null);
+    let content = |kind: &str| -> Option<String> {
+        let e = &tc[format!("{kind}_token")];
+        e.as_str().or_else(|| e["content"].as_str()).map(str::to_string)
+    };
+    let added_id = |text: &str| {
+        tj["added_tokens"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|t| t["content"] == text)
+            .and_then(|t| t["id"].as_u64())
+    };
+    let mut ids: Vec<(&str, u64)> = Vec::new();
+    for (kind, _) in KINDS {
+        let id = content(kind).and_then(|c| added_id(&c)).or_else(|| config[format!("{kind}_token_id")].as_u64());
+        if let Some(id) = id.filter(|&i| (i as usize) < n) {
+            ids.push((kind, id));
+        }
+    }
+    // Which special tokens tokenizer.json's post-processor adds around a sequence.
+    let mut add: Vec<(&str, bool)> = Vec::new();
+    let pp = &tj["post_processor"];
+    let processors = match pp["processors"].as_array() {
+        Some(list) => list.iter().collect::<Vec<_>>(),
+        None if pp.is_object() => vec![pp],
+        None => vec![],
+    };
+    let (bos, eos) = (content("bos"), content("eos"));
+    for p in processors {
+        if p["type"] == "ByteLevel" {
+            add.push(("bos", false));
+            add.push(("eos", false));
+        } else if p["type"] == "TemplateProcessing" {
+            let special = |item: &serde_json::Value| item["SpecialToken"]["id"].as_str().map(str::to_string);
+            let single = p["single"].as_array().cloned().unwrap_or_default();
+            let (first, last) = match single.len() > 1 {
+                true => (special(&single[0]), special(&single[single.len() - 1])),
+                false => (None, None),
+            };
+            if let Some(f) = &first {
+                add.push(("bos", bos.as_ref() == Some(f)));
+            }
+            if let Some(l) = &last {
+                add.push(("eos", eos.as_ref() == Some(l)));
+            }
+            // A pair `A <token> B` adds no separator unless that token is the separator or EOS.
+            let pair = p["pair"].as_array().cloned().unwrap_or_default();
+            let start = usize::from(first.is_some() && pair.first().and_then(special) == first);
+            let stop = pair.len() - usize::from(last.is_some() && pair.last().and_then(special) == last);
+            if start < stop {
+                let inner = &pair[start..stop];
+                let seq = |item: &serde_json::Value| item["Sequence"]["id"].as_str().map(str::to_string);
+                let (a, b) = (seq(&inner[0]), seq(&inner[inner.len() - 1]));
+                if a.as_deref() == Some("A") && b.as_deref() == Some("B") && inner.len() > 2 {
+                    let middle = &inner[1..inner.len() - 1];
+                    let sep = content("sep");
+                    let is_sep = |t: &Option<String>| t.is_some() && (t == &sep || t == &eos);
+                    let mut add_sep = is_sep(&special(&middle[0])) && last.is_none();
+                    if middle.len() == 2 && is_sep(&special(&middle[1])) {
+                        add_sep = true;
+                    }
+                    add.push(("sep", add_sep));
+                }
+            }
+        }
+    }
+    for kind in ["bos", "eos", "sep"] {
+        if let Some(b) = tc[format!("add_{kind}_token")].as_bool()
+            && !add.iter().any(|(k, _)| *k == kind)
+        {
+            add.push((kind, b));
+        }
+    }
+    let mut md: Vec<(String, Value)> = Vec::new();
+    for (kind, key) in KINDS {
+        if let Some((_, id)) = ids.iter().find(|(k, _)| *k == kind) {
+            md.push((format!("tokenizer.ggml.{key}"), Value::U32(*id as u32)));
+        }
+    }
+    for kind in ["bos", "eos", "sep"] {
+        // The post-processor's word wins, as in gguf-py.
+        if let Some((_, b)) = add.iter().find(|(k, _)| *k == kind) {
+            md.push((format!("tokenizer.ggml.add_{kind}_token"), Value::Bool(*b)));
+        }
+    }
+    Ok(md)
+}
+
+/// `tokenizer.ggml.*` from tokenizer.json and tokenizer_config.json (byte-level BPE).
+fn byte_level_metadata(cfg: &ModelConfig, model_dir: &Path) -> Result<Vec<(String, Value)>, ModelError> {
     let path = model_dir.join("tokenizer.json");
     let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
-    let text = std::fs::read_to_string(&path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
-    let tj: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
-    if tj["model"]["type"].as_str() != Some("BPE") {
-        return Err(ModelError::Unsupported {
-            what: format!("GGUF export of a `{}` tokenizer (only byte-level BPE)", tj["model"]["type"]),
-        });
-    }
+    let tj = read_json(&path)?;
     let vocab = tj["model"]["vocab"].as_object().ok_or_else(|| bad("no `model.vocab`".into()))?;
     let mut tokens: Vec<Option<(String, i32)>> = vec![None; cfg.vocab_size];
     for (tok, id) in vocab {
@@ -646,16 +1019,6 @@ fn tokenizer_metadata(
     if let Some(add_bos) = tc.as_ref().and_then(|tc| tc["add_bos_token"].as_bool()) {
         md.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(add_bos)));
     }
-    // The template the model was trained with, and the token its turns end with: llama.cpp
-    // stops generation at EOS and at `eot_token_id`.
-    if let Some(chat) = chat {
-        md.push(("tokenizer.chat_template".into(), Value::String(chat.template.to_string())));
-        if let Some(id) = chat.turn_end
-            && cfg.eos_token_ids.first() != Some(&id)
-        {
-            md.push(("tokenizer.ggml.eot_token_id".into(), Value::U32(id)));
-        }
-    }
     Ok(md)
 }
 
@@ -665,13 +1028,21 @@ mod tests {
 
     #[test]
     fn llama_cpp_tensor_names() {
-        assert_eq!(tensor_name("model.embed_tokens.weight").unwrap(), "token_embd.weight");
-        assert_eq!(tensor_name("model.layers.3.self_attn.q_proj.weight").unwrap(), "blk.3.attn_q.weight");
-        assert_eq!(tensor_name("model.layers.3.self_attn.k_proj.bias").unwrap(), "blk.3.attn_k.bias");
-        assert_eq!(tensor_name("model.layers.0.post_attention_layernorm.weight").unwrap(), "blk.0.ffn_norm.weight");
-        assert_eq!(tensor_name("model.layers.11.mlp.down_proj.weight").unwrap(), "blk.11.ffn_down.weight");
-        assert_eq!(tensor_name("lm_head.weight").unwrap(), "output.weight");
-        assert!(tensor_name("model.layers.0.self_attn.rotary_emb.inv_freq").is_none());
+        let name = |hf: &str| tensor_name(hf, false).unwrap();
+        assert_eq!(name("model.embed_tokens.weight"), "token_embd.weight");
+        assert_eq!(name("model.layers.3.self_attn.q_proj.weight"), "blk.3.attn_q.weight");
+        assert_eq!(name("model.layers.3.self_attn.k_proj.bias"), "blk.3.attn_k.bias");
+        assert_eq!(name("model.layers.0.post_attention_layernorm.weight"), "blk.0.ffn_norm.weight");
+        assert_eq!(name("model.layers.11.mlp.down_proj.weight"), "blk.11.ffn_down.weight");
+        assert_eq!(name("lm_head.weight"), "output.weight");
+        assert!(tensor_name("model.layers.0.self_attn.rotary_emb.inv_freq", false).is_none());
+        // Gemma's four norms a layer (gguf-py's ATTN_POST_NORM, FFN_NORM, FFN_POST_NORM).
+        let gemma = |hf: &str| tensor_name(hf, true).unwrap();
+        assert_eq!(gemma("model.layers.2.input_layernorm.weight"), "blk.2.attn_norm.weight");
+        assert_eq!(gemma("model.layers.2.post_attention_layernorm.weight"), "blk.2.post_attention_norm.weight");
+        assert_eq!(gemma("model.layers.2.pre_feedforward_layernorm.weight"), "blk.2.ffn_norm.weight");
+        assert_eq!(gemma("model.layers.2.post_feedforward_layernorm.weight"), "blk.2.post_ffw_norm.weight");
+        assert!(tensor_name("model.layers.2.pre_feedforward_layernorm.weight", false).is_none());
     }
 
     /// The permutation moves HF's row i of each head half to llama.cpp's interleaved position.
