@@ -1463,13 +1463,18 @@ fn gemma3_gguf_reads_as_llama_cpp_computes_and_tokenizes() {
         &Transformer::new(&folder.config, &weights, &Trainable::nothing(), &mut Rng::new(0)).unwrap(),
         &ids,
     );
-    for (what, want) in
-        [("llama.cpp", &expected["logits"]["llama_cpp"]), ("transformers", &expected["logits"]["transformers"])]
-    {
+    // llama.cpp's CPU GELU reads a table of f16 values: its logits (up to ~14 here) are ~3e-3 off
+    // transformers' at every position, the first too (make_gemma_gguf.py shows it); a misread
+    // window, scale, norm or rotary base is off by far more.
+    for (what, want, tolerance) in [
+        ("llama.cpp", &expected["logits"]["llama_cpp"], 5e-3),
+        ("transformers", &expected["logits"]["transformers"], 1e-4),
+    ] {
         let want: Vec<Vec<f32>> = serde_json::from_value(want.clone()).unwrap();
+        assert_eq!(want.len(), ids.len());
         for (j, (g, w)) in got.iter().zip(&want).enumerate() {
             let d = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(d < 1e-4, "position {j}: max |logit difference| from {what} {d}");
+            assert!(d < tolerance, "position {j}: max |logit difference| from {what} {d}");
         }
     }
     let d = got.iter().flatten().zip(ours.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

@@ -1730,8 +1730,7 @@ const GEMMA3: &str = "model.scratch={arch=\"gemma3\", hidden_size=64, num_layers
 
 /// A scratch Gemma 3 trains (its norms beside the adapter), evaluates, generates and exports
 /// end to end on the CPU (the fused engine): a Gemma 3 folder of the trained values with its four
-/// norms a layer and PEFT's adapter; a GGUF export is refused before any export is written,
-/// naming what rtune writes instead.
+/// norms a layer and PEFT's adapter; then its GGUF, checked as llama.cpp reads it.
 #[test]
 fn a_gemma3_model_trains_and_exports_end_to_end() {
     let p = Project::tiny_offline();
@@ -1764,9 +1763,9 @@ fn a_gemma3_model_trains_and_exports_end_to_end() {
         let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert_eq!(diff, 0.0, "{name} in the merged folder is the trained value");
     }
-    // GGUF: refused before any export is written (the trained stages stay cached).
-    let gguf = p.run(&[
-        "run",
+    // GGUF (the default recipe's q8_0): llama.cpp's Gemma 3 with rtune's byte-level BPE
+    // vocabulary, checked as llama.cpp reads it; only the quantize and upload stages run again.
+    let report = p.run_json(&[
         "tiny.toml",
         "--set",
         GEMMA3,
@@ -1777,10 +1776,22 @@ fn a_gemma3_model_trains_and_exports_end_to_end() {
         "--set",
         "stages.evaluate.max_new_tokens=2",
     ]);
-    assert!(!gguf.status.success());
-    let err = stderr(&gguf);
-    assert!(err.contains("rtune::model::no_gguf") && err.contains("no GGUF of Gemma 3"), "{err}");
-    assert!(err.contains("cached  train") && err.contains("cached  evaluate"), "only the quantize stage ran: {err}");
+    let outcome = |name: &str| {
+        report["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap()["outcome"].clone()
+    };
+    assert_eq!((outcome("train"), outcome("evaluate")), (serde_json::json!("cached"), serde_json::json!("cached")));
+    let quantize = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "quantize").unwrap();
+    let gguf = &quantize["metrics"]["formats"]["gguf-q8_0"];
+    let ratio = gguf["perplexity_ratio"].as_f64().unwrap();
+    assert!((ratio - 1.0).abs() < 0.01, "q8_0 perplexity ratio {ratio}: {gguf}");
+    assert!(gguf["top_token_agreement"].as_f64().unwrap() > 0.95, "{gguf}");
+    let mut f = std::fs::File::open(artifact(&report, "quantize").join("gguf/model-q8_0.gguf")).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    assert_eq!(content.metadata["general.architecture"].to_string().unwrap(), "gemma3");
+    assert_eq!(content.metadata["tokenizer.ggml.model"].to_string().unwrap(), "gpt2");
+    for name in ["blk.2.post_attention_norm.weight", "blk.2.ffn_norm.weight", "blk.2.post_ffw_norm.weight"] {
+        assert!(content.tensor_infos.contains_key(name), "GGUF lacks {name}");
+    }
 }
 
 /// The Gemma 3 model on Vulkan (the GPU engine) against the CPU (the fused engine): the eval
