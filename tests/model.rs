@@ -1355,11 +1355,12 @@ fn packed_batch_matches(name: &str, dropout: f64) {
     }
 }
 
-/// The tiny Gemma 3 of tests/fixtures/gguf/tiny-gemma3 (made by make_gemma_gguf.py: a
-/// Gemma-style SentencePiece `tokenizer.model` with transformers' tokenizer.json, six layers
-/// with local attention in five) exported by rtune as an f32 GGUF.
-fn gemma3_gguf() -> (tempfile::TempDir, PathBuf, ModelFolder) {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-gemma3");
+/// A tiny model of tests/fixtures/gguf (made by make_spm_gguf.py, with a SentencePiece
+/// `tokenizer.model` and transformers' tokenizer.json: `tiny-gemma3`, six layers with local
+/// attention in five; `tiny-llama-spm`, Llama 2's tokenizer style) exported by rtune as an f32
+/// GGUF.
+fn spm_gguf(name: &str) -> (tempfile::TempDir, PathBuf, ModelFolder) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name);
     let dir = tempfile::tempdir().unwrap();
     for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"] {
         std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
@@ -1374,8 +1375,8 @@ fn gemma3_gguf() -> (tempfile::TempDir, PathBuf, ModelFolder) {
     (dir, path, folder)
 }
 
-fn gguf_fixture(name: &str) -> serde_json::Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-gemma3").join(name);
+fn gguf_fixture(name: &str, file: &str) -> serde_json::Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name).join(file);
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
@@ -1399,16 +1400,23 @@ fn gguf_json(v: &candle_core::quantized::gguf_file::Value) -> serde_json::Value 
     }
 }
 
-/// rtune's Gemma 3 GGUF holds what llama.cpp's own convert_hf_to_gguf.py writes of the same
-/// folder (converter.json): every metadata key with its value — the SentencePiece pieces, scores
-/// and types, the special tokens, the rotary bases and window — and every tensor with its shape,
-/// type and bytes (norms stored as `1 + w`), bit for bit. Only the converter's naming guesses
-/// (`general.name`, `general.size_label`, `general.type`) are not compared.
+/// rtune's GGUFs of a Gemma 3 and of a Llama with Llama 2's SentencePiece tokenizer hold what
+/// llama.cpp's own convert_hf_to_gguf.py writes of the same folders (converter.json): every
+/// metadata key with its value — the SentencePiece pieces, scores and types, the special tokens,
+/// Gemma's rotary bases and window — and every tensor with its shape, type and bytes (Gemma's
+/// norms stored as `1 + w`, Llama's q/k rows permuted), bit for bit. Only the converter's naming
+/// guesses (`general.name`, `general.size_label`, `general.type`) are not compared.
 #[test]
-fn gemma3_gguf_is_what_llama_cpps_converter_writes() {
+fn sentencepiece_ggufs_are_what_llama_cpps_converter_writes() {
+    for fixture in ["tiny-gemma3", "tiny-llama-spm"] {
+        converter_writes(fixture);
+    }
+}
+
+fn converter_writes(fixture: &str) {
     use sha2::Digest;
-    let (_dir, path, _) = gemma3_gguf();
-    let reference = gguf_fixture("converter.json");
+    let (_dir, path, _) = spm_gguf(fixture);
+    let reference = gguf_fixture(fixture, "converter.json");
     let bytes = std::fs::read(&path).unwrap();
     let mut f = std::io::Cursor::new(&bytes);
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
@@ -1418,11 +1426,11 @@ fn gemma3_gguf_is_what_llama_cpps_converter_writes() {
         if naming.contains(&key.as_str()) {
             continue;
         }
-        let got = content.metadata.get(key).unwrap_or_else(|| panic!("rtune wrote no `{key}`"));
-        assert_eq!(gguf_json(got), want["value"], "`{key}`");
+        let got = content.metadata.get(key).unwrap_or_else(|| panic!("{fixture}: rtune wrote no `{key}`"));
+        assert_eq!(gguf_json(got), want["value"], "{fixture}: `{key}`");
     }
     for key in content.metadata.keys() {
-        assert!(theirs.contains_key(key), "rtune wrote `{key}`, which the converter does not");
+        assert!(theirs.contains_key(key), "{fixture}: rtune wrote `{key}`, which the converter does not");
     }
     let tensors = reference["tensors"].as_array().unwrap();
     assert_eq!(content.tensor_infos.len(), tensors.len());
@@ -1431,12 +1439,12 @@ fn gemma3_gguf_is_what_llama_cpps_converter_writes() {
         let info = &content.tensor_infos[name];
         let mut shape: Vec<usize> = info.shape.dims().to_vec();
         shape.reverse();
-        assert_eq!(serde_json::json!(shape), t["shape"], "{name}");
-        assert_eq!(format!("{:?}", info.ggml_dtype).to_uppercase(), t["type"].as_str().unwrap(), "{name}");
+        assert_eq!(serde_json::json!(shape), t["shape"], "{fixture}: {name}");
+        assert_eq!(format!("{:?}", info.ggml_dtype).to_uppercase(), t["type"].as_str().unwrap(), "{fixture}: {name}");
         let start = (content.tensor_data_offset + info.offset) as usize;
         let data = &bytes[start..start + info.shape.elem_count() * 4];
         let digest: String = sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(digest, t["sha256"].as_str().unwrap(), "{name}: its bytes differ from the converter's");
+        assert_eq!(digest, t["sha256"].as_str().unwrap(), "{fixture}: {name}: its bytes differ from the converter's");
     }
 }
 
@@ -1447,8 +1455,8 @@ fn gemma3_gguf_is_what_llama_cpps_converter_writes() {
 /// uses) splits text, special tokens and bytes as llama.cpp's SentencePiece tokenizer does.
 #[test]
 fn gemma3_gguf_reads_as_llama_cpp_computes_and_tokenizes() {
-    let (_dir, path, folder) = gemma3_gguf();
-    let expected = gguf_fixture("llama_cpp.json");
+    let (_dir, path, folder) = spm_gguf("tiny-gemma3");
+    let expected = gguf_fixture("tiny-gemma3", "llama_cpp.json");
     let model = rtune::model::gguf::read::GgufModel::open(&path, &folder.config, &Device::Cpu).unwrap();
     // The metadata holds the epsilon in f32, as llama.cpp computes with it.
     assert_eq!(model.config.rms_norm_eps, f64::from(folder.config.rms_norm_eps as f32));
@@ -1479,6 +1487,13 @@ fn gemma3_gguf_reads_as_llama_cpp_computes_and_tokenizes() {
     }
     let d = got.iter().flatten().zip(ours.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     assert!(d < 1e-5, "the GGUF read back against rtune's model: {d}");
+    tokenizes_as_llama_cpp(&folder, &expected);
+}
+
+/// rtune's tokenizer (the one training uses, on tokenizer.json) splits text as llama.cpp's
+/// SentencePiece tokenizer does on the converter's GGUF (leading spaces, tabs and new lines,
+/// digits, bytes, special tokens, with and without BOS).
+fn tokenizes_as_llama_cpp(folder: &ModelFolder, expected: &serde_json::Value) {
     let tokenizer = folder.tokenizer().unwrap();
     for row in expected["tokenized"].as_array().unwrap() {
         let text = row["text"].as_str().unwrap();
@@ -1488,4 +1503,57 @@ fn gemma3_gguf_reads_as_llama_cpp_computes_and_tokenizes() {
             assert_eq!(got, want, "{key}: {text:?}");
         }
     }
+}
+
+/// The Llama with Llama 2's tokenizer: rtune's tokenizer splits as llama.cpp does on the
+/// converter's file (the dummy prefix before text and after special tokens as SentencePiece
+/// puts it), and candle's quantized Llama — the self-check's reader for Llama — computes
+/// llama.cpp's logits from rtune's file.
+#[test]
+fn llama_sentencepiece_gguf_tokenizes_and_computes_as_llama_cpp() {
+    let (_dir, path, folder) = spm_gguf("tiny-llama-spm");
+    let expected = gguf_fixture("tiny-llama-spm", "llama_cpp.json");
+    tokenizes_as_llama_cpp(&folder, &expected);
+    let mut f = std::fs::File::open(&path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    let mut q =
+        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(expected["ids"].clone()).unwrap();
+    let want: Vec<Vec<f32>> = serde_json::from_value(expected["logits"]["llama_cpp"].clone()).unwrap();
+    for (j, id) in ids.iter().enumerate() {
+        let x = Tensor::new(&[[*id]], &Device::Cpu).unwrap();
+        let got: Vec<f32> = q.forward(&x, j).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let d = got.iter().zip(&want[j]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-4, "position {j}: max |logit difference| from llama.cpp {d}");
+    }
+}
+
+/// A GGUF llama.cpp would compute otherwise than the model is refused before anything is
+/// written, saying why: Gemma whose attention scale is not the head size's (llama.cpp derives
+/// it), Gemma 3 with score caps, and a SentencePiece tokenizer.json without its tokenizer.model
+/// (the pieces' scores are not in tokenizer.json).
+#[test]
+fn ggufs_llama_cpp_would_misread_are_refused() {
+    let why = |cfg: &rtune::model::ModelConfig, dir: &Path| match rtune::model::gguf::check(cfg, dir) {
+        Err(e @ rtune::model::ModelError::NoGguf { .. }) => e.to_string(),
+        other => panic!("not refused: {other:?}"),
+    };
+    let golden = ModelFolder::open(&fixture("tiny-gemma3").join("model")).unwrap();
+    let e = why(&golden.config, &fixture("tiny-gemma3").join("model"));
+    assert!(e.contains("1/√16") && e.contains("query_pre_attn_scalar") && e.contains("1/√12"), "{e}");
+    let spm = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-gemma3");
+    let gemma = ModelFolder::open(&spm).unwrap();
+    rtune::model::gguf::check(&gemma.config, &spm).unwrap();
+    let capped = rtune::model::ModelConfig { attn_softcap: Some(50.0), ..gemma.config.clone() };
+    assert!(why(&capped, &spm).contains("no cap on attention scores"));
+    let dir = tempfile::tempdir().unwrap();
+    let src = spm.with_file_name("tiny-llama-spm");
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let llama = rtune::model::ModelConfig::from_raw(
+        &serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap(),
+    )
+    .unwrap();
+    assert!(why(&llama, dir.path()).contains("no tokenizer.model"));
 }

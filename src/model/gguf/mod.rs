@@ -678,13 +678,11 @@ fn model_metadata(cfg: &ModelConfig, arch: &str) -> Vec<(String, Value)> {
     md.push((a("rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
     md.push((a("rope.dimension_count"), u(cfg.head_dim)));
     md.push((a("vocab_size"), u(cfg.vocab_size)));
-    // llama.cpp derives the head size from these when they differ from hidden / heads; its
-    // converter writes them for every Qwen3 (whose config names `head_dim`), and candle's
-    // quantized Qwen3 requires them.
-    if cfg.head_dim * cfg.num_heads != cfg.hidden_size || cfg.arch == Arch::Qwen3 {
-        md.push((a("attention.key_length"), u(cfg.head_dim)));
-        md.push((a("attention.value_length"), u(cfg.head_dim)));
-    }
+    // The head size (llama.cpp derives it from hidden / heads otherwise): the converter writes it
+    // where config.json names `head_dim`, as transformers 5 writes every config, and candle's
+    // quantized Qwen3 requires it.
+    md.push((a("attention.key_length"), u(cfg.head_dim)));
+    md.push((a("attention.value_length"), u(cfg.head_dim)));
     md
 }
 
@@ -697,36 +695,38 @@ enum Vocabulary {
 }
 
 /// The vocabulary a GGUF of the model in `model_dir` carries, as llama.cpp's converter chooses
-/// it (Gemma's and Llama's `tokenizer.model` first), or why none: a SentencePiece tokenizer.json
-/// (byte fallback, no byte-level pre-tokenizer) without its `tokenizer.model`, whose pieces'
-/// scores llama.cpp's tokenizer needs.
+/// it (Gemma's and Llama's `tokenizer.model` first), or why none: a tokenizer other than BPE,
+/// or a SentencePiece tokenizer.json (byte fallback, `▁` for spaces) without its
+/// `tokenizer.model`, whose pieces' scores llama.cpp's tokenizer needs.
 fn vocabulary(cfg: &ModelConfig, model_dir: &Path) -> Result<Vocabulary, ModelError> {
     let spm = model_dir.join("tokenizer.model");
     if matches!(cfg.arch, Arch::Llama | Arch::Gemma2 | Arch::Gemma3) && spm.is_file() {
         return Ok(Vocabulary::SentencePiece(spm));
     }
     let tj = read_json(&model_dir.join("tokenizer.json"))?;
-    fn byte_level(v: &serde_json::Value) -> bool {
+    let no = |why: String| Err(ModelError::NoGguf { arch: arch_title(cfg.arch).into(), why });
+    if tj["model"]["type"] != "BPE" {
+        let kind = tj["model"]["type"].as_str().unwrap_or("unknown");
+        return no(format!("its tokenizer.json is a `{kind}` tokenizer, and rtune writes BPE and SentencePiece ones"));
+    }
+    // SentencePiece's marks: byte fallback, and `▁` for spaces (Metaspace, or a Replace).
+    fn metaspace(v: &serde_json::Value) -> bool {
         match v {
             serde_json::Value::Object(o) => {
-                o.get("type").is_some_and(|t| t == "ByteLevel") || o.values().any(byte_level)
+                o.get("type").is_some_and(|t| t == "Metaspace")
+                    || o.get("content").is_some_and(|c| c == "\u{2581}")
+                    || o.values().any(metaspace)
             }
-            serde_json::Value::Array(a) => a.iter().any(byte_level),
+            serde_json::Value::Array(a) => a.iter().any(metaspace),
             _ => false,
         }
     }
-    if tj["model"]["type"] == "BPE" && (byte_level(&tj["pre_tokenizer"]) || byte_level(&tj["decoder"])) {
-        return Ok(Vocabulary::ByteLevel);
+    if tj["model"]["byte_fallback"] == true || metaspace(&tj["normalizer"]) || metaspace(&tj["pre_tokenizer"]) {
+        return no("its tokenizer.json is SentencePiece's (byte fallback, `▁` for spaces), and the folder has no \
+             tokenizer.model, whose pieces and scores a GGUF carries for llama.cpp's SentencePiece tokenizer"
+            .into());
     }
-    let kind = tj["model"]["type"].as_str().unwrap_or("unknown");
-    Err(ModelError::NoGguf {
-        arch: arch_title(cfg.arch).into(),
-        why: format!(
-            "its tokenizer.json is a `{kind}` tokenizer without byte-level pre-tokenization (SentencePiece-style), \
-             and the folder has no tokenizer.model, whose pieces and scores a GGUF carries for llama.cpp's \
-             SentencePiece tokenizer"
-        ),
-    })
+    Ok(Vocabulary::ByteLevel)
 }
 
 /// Whether rtune writes a GGUF of the model in `model_dir` (config `cfg`): its architecture
