@@ -63,11 +63,18 @@ def main():
         from llama_cpp import Llama
     except ImportError:
         return
-    for path in sorted(glob.glob(out + "/gguf/*.gguf")):
-        llm = Llama(model_path=path, n_ctx=256, verbose=False)
+    with torch.no_grad():
+        want = merged(ids).logits[0].numpy()
+    for path in sorted(glob.glob(out + "/gguf/model-*.gguf")):
+        # f32 keys and values: llama.cpp's cache is f16 unless told.
+        llm = Llama(model_path=path, n_ctx=256, verbose=False, logits_all=True, type_k=0, type_v=0, flash_attn=False)
         same = llm.tokenize(PROMPT.encode(), add_bos=True) == ids[0].tolist()
+        llm.eval(ids[0].tolist())
+        diff = float(np.abs(np.array(llm.scores[: ids.shape[1]]) - want).max())
+        llm.reset()
         text = llm(PROMPT, max_tokens=12, temperature=0.0)["choices"][0]["text"]
-        print(path.rsplit("/", 1)[-1], "tokenizes like transformers:", same, "greedy:", repr(text))
+        print(path.rsplit("/", 1)[-1], "tokenizes like transformers:", same, f"max |logit - merged's| {diff:.3g}",
+              "greedy:", repr(text))
 
 
 if __name__ == "__main__":

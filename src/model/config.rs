@@ -509,8 +509,8 @@ impl Rope {
             r.as_ref().and_then(|r| r.rope_type.clone()).unwrap_or_else(|| "default".into())
         };
         let kind = rope_type(&global);
-        // Linear scaling (Gemma 3's larger models) only where no engine but candle's runs the
-        // model and no GGUF is written: the other paths know the llama3 form only.
+        // Linear scaling (Gemma 3's larger models) for Gemma only: Llama's and Qwen's paths know
+        // the llama3 form alone.
         let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
         if !(kind == "default" || kind == "llama3" || (gemma && kind == "linear")) {
             return Err(ModelError::Unsupported { what: format!("rope scaling `{kind}`") });
