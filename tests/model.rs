@@ -1400,15 +1400,15 @@ fn gguf_json(v: &candle_core::quantized::gguf_file::Value) -> serde_json::Value 
     }
 }
 
-/// rtune's GGUFs of a Gemma 3 and of a Llama with Llama 2's SentencePiece tokenizer hold what
+/// rtune's GGUFs of a Gemma 3, a Gemma 2 and a Llama with Llama 2's SentencePiece tokenizer hold what
 /// llama.cpp's own convert_hf_to_gguf.py writes of the same folders (converter.json): every
 /// metadata key with its value — the SentencePiece pieces, scores and types, the special tokens,
-/// Gemma's rotary bases and window — and every tensor with its shape, type and bytes (Gemma's
+/// Gemma's rotary bases, window and caps — and every tensor with its shape, type and bytes (Gemma's
 /// norms stored as `1 + w`, Llama's q/k rows permuted), bit for bit. Only the converter's naming
 /// guesses (`general.name`, `general.size_label`, `general.type`) are not compared.
 #[test]
 fn sentencepiece_ggufs_are_what_llama_cpps_converter_writes() {
-    for fixture in ["tiny-gemma3", "tiny-llama-spm"] {
+    for fixture in ["tiny-gemma3", "tiny-gemma2", "tiny-llama-spm"] {
         converter_writes(fixture);
     }
 }
@@ -1448,20 +1448,27 @@ fn converter_writes(fixture: &str) {
     }
 }
 
-/// The self-check's reading of a Gemma 3 GGUF (llama.cpp's rules: the config from the metadata
-/// and what llama.cpp hard-codes) computes the logits llama.cpp computes on the converter's file
-/// of the same folder (llama_cpp.json, llama.cpp through llama-cpp-python) for a sequence past
-/// the window, and those of rtune's model of the folder; and rtune's tokenizer (the one training
-/// uses) splits text, special tokens and bytes as llama.cpp's SentencePiece tokenizer does.
+/// The self-check's reading of a Gemma 3 and a Gemma 2 GGUF (llama.cpp's rules: the config from
+/// the metadata and what llama.cpp hard-codes) computes the logits llama.cpp computes on the
+/// converter's file of the same folder (llama_cpp.json, llama.cpp through llama-cpp-python) for a
+/// sequence past the window, and those of rtune's model of the folder; and rtune's tokenizer (the
+/// one training uses) splits text, special tokens and bytes as llama.cpp's SentencePiece
+/// tokenizer does.
 #[test]
-fn gemma3_gguf_reads_as_llama_cpp_computes_and_tokenizes() {
-    let (_dir, path, folder) = spm_gguf("tiny-gemma3");
-    let expected = gguf_fixture("tiny-gemma3", "llama_cpp.json");
+fn gemma_ggufs_read_as_llama_cpp_computes_and_tokenizes() {
+    for fixture in ["tiny-gemma3", "tiny-gemma2"] {
+        gemma_reads_as_llama_cpp(fixture);
+    }
+}
+
+fn gemma_reads_as_llama_cpp(fixture: &str) {
+    let (_dir, path, folder) = spm_gguf(fixture);
+    let expected = gguf_fixture(fixture, "llama_cpp.json");
     let model = rtune::model::gguf::read::GgufModel::open(&path, &folder.config, &Device::Cpu).unwrap();
     // The metadata holds the epsilon in f32, as llama.cpp computes with it.
     assert_eq!(model.config.rms_norm_eps, f64::from(folder.config.rms_norm_eps as f32));
     let read = rtune::model::ModelConfig { rms_norm_eps: folder.config.rms_norm_eps, ..model.config.clone() };
-    assert_eq!(read, folder.config, "the config llama.cpp reads is the folder's");
+    assert_eq!(read, folder.config, "{fixture}: the config llama.cpp reads is the folder's");
     let ids: Vec<u32> = serde_json::from_value(expected["ids"].clone()).unwrap();
     let batch = Batch::new(std::slice::from_ref(&ids), &[ids.len()], None, &Device::Cpu).unwrap();
     let h = model.hidden(&[batch]).unwrap().remove(0).flatten_to(1).unwrap();
@@ -1482,11 +1489,11 @@ fn gemma3_gguf_reads_as_llama_cpp_computes_and_tokenizes() {
         assert_eq!(want.len(), ids.len());
         for (j, (g, w)) in got.iter().zip(&want).enumerate() {
             let d = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(d < tolerance, "position {j}: max |logit difference| from {what} {d}");
+            assert!(d < tolerance, "{fixture}, position {j}: max |logit difference| from {what} {d}");
         }
     }
     let d = got.iter().flatten().zip(ours.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert!(d < 1e-5, "the GGUF read back against rtune's model: {d}");
+    assert!(d < 1e-5, "{fixture}: the GGUF read back against rtune's model: {d}");
     tokenizes_as_llama_cpp(&folder, &expected);
 }
 
