@@ -33,7 +33,8 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// quantize 5 — merged folders in the base's dtypes; quantize 6 — GGUFs as llama-quantize
 /// writes them, calibrated by an importance matrix; upload 4 — GGUFs in the model card;
 /// quantize 7 — the importance matrix's pass packs rows into 512-token sequences (its sums
-/// move by float rounding, and with them the odd calibrated block).
+/// move by float rounding, and with them the odd calibrated block); quantize 8 — SentencePiece
+/// vocabularies in GGUFs, Gemma's GGUFs.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -84,7 +85,12 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // self-check also reports how often each file's top token is the unquantized model's.
         // 7: the importance matrix's pass runs the train rows packed into 512-token sequences
         // (each row its own document): the same tokens, sums within float rounding.
-        Quantize => 7,
+        // 8: a GGUF of a model whose folder has a SentencePiece `tokenizer.model` (Llama 2,
+        // TinyLlama, Mistral v0.x) carries its pieces, as llama.cpp's converter writes them —
+        // version 7 wrote their `▁` pieces as a GPT-2 vocabulary, which llama.cpp tokenizes
+        // wrongly, so those files must not be reused; every GGUF records the head size
+        // (`attention.key_length`/`value_length`); Gemma's GGUFs are written.
+        Quantize => 8,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
         // `plan` can check the destination and `run` restore it.
