@@ -541,15 +541,46 @@ fn check_rows(lens: impl Iterator<Item = usize>, params: usize, cpu: bool) -> us
     rows
 }
 
-/// Mean next-token loss of a GGUF file over the first `rows` eval rows, decoded token by token
+/// Mean next-token loss of a GGUF file over the first `rows` eval rows — decoded token by token
 /// with candle's quantized Llama/Qwen2/Qwen3, and for Gemma computed row by row as llama.cpp
-/// reads the file ([`gguf::read`]) — a check of names, layout and metadata as much as of
+/// reads the file ([`gguf::read`]): a check of names, layout and metadata as much as of
 /// quantization error —, the tokens it counted, and at how many of them its most likely token
 /// is the reference's (`top`, one per counted token, in order; the first of equal logits, as
 /// candle's argmax takes it).
 fn gguf_eval_loss(
     path: &Path,
     cfg: &crate::model::ModelConfig,
+    eval: &TokenStore,
+    rows: usize,
+    top: &[u32],
+    device: &Device,
+) -> Result<(f64, usize, usize), StageError> {
+    let mut f = std::fs::File::open(path).map_err(StageError::io(format!("cannot open `{}`", path.display())))?;
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f)
+        .map_err(StageError::candle("GGUF self-check: read"))?;
+    let (loss, n, same) = match cfg.arch {
+        crate::recipe::Arch::Gemma2 | crate::recipe::Arch::Gemma3 => {
+            let model = gguf::read::GgufModel::with_content(path, content, cfg, device)?;
+            let r = rows_reference(&model, eval, rows, device)?;
+            let same = r.top.iter().zip(top).filter(|(a, b)| a == b).count();
+            (r.loss, r.top.len(), same)
+        }
+        arch => candle_decoded_loss(content, &mut f, arch, eval, rows, top, device)?,
+    };
+    if n != top.len() {
+        return Err(StageError::Internal(format!(
+            "the GGUF self-check counted {n} tokens, its reference {}",
+            top.len()
+        )));
+    }
+    Ok((loss, n, same))
+}
+
+/// [`gguf_eval_loss`] through candle's quantized Llama/Qwen2/Qwen3, one token at a time.
+fn candle_decoded_loss(
+    content: candle_core::quantized::gguf_file::Content,
+    f: &mut std::fs::File,
+    arch: crate::recipe::Arch,
     eval: &TokenStore,
     rows: usize,
     top: &[u32],
@@ -562,30 +593,18 @@ fn gguf_eval_loss(
         Qwen3(quantized_qwen3::ModelWeights),
     }
     let ctx = |what: &str| StageError::candle(format!("GGUF self-check: {what}"));
-    let mut f = std::fs::File::open(path).map_err(StageError::io(format!("cannot open `{}`", path.display())))?;
-    let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(ctx("read"))?;
-    let mut model = match cfg.arch {
+    let mut model = match arch {
         crate::recipe::Arch::Llama => {
-            Q::Llama(quantized_llama::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
+            Q::Llama(quantized_llama::ModelWeights::from_gguf(content, f, device).map_err(ctx("load"))?)
         }
         crate::recipe::Arch::Qwen2 => {
-            Q::Qwen2(quantized_qwen2::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
+            Q::Qwen2(quantized_qwen2::ModelWeights::from_gguf(content, f, device).map_err(ctx("load"))?)
         }
         crate::recipe::Arch::Qwen3 => {
-            Q::Qwen3(quantized_qwen3::ModelWeights::from_gguf(content, &mut f, device).map_err(ctx("load"))?)
+            Q::Qwen3(quantized_qwen3::ModelWeights::from_gguf(content, f, device).map_err(ctx("load"))?)
         }
         crate::recipe::Arch::Gemma2 | crate::recipe::Arch::Gemma3 => {
-            let model = gguf::read::GgufModel::open(path, cfg, device)?;
-            let r = rows_reference(&model, eval, rows, device)?;
-            let same = r.top.iter().zip(top).filter(|(a, b)| a == b).count();
-            if r.top.len() != top.len() {
-                return Err(StageError::Internal(format!(
-                    "the GGUF self-check counted {} tokens, its reference {}",
-                    r.top.len(),
-                    top.len()
-                )));
-            }
-            return Ok((r.loss, r.top.len(), same));
+            return Err(StageError::Internal("candle's GGUF readers compute no Gemma as llama.cpp does".into()));
         }
     };
     let (mut sum, mut n, mut same) = (0f64, 0usize, 0usize);
@@ -614,12 +633,6 @@ fn gguf_eval_loss(
                 n += 1;
             }
         }
-    }
-    if n != top.len() {
-        return Err(StageError::Internal(format!(
-            "the GGUF self-check counted {n} tokens, its reference {}",
-            top.len()
-        )));
     }
     Ok((if n > 0 { sum / n as f64 } else { f64::NAN }, n, same))
 }

@@ -690,8 +690,8 @@ fn model_metadata(cfg: &ModelConfig, arch: &str) -> Vec<(String, Value)> {
 enum Vocabulary {
     /// The pieces of this `tokenizer.model`.
     SentencePiece(std::path::PathBuf),
-    /// tokenizer.json's byte-level BPE.
-    ByteLevel,
+    /// This tokenizer.json's BPE (byte-level, as GPT-2's).
+    ByteLevel(serde_json::Value),
 }
 
 /// The vocabulary a GGUF of the model in `model_dir` carries, as llama.cpp's converter chooses
@@ -726,7 +726,7 @@ fn vocabulary(cfg: &ModelConfig, model_dir: &Path) -> Result<Vocabulary, ModelEr
              tokenizer.model, whose pieces and scores a GGUF carries for llama.cpp's SentencePiece tokenizer"
             .into());
     }
-    Ok(Vocabulary::ByteLevel)
+    Ok(Vocabulary::ByteLevel(tj))
 }
 
 /// Whether rtune writes a GGUF of the model in `model_dir` (config `cfg`): its architecture
@@ -747,7 +747,7 @@ fn tokenizer_metadata(
 ) -> Result<Vec<(String, Value)>, ModelError> {
     let mut md = match vocabulary(cfg, model_dir)? {
         Vocabulary::SentencePiece(spm) => sentencepiece_metadata(cfg, model_dir, &spm)?,
-        Vocabulary::ByteLevel => byte_level_metadata(cfg, model_dir)?,
+        Vocabulary::ByteLevel(tj) => byte_level_metadata(cfg, model_dir, &tj)?,
     };
     // The template the model was trained with, and the token its turns end with: llama.cpp
     // stops generation at EOS and at `eot_token_id`.
@@ -951,10 +951,13 @@ fn special_tokens(
 }
 
 /// `tokenizer.ggml.*` from tokenizer.json and tokenizer_config.json (byte-level BPE).
-fn byte_level_metadata(cfg: &ModelConfig, model_dir: &Path) -> Result<Vec<(String, Value)>, ModelError> {
+fn byte_level_metadata(
+    cfg: &ModelConfig,
+    model_dir: &Path,
+    tj: &serde_json::Value,
+) -> Result<Vec<(String, Value)>, ModelError> {
     let path = model_dir.join("tokenizer.json");
     let bad = |what: String| ModelError::BadFile { path: path.display().to_string(), source: what.into() };
-    let tj = read_json(&path)?;
     let vocab = tj["model"]["vocab"].as_object().ok_or_else(|| bad("no `model.vocab`".into()))?;
     let mut tokens: Vec<Option<(String, i32)>> = vec![None; cfg.vocab_size];
     for (tok, id) in vocab {

@@ -37,13 +37,22 @@ impl GgufModel {
     pub fn open(path: &Path, base: &ModelConfig, device: &Device) -> Result<GgufModel, ModelError> {
         let mut f = std::fs::File::open(path).map_err(ModelError::io(format!("cannot open `{}`", path.display())))?;
         let content = Content::read(&mut f).map_err(ModelError::candle(format!("read `{}`", path.display())))?;
+        Self::with_content(path, content, base, device)
+    }
+
+    /// [`GgufModel::open`] with the file's header already read (`content`).
+    pub fn with_content(
+        path: &Path,
+        content: Content,
+        base: &ModelConfig,
+        device: &Device,
+    ) -> Result<GgufModel, ModelError> {
         let rows = |name: &str| content.tensor_infos.get(name).map(|t| t.shape.dims()[0]);
         let config = llama_cpp_config(&content.metadata, base, rows("token_embd.weight"), rows("output.weight"))?;
-        let mut names = vec!["model.embed_tokens.weight", "model.norm.weight"];
-        if !config.tie_word_embeddings {
-            names.push("lm_head.weight");
-        }
-        let weights = dequantized(path, &content, &config, device, names.into_iter())?;
+        let layers = "model.layers.";
+        let tensors = config.tensors();
+        let head_tensors = tensors.iter().filter(|(n, _)| !n.starts_with(layers));
+        let weights = dequantized(path, &content, device, head_tensors)?;
         let head = Transformer::without_layers(&config, &weights, &Trainable::nothing(), DType::F32)?;
         Ok(GgufModel { config, path: path.to_path_buf(), content, head, device: device.clone() })
     }
@@ -61,26 +70,24 @@ impl GgufModel {
     fn layer(&self, i: usize) -> Result<DecoderLayer, ModelError> {
         let prefix = format!("model.layers.{i}.");
         let tensors = self.config.tensors();
-        let names = tensors.iter().map(|(n, _)| n.as_str()).filter(|n| n.starts_with(&prefix));
-        let weights = dequantized(&self.path, &self.content, &self.config, &self.device, names)?;
+        let layer = tensors.iter().filter(|(n, _)| n.starts_with(&prefix));
+        let weights = dequantized(&self.path, &self.content, &self.device, layer)?;
         self.head.layer(i, &weights, &Trainable::nothing(), &BTreeMap::new())
     }
 }
 
-/// Hugging Face-named weights of `config` on `device`, dequantized from the tensors of the GGUF
-/// at `path` (norms as Gemma's offsets from one), each checked against the shape the config
-/// gives it.
+/// Hugging Face-named weights `tensors` (name and shape, as [`ModelConfig::tensors`] gives
+/// them) on `device`, dequantized from the tensors of the GGUF at `path` (norms as Gemma's
+/// offsets from one), each checked against its shape.
 fn dequantized<'n>(
     path: &Path,
     content: &Content,
-    config: &ModelConfig,
     device: &Device,
-    names: impl Iterator<Item = &'n str>,
+    tensors: impl Iterator<Item = &'n (String, Vec<usize>)>,
 ) -> Result<BTreeMap<String, Tensor>, ModelError> {
-    let shapes: HashMap<String, Vec<usize>> = config.tensors().into_iter().collect();
     let mut f = std::fs::File::open(path).map_err(ModelError::io(format!("cannot open `{}`", path.display())))?;
     let mut out = BTreeMap::new();
-    for hf in names {
+    for (hf, shape) in tensors {
         let missing = || ModelError::MissingTensor { name: hf.to_string() };
         let name = tensor_name(hf, true).ok_or_else(missing)?;
         let q = content.tensor(&mut f, &name, &Device::Cpu).map_err(|_| missing())?;
@@ -88,9 +95,8 @@ fn dequantized<'n>(
         if name.ends_with("norm.weight") {
             t = t.affine(1.0, -1.0).map_err(ModelError::candle(format!("`{name}` less one")))?;
         }
-        let expected = shapes.get(hf).cloned().unwrap_or_default();
-        if t.dims() != expected.as_slice() {
-            return Err(ModelError::ShapeMismatch { name, expected, found: t.dims().to_vec() });
+        if t.dims() != shape.as_slice() {
+            return Err(ModelError::ShapeMismatch { name, expected: shape.clone(), found: t.dims().to_vec() });
         }
         out.insert(hf.to_string(), t.to_device(device).map_err(ModelError::candle(format!("load `{name}`")))?);
     }
