@@ -14,7 +14,8 @@
 #                                   # tests through Vulkan; the default recipe through Vulkan
 #                                   # against the CPU;
 #                                   # SmolLM2-135M as the 360M; the engine's tests on CUDA; a
-#                                   # calibrated q4_k_m on CUDA against the CPU's
+#                                   # calibrated q4_k_m on CUDA against the CPU's; a scratch
+#                                   # Gemma 3's q8_0 GGUF self-checked on CUDA
 #   SPIKE=1 scripts/gpu-session.sh first   # carry .gpu-spike too: also the GEMM spike (cuBLAS
 #                                   # bf16 beside each candidate: issue 18's go/no-go, decided
 #                                   # on an H200 on 2026-11-27 — NO-GO — so off by default)
@@ -136,6 +137,10 @@ first)
   show tests-cuda "test result|panicked|FAILED" 25
   OUT="$work/verify-q4km" CHECKS="cpu q4km" TESTS=0 step verify-q4km 90 40 scripts/gpu-verify.sh
   show verify-q4km "perplexity|vs CPU|rror|FAIL|passed"
+  # A scratch Gemma 3 to its q8_0 GGUF on CUDA and the CPU: the GGUF read back as llama.cpp does
+  # (model::gguf::read) on the device, beside the CPU's.
+  OUT="$work/verify-gemma3" CHECKS="gemma3" TESTS=0 step verify-gemma3 60 20 scripts/gpu-verify.sh
+  show verify-gemma3 "GGUF|rror|FAIL|passed"
   if [ "${SPIKE:-0}" = 1 ]; then
     say "== go/no-go (a quarter of cuBLAS bf16 on the train-step shapes)"
     python3 spikes/vulkan-gemm/verdict.py "$work/spike.txt" "$work/timings.txt" 2>&1 | tee -a "$summary"
@@ -168,6 +173,12 @@ second)
   OUT="$work/bench-vulkan-f16" DEVICE=vulkan DTYPE=f16 SKIP_TORCH=1 step bench-vulkan-f16 80 40 \
     scripts/gpu_bench.sh "${shapes[0]}"
   bench_table bench-vulkan-f16
+  # Gemma 3 (since 2026-12-02; its engine tests ran in `first`): the 270M shape through Vulkan and
+  # on CUDA, each against PyTorch + PEFT on CUDA.
+  OUT="$work/bench-gemma3-vulkan" DEVICE=vulkan step bench-gemma3-vulkan 100 50 scripts/gpu_bench.sh gemma3-270m:4x512
+  bench_table bench-gemma3-vulkan
+  OUT="$work/bench-gemma3-cuda" DEVICE=cuda SKIP_TORCH=1 step bench-gemma3-cuda 60 30 scripts/gpu_bench.sh gemma3-270m:4x512
+  bench_table bench-gemma3-cuda
   OUT="$work/verify-cuda" CHECKS="cpu qlora full vulkan" TESTS=0 step verify-cuda 240 90 scripts/gpu-verify.sh
   show verify-cuda "eval loss|perplexity|within|vs CPU|rror|FAIL|passed"
   # QLoRA on CUDA against PyTorch + PEFT + bitsandbytes (carried by gpu-prep.sh), 135M at 4 × 512.
@@ -189,12 +200,6 @@ second)
   DEVICE=cuda BENCH_DIR=/tmp/rtune-export-1b step export-memory-cuda 150 60 \
     scripts/bench_export_memory.sh 1b "$PWD/.gpu/rtune"
   show export-memory-cuda "quantize \\(|rror"
-  # Gemma 3 (since 2026-12-02; its engine tests ran in `first`): the 270M shape through Vulkan and
-  # on CUDA, each against PyTorch + PEFT on CUDA.
-  OUT="$work/bench-gemma3-vulkan" DEVICE=vulkan step bench-gemma3-vulkan 100 50 scripts/gpu_bench.sh gemma3-270m:4x512
-  bench_table bench-gemma3-vulkan
-  OUT="$work/bench-gemma3-cuda" DEVICE=cuda SKIP_TORCH=1 step bench-gemma3-cuda 60 30 scripts/gpu_bench.sh gemma3-270m:4x512
-  bench_table bench-gemma3-cuda
   ;;
 esac
 pack

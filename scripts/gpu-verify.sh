@@ -14,13 +14,16 @@
 # 5. a full fine-tune of the default recipe's model, 50 steps on CUDA (the GPU engine, and
 #    candle's autograd with RTUNE_ENGINE=candle) and on the CPU (the fused CPU engine), compared;
 # 6. QLoRA (`adapter.quantize_base = "nf4-dq"`), 50 steps on CUDA and on the CPU, compared;
-# 7. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
+# 7. a scratch Gemma 3 end to end on CUDA and the CPU: training, evaluation and its q8_0 GGUF
+#    self-checked on the device (the quantize stage reads the GGUF back as llama.cpp does,
+#    model::gguf::read, on the run's device);
+# 8. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
 #    the GPU through Vulkan, and the default recipe (and the full fine-tune and QLoRA) through
 #    Vulkan against the CPU (issue 18).
 # Logs go to $OUT (or /tmp/rtune-gpu-verify). TESTS=0 skips the engine's tests (2 and 7's).
 # CHECKS picks groups (default all, in this order): cuda (3's CUDA run), cpu (the CPU's runs, the
 # reference of every comparison), q4km (4's export), lowprec (4's bf16/f16), full (5), qlora (6),
-# vulkan (7; with full and qlora, their Vulkan runs too). Only comparisons whose runs were
+# gemma3 (7), vulkan (8; with full and qlora, their Vulkan runs too). Only comparisons whose runs were
 # picked are made, e.g. CHECKS="cpu vulkan" TESTS=0 for the default recipe through Vulkan alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +32,7 @@ mkdir -p "$out"
 export RTUNE_NO_PROGRESS=1
 status=0
 step() { echo; echo "== $*"; }
-checks=" ${CHECKS:-cuda cpu q4km lowprec full qlora vulkan} "
+checks=" ${CHECKS:-cuda cpu q4km lowprec full qlora gemma3 vulkan} "
 picked() { [[ "$checks" == *" $1 "* ]]; }
 
 step "device"
@@ -82,6 +85,15 @@ if picked qlora; then
   step "QLoRA (nf4-dq), 50 steps, on CUDA and the CPU"
   run_recipe qlora-cuda /tmp/rtune-cache-cuda "${qlora[@]}"
   run_recipe qlora-cpu /tmp/rtune-cache-cpu "${qlora[@]}" --set 'device.prefer=["cpu"]'
+fi
+# tests/pipeline.rs's scratch Gemma 3 (a_gemma3_model_trains_and_exports_end_to_end), to its GGUF.
+gemma3=(--set 'model.scratch={arch="gemma3", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128, vocab_size=512}'
+  --set 'stages.train.trainable=["adapter", "*feedforward_layernorm.weight"]' --set stages.train.max_steps=30
+  --set stages.evaluate.max_new_tokens=2 --set 'stages.quantize.formats=["gguf-q8_0"]')
+if picked gemma3; then
+  step "a scratch Gemma 3 to its q8_0 GGUF, self-checked on the device, on CUDA and the CPU"
+  run_recipe gemma3-cuda /tmp/rtune-cache-cuda --until quantize "${gemma3[@]}"
+  run_recipe gemma3-cpu /tmp/rtune-cache-cpu --until quantize "${gemma3[@]}" --set 'device.prefer=["cpu"]'
 fi
 
 if ! picked vulkan; then
@@ -153,6 +165,17 @@ def calibrated(name):
           f"{d:.2e} relative), same top token {g['top_token_agreement']:.1%} (CPU's {c['top_token_agreement']:.1%})")
     # The importance matrices differ by float rounding only: a few blocks may round the other way.
     return d > 1e-2 or not (g["imatrix"] and c["imatrix"])
+def gemma3(name):
+    (got, mg), (cpu, mp) = curve(name), curve("gemma3-cpu")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, cpu))
+    q8 = lambda run: json.loads((artifact(run, "quantize") / "exports.json").read_text())["formats"]["gguf-q8_0"]
+    g, c = q8(name), q8("gemma3-cpu")
+    d = abs(g["eval_loss"] - c["eval_loss"]) / c["eval_loss"]
+    print(f"{name}: 30 training losses within {worst:.2e} relative of the CPU's ({mg.get('engine')}); q8_0 GGUF "
+          f"read back on the device: eval loss {g['eval_loss']:.6f} vs the CPU's file {c['eval_loss']:.6f} ({d:.2e} "
+          f"relative), perplexity ratio {g['perplexity_ratio']:.4f} (CPU {c['perplexity_ratio']:.4f}), same top token "
+          f"{g['top_token_agreement']:.1%} (CPU {c['top_token_agreement']:.1%})")
+    return worst > 1e-4 or d > 1e-3 or abs(g["perplexity_ratio"] - 1) > 0.01 or g["top_token_agreement"] < 0.95
 def against_cpu(name, reference, what, tol):
     (fc, mfc), (fp, mfp) = curve(name), curve(reference)
     w = max(abs(a - b) / abs(b) for a, b in zip(fc, fp))
@@ -168,6 +191,7 @@ checks = [
     ("full-vulkan", lambda n: against_cpu(n, "full-cpu", "full fine-tune", 1e-3)),
     ("qlora-cuda", lambda n: against_cpu(n, "qlora-cpu", "QLoRA (nf4-dq)", 1e-4)),
     ("qlora-vulkan", lambda n: against_cpu(n, "qlora-cpu", "QLoRA (nf4-dq)", 1e-4)),
+    ("gemma3-cuda", gemma3),
 ]
 failed = False
 for name, check in checks:
