@@ -34,7 +34,8 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// writes them, calibrated by an importance matrix; upload 4 — GGUFs in the model card;
 /// quantize 7 — the importance matrix's pass packs rows into 512-token sequences (its sums
 /// move by float rounding, and with them the odd calibrated block); quantize 8 — SentencePiece
-/// vocabularies in GGUFs, Gemma's GGUFs.
+/// vocabularies in GGUFs, Gemma's GGUFs; quantize 9 — no `rope_freqs` in GGUFs of linear
+/// rotary scaling.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -90,7 +91,11 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // version 7 wrote their `▁` pieces as a GPT-2 vocabulary, which llama.cpp tokenizes
         // wrongly, so those files must not be reused; every GGUF records the head size
         // (`attention.key_length`/`value_length`); Gemma's GGUFs are written.
-        Quantize => 8,
+        // 9: a GGUF of a model with linear rotary scaling (Gemma 3 4B and larger) carried a
+        // llama3-style `rope_freqs` tensor that llama.cpp's Gemma 3 refuses to load ("wrong
+        // number of tensors"), so those files must not be reused; image-text Gemma 3 folders
+        // export (merged folders carry their vision tower; adapters target the text model).
+        Quantize => 9,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
         // `plan` can check the destination and `run` restore it.

@@ -1564,3 +1564,74 @@ fn ggufs_llama_cpp_would_misread_are_refused() {
     .unwrap();
     assert!(why(&llama, dir.path()).contains("no tokenizer.model"));
 }
+
+/// An image-text Gemma 3 folder (`Gemma3ForConditionalGeneration`: Gemma 3 4B, 12B and 27B) is
+/// its text model to rtune: config.json's `text_config` read with Gemma3TextConfig's defaults for
+/// what it leaves out (as the Hub's are written), the tensors under `language_model.`, the vision
+/// tower set aside. Its logits are transformers' text-only logits; a PEFT adapter on the text
+/// model (targets as the regular expression rtune writes) reads back and computes as PEFT does,
+/// and rtune writes that adapter under PEFT's names. tests/fixtures/gemma3-mm/make.py.
+#[test]
+fn an_image_text_gemma3_folder_is_its_text_model_as_transformers_and_peft_compute_it() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma3-mm");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let folder = ModelFolder::open(&dir).unwrap();
+    assert_eq!(folder.layout, rtune::model::Layout::Gemma3Multimodal);
+    let c = &folder.config;
+    assert_eq!((c.arch, c.num_layers, c.vocab_size, c.head_dim), (rtune::recipe::Arch::Gemma3, 6, 512, 16));
+    assert_eq!((c.max_position_embeddings, c.rms_norm_eps, c.tie_word_embeddings), (131072, 1e-6, true));
+    assert_eq!(c.eos_token_ids, [1, 106], "the outer config's EOS, as the Hub's Gemma 3 4B has it");
+    assert_eq!(c.rope_scaling.as_ref().and_then(|r| r.factor), Some(8.0));
+    let local = c.local_attention.as_ref().unwrap();
+    assert_eq!(
+        (local.window, local.rope_theta, &local.layers[..]),
+        (4, 10000.0, &[true, true, true, true, true, false][..])
+    );
+    let stored = folder.stored().unwrap();
+    let others: Vec<&str> = stored.others().collect();
+    assert_eq!(stored.len() + others.len(), expected["tensors"].as_u64().unwrap() as usize);
+    assert!(
+        others.iter().all(|n| n.starts_with("vision_tower.") || n.starts_with("multi_modal_projector.")),
+        "{others:?}"
+    );
+    assert!(stored.contains("model.layers.5.self_attn.q_proj.weight") && !stored.contains("lm_head.weight"));
+
+    let ids: Vec<u32> = serde_json::from_value(expected["ids"].clone()).unwrap();
+    let close = |got: &[Vec<f32>], key: &str| {
+        let want: Vec<Vec<f32>> = serde_json::from_value(expected[key].clone()).unwrap();
+        let d = got.iter().flatten().zip(want.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-4, "{key}: max |logit difference| from transformers {d}");
+    };
+    let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
+    let base = Transformer::new(c, &weights, &Trainable::nothing(), &mut Rng::new(0)).unwrap();
+    close(&full_forward(&base, &ids), "logits");
+
+    let adapter = dir.join("peft");
+    let spec = peft::read_config(&adapter).unwrap();
+    assert_eq!(spec.targets, ["gate_proj", "q_proj", "v_proj"]);
+    let tuned = Transformer::new(c, &weights, &Trainable::lora(spec.clone()), &mut Rng::new(0)).unwrap();
+    let read = peft::read_weights(&adapter, &Device::Cpu).unwrap();
+    assert!(read.keys().all(|k| k.starts_with("base_model.model.model.layers.")), "rtune's names in memory");
+    tuned.load_params(&read).unwrap();
+    close(&full_forward(&tuned, &ids), "peft_logits");
+
+    let out = tempfile::tempdir().unwrap();
+    peft::write(out.path(), &spec, &read, "gemma3-mm", &folder).unwrap();
+    let written = candle_core::safetensors::load(out.path().join("adapter_model.safetensors"), &Device::Cpu).unwrap();
+    let keys: std::collections::BTreeSet<&String> = written.keys().collect();
+    let want: Vec<String> = serde_json::from_value(expected["peft_keys"].clone()).unwrap();
+    assert_eq!(keys, want.iter().collect(), "PEFT's names for the text model's modules");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("adapter_config.json")).unwrap()).unwrap();
+    let theirs: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap()).unwrap();
+    let (ours, peft_re) = (config["target_modules"].as_str().unwrap(), theirs["target_modules"].as_str().unwrap());
+    let sorted = |re: &str| {
+        let (head, names) = re.rsplit_once('(').unwrap();
+        let mut names: Vec<&str> = names.trim_end_matches(')').split('|').collect();
+        names.sort();
+        format!("{head}({})", names.join("|"))
+    };
+    assert_eq!(sorted(ours), sorted(peft_re), "the vision tower's q/v projections stay untargeted");
+}

@@ -2144,3 +2144,66 @@ fn a_named_importance_matrix_calibrates() {
     assert!(err.contains("rtune::quantize::imatrix_mismatch"), "{err}");
     assert!(err.contains("gives `blk.0.attn_k.weight` 32 input columns where this model has 64"), "{err}");
 }
+
+/// An image-text Gemma 3 folder (`Gemma3ForConditionalGeneration`, as Gemma 3 4B, 12B and 27B
+/// ship) fine-tunes its text model: the LoRA adapter targets the text model alone, under PEFT's
+/// names; the merged folder is the whole image-text model again — every tensor the base has,
+/// under the same names, the vision tower bit for bit — and the GGUF is the text model, as
+/// llama.cpp's converter writes one (the vision tower goes to its own mmproj file there).
+#[test]
+fn an_image_text_gemma3_fine_tunes_its_text_model_and_exports_the_whole_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    let fixture = root().join("tests/fixtures/gemma3-mm");
+    std::fs::create_dir(p.join("base")).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"] {
+        std::fs::copy(fixture.join(f), p.join("base").join(f)).unwrap();
+    }
+    let alpaca = std::fs::read_to_string(root().join("recipes/data/synthetic-alpaca.jsonl")).unwrap();
+    std::fs::write(p.join("data.jsonl"), alpaca.lines().take(64).collect::<Vec<_>>().join("\n")).unwrap();
+    let recipe = "[recipe]\nname = \"gemma3-mm\"\n[model]\npath = \"base\"\n[dataset]\npath = \"data.jsonl\"\n\
+                  format = \"alpaca\"\nmax_seq_len = 256\n[device]\nprefer = [\"cpu\"]\n[adapter]\n\
+                  targets = [\"q_proj\", \"v_proj\", \"gate_proj\"]\n[stages.train]\nmax_steps = 4\n\
+                  learning_rate = 1e-2\n[stages.evaluate]\nmax_new_tokens = 2\n[stages.quantize]\n\
+                  formats = [\"peft-adapter\", \"safetensors-merged\", \"gguf-q8_0\"]\n";
+    std::fs::write(p.join("mm.toml"), recipe).unwrap();
+    let o = rtune(p, &p.join("cache"), &["run", "mm.toml", "--until", "quantize", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let exports = artifact(&report, "quantize");
+
+    let adapter = read_json(&exports.join("peft-adapter/adapter_config.json"));
+    assert_eq!(adapter["target_modules"], r"(model\.language_model\..*\.)?(gate_proj|q_proj|v_proj)");
+    let saved = candle_core::safetensors::load(
+        exports.join("peft-adapter/adapter_model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(saved.len(), 6 * 3 * 2);
+    assert!(saved.keys().all(|k| k.starts_with("base_model.model.model.language_model.layers.")), "{:?}", saved.keys());
+
+    let merged = read_json(&exports.join("merged/config.json"));
+    assert_eq!(merged["architectures"][0], "Gemma3ForConditionalGeneration");
+    assert_eq!(merged["vision_config"], read_json(&fixture.join("config.json"))["vision_config"]);
+    let read = |path: &Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensors().into_iter().map(|(n, v)| (n, v.data().to_vec())).collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (base, out) = (read(&fixture.join("model.safetensors")), read(&exports.join("merged/model.safetensors")));
+    assert_eq!(base.keys().collect::<Vec<_>>(), out.keys().collect::<Vec<_>>(), "the base's names, every one");
+    for (name, bytes) in &base {
+        let merges =
+            ["q_proj", "v_proj", "gate_proj"].iter().any(|m| name.contains(m)) && name.starts_with("language_model.");
+        assert_eq!(&out[name] == bytes, !merges, "{name}: merged where an adapter is, carried over elsewhere");
+    }
+
+    let quantize = report["stages"].as_array().unwrap().iter().find(|s| s["name"] == "quantize").unwrap();
+    let gguf = &quantize["metrics"]["formats"]["gguf-q8_0"];
+    assert!((gguf["perplexity_ratio"].as_f64().unwrap() - 1.0).abs() < 0.01, "{gguf}");
+    let mut f = std::fs::File::open(exports.join("gguf/model-q8_0.gguf")).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    assert_eq!(content.metadata["general.architecture"].to_string().unwrap(), "gemma3");
+    let top: Vec<&String> = content.tensor_infos.keys().filter(|n| !n.starts_with("blk.")).collect();
+    assert_eq!(content.tensor_infos.len(), 2 + 6 * 13, "the text model's tensors alone: {top:?}");
+}

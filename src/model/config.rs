@@ -87,6 +87,41 @@ pub struct RawConfig {
     pub layer_types: Option<Vec<String>>,
 }
 
+/// The config.json of the model rtune trains in a folder whose config.json is `raw`, and how its
+/// checkpoint names that model's tensors. For `Gemma3ForConditionalGeneration` (Gemma 3 4B and
+/// larger): its `text_config` with Gemma3TextConfig's defaults under what it leaves out — the
+/// Hub's config.json writes only what differs from them — as a `Gemma3ForCausalLM`, with the
+/// outer config's special tokens where the text config has none.
+pub fn text_model(raw: &serde_json::Value) -> (serde_json::Value, super::Layout) {
+    let arch = raw["architectures"].get(0).and_then(|a| a.as_str());
+    let multimodal = arch == Some("Gemma3ForConditionalGeneration")
+        || (arch.is_none() && raw["model_type"].as_str() == Some("gemma3") && raw["text_config"].is_object());
+    if !multimodal {
+        return (raw.clone(), super::Layout::CausalLm);
+    }
+    // transformers' Gemma3TextConfig defaults (those of Gemma 3 4B's text model, as released).
+    let mut text = serde_json::json!({
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": true,
+        "attention_bias": false, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    });
+    if let Some(given) = raw["text_config"].as_object() {
+        for (k, v) in given {
+            text[k] = v.clone();
+        }
+    }
+    for key in ["bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype"] {
+        if raw.get(key).is_some_and(|v| !v.is_null()) && raw["text_config"].get(key).is_none() {
+            text[key] = raw[key].clone();
+        }
+    }
+    text["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
+    text["model_type"] = serde_json::json!("gemma3_text");
+    (text, super::Layout::Gemma3Multimodal)
+}
+
 fn default_max_pos() -> usize {
     2048
 }
@@ -663,11 +698,45 @@ mod tests {
             (4096, 10000.0, &[true, false, true, false][..])
         );
         let mut vision = gemma3.clone();
-        vision["architectures"] = serde_json::json!(["Gemma3ForConditionalGeneration"]);
+        vision["architectures"] = serde_json::json!(["PaliGemmaForConditionalGeneration"]);
         assert!(matches!(parse(vision), Err(ModelError::UnsupportedArchitecture { .. })));
         let mut both = gemma3;
         both["use_bidirectional_attention"] = true.into();
         assert!(parse(both).unwrap_err().to_string().contains("bidirectional"));
+    }
+
+    /// Gemma 3 4B's config.json as the Hub ships it (google/gemma-3-4b-it, transformers
+    /// 4.50.0.dev0): `text_config` holds only what differs from Gemma3TextConfig's defaults.
+    #[test]
+    fn an_image_text_gemma3_config_is_its_text_model_with_transformers_defaults() {
+        let hub = serde_json::json!({
+            "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+            "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+            "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+            "text_config": {
+                "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024,
+            },
+            "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+            "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                "patch_size": 14, "vision_use_head": false},
+        });
+        let (text, layout) = text_model(&hub);
+        assert_eq!(layout, crate::model::Layout::Gemma3Multimodal);
+        let c = parse(text).unwrap();
+        assert_eq!((c.arch, c.hidden_size, c.intermediate_size, c.num_layers), (Arch::Gemma3, 2560, 10240, 34));
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size), (8, 4, 256, 262208));
+        assert_eq!((c.attn_scale, c.rope_theta, c.tie_word_embeddings), (1.0 / 16.0, 1e6, true));
+        assert_eq!((c.max_position_embeddings, c.eos_token_ids.clone()), (131072, vec![1, 106]));
+        let scaling = c.rope_scaling.clone().unwrap();
+        assert_eq!((scaling.rope_type.as_deref(), scaling.factor), (Some("linear"), Some(8.0)));
+        let local = c.local_attention.clone().unwrap();
+        let globals: Vec<usize> = (0..34).filter(|&i| !local.layers[i]).collect();
+        assert_eq!((local.window, local.rope_theta, globals), (1024, 10000.0, vec![5, 11, 17, 23, 29]));
+        // A causal LM's config.json is read as it is.
+        assert_eq!(text_model(&base()), (base(), crate::model::Layout::CausalLm));
     }
 
     #[test]

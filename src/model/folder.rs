@@ -12,9 +12,62 @@ use super::{ModelConfig, ModelError, RawConfig};
 #[derive(Debug, Clone)]
 pub struct ModelFolder {
     pub dir: PathBuf,
+    /// The model rtune trains: for an image-text checkpoint, its text model.
     pub config: ModelConfig,
     /// config.json as written (kept whole for export).
     pub raw_config: serde_json::Value,
+    pub layout: Layout,
+}
+
+/// How a checkpoint's tensors are named. rtune names a model's tensors as a causal LM's
+/// (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`); an image-text checkpoint holds
+/// that model under a prefix of its own beside tensors rtune does not train (the vision tower
+/// and its projector), which every export carries over unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `*ForCausalLM`: the names are rtune's.
+    CausalLm,
+    /// `Gemma3ForConditionalGeneration` (Gemma 3 4B, 12B, 27B): the text model's tensors are
+    /// stored as `language_model.<name>` (as transformers saves them, every version), its
+    /// modules are `model.language_model.*` and `lm_head` in transformers ≥ 4.52 (the names
+    /// PEFT's adapters carry), and the rest is the vision tower.
+    Gemma3Multimodal,
+}
+
+impl Layout {
+    /// The name a checkpoint stores tensor `name` (rtune's) under.
+    pub fn stored_name(self, name: &str) -> String {
+        match self {
+            Layout::CausalLm => name.to_string(),
+            Layout::Gemma3Multimodal => format!("language_model.{name}"),
+        }
+    }
+
+    /// rtune's name of stored tensor `stored`; `None`: not the text model's (carried over).
+    pub fn name_of(self, stored: &str) -> Option<&str> {
+        match self {
+            Layout::CausalLm => Some(stored),
+            Layout::Gemma3Multimodal => stored.strip_prefix("language_model."),
+        }
+    }
+
+    /// The model's module path (as `named_modules` gives it, and PEFT's names carry) of rtune's
+    /// module or parameter name `name`.
+    pub fn module_path(self, name: &str) -> String {
+        match (self, name.strip_prefix("model.")) {
+            (Layout::Gemma3Multimodal, Some(rest)) => format!("model.language_model.{rest}"),
+            _ => name.to_string(),
+        }
+    }
+
+    /// rtune's name of module path `path` ([`Layout::module_path`]'s inverse); any layout's
+    /// paths read back, so an adapter names its modules either way.
+    pub fn from_module_path(path: &str) -> String {
+        match path.strip_prefix("model.language_model.") {
+            Some(rest) => format!("model.{rest}"),
+            None => path.to_string(),
+        }
+    }
 }
 
 impl ModelFolder {
@@ -27,10 +80,11 @@ impl ModelFolder {
             std::fs::read_to_string(&path).map_err(ModelError::io(format!("cannot read `{}`", path.display())))?;
         let raw_config: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
-        let raw: RawConfig = serde_json::from_value(raw_config.clone())
+        let (text, layout) = super::config::text_model(&raw_config);
+        let raw: RawConfig = serde_json::from_value(text)
             .map_err(|e| ModelError::BadFile { path: path.display().to_string(), source: Box::new(e) })?;
         let config = ModelConfig::from_raw(&raw)?;
-        Ok(ModelFolder { dir: dir.to_path_buf(), config, raw_config })
+        Ok(ModelFolder { dir: dir.to_path_buf(), config, raw_config, layout })
     }
 
     /// The safetensors files of the checkpoint (from the index when sharded).
@@ -106,7 +160,7 @@ impl ModelFolder {
 
     /// The checkpoint's tensors, mapped and read by name one at a time (see [`StoredWeights`]).
     pub fn stored(&self) -> Result<StoredWeights, ModelError> {
-        StoredWeights::open(self.weight_files()?)
+        StoredWeights::open_as(self.weight_files()?, self.layout)
     }
 
     pub fn tokenizer(&self) -> Result<tokenizers::Tokenizer, ModelError> {
@@ -143,15 +197,26 @@ impl ModelFolder {
 /// files are the page cache's, not the process's.
 pub struct StoredWeights {
     maps: Vec<(PathBuf, memmap2::Mmap)>,
-    /// Each tensor's file (an index into `maps`), shape and stored dtype.
-    index: BTreeMap<String, (usize, Vec<usize>, safetensors::Dtype)>,
+    /// Each tensor of the model rtune trains, by rtune's name: its file (an index into `maps`),
+    /// shape, stored dtype and stored name.
+    index: BTreeMap<String, Stored>,
+    /// The checkpoint's other tensors (an image-text model's vision tower), by stored name.
+    others: BTreeMap<String, Stored>,
 }
+
+type Stored = (usize, Vec<usize>, safetensors::Dtype, String);
 
 impl StoredWeights {
     /// Map safetensors `files` (a tensor in two of them is the later file's).
     pub fn open(files: Vec<PathBuf>) -> Result<StoredWeights, ModelError> {
+        StoredWeights::open_as(files, Layout::CausalLm)
+    }
+
+    /// [`StoredWeights::open`] for a checkpoint of `layout`.
+    pub fn open_as(files: Vec<PathBuf>, layout: Layout) -> Result<StoredWeights, ModelError> {
         let mut maps = Vec::new();
         let mut index = BTreeMap::new();
+        let mut others = BTreeMap::new();
         for (k, file) in files.into_iter().enumerate() {
             let handle =
                 std::fs::File::open(&file).map_err(ModelError::io(format!("cannot read `{}`", file.display())))?;
@@ -160,12 +225,39 @@ impl StoredWeights {
                 .map_err(ModelError::io(format!("cannot map `{}`", file.display())))?;
             let st = safetensors::SafeTensors::deserialize(&bytes)
                 .map_err(|e| ModelError::BadFile { path: file.display().to_string(), source: Box::new(e) })?;
-            for (name, view) in st.tensors() {
-                index.insert(name, (k, view.shape().to_vec(), view.dtype()));
+            for (stored, view) in st.tensors() {
+                let entry = (k, view.shape().to_vec(), view.dtype(), stored.clone());
+                match layout.name_of(&stored) {
+                    Some(name) => index.insert(name.to_string(), entry),
+                    None => others.insert(stored, entry),
+                };
             }
             maps.push((file, bytes));
         }
-        Ok(StoredWeights { maps, index })
+        Ok(StoredWeights { maps, index, others })
+    }
+
+    /// The stored names of the tensors that are not the model's (see [`Layout`]).
+    pub fn others(&self) -> impl Iterator<Item = &str> {
+        self.others.keys().map(String::as_str)
+    }
+
+    /// Other tensor `stored`'s (one of [`StoredWeights::others`]) shape and stored dtype.
+    pub fn other_info(&self, stored: &str) -> Result<(Vec<usize>, DType), ModelError> {
+        match self.others.get(stored) {
+            Some((_, shape, dtype, _)) => Ok((shape.clone(), candle_dtype(stored, *dtype)?)),
+            None => Err(ModelError::MissingTensor { name: stored.into() }),
+        }
+    }
+
+    /// Other tensor `stored` on the CPU in its stored dtype.
+    pub fn other(&self, stored: &str) -> Result<Tensor, ModelError> {
+        self.with_entry(self.others.get(stored), stored, |view| tensor_from_view(stored, view, &Device::Cpu))
+    }
+
+    /// The blake3 of other tensor `stored`'s bytes as stored.
+    pub fn other_digest(&self, stored: &str) -> Result<blake3::Hash, ModelError> {
+        self.with_entry(self.others.get(stored), stored, |view| Ok(blake3::hash(view.data())))
     }
 
     /// Whether the files hold tensor `name`.
@@ -184,12 +276,12 @@ impl StoredWeights {
 
     /// The shape of tensor `name`, if the checkpoint has it.
     pub fn shape(&self, name: &str) -> Option<&[usize]> {
-        self.index.get(name).map(|(_, s, _)| s.as_slice())
+        self.index.get(name).map(|(_, s, ..)| s.as_slice())
     }
 
     /// The dtype tensor `name` is stored in (f32, f16 or bf16; others are an error).
     pub fn dtype(&self, name: &str) -> Result<DType, ModelError> {
-        let Some((_, _, dtype)) = self.index.get(name) else {
+        let Some((_, _, dtype, _)) = self.index.get(name) else {
             return Err(ModelError::MissingTensor { name: name.into() });
         };
         candle_dtype(name, *dtype)
@@ -210,7 +302,16 @@ impl StoredWeights {
         name: &str,
         f: impl FnOnce(&safetensors::tensor::TensorView<'_>) -> Result<R, ModelError>,
     ) -> Result<R, ModelError> {
-        let Some((k, ..)) = self.index.get(name) else {
+        self.with_entry(self.index.get(name), name, f)
+    }
+
+    fn with_entry<R>(
+        &self,
+        entry: Option<&Stored>,
+        name: &str,
+        f: impl FnOnce(&safetensors::tensor::TensorView<'_>) -> Result<R, ModelError>,
+    ) -> Result<R, ModelError> {
+        let Some((k, _, _, stored)) = entry else {
             return Err(ModelError::MissingTensor { name: name.into() });
         };
         let (file, bytes) = &self.maps[*k];
@@ -219,7 +320,7 @@ impl StoredWeights {
             source: Box::new(e),
         };
         let st = safetensors::SafeTensors::deserialize(bytes).map_err(bad)?;
-        f(&st.tensor(name).map_err(bad)?)
+        f(&st.tensor(stored).map_err(bad)?)
     }
 }
 

@@ -178,6 +178,9 @@ impl<'a> Merged<'a> {
         let mut raw = self.folder.raw_config.clone();
         if self.config.tie_word_embeddings != self.folder.config.tie_word_embeddings {
             raw["tie_word_embeddings"] = serde_json::json!(false);
+            if raw["text_config"].is_object() {
+                raw["text_config"]["tie_word_embeddings"] = serde_json::json!(false);
+            }
         }
         if let Some(d) = dtype {
             let name = match d {
@@ -276,7 +279,8 @@ impl<'a> Merged<'a> {
 pub struct Written {
     /// The files, in order (the index last when sharded).
     pub files: Vec<String>,
-    /// The blake3 of each tensor's bytes as written, by name.
+    /// The blake3 of each tensor's bytes as written, by rtune's name (the base's other tensors,
+    /// carried over, by the name it stores them under).
     pub digests: BTreeMap<String, blake3::Hash>,
 }
 
@@ -293,8 +297,20 @@ impl Merged<'_> {
         dtype: Option<DType>,
         max_shard_bytes: u64,
     ) -> Result<Written, ModelError> {
-        let tensors: Vec<(String, DType, Vec<usize>)> =
-            self.layout.iter().map(|e| (e.name.clone(), dtype.unwrap_or(e.dtype), e.shape.clone())).collect();
+        // The model's tensors under the names the base stores them by, then the base's other
+        // tensors (an image-text model's vision tower), carried over.
+        let layout = self.folder.layout;
+        let mut tensors: Vec<(String, DType, Vec<usize>)> = self
+            .layout
+            .iter()
+            .map(|e| (layout.stored_name(&e.name), dtype.unwrap_or(e.dtype), e.shape.clone()))
+            .collect();
+        for name in self.stored.others() {
+            let (shape, stored) = self.stored.other_info(name)?;
+            tensors.push((name.to_string(), dtype.unwrap_or(stored), shape));
+        }
+        let model: BTreeMap<String, &str> =
+            self.layout.iter().map(|e| (layout.stored_name(&e.name), e.name.as_str())).collect();
         let size_of = |t: &(String, DType, Vec<usize>)| t.2.iter().product::<usize>() as u64 * file_element_size(t.1);
         let mut shards: Vec<Vec<usize>> = vec![vec![]];
         let mut current = 0u64;
@@ -327,13 +343,16 @@ impl Merged<'_> {
             }
             total += members.iter().map(|&i| size_of(&tensors[i])).sum::<u64>();
             write_safetensors(&dir.join(&file), &layout, |j| {
-                let (name, dtype, _) = &layout[j];
-                let t = self.tensor(name)?;
+                let (stored, dtype, _) = &layout[j];
+                let (name, t) = match model.get(stored) {
+                    Some(name) => (name.to_string(), self.tensor(name)?),
+                    None => (stored.clone(), self.stored.other(stored)?),
+                };
                 let (_, bytes) = t
                     .to_dtype(*dtype)
                     .and_then(|t| tensor_bytes(&t))
                     .map_err(ModelError::candle(format!("convert `{name}`")))?;
-                digests.insert(name.clone(), blake3::hash(&bytes));
+                digests.insert(name, blake3::hash(&bytes));
                 Ok(bytes)
             })?;
             files.push(file);

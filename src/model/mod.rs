@@ -20,7 +20,7 @@ pub mod transformer;
 
 pub use batch::Batch;
 pub use config::{ModelConfig, RawConfig};
-pub use folder::ModelFolder;
+pub use folder::{Layout, ModelFolder};
 pub use lora::{Linear, LoraSpec, Param};
 pub use transformer::{FEEDFORWARD_NORMS, KvCache, LAYER_LINEARS, Observer, QK_NORMS, Trainable, Transformer};
 

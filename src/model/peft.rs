@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
 use super::lora::is_adapter_param;
-use super::{LoraSpec, ModelError};
+use super::{Layout, LoraSpec, ModelError};
 
 /// Read `adapter_config.json`.
 pub fn read_config(dir: &Path) -> Result<LoraSpec, ModelError> {
@@ -32,6 +32,15 @@ pub fn read_config(dir: &Path) -> Result<LoraSpec, ModelError> {
     let alpha = v["lora_alpha"].as_f64().ok_or_else(|| bad("no number `lora_alpha`"))?;
     let mut targets: Vec<String> = match &v["target_modules"] {
         serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
+        serde_json::Value::String(re) => match re.strip_prefix(TEXT_MODEL_RE).and_then(|r| r.strip_prefix('(')) {
+            Some(names) if names.ends_with(')') => names[..names.len() - 1].split('|').map(String::from).collect(),
+            _ => {
+                return Err(bad(&format!(
+                    "`target_modules` is the regular expression `{re}`: rtune reads a list of module names, or \
+                     the expression it writes for an image-text model's text model (`{TEXT_MODEL_RE}(q_proj|v_proj)`)"
+                )));
+            }
+        },
         _ => return Err(bad("`target_modules` is not a list")),
     };
     targets.sort();
@@ -41,6 +50,18 @@ pub fn read_config(dir: &Path) -> Result<LoraSpec, ModelError> {
 
 /// PEFT's prefix of every saved tensor name.
 const PREFIX: &str = "base_model.model.";
+
+/// An image-text model's adapter targets its text model's linears alone: PEFT matches a list of
+/// names against the vision tower's too (its `q_proj`, `v_proj`, …), so the targets are written
+/// as this expression followed by `(name|name…)`, which PEFT matches against each module's path
+/// (`model.language_model.layers.0.self_attn.q_proj`, and `lm_head`).
+const TEXT_MODEL_RE: &str = r"(model\.language_model\..*\.)?";
+
+/// PEFT's name of in-memory name `name` (an adapter matrix under PEFT's names for rtune's
+/// modules, or a base weight under rtune's name) for a model of `layout`.
+fn saved_name(layout: Layout, name: &str) -> String {
+    format!("{PREFIX}{}", layout.module_path(name.strip_prefix(PREFIX).unwrap_or(name)))
+}
 
 /// Load the adapter's tensors in f32: adapter matrices under PEFT's names, the weights of
 /// `modules_to_save` under their Hugging Face names (`lm_head.weight`).
@@ -52,8 +73,9 @@ pub fn read_weights(dir: &Path, device: &Device) -> Result<BTreeMap<String, Tens
     for (k, t) in tensors {
         let t = t.to_dtype(DType::F32).map_err(ModelError::candle("convert adapter"))?;
         let name = match k.strip_prefix(PREFIX) {
-            Some(base) if !is_adapter_param(&k) => base.to_string(),
-            _ => k,
+            Some(base) if !is_adapter_param(&k) => Layout::from_module_path(base),
+            Some(module) => format!("{PREFIX}{}", Layout::from_module_path(module)),
+            None => k,
         };
         out.insert(name, t);
     }
@@ -73,23 +95,22 @@ pub fn write(
     base_model: &str,
     base: &super::ModelFolder,
 ) -> Result<(), ModelError> {
+    let layout = base.layout;
     let module = |name: &str| name.rsplit_once('.').map_or(name, |(m, _)| m).to_string();
     let mut saved: BTreeMap<String, Tensor> = BTreeMap::new();
     let mut modules: Vec<String> = Vec::new();
     for (name, t) in weights {
-        if is_adapter_param(name) {
-            saved.insert(name.clone(), t.clone());
-        } else {
+        if !is_adapter_param(name) {
             modules.push(module(name));
-            saved.insert(format!("{PREFIX}{name}"), t.clone());
         }
+        saved.insert(saved_name(layout, name), t.clone());
     }
     modules.sort();
     modules.dedup();
     let tie = base.config.tie_word_embeddings && modules.iter().any(|m| m == "model.embed_tokens");
     if tie {
         if !weights.contains_key("lm_head.weight") {
-            saved.insert(format!("{PREFIX}lm_head.weight"), weights["model.embed_tokens.weight"].clone());
+            saved.insert(saved_name(layout, "lm_head.weight"), weights["model.embed_tokens.weight"].clone());
         }
         if !modules.iter().any(|m| m == "lm_head") {
             modules.insert(0, "lm_head".to_string());
@@ -98,14 +119,19 @@ pub fn write(
     if !modules.is_empty() {
         // The saved modules' parameters that did not train, as the base has them (only those
         // are read).
-        let missing = |name: &str| modules.contains(&module(name)) && !saved.contains_key(&format!("{PREFIX}{name}"));
+        let missing = |name: &str| modules.contains(&module(name)) && !saved.contains_key(&saved_name(layout, name));
         let mut found = Vec::new();
         base.visit_weights_where(missing, |name, t| -> Result<(), ModelError> {
-            found.push((format!("{PREFIX}{name}"), t));
+            found.push((saved_name(layout, name), t));
             Ok(())
         })?;
         saved.extend(found);
     }
+    let modules: Vec<String> = modules.iter().map(|m| layout.module_path(m)).collect();
+    let targets = match layout {
+        Layout::CausalLm => json!(spec.targets),
+        Layout::Gemma3Multimodal => json!(format!("{TEXT_MODEL_RE}({})", spec.targets.join("|"))),
+    };
     let mut config = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -114,7 +140,7 @@ pub fn write(
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": spec.targets,
+        "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": false,
         "inference_mode": true,

@@ -545,7 +545,7 @@ mod tests {
                     sources: Some(Sources { imatrix: Some(local("i")), ..Sources::default() }),
                 }),
                 inputs(&["model", "tokens", "weights"]),
-                r#"{"device":{"class":"cuda","dtype":"f32"},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens","weights":"fp-weights"},"kind":"quantize","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"base_name":"owner/model","name":"r","quantize":{"formats":["gguf-q4_k_m"],"imatrix_file":"(by content)"},"template":{"chat_template":"chatml","format":"chat"}},"sources":{"imatrix":"i"},"stage_version":8}"#,
+                r#"{"device":{"class":"cuda","dtype":"f32"},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens","weights":"fp-weights"},"kind":"quantize","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"base_name":"owner/model","name":"r","quantize":{"formats":["gguf-q4_k_m"],"imatrix_file":"(by content)"},"template":{"chat_template":"chatml","format":"chat"}},"sources":{"imatrix":"i"},"stage_version":9}"#,
             ),
             (
                 StageKey::Upload(UploadKey {

@@ -648,7 +648,16 @@ fn write_tokenizer_files(
     chat: Option<&crate::data::chat::Shipped>,
     generation: bool,
 ) -> Result<(), StageError> {
-    let names = TOKENIZER_FILES.iter().chain(generation.then_some(&"generation_config.json"));
+    // A merged folder is a whole model: its generation settings, and an image-text model's
+    // processor (image preprocessing, and its chat template unless rtune ships one).
+    let model_files: &[&str] = match (generation, chat.is_some()) {
+        (false, _) => &[],
+        (true, true) => &["generation_config.json", "preprocessor_config.json", "processor_config.json"],
+        (true, false) => {
+            &["generation_config.json", "preprocessor_config.json", "processor_config.json", "chat_template.json"]
+        }
+    };
+    let names = TOKENIZER_FILES.iter().chain(model_files);
     for f in names {
         let src = model_dir.join(f);
         if src.is_file() {
@@ -727,6 +736,22 @@ fn check_written(
             return Err(StageError::Internal(format!(
                 "`{}` reads back from the merged folder other than it was written",
                 e.name
+            )));
+        }
+    }
+    // The base's other tensors (an image-text model's vision tower), carried over.
+    let others: Vec<&str> = stored.others().collect();
+    if others.len() + merged.layout().len() != digests.len() {
+        return Err(StageError::Internal(format!(
+            "the merged folder holds {} tensors besides the model's, not the base's {}",
+            others.len(),
+            digests.len() - merged.layout().len()
+        )));
+    }
+    for name in others {
+        if digests.get(name) != Some(&stored.other_digest(name)?) {
+            return Err(StageError::Internal(format!(
+                "`{name}` reads back from the merged folder other than it was written"
             )));
         }
     }

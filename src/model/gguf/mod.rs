@@ -597,7 +597,9 @@ fn tensor_order(name: &str) -> (usize, usize, String) {
 
 /// The per-frequency divisors llama.cpp applies for llama3 rope scaling.
 fn llama3_rope_factors(cfg: &ModelConfig) -> Option<Vec<f32>> {
-    let rs = cfg.rope_scaling.as_ref()?;
+    // Only llama3's: llama.cpp reads linear scaling from the metadata, and an architecture whose
+    // tensors do not include `rope_freqs` refuses a file that has one.
+    let rs = cfg.rope_scaling.as_ref().filter(|r| r.rope_type.as_deref() == Some("llama3"))?;
     let factor = rs.factor.unwrap_or(8.0);
     let low = rs.low_freq_factor.unwrap_or(1.0);
     let high = rs.high_freq_factor.unwrap_or(4.0);
