@@ -83,6 +83,7 @@ fn shipped_recipes_validate_and_the_offline_one_plans() {
         "qwen3-0.6b-lora",
         "qwen3-8b-qlora",
         "gemma3-270m-lora",
+        "gemma3-4b-lora",
         "smollm2-135m-lora",
         "smollm2-360m-lora",
     ] {

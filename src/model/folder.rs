@@ -61,12 +61,13 @@ impl Layout {
     }
 
     /// rtune's name of module path `path` ([`Layout::module_path`]'s inverse); any layout's
-    /// paths read back, so an adapter names its modules either way.
+    /// paths read back, so an adapter names its modules either way — also as transformers 4.50
+    /// and 4.51 named Gemma 3's (`language_model.model.layers.0…`, `language_model.lm_head`).
     pub fn from_module_path(path: &str) -> String {
-        match path.strip_prefix("model.language_model.") {
-            Some(rest) => format!("model.{rest}"),
-            None => path.to_string(),
+        if let Some(rest) = path.strip_prefix("model.language_model.") {
+            return format!("model.{rest}");
         }
+        path.strip_prefix("language_model.").unwrap_or(path).to_string()
     }
 }
 
@@ -448,7 +449,29 @@ fn le_bytes<T: Copy, const N: usize>(values: &[T], bytes: impl Fn(T) -> [u8; N])
 
 #[cfg(test)]
 mod tests {
-    use super::ModelFolder;
+    use super::{Layout, ModelFolder};
+
+    /// An image-text Gemma 3's names, each way; module paths read back whichever layout or
+    /// transformers version named them.
+    #[test]
+    fn layouts_name_tensors_and_modules() {
+        let mm = Layout::Gemma3Multimodal;
+        assert_eq!(mm.stored_name("model.norm.weight"), "language_model.model.norm.weight");
+        assert_eq!(mm.name_of("language_model.lm_head.weight"), Some("lm_head.weight"));
+        assert_eq!(mm.name_of("vision_tower.encoder.layers.0.mlp.fc1.weight"), None);
+        assert_eq!(mm.module_path("model.layers.0.self_attn.q_proj"), "model.language_model.layers.0.self_attn.q_proj");
+        assert_eq!(mm.module_path("lm_head"), "lm_head");
+        assert_eq!(Layout::CausalLm.module_path("model.layers.0.mlp.up_proj"), "model.layers.0.mlp.up_proj");
+        for path in [
+            "model.language_model.layers.3.mlp.down_proj",
+            "language_model.model.layers.3.mlp.down_proj",
+            "model.layers.3.mlp.down_proj",
+        ] {
+            assert_eq!(Layout::from_module_path(path), "model.layers.3.mlp.down_proj", "{path}");
+        }
+        assert_eq!(Layout::from_module_path("language_model.lm_head"), "lm_head");
+        assert_eq!(Layout::from_module_path("lm_head"), "lm_head");
+    }
 
     /// Rows start with BOS where the tokenizer puts one in front of text, as transformers'
     /// `tokenizer(text)` does: through its post-processor (Llama 3) or `add_bos_token: true`

@@ -22,6 +22,7 @@ static ALL: &[Builtin] = builtins![
     "qwen3-0.6b-lora",
     "qwen3-8b-qlora",
     "gemma3-270m-lora",
+    "gemma3-4b-lora",
     "llama-3.2-1b-chat",
     "smollm2-135m-full",
 ];
