@@ -298,19 +298,20 @@ impl Merged<'_> {
         max_shard_bytes: u64,
     ) -> Result<Written, ModelError> {
         // The model's tensors under the names the base stores them by, then the base's other
-        // tensors (an image-text model's vision tower), carried over.
+        // tensors (an image-text model's vision tower), carried over; beside each, the model's
+        // name of it (`None`: carried over).
         let layout = self.folder.layout;
-        let mut tensors: Vec<(String, DType, Vec<usize>)> = self
-            .layout
-            .iter()
-            .map(|e| (layout.stored_name(&e.name), dtype.unwrap_or(e.dtype), e.shape.clone()))
-            .collect();
+        let mut tensors: Vec<(String, DType, Vec<usize>)> = Vec::new();
+        let mut model_names: Vec<Option<&str>> = Vec::new();
+        for e in &self.layout {
+            tensors.push((layout.stored_name(&e.name), dtype.unwrap_or(e.dtype), e.shape.clone()));
+            model_names.push(Some(&e.name));
+        }
         for name in self.stored.others() {
             let (shape, stored) = self.stored.other_info(name)?;
             tensors.push((name.to_string(), dtype.unwrap_or(stored), shape));
+            model_names.push(None);
         }
-        let model: BTreeMap<String, &str> =
-            self.layout.iter().map(|e| (layout.stored_name(&e.name), e.name.as_str())).collect();
         let size_of = |t: &(String, DType, Vec<usize>)| t.2.iter().product::<usize>() as u64 * file_element_size(t.1);
         let mut shards: Vec<Vec<usize>> = vec![vec![]];
         let mut current = 0u64;
@@ -344,7 +345,7 @@ impl Merged<'_> {
             total += members.iter().map(|&i| size_of(&tensors[i])).sum::<u64>();
             write_safetensors(&dir.join(&file), &layout, |j| {
                 let (stored, dtype, _) = &layout[j];
-                let (name, t) = match model.get(stored) {
+                let (name, t) = match model_names[members[j]] {
                     Some(name) => (name.to_string(), self.tensor(name)?),
                     None => (stored.clone(), self.stored.other(stored)?),
                 };

@@ -650,14 +650,13 @@ fn write_tokenizer_files(
 ) -> Result<(), StageError> {
     // A merged folder is a whole model: its generation settings, and an image-text model's
     // processor (image preprocessing, and its chat template unless rtune ships one).
-    let model_files: &[&str] = match (generation, chat.is_some()) {
-        (false, _) => &[],
-        (true, true) => &["generation_config.json", "preprocessor_config.json", "processor_config.json"],
-        (true, false) => {
-            &["generation_config.json", "preprocessor_config.json", "processor_config.json", "chat_template.json"]
+    let mut names = TOKENIZER_FILES.to_vec();
+    if generation {
+        names.extend(["generation_config.json", "preprocessor_config.json", "processor_config.json"]);
+        if chat.is_none() {
+            names.push("chat_template.json");
         }
-    };
-    let names = TOKENIZER_FILES.iter().chain(model_files);
+    }
     for f in names {
         let src = model_dir.join(f);
         if src.is_file() {
