@@ -450,17 +450,25 @@ fn rmsnorm_reference(x: &[f32], w: &[f32], dy: &[f32], h: usize) -> (Vec<f32>, V
     (y, inv, dx)
 }
 
-/// Cross-entropy of logit rows of width `vocab`: per-row loss and (softmax − onehot) · scale.
-fn cross_entropy_reference(z: &[f32], targets: &[u32], vocab: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+/// Cross-entropy of logit rows of width `vocab`, capped as `c · tanh(z / c)` first where `cap`
+/// is given: per-row loss and (softmax − onehot) · scale, through the cap.
+fn cross_entropy_reference(
+    z: &[f32],
+    targets: &[u32],
+    vocab: usize,
+    scale: f32,
+    cap: Option<f32>,
+) -> (Vec<f32>, Vec<f32>) {
     let n = z.len() / vocab;
     let (mut loss, mut grad) = (vec![0f32; n], vec![0f32; n * vocab]);
     for r in 0..n {
-        let row = &z[r * vocab..][..vocab];
+        let row: Vec<f32> = z[r * vocab..][..vocab].iter().map(|&x| cap.map_or(x, |c| c * (x / c).tanh())).collect();
         let m = row.iter().copied().fold(f32::MIN, f32::max);
         let s: f32 = row.iter().map(|v| (v - m).exp()).sum();
         loss[r] = s.ln() - (row[targets[r] as usize] - m);
         for j in 0..vocab {
-            grad[r * vocab + j] = (row[j] - m).exp() / s * scale - if j == targets[r] as usize { scale } else { 0.0 };
+            let g = (row[j] - m).exp() / s * scale - if j == targets[r] as usize { scale } else { 0.0 };
+            grad[r * vocab + j] = g * cap.map_or(1.0, |c| 1.0 - (row[j] / c).powi(2));
         }
     }
     (loss, grad)
@@ -499,8 +507,8 @@ fn row_kernels_take_more_rows_than_one_grid_holds() {
             Buf::from_u32(&gpu, &targets).unwrap(),
             Buf::new(&gpu, n, Dt::F32).unwrap(),
         );
-        o.cross_entropy(zb.ptr(), tb.ptr(), loss.ptr(), n, vocab, 0.5).unwrap();
-        let (want_l, want_g) = cross_entropy_reference(&z, &targets, vocab, 0.5);
+        o.cross_entropy(zb.ptr(), tb.ptr(), loss.ptr(), n, vocab, 0.5, None).unwrap();
+        let (want_l, want_g) = cross_entropy_reference(&z, &targets, vocab, 0.5, None);
         assert_close("cross-entropy loss", &loss.to_vec().unwrap(), &want_l, 1e-5);
         assert_close("cross-entropy gradient", &zb.to_vec().unwrap(), &want_g, tol(Dt::F32));
     }
@@ -574,17 +582,21 @@ fn row_kernels_match_references() {
             let dropped = factors.iter().filter(|f| **f == 0.0).count() as f64 / factors.len() as f64;
             assert!((dropped - 0.3).abs() < 0.08, "dropped {dropped}");
 
-            // Cross-entropy: per-row loss and (softmax − onehot) · scale in place.
+            // Cross-entropy: per-row loss and (softmax − onehot) · scale in place; and of logits
+            // capped at 3 first (Gemma 2's cap, small enough here to bend most of them).
             let vocab = 37;
             let z = rounded(dt, &rand_vec(&mut rng, n * vocab, 5.0));
             let targets: Vec<u32> = (0..n as u32).map(|r| (r * 11) % vocab as u32).collect();
-            let zb = Buf::from_f32(&gpu, &z, dt).unwrap();
             let tb = Buf::from_u32(&gpu, &targets).unwrap();
-            let loss = Buf::new(&gpu, n, Dt::F32).unwrap();
-            o.cross_entropy(zb.ptr(), tb.ptr(), loss.ptr(), n, vocab, 0.25).unwrap();
-            let (want_l, want_g) = cross_entropy_reference(&z, &targets, vocab, 0.25);
-            assert_close(&format!("{dt:?} cross-entropy loss"), &loss.to_vec().unwrap(), &want_l, 1e-5);
-            assert_close(&format!("{dt:?} cross-entropy gradient"), &zb.to_vec().unwrap(), &want_g, tol(dt));
+            for cap in [None, Some(3.0)] {
+                let zb = Buf::from_f32(&gpu, &z, dt).unwrap();
+                let loss = Buf::new(&gpu, n, Dt::F32).unwrap();
+                o.cross_entropy(zb.ptr(), tb.ptr(), loss.ptr(), n, vocab, 0.25, cap).unwrap();
+                let (want_l, want_g) = cross_entropy_reference(&z, &targets, vocab, 0.25, cap);
+                let what = format!("{dt:?} cross-entropy (cap {cap:?})");
+                assert_close(&format!("{what} loss"), &loss.to_vec().unwrap(), &want_l, 1e-5);
+                assert_close(&format!("{what} gradient"), &zb.to_vec().unwrap(), &want_g, tol(dt));
+            }
 
             // Gather and scatter-add of rows.
             let idx = [3u32, 0, 4];
@@ -900,7 +912,7 @@ fn attention_reference(
     lo: &[i32],
     hi: &[i32],
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
-    let AttnShape { b, t, hq, hk, d, scale, .. } = *s;
+    let AttnShape { b, t, hq, hk, d, scale, softcap, .. } = *s;
     let rep = hq / hk;
     let qi = |bi: usize, i: usize, h: usize, j: usize| ((bi * t + i) * hq + h) * d + j;
     let ki = |bi: usize, i: usize, g: usize, j: usize| ((bi * t + i) * hk + g) * d + j;
@@ -912,13 +924,18 @@ fn attention_reference(
             for i in 0..t {
                 let keys: Vec<usize> =
                     (0..t).filter(|&kk| lo[bi * t + i] <= kk as i32 && kk as i32 <= hi[bi * t + i]).collect();
-                let sc: Vec<f64> = keys
+                // Scores, capped as `c · tanh(s / c)` where the shape caps them; `grad` is the cap's
+                // derivative at each.
+                let raw: Vec<f64> = keys
                     .iter()
                     .map(|&kk| {
                         (0..d).map(|j| q[qi(bi, i, h, j)] as f64 * k[ki(bi, kk, g, j)] as f64).sum::<f64>()
                             * scale as f64
                     })
                     .collect();
+                let c = softcap.map(f64::from);
+                let sc: Vec<f64> = raw.iter().map(|&x| c.map_or(x, |c| c * (x / c).tanh())).collect();
+                let grad: Vec<f64> = sc.iter().map(|&y| c.map_or(1.0, |c| 1.0 - (y / c).powi(2))).collect();
                 let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
                 lse[(bi * hq + h) * t + i] = if keys.is_empty() { f32::INFINITY } else { (m + z.ln()) as f32 };
@@ -933,7 +950,7 @@ fn attention_reference(
                     .collect();
                 let delta: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
                 for (n, &kk) in keys.iter().enumerate() {
-                    let ds = p[n] * (dp[n] - delta);
+                    let ds = p[n] * (dp[n] - delta) * grad[n];
                     for j in 0..d {
                         dq[qi(bi, i, h, j)] += ds * k[ki(bi, kk, g, j)] as f64 * scale as f64;
                         dk[ki(bi, kk, g, j)] += ds * q[qi(bi, i, h, j)] as f64 * scale as f64;
@@ -960,19 +977,27 @@ fn attention_kernels_match_a_reference_on_packed_and_padded_rows() {
         // Products in chunks of 48 query rows: the row of 150 takes four, the last partial.
         let (tc, products, chunks) =
             (AttnKernels::TensorCores, AttnKernels::Products { rows: 0 }, AttnKernels::Products { rows: 48 });
+        // Capped scores (Gemma 2's cap, here 2 so that it bends most of them): the scalar kernels
+        // and products take the cap; asked for the tensor cores, capped attention runs elsewhere.
+        let cap = Some(2.0);
         check_attention(
             &gpu,
             &[
-                (Dt::F32, 16, AttnKernels::Scalar),
-                (Dt::Bf16, 64, AttnKernels::Scalar),
-                (Dt::Bf16, 64, tc),
-                (Dt::F16, 64, tc),
-                (Dt::F16, 128, tc),
-                (Dt::Bf16, 128, tc),
-                (Dt::F32, 16, products),
-                (Dt::F32, 16, chunks),
-                (Dt::Bf16, 64, chunks),
-                (Dt::F16, 128, products),
+                (Dt::F32, 16, AttnKernels::Scalar, None),
+                (Dt::Bf16, 64, AttnKernels::Scalar, None),
+                (Dt::Bf16, 64, tc, None),
+                (Dt::F16, 64, tc, None),
+                (Dt::F16, 128, tc, None),
+                (Dt::Bf16, 128, tc, None),
+                (Dt::F32, 16, products, None),
+                (Dt::F32, 16, chunks, None),
+                (Dt::Bf16, 64, chunks, None),
+                (Dt::F16, 128, products, None),
+                (Dt::F32, 16, AttnKernels::Scalar, cap),
+                (Dt::Bf16, 64, AttnKernels::Scalar, cap),
+                (Dt::F32, 16, chunks, cap),
+                (Dt::Bf16, 64, products, cap),
+                (Dt::F16, 64, tc, cap),
             ],
         );
     }
@@ -1060,7 +1085,7 @@ impl AttnBufs {
     }
 }
 
-fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, AttnKernels)]) {
+fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, AttnKernels, Option<f32>)]) {
     // Two rows of 37: two packed documents, and one padded after 29 tokens; and one row longer
     // than the tensor-core kernels' blocks of 64 queries and tiles of 32 keys, padded after 140.
     let segs = vec![(0..37).map(|i| (i >= 15) as u16).collect::<Vec<_>>(), vec![0; 29]];
@@ -1068,10 +1093,10 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, AttnKernels)]) {
         (37, rtune::model::batch::attention_layout(37, &[37, 29], Some(&segs))),
         (150, rtune::model::batch::attention_layout(150, &[140], None)),
     ];
-    for (&(dt, d, kernels), (t, layout)) in cases.iter().flat_map(|c| batches.iter().map(move |b| (c, b))) {
+    for (&(dt, d, kernels, softcap), (t, layout)) in cases.iter().flat_map(|c| batches.iter().map(move |b| (c, b))) {
         let t = *t;
         let b = layout.lo.len() / t;
-        let s = AttnShape { b, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), kernels };
+        let s = AttnShape { b, t, hq: 4, hk: 2, d, scale: 1.0 / (d as f32).sqrt(), softcap, kernels };
         let o = Ops { gpu: &**gpu, dt };
         let mut rng = Rng::new(d as u64);
         let nq = s.b * t * s.hq * d;
@@ -1084,7 +1109,7 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, AttnKernels)]) {
         bufs.fwd(&o, &s).unwrap();
         let (want_o, want_lse, want_dq, want_dk, want_dv) =
             attention_reference(&s, &q, &k, &v, &dout, &layout.lo, &layout.hi);
-        let what = format!("{}: {dt:?} d={d} t={t} {kernels:?}", gpu.name());
+        let what = format!("{}: {dt:?} d={d} t={t} {kernels:?} cap {softcap:?}", gpu.name());
         // The training log's account names the kernels asked for where they ran.
         let account = s.account(dt, &**gpu);
         match kernels {
@@ -1097,7 +1122,7 @@ fn check_attention(gpu: &Rc<dyn Gpu>, cases: &[(Dt, usize, AttnKernels)]) {
                 ),
                 "{what}"
             ),
-            AttnKernels::TensorCores if gpu.tensor_core_attention(dt) => {
+            AttnKernels::TensorCores if gpu.tensor_core_attention(dt) && softcap.is_none() => {
                 assert_eq!(account, "attention on the matrix units", "{what}")
             }
             _ => assert!(
@@ -1203,7 +1228,10 @@ fn matrix_unit_kernels_with_shape(shape: [u32; 3]) {
     assert!(gpu.products_account(Dt::F32).contains("(gemm: no f32 matrix units)"), "{}", gpu.products_account(Dt::F32));
     check_products(&gpu, &[(Dt::F16, Dt::F32), (Dt::F16, Dt::F16)]);
     let tc = AttnKernels::TensorCores;
-    check_attention(&gpu, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc), (Dt::F16, 64, AttnKernels::Products { rows: 48 })]);
+    check_attention(
+        &gpu,
+        &[(Dt::F16, 64, tc, None), (Dt::F16, 128, tc, None), (Dt::F16, 64, AttnKernels::Products { rows: 48 }, None)],
+    );
 }
 
 // Every matrix-unit kernel as written is a long compile on lavapipe (up to a minute and more
@@ -1238,7 +1266,7 @@ fn matrix_unit_kernels_match_references_with_nvidia_16x16x16_tiles_in_the_rows_f
     let rows: Rc<dyn Gpu> = Rc::new(rows);
     let tc = AttnKernels::TensorCores;
     assert!(rows.tensor_core_attention(Dt::F16), "{}: the `_rows` attention failed its check", rows.name());
-    check_attention(&rows, &[(Dt::F16, 64, tc), (Dt::F16, 128, tc)]);
+    check_attention(&rows, &[(Dt::F16, 64, tc, None), (Dt::F16, 128, tc, None)]);
     let Some(fallback) = matrix_unit_device(shape, |g| g.with_direct_attention_rejected().with_gemm_tile([32, 32]))
     else {
         return;
@@ -1249,7 +1277,7 @@ fn matrix_unit_kernels_match_references_with_nvidia_16x16x16_tiles_in_the_rows_f
         "{}: with the direct form rejected, the `_rows` form did not stand in",
         fallback.name()
     );
-    check_attention(&fallback, &[(Dt::F16, 64, tc)]);
+    check_attention(&fallback, &[(Dt::F16, 64, tc, None)]);
 }
 
 /// Where the products' current kernel fails its check, its first form stands in.
@@ -1567,7 +1595,7 @@ fn engine_matches_autograd_training_base_weights() {
 /// autograd (itself checked against transformers and PEFT in tests/model.rs) with PEFT's adapter,
 /// in a full fine-tune (every norm and the scaled embedding tied to the LM head), on packed rows
 /// whose documents the windows cut too, with an adapter on every linear and dropout, and in bf16
-/// and f16 within their rounding; and Gemma 2's tanh caps are refused by name.
+/// and f16 within their rounding.
 #[test]
 fn gemma3_engine_matches_autograd() {
     let folder = ModelFolder::open(&fixture("tiny-gemma3").join("model")).unwrap();
@@ -1584,9 +1612,32 @@ fn gemma3_engine_matches_autograd() {
             assert_engine_matches(&gpu, &folder, &adapter, &batch, None, dtype, tol);
         }
     }
-    let gemma2 = ModelFolder::open(&fixture("tiny-gemma2").join("model")).unwrap();
-    let why = rtune::engine::gpu::model_unsupported(&gemma2.config).unwrap();
-    assert!(why.contains("tanh caps"), "{why}");
+}
+
+/// Gemma 2 on the GPU engine (the golden tiny-gemma2: every other layer local, its tanh caps on
+/// attention scores and logits, GELU gate and `1 + w` norms around attention and the MLP):
+/// loss and every gradient against candle's autograd (itself checked against transformers and
+/// PEFT in tests/model.rs) with PEFT's adapter, in a full fine-tune, on packed rows with an
+/// adapter on every linear and dropout, and in bf16 and f16 within their rounding — the caps on
+/// the scalar kernels and, where the device prefers them, through products.
+#[test]
+fn gemma2_engine_matches_autograd() {
+    let folder = ModelFolder::open(&fixture("tiny-gemma2").join("model")).unwrap();
+    assert_eq!(rtune::engine::gpu::model_unsupported(&folder.config), None);
+    let spec = rtune::model::Spec::of(&folder.config);
+    assert!(spec.final_softcap.is_some() && spec.layers.iter().all(|l| l.attention.softcap.is_some()));
+    let adapter = fixture("tiny-gemma2").join("adapter");
+    let batch = golden_batch("tiny-gemma2");
+    let all = || Trainable::weights(vec!["*".into()]);
+    for gpu in devices() {
+        assert_engine_matches(&gpu, &folder, &adapter, &batch, None, Dtype::F32, 2e-5);
+        assert_trainable_matches(&gpu, &folder, all(), None, &batch, None, Dtype::F32, 2e-5);
+        let every = all_targets_adapter(&folder, 0.1, false);
+        assert_engine_matches(&gpu, &folder, every.path(), &packed_batch(), Some(42), Dtype::F32, 2e-5);
+        for (dtype, tol) in [(Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
+            assert_engine_matches(&gpu, &folder, &adapter, &batch, None, dtype, tol);
+        }
+    }
 }
 
 /// A LoRA adapter and base weights together (PEFT's `modules_to_save`): the adapter of the
@@ -2279,7 +2330,7 @@ fn gpu_timings() {
                 let what = format!("{name} attention {b}×{t} fwd+bwd{how}");
                 let r = (|| -> Result<f64, String> {
                     let e = |e: rtune::engine::gpu::GpuError| e.to_string();
-                    let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), kernels };
+                    let s = AttnShape { b, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), softcap: None, kernels };
                     let layout = rtune::model::batch::attention_layout(t, &vec![t; b], None);
                     let (nq, nk) = (b * t * hq * d, b * t * hk * d);
                     let r = |n: usize, seed: u64| rand_vec(&mut Rng::new(seed), n, 1.0);

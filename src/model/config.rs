@@ -412,17 +412,6 @@ impl ModelConfig {
         out
     }
 
-    /// The config whose rotary embedding is the local layers' (their base, unscaled), where it
-    /// differs from the model's (Gemma 3): every engine builds their tables from it.
-    pub fn local_rope(&self) -> Option<ModelConfig> {
-        let local = self.local_attention.as_ref()?;
-        (local.rope_theta != self.rope_theta || self.rope_scaling.is_some()).then(|| ModelConfig {
-            rope_theta: local.rope_theta,
-            rope_scaling: None,
-            ..self.clone()
-        })
-    }
-
     /// The longest sequence rtune computes exactly as transformers does: the rotary tables'
     /// reach, and within a sliding window (Mistral v0.1) only the window's length.
     pub fn max_positions(&self) -> usize {

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
+pub mod arch;
 pub mod batch;
 pub mod config;
 pub mod folder;
@@ -18,6 +19,7 @@ pub mod peft;
 pub mod scratch;
 pub mod transformer;
 
+pub use arch::Spec;
 pub use batch::Batch;
 pub use config::{ModelConfig, RawConfig};
 pub use folder::{Layout, ModelFolder};

@@ -3,7 +3,7 @@
 
 use candle_core::{D, DType, Device, Result, Tensor};
 
-use super::config::ModelConfig;
+use super::arch::RopeSpec;
 
 /// Keys/values for grouped-query attention: each kv head serves `n` query heads.
 pub(super) fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
@@ -85,26 +85,30 @@ pub fn composed_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tenso
 /// size a multi-gigabyte table.
 pub const ROPE_TABLE_MAX: usize = 1 << 17;
 
-/// cos/sin tables `[positions, head_dim]` (`max_position_embeddings`, at most
-/// [`ROPE_TABLE_MAX`]), with llama3 frequency scaling when configured.
-pub(super) fn rope_tables(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
-    let (n, d) = (cfg.max_position_embeddings.min(ROPE_TABLE_MAX), cfg.head_dim);
-    let (cos, sin) = rope_values(cfg, n);
+/// cos/sin tables `[positions, d]` of `rope` over `positions` (at most [`ROPE_TABLE_MAX`]).
+pub(super) fn rope_tables(
+    rope: &RopeSpec,
+    d: usize,
+    positions: usize,
+    device: &Device,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    let n = positions.min(ROPE_TABLE_MAX);
+    let (cos, sin) = rope_values(rope, d, n);
     let cos = Tensor::from_vec(cos, (n, d), device)?.to_dtype(dtype)?;
     let sin = Tensor::from_vec(sin, (n, d), device)?.to_dtype(dtype)?;
     Ok((cos, sin))
 }
 
-/// The rotary tables' values for positions `0 .. n`, row-major `[n, head_dim]` each, in f32:
+/// The rotary table `rope`'s values for positions `0 .. n`, row-major `[n, d]` each, in f32:
 /// transformers' `rope_init_fn` (default, llama3 or linear scaling) with `emb = cat(freqs, freqs)`.
-pub fn rope_values(cfg: &ModelConfig, n: usize) -> (Vec<f32>, Vec<f32>) {
-    let d = cfg.head_dim;
-    let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32)).collect();
-    if let Some(rs) = cfg.rope_scaling.as_ref().filter(|rs| rs.rope_type.as_deref() == Some("linear")) {
+pub fn rope_values(rope: &RopeSpec, d: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (rope.theta as f32).powf((2 * i) as f32 / d as f32)).collect();
+    if let Some(rs) = rope.scaling.as_ref().filter(|rs| rs.rope_type.as_deref() == Some("linear")) {
         // transformers' `_compute_linear_scaling_rope_parameters`: every frequency divided.
         let factor = rs.factor.unwrap_or(1.0) as f32;
         inv.iter_mut().for_each(|f| *f /= factor);
-    } else if let Some(rs) = &cfg.rope_scaling {
+    } else if let Some(rs) = &rope.scaling {
         let factor = rs.factor.unwrap_or(8.0) as f32;
         let low = rs.low_freq_factor.unwrap_or(1.0) as f32;
         let high = rs.high_freq_factor.unwrap_or(4.0) as f32;

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, Var};
 
+use super::arch::{AttentionSpec, LayerSpec, NormSpec, Spec};
 use super::batch::{Batch, MASKED};
 use super::config::{Activation, ModelConfig};
 use super::lora::{Linear, LoraSpec, Param};
@@ -125,10 +126,8 @@ struct Attention {
     /// Qwen3's and Gemma 3's per-head RMSNorm weights of queries and keys (`[head_dim]` each).
     qk_norm: Option<(Tensor, Tensor)>,
     norm: Norm,
-    scale: f64,
-    softcap: Option<f64>,
-    /// A local-attention layer (its own mask and rotary tables).
-    local: bool,
+    /// Its scale, cap, window and rotary table.
+    spec: AttentionSpec,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -154,19 +153,11 @@ struct Layer {
 
 /// How a model's RMSNorms compute ([`Norm::apply`]).
 #[derive(Debug, Clone, Copy)]
-struct Norm {
-    eps: f64,
-    /// Gemma's `x̂ · (1 + w)` in f32.
-    offset: bool,
-}
+struct Norm(NormSpec);
 
 impl Norm {
-    fn of(cfg: &ModelConfig) -> Norm {
-        Norm { eps: cfg.rms_norm_eps, offset: cfg.norm_offset }
-    }
-
     fn apply(self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        if self.offset { rms_norm_offset(x, w, self.eps) } else { rms_norm(x, w, self.eps) }
+        if self.0.offset { rms_norm_offset(x, w, self.0.eps) } else { rms_norm(x, w, self.0.eps) }
     }
 }
 
@@ -192,14 +183,14 @@ impl KvCache {
 
 pub struct Transformer {
     pub cfg: ModelConfig,
+    /// What it computes.
+    pub spec: Spec,
     embed: Tensor,
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
-    cos: Tensor,
-    sin: Tensor,
-    /// Gemma 3's local layers' rotary tables (their own base), where they differ.
-    local_rope: Option<(Tensor, Tensor)>,
+    /// cos/sin tables `[max_positions, head_dim]` of each of the spec's rotary tables.
+    ropes: Vec<(Tensor, Tensor)>,
     pub params: Vec<Param>,
     dtype: DType,
 }
@@ -251,12 +242,13 @@ impl Transformer {
         with_layers: bool,
     ) -> std::result::Result<Transformer, super::ModelError> {
         let mut b = Builder { weights, trainable, rng, params: Vec::new(), dtype, next_id: 0 };
+        let spec = Spec::of(cfg);
         let h = cfg.hidden_size;
         let embed = b.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         if with_layers {
             for i in 0..cfg.num_layers {
-                layers.push(b.layer(cfg, i)?);
+                layers.push(b.layer(cfg, &spec, i)?);
             }
         }
         b.next_id = cfg.num_layers * LAYER_LINEARS.len();
@@ -270,14 +262,13 @@ impl Transformer {
             b.linear("lm_head", h, cfg.vocab_size, false)?
         };
         let params = std::mem::take(&mut b.params);
-        let (cos, sin) = rope_tables(cfg, embed.device(), dtype).map_err(super::ModelError::candle("rotary tables"))?;
-        let local_rope = match cfg.local_rope() {
-            Some(local) => {
-                Some(rope_tables(&local, embed.device(), dtype).map_err(super::ModelError::candle("rotary tables"))?)
-            }
-            None => None,
-        };
-        Ok(Transformer { cfg: cfg.clone(), embed, layers, norm, lm_head, cos, sin, local_rope, params, dtype })
+        let ropes = spec
+            .ropes
+            .iter()
+            .map(|r| rope_tables(r, cfg.head_dim, cfg.max_position_embeddings, embed.device(), dtype))
+            .collect::<Result<_>>()
+            .map_err(super::ModelError::candle("rotary tables"))?;
+        Ok(Transformer { cfg: cfg.clone(), spec, embed, layers, norm, lm_head, ropes, params, dtype })
     }
 
     /// Decoder layer `i`, built on its own from Hugging Face-named `weights` (only layer `i`'s
@@ -292,7 +283,7 @@ impl Transformer {
     ) -> std::result::Result<DecoderLayer, super::ModelError> {
         let mut rng = Rng::new(0);
         let mut b = Builder { weights, trainable, rng: &mut rng, params: Vec::new(), dtype: self.dtype, next_id: 0 };
-        let layer = b.layer(&self.cfg, i)?;
+        let layer = b.layer(&self.cfg, &self.spec, i)?;
         load_params(&b.params, adapters, super::lora::is_adapter_param)?;
         Ok(DecoderLayer(layer))
     }
@@ -331,19 +322,9 @@ impl Transformer {
         self.layers[i].feedforward_norms.as_ref().map(|(a, b)| (a, b))
     }
 
-    /// Whether layer `i` attends within the model's local window.
-    pub fn is_local(&self, i: usize) -> bool {
-        self.layers[i].attn.local
-    }
-
-    /// The rotary cos/sin tables, `[max_positions, head_dim]` each.
-    pub fn rope_tables(&self) -> (&Tensor, &Tensor) {
-        (&self.cos, &self.sin)
-    }
-
-    /// The local layers' own rotary tables, where their base differs (Gemma 3).
-    pub fn local_rope_tables(&self) -> Option<(&Tensor, &Tensor)> {
-        self.local_rope.as_ref().map(|(c, s)| (c, s))
+    /// The cos/sin tables of each of the spec's rotary tables, `[max_positions, head_dim]` each.
+    pub fn rope_tables(&self) -> &[(Tensor, Tensor)] {
+        &self.ropes
     }
 
     /// Hidden states after the final norm: `[b, t, hidden]`.
@@ -358,7 +339,7 @@ impl Transformer {
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
             x = layer.forward(&x, &inputs, dropout, slot, None)?;
         }
-        Norm::of(&self.cfg).apply(&x, &self.norm)
+        Norm(self.spec.norm).apply(&x, &self.norm)
     }
 
     /// Hidden states after the final norm of each of `batches`, the decoder layers built one at
@@ -389,7 +370,7 @@ impl Transformer {
         }
         states
             .into_iter()
-            .map(|(x, _)| Norm::of(&self.cfg).apply(&x, &self.norm).map_err(E::candle("final norm")))
+            .map(|(x, _)| Norm(self.spec.norm).apply(&x, &self.norm).map_err(E::candle("final norm")))
             .collect()
     }
 
@@ -401,7 +382,7 @@ impl Transformer {
     /// The LM head's f32 logits, capped where the model caps them (Gemma 2).
     fn head_t(&self, h: &Tensor, dropout: Option<u64>) -> Result<Tensor> {
         let logits = self.lm_head.forward_t(h, dropout)?.to_dtype(DType::F32)?;
-        match self.cfg.final_softcap {
+        match self.spec.final_softcap {
             Some(c) => softcap(&logits, c),
             None => Ok(logits),
         }
@@ -412,26 +393,18 @@ impl Transformer {
         let (b, t) = batch.ids.dims2()?;
         let embed = self.embed.to_dtype(self.dtype)?;
         let mut x = embed.index_select(&batch.ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
-        if let Some(scale) = self.cfg.embed_scale {
+        if let Some(scale) = self.spec.embed_scale {
             // Gemma multiplies by √hidden rounded to the weights' dtype.
             let scale = Tensor::new(scale as f32, x.device())?.to_dtype(self.dtype)?;
             x = x.broadcast_mul(&scale)?;
         }
         let pos = batch.positions.flatten_all()?;
         let table = |t_: &Tensor| t_.index_select(&pos, 0)?.reshape((b, 1, t, self.cfg.head_dim));
-        let (cos, sin) = (table(&self.cos)?, table(&self.sin)?);
+        let ropes = self.ropes.iter().map(|(c, s)| Ok((table(c)?, table(s)?))).collect::<Result<_>>()?;
         let mask = batch.mask.to_dtype(self.dtype)?;
-        let local = match &self.cfg.local_attention {
-            Some(l) => {
-                let rope = match &self.local_rope {
-                    Some((c, s)) => (table(c)?, table(s)?),
-                    None => (cos.clone(), sin.clone()),
-                };
-                Some(LocalInputs { mask: window_mask(&mask, l.window)?, cos: rope.0, sin: rope.1 })
-            }
-            None => None,
-        };
-        Ok((x, LayerInputs { cos, sin, mask, local }))
+        let windows =
+            self.spec.windows().into_iter().map(|w| Ok((w, window_mask(&mask, w)?))).collect::<Result<_>>()?;
+        Ok((x, LayerInputs { ropes, mask, windows }))
     }
 
     /// Logits for every position: `[b, t, vocab]` (f32).
@@ -486,19 +459,24 @@ impl Transformer {
     }
 }
 
-/// The rotary tables at a batch's positions and its attention mask, read by every layer, and
-/// the local-attention layers' own.
+/// What the layers read beside their input: each rotary table at a batch's positions, its
+/// attention mask, and that mask cut to each local window.
 struct LayerInputs {
-    cos: Tensor,
-    sin: Tensor,
+    ropes: Vec<(Tensor, Tensor)>,
     mask: Tensor,
-    local: Option<LocalInputs>,
+    windows: Vec<(usize, Tensor)>,
 }
 
-struct LocalInputs {
-    cos: Tensor,
-    sin: Tensor,
-    mask: Tensor,
+impl LayerInputs {
+    /// The rotary tables and mask of a layer that attends as `a` says.
+    fn of(&self, a: &AttentionSpec) -> (&Tensor, &Tensor, &Tensor) {
+        let (cos, sin) = &self.ropes[a.rope];
+        let mask = match a.window {
+            Some(w) => &self.windows.iter().find(|(x, _)| *x == w).expect("a mask per window").1,
+            None => &self.mask,
+        };
+        (cos, sin, mask)
+    }
 }
 
 /// `mask` (`[b, 1, t, keys]`, the last `t` keys being the queries') with every key outside a
@@ -534,10 +512,7 @@ impl Layer {
         mut observe: Option<LayerObserver<'_, '_>>,
     ) -> Result<Tensor> {
         let mut see = |linears: &[usize], t: &Tensor| observe.as_mut().map_or(Ok(()), |o| o(linears, t));
-        let (cos, sin, mask) = match (&inputs.local, self.attn.local) {
-            (Some(l), true) => (&l.cos, &l.sin, &l.mask),
-            _ => (&inputs.cos, &inputs.sin, &inputs.mask),
-        };
+        let (cos, sin, mask) = inputs.of(&self.attn.spec);
         let norm = self.norm;
         let h = norm.apply(x, &self.input_norm)?;
         see(&[0, 1, 2], &h)?;
@@ -608,8 +583,8 @@ impl Attention {
         }
         let k = repeat_kv(&k, self.heads / self.kv_heads)?;
         let v = repeat_kv(&v, self.heads / self.kv_heads)?;
-        let mut scores = (q.matmul(&k.t()?)? * self.scale)?;
-        if let Some(c) = self.softcap {
+        let mut scores = (q.matmul(&k.t()?)? * self.spec.scale)?;
+        if let Some(c) = self.spec.softcap {
             scores = softcap(&scores, c)?;
         }
         let scores = scores.broadcast_add(mask)?;
@@ -633,7 +608,8 @@ struct Builder<'a> {
 
 impl Builder<'_> {
     /// Decoder layer `i` (its linears numbered from `i · 7`, as in [`Transformer::linears`]).
-    fn layer(&mut self, cfg: &ModelConfig, i: usize) -> std::result::Result<Layer, super::ModelError> {
+    fn layer(&mut self, cfg: &ModelConfig, spec: &Spec, i: usize) -> std::result::Result<Layer, super::ModelError> {
+        let LayerSpec { attention, sandwich_norms, activation } = spec.layers[i].clone();
         self.next_id = i * LAYER_LINEARS.len();
         let p = format!("model.layers.{i}");
         let shapes = cfg.layer_linears();
@@ -643,7 +619,7 @@ impl Builder<'_> {
         };
         // In the order their parameters always had: attention's linears, its norms, the MLP's.
         let (q, k, v, o) = (lin(self, 0)?, lin(self, 1)?, lin(self, 2)?, lin(self, 3)?);
-        let qk_norm = match cfg.qk_norm {
+        let qk_norm = match attention.qk_norm {
             true => Some((
                 self.weight(&format!("{p}.{}.weight", QK_NORMS[0]), &[cfg.head_dim])?,
                 self.weight(&format!("{p}.{}.weight", QK_NORMS[1]), &[cfg.head_dim])?,
@@ -651,7 +627,7 @@ impl Builder<'_> {
             false => None,
         };
         let (gate, up, down) = (lin(self, 4)?, lin(self, 5)?, lin(self, 6)?);
-        let norm = Norm::of(cfg);
+        let norm = Norm(spec.norm);
         let attn = Attention {
             q,
             k,
@@ -659,9 +635,7 @@ impl Builder<'_> {
             o,
             qk_norm,
             norm,
-            scale: cfg.attn_scale,
-            softcap: cfg.attn_softcap,
-            local: cfg.local_attention.as_ref().is_some_and(|l| l.layers[i]),
+            spec: attention,
             heads: cfg.num_heads,
             kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
@@ -669,21 +643,14 @@ impl Builder<'_> {
         let h = cfg.hidden_size;
         let input_norm = self.weight(&format!("{p}.input_layernorm.weight"), &[h])?;
         let post_norm = self.weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?;
-        let feedforward_norms = match cfg.sandwich_norms {
+        let feedforward_norms = match sandwich_norms {
             true => Some((
                 self.weight(&format!("{p}.{}.weight", FEEDFORWARD_NORMS[0]), &[h])?,
                 self.weight(&format!("{p}.{}.weight", FEEDFORWARD_NORMS[1]), &[h])?,
             )),
             false => None,
         };
-        Ok(Layer {
-            input_norm,
-            attn,
-            post_norm,
-            feedforward_norms,
-            norm,
-            mlp: Mlp { gate, up, down, activation: cfg.activation },
-        })
+        Ok(Layer { input_norm, attn, post_norm, feedforward_norms, norm, mlp: Mlp { gate, up, down, activation } })
     }
 
     fn weight(&mut self, name: &str, shape: &[usize]) -> std::result::Result<Tensor, super::ModelError> {

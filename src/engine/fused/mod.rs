@@ -34,6 +34,8 @@ mod linear;
 mod matmul;
 mod rows;
 
+use crate::model::arch::LayerSpec;
+use crate::model::config::Activation;
 use crate::model::{Batch, Transformer};
 use attention::*;
 use linear::*;
@@ -119,8 +121,8 @@ struct LayerW<'a> {
     qk_norm: Option<[NormW<'a>; 2]>,
     /// Gemma's norms before the MLP and on its output.
     feedforward_norms: Option<[NormW<'a>; 2]>,
-    /// A local-attention layer: its own mask and rotary tables.
-    local: bool,
+    /// What the layer computes: its attention's scale, cap, window and rotary table, its gate.
+    spec: &'a LayerSpec,
     /// q, k, v, o, gate, up, down.
     lin: [LinW<'a>; 7],
 }
@@ -139,15 +141,10 @@ struct Weights<'a> {
     train_embed: bool,
     train_norm: bool,
     lm_head: LinW<'a>,
-    cos: W<'a>,
-    sin: W<'a>,
-    /// Gemma 3's local layers' rotary tables, where they differ.
-    local_rope: Option<(W<'a>, W<'a>)>,
-    /// Gemma: embeddings times √hidden, and the MLP's gate is GELU.
+    /// cos/sin of each of the spec's rotary tables.
+    ropes: Vec<(W<'a>, W<'a>)>,
+    /// Gemma: embeddings times √hidden.
     embed_scale: Option<f32>,
-    gelu: bool,
-    /// The local layers' window.
-    window: Option<usize>,
     /// Gemma 2's cap on the logits.
     final_softcap: Option<f32>,
 }
@@ -155,9 +152,8 @@ struct Weights<'a> {
 /// The model's tensors in the order [`Weights::new`] consumes them, each with whether it is an
 /// RMSNorm weight (Gemma's are offsets from one, which [`run`] adds).
 fn tensors(model: &Transformer) -> Vec<(&Tensor, bool)> {
-    let (cos, sin) = model.rope_tables();
-    let mut out = vec![(model.embed_weight(), false), (model.norm_weight(), true), (cos, false), (sin, false)];
-    if let Some((cos, sin)) = model.local_rope_tables() {
+    let mut out = vec![(model.embed_weight(), false), (model.norm_weight(), true)];
+    for (cos, sin) in model.rope_tables() {
         out.extend([(cos, false), (sin, false)]);
     }
     for i in 0..model.cfg.num_layers {
@@ -194,13 +190,13 @@ fn trained_names(model: &Transformer) -> std::collections::BTreeSet<&str> {
 }
 
 impl<'a> Weights<'a> {
-    fn new(model: &Transformer, data: &[&'a [f32]]) -> Result<Weights<'a>> {
+    fn new(model: &'a Transformer, data: &[&'a [f32]]) -> Result<Weights<'a>> {
         let trained = trained_names(model);
         let trains = |name: String| trained.contains(name.as_str()).then_some(name);
         let mut it = data.iter().copied();
         let mut next = || it.next().expect("one slice per tensor");
-        let (embed, norm, cos, sin) = (next(), next(), next(), next());
-        let local_rope = model.local_rope_tables().map(|_| (next(), next()));
+        let (embed, norm) = (next(), next());
+        let ropes = model.rope_tables().iter().map(|_| (next(), next())).collect();
         type Norms<'a> = (W<'a>, W<'a>, Option<[W<'a>; 2]>, Option<[W<'a>; 2]>);
         let norms: Vec<Norms<'a>> = (0..model.cfg.num_layers)
             .map(|i| {
@@ -246,46 +242,38 @@ impl<'a> Weights<'a> {
                         let [a, b] = crate::model::FEEDFORWARD_NORMS;
                         [norm(pre, a), norm(post, b)]
                     }),
-                    local: model.is_local(i),
+                    spec: &model.spec.layers[i],
                     lin: std::array::from_fn(|_| lins.next().expect("seven linears per layer")),
                 }
             })
             .collect();
         let train_embed = trained.contains("model.embed_tokens.weight");
         let train_norm = trained.contains("model.norm.weight");
-        let embed_scale = model.cfg.embed_scale.map(|s| s as f32);
-        let gelu = model.cfg.activation == crate::model::config::Activation::GeluTanh;
-        let window = model.cfg.local_attention.as_ref().map(|l| l.window);
-        let final_softcap = model.cfg.final_softcap.map(|c| c as f32);
-        Ok(Weights {
-            embed,
-            layers,
-            norm,
-            train_embed,
-            train_norm,
-            lm_head,
-            cos,
-            sin,
-            local_rope,
-            embed_scale,
-            gelu,
-            window,
-            final_softcap,
-        })
+        let embed_scale = model.spec.embed_scale.map(|s| s as f32);
+        let final_softcap = model.spec.final_softcap.map(|c| c as f32);
+        Ok(Weights { embed, layers, norm, train_embed, train_norm, lm_head, ropes, embed_scale, final_softcap })
     }
 }
 
 impl<'a> Weights<'a> {
-    /// A layer's rotary tables: the local layers' own where the model has them.
+    /// A layer's rotary tables.
     fn rope(&self, lw: &LayerW<'_>) -> (W<'a>, W<'a>) {
-        match self.local_rope {
-            Some(local) if lw.local => local,
-            _ => (self.cos, self.sin),
-        }
+        self.ropes[lw.spec.attention.rope]
     }
 }
 
 impl<'a> LayerW<'a> {
+    /// `dims` with this layer's attention scale and cap.
+    fn dims(&self, dims: &Dims) -> Dims {
+        let a = &self.spec.attention;
+        Dims { scale: a.scale as f32, softcap: a.softcap.map(|c| c as f32), ..*dims }
+    }
+
+    /// Whether the MLP's gate is GELU (Gemma) rather than SiLU.
+    fn gelu(&self) -> bool {
+        self.spec.activation == Activation::GeluTanh
+    }
+
     /// The norm the MLP reads (Llama's `post_attention_layernorm`, Gemma's
     /// `pre_feedforward_layernorm`) and its name where it trains.
     fn mlp_norm(&self) -> (W<'a>, &Option<String>) {
@@ -310,7 +298,8 @@ struct Dims {
     inter: usize,
     vocab: usize,
     eps: f32,
-    /// Attention scores' scale (1/√d; Gemma's `query_pre_attn_scalar^-½`), and Gemma 2's cap.
+    /// The layer's attention scores' scale (1/√d; Gemma's `query_pre_attn_scalar^-½`) and Gemma
+    /// 2's cap ([`LayerW::dims`]).
     scale: f32,
     softcap: Option<f32>,
     /// The first token of this shard in the whole batch, and the index of its first selected
@@ -387,7 +376,7 @@ fn run(
     let shifted: Vec<Option<Vec<f32>>> = all
         .iter()
         .zip(&slot)
-        .map(|((_, norm), &i)| (*norm && model.cfg.norm_offset).then(|| views[i].iter().map(|w| 1.0 + w).collect()))
+        .map(|((_, norm), &i)| (*norm && model.spec.norm.offset).then(|| views[i].iter().map(|w| 1.0 + w).collect()))
         .collect();
     let data: Vec<&[f32]> = slot.iter().zip(&shifted).map(|(&i, s)| s.as_deref().unwrap_or(views[i])).collect();
     let w = Weights::new(model, &data)?;
@@ -403,9 +392,9 @@ fn run(
         d: cfg.head_dim,
         inter: cfg.intermediate_size,
         vocab: cfg.vocab_size,
-        eps: cfg.rms_norm_eps as f32,
-        scale: cfg.attn_scale as f32,
-        softcap: cfg.attn_softcap.map(|c| c as f32),
+        eps: model.spec.norm.eps as f32,
+        scale: 1.0,
+        softcap: None,
         row0: 0,
         sel0: 0,
     };
@@ -428,7 +417,7 @@ fn run(
     if mask.len() != b * t * t || !causal {
         bail!("fused engine: the attention mask is not a causal [b, 1, t, t] mask")
     }
-    let max_pos = w.cos.len() / dims.d;
+    let max_pos = w.ropes[0].0.len() / dims.d;
     if let Some(&p) = positions.iter().find(|&&p| p as usize >= max_pos) {
         bail!("fused engine: position {p} beyond the rotary table of {max_pos}")
     }
@@ -550,18 +539,28 @@ fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, 
             scale(row, s);
         }
     });
-    // The local layers' mask: the batch's with keys outside their window hidden too.
-    let local_mask = w.window.filter(|_| w.layers.iter().any(|l| l.local)).map(|window| {
-        let t = dims.t;
-        let mut m = mask.to_vec();
-        for (i, v) in m.iter_mut().enumerate() {
-            if crate::model::batch::outside_window((i / t) % t, i % t, window) {
-                *v = crate::model::batch::MASKED;
+    // The local layers' masks: the batch's with keys outside each window hidden too.
+    let windows: Vec<(usize, Vec<f32>)> = w
+        .layers
+        .iter()
+        .filter_map(|l| l.spec.attention.window)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .map(|window| {
+            let t = dims.t;
+            let mut m = mask.to_vec();
+            for (i, v) in m.iter_mut().enumerate() {
+                if crate::model::batch::outside_window((i / t) % t, i % t, window) {
+                    *v = crate::model::batch::MASKED;
+                }
             }
-        }
-        m
-    });
-    let layer_mask = |lw: &LayerW<'_>| if lw.local { local_mask.as_deref().unwrap_or(mask) } else { mask };
+            (window, m)
+        })
+        .collect();
+    let layer_mask = |lw: &LayerW<'_>| match lw.spec.attention.window {
+        Some(w) => windows.iter().find(|(x, _)| *x == w).map_or(mask, |(_, m)| m.as_slice()),
+        None => mask,
+    };
     let mut saves = Vec::with_capacity(w.layers.len());
     for lw in &w.layers {
         let (next, save) = layer_forward(lw, w, &dims, x, positions, layer_mask(lw), dropout, training);
@@ -644,6 +643,7 @@ fn layer_forward(
     dropout: Option<u64>,
     training: bool,
 ) -> (Vec<f32>, Option<LayerSave>) {
+    let dims = &lw.dims(dims);
     let Dims { b, t, n, hidden, heads, kv_heads, d, inter, .. } = *dims;
     let (qd, kvd) = (heads * d, kv_heads * d);
     let (xn, inv1) = rms_norm(&x, lw.input_norm, hidden, dims.eps);
@@ -693,7 +693,7 @@ fn layer_forward(
     let gate = proj(GATE, &hn, inter);
     let up = proj(UP, &hn, inter);
     drop(hn);
-    let act = swiglu(&gate, &up, w.gelu);
+    let act = swiglu(&gate, &up, lw.gelu());
     let down = proj(DOWN, &act, hidden);
     drop(act);
     let mut next = h.clone();
@@ -735,6 +735,7 @@ fn layer_backward(
     need_input_grad: bool,
     grads: &mut Grads,
 ) {
+    let dims = &lw.dims(dims);
     let Dims { b, t, n, heads, kv_heads, d, inter, .. } = *dims;
     let qd = heads * d;
     let hidden = dims.hidden;
@@ -745,11 +746,11 @@ fn layer_backward(
         (Some([_, post]), Some([_, m])) => Some(norm_backward_new(post.w, &post.train, m, dx, hidden, grads)),
         _ => None,
     };
-    let act = if lw.lin[DOWN].needs_input() { swiglu(&s.gate, &s.up, w.gelu) } else { Vec::new() };
+    let act = if lw.lin[DOWN].needs_input() { swiglu(&s.gate, &s.up, lw.gelu()) } else { Vec::new() };
     let mut dact = vec![0f32; n * inter];
     linear_backward(&lw.lin[DOWN], &s.lin[DOWN], &act, n, d_down.as_deref().unwrap_or(dx), Some(&mut dact), grads);
     drop((act, d_down));
-    let (dgate, dup) = swiglu_backward(&s.gate, &s.up, &dact, w.gelu);
+    let (dgate, dup) = swiglu_backward(&s.gate, &s.up, &dact, lw.gelu());
     drop(dact);
     let (mlp_norm, mlp_norm_train) = lw.mlp_norm();
     let hn = if lw.lin[GATE].needs_input() || lw.lin[UP].needs_input() {

@@ -55,7 +55,7 @@ pub fn check(gpu: &Rc<dyn Gpu>, dtypes: &[Dt]) -> Vec<KernelCheck> {
             // Settles the matrix-unit attention's first-use check where it applies; the kernels
             // training would take (`RTUNE_GPU_ATTENTION` included).
             let kernels = attention_kernels();
-            let shape = AttnShape { b: 1, t: 512, hq: 8, hk: 8, d: 64, scale: 0.125, kernels };
+            let shape = AttnShape { b: 1, t: 512, hq: 8, hk: 8, d: 64, scale: 0.125, softcap: None, kernels };
             c.attention = shape.account(dt, &**gpu);
             c
         })

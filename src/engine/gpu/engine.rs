@@ -14,6 +14,7 @@ use super::ops::{AdamWCoefficients, AttnShape, Ops};
 use crate::engine::optim::AdamWConfig;
 use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Origin, Setup};
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
+use crate::model::arch::{LayerSpec, Spec};
 use crate::model::config::Activation;
 use crate::model::lora::{dropout_key, param_name};
 use crate::model::ops::rope_values;
@@ -75,8 +76,8 @@ struct Layer {
     qk_norm: Option<[W; 2]>,
     /// Gemma's norms before the MLP and on its output.
     feedforward_norms: Option<[W; 2]>,
-    /// A local-attention layer: its own key ranges and rotary tables.
-    local: bool,
+    /// What the layer computes: its attention's scale, cap, window and rotary table, its gate.
+    spec: LayerSpec,
     lin: [Lin; 7],
 }
 
@@ -220,8 +221,8 @@ struct DevBatch {
     pos: Buf,
     lo: Buf,
     hi: Buf,
-    /// The local-attention layers' first keys (the window cut into `lo`), where the model has them.
-    lo_local: Option<Buf>,
+    /// The first keys of the local layers' queries, each window cut into `lo`.
+    lo_windows: Vec<(usize, Buf)>,
     sel: Buf,
     tgt: Buf,
     select: usize,
@@ -294,6 +295,8 @@ pub struct GpuEngine {
     gpu: Rc<dyn Gpu>,
     dt: Dt,
     cfg: ModelConfig,
+    /// What the model computes.
+    spec: Spec,
     /// Owns every frozen weight; the layers below hold their addresses.
     _weights: Vec<Buf>,
     /// With a 4-bit base: the NF4 code's 16 values, then double quantization's 256 (f32, as
@@ -306,10 +309,9 @@ pub struct GpuEngine {
     trained: Option<Trained>,
     /// `[loss, squared gradient norm]` accumulators, f64.
     acc: Buf,
-    /// Rotary tables `[positions, head_dim]` f32, grown on demand: the model's, and its local
-    /// layers' where their base differs (Gemma 3).
-    rope: Option<(Buf, Buf, usize)>,
-    rope_local: Option<(Buf, Buf)>,
+    /// cos/sin `[positions, head_dim]` f32 of each of the spec's rotary tables, grown on demand,
+    /// and how many positions they cover.
+    rope: Option<(Vec<(Buf, Buf)>, usize)>,
     checkpointing: bool,
     describe: String,
     /// The last attention call's shape (for [`Engine::kernels`]).
@@ -337,6 +339,7 @@ impl GpuEngine {
         if let Some(why) = super::model_unsupported(&cfg) {
             return Err(EngineError::Unsupported(why));
         }
+        let spec = Spec::of(&cfg);
         let dt = compute_dtype(setup.device.dtype);
         let trained = match setup.trained {
             Some(dir) => crate::model::read_trained(dir, &candle_core::Device::Cpu)?,
@@ -432,7 +435,8 @@ impl GpuEngine {
             for (m, (inp, out, bias)) in LAYER_LINEARS.iter().zip(cfg.layer_linears()) {
                 lins.push(lin(&format!("{p}.{m}"), inp, out, bias)?);
             }
-            let qk_norm = match cfg.qk_norm {
+            let layer = spec.layers[i].clone();
+            let qk_norm = match layer.attention.qk_norm {
                 true => Some([
                     weight(&format!("{p}.{}.weight", QK_NORMS[0]), &[cfg.head_dim])?,
                     weight(&format!("{p}.{}.weight", QK_NORMS[1]), &[cfg.head_dim])?,
@@ -441,7 +445,7 @@ impl GpuEngine {
             };
             let input_norm = weight(&format!("{p}.input_layernorm.weight"), &[h])?;
             let post_norm = weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?;
-            let feedforward_norms = match cfg.sandwich_norms {
+            let feedforward_norms = match layer.sandwich_norms {
                 true => Some([
                     weight(&format!("{p}.{}.weight", FEEDFORWARD_NORMS[0]), &[h])?,
                     weight(&format!("{p}.{}.weight", FEEDFORWARD_NORMS[1]), &[h])?,
@@ -453,7 +457,7 @@ impl GpuEngine {
                 post_norm,
                 qk_norm,
                 feedforward_norms,
-                local: cfg.local_attention.as_ref().is_some_and(|l| l.layers[i]),
+                spec: layer,
                 lin: lins.try_into().map_err(|_| ()).expect("seven linears"),
             });
         }
@@ -524,6 +528,7 @@ impl GpuEngine {
             gpu,
             dt,
             cfg,
+            spec,
             _weights: weights.into_values().chain(quantized.into_values().flat_map(|q| q.1)).chain(codes).collect(),
             codes: codes_ptr,
             embed,
@@ -533,7 +538,6 @@ impl GpuEngine {
             trained,
             acc,
             rope: None,
-            rope_local: None,
             checkpointing: false,
             last_attn: std::cell::Cell::new(None),
         };
@@ -572,11 +576,11 @@ impl GpuEngine {
         let ranks: usize = self.layers.first().map_or(0, |l| l.lin.iter().filter_map(|l| l.lora.map(|a| a.rank)).sum());
         let mut per_layer =
             s * (2 * c.hidden_size + 2 * qd + 2 * kvd + 2 * c.intermediate_size + ranks) + 4 * (2 + c.num_heads);
-        if c.qk_norm {
+        if self.spec.layers.iter().any(|l| l.attention.qk_norm) {
             // The projections before the head norms, and each head's inverse RMS.
             per_layer += s * (qd + kvd) + 4 * (c.num_heads + c.num_kv_heads);
         }
-        if c.sandwich_norms {
+        if self.spec.layers.iter().any(|l| l.sandwich_norms) {
             // o_proj's and down_proj's outputs before their norms, and their inverse RMS.
             per_layer += s * 2 * c.hidden_size + 4 * 2;
         }
@@ -599,7 +603,10 @@ impl GpuEngine {
         // through products a chunk's scores and probabilities.
         let qd = c.num_heads * c.head_dim;
         let scores = match self.gpu.product_attention() {
-            true => AttnShape::most_scores_bytes(n, c.num_heads, self.dt),
+            true => {
+                let capped = self.spec.layers.iter().any(|l| l.attention.softcap.is_some());
+                AttnShape::most_scores_bytes(n, c.num_heads, self.dt, capped)
+            }
             false => 0,
         };
         let attention = 8 * n * qd + scores;
@@ -693,7 +700,7 @@ impl GpuEngine {
         }
         match dx {
             Some((dx, accumulate)) => {
-                self.ops().rmsnorm_bwd(x, inv, self.w(w), dy, dx, n, h, accumulate, self.cfg.norm_offset)
+                self.ops().rmsnorm_bwd(x, inv, self.w(w), dy, dx, n, h, accumulate, self.spec.norm.offset)
             }
             None => Ok(()),
         }
@@ -719,12 +726,12 @@ impl GpuEngine {
     /// Rotary tables covering positions `0 .. need` (rounded to the compute dtype, as
     /// transformers casts them).
     fn ensure_rope(&mut self, need: usize) -> Result<(), GpuError> {
-        if self.rope.as_ref().is_some_and(|r| r.2 >= need) {
+        if self.rope.as_ref().is_some_and(|r| r.1 >= need) {
             return Ok(());
         }
         let n = need.next_power_of_two().min(self.cfg.max_position_embeddings).max(need);
-        let tables = |cfg: &ModelConfig| -> Result<(Buf, Buf), GpuError> {
-            let (mut cos, mut sin) = rope_values(cfg, n);
+        let tables = |rope| -> Result<(Buf, Buf), GpuError> {
+            let (mut cos, mut sin) = rope_values(rope, self.spec.head_dim, n);
             if self.dt != Dt::F32 {
                 for v in cos.iter_mut().chain(sin.iter_mut()) {
                     *v = self.dt.decode(&self.dt.encode(&[*v]))[0];
@@ -732,9 +739,8 @@ impl GpuEngine {
             }
             Ok((Buf::from_f32(&self.gpu, &cos, Dt::F32)?, Buf::from_f32(&self.gpu, &sin, Dt::F32)?))
         };
-        let (cos, sin) = tables(&self.cfg)?;
-        self.rope_local = self.cfg.local_rope().map(|local| tables(&local)).transpose()?;
-        self.rope = Some((cos, sin, n));
+        let tables = self.spec.ropes.iter().map(tables).collect::<Result<_, _>>()?;
+        self.rope = Some((tables, n));
         Ok(())
     }
 
@@ -780,9 +786,12 @@ impl GpuEngine {
         // A local layer's query sees itself and the `window − 1` keys before it (a padding query,
         // whose range starts no later than its row's first document ends, keeps its range: nothing
         // reads its output, and an empty range would be all it had).
-        let lo_local = match &self.cfg.local_attention {
-            Some(l) => {
-                let w = l.window.min(i32::MAX as usize) as i64;
+        let lo_windows = self
+            .spec
+            .windows()
+            .into_iter()
+            .map(|window| {
+                let w = window.min(i32::MAX as usize) as i64;
                 let lo: Vec<i32> = (0..n)
                     .map(|i| {
                         let (lo, hi, q) = (b.layout.lo[i], b.layout.hi[i], (i % b.t) as i64);
@@ -790,10 +799,9 @@ impl GpuEngine {
                         if cut <= hi as i64 { cut as i32 } else { lo }
                     })
                     .collect();
-                Some(Buf::from_i32(g, &lo).map_err(ctx)?)
-            }
-            None => None,
-        };
+                Ok((window, Buf::from_i32(g, &lo).map_err(ctx)?))
+            })
+            .collect::<Result<_, EngineError>>()?;
         Ok(DevBatch {
             b: b.b,
             t: b.t,
@@ -802,7 +810,7 @@ impl GpuEngine {
             pos: Buf::from_u32(g, &b.layout.positions).map_err(ctx)?,
             lo: Buf::from_i32(g, &b.layout.lo).map_err(ctx)?,
             hi: Buf::from_i32(g, &b.layout.hi).map_err(ctx)?,
-            lo_local,
+            lo_windows,
             sel: Buf::from_u32(g, &b.select).map_err(ctx)?,
             tgt: Buf::from_u32(g, &b.targets).map_err(ctx)?,
             select: b.select.len(),
@@ -811,15 +819,17 @@ impl GpuEngine {
         })
     }
 
-    fn attn_shape(&self, bt: &DevBatch) -> AttnShape {
-        let c = &self.cfg;
+    /// The shape of layer `l`'s attention over `bt`.
+    fn attn_shape(&self, bt: &DevBatch, l: &Layer) -> AttnShape {
+        let c = &self.spec;
         let s = AttnShape {
             b: bt.b,
             t: bt.t,
-            hq: c.num_heads,
-            hk: c.num_kv_heads,
+            hq: c.heads,
+            hk: c.kv_heads,
             d: c.head_dim,
-            scale: c.attn_scale as f32,
+            scale: l.spec.attention.scale as f32,
+            softcap: l.spec.attention.softcap.map(|c| c as f32),
             kernels: super::ops::attention_kernels(),
         };
         self.last_attn.set(Some(s));
@@ -943,7 +953,7 @@ impl GpuEngine {
         let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
         let (cos, sin, lo) = self.layer_attention(l, bt);
-        let (eps, off) = (c.rms_norm_eps as f32, c.norm_offset);
+        let (eps, off) = (self.spec.norm.eps as f32, self.spec.norm.offset);
         let xn = self.buf(n * h, dt)?;
         let inv1 = self.buf(n, Dt::F32)?;
         o.rmsnorm_fwd(x.ptr(), self.w(l.input_norm), xn.ptr(), inv1.ptr(), n, h, eps, off)?;
@@ -970,7 +980,7 @@ impl GpuEngine {
         o.rope(k.ptr(), bt.pos.ptr(), cos, sin, n, c.num_kv_heads, c.head_dim, false)?;
         let attn = self.buf(n * qd, dt)?;
         let lse = self.buf(bt.b * c.num_heads * bt.t, Dt::F32)?;
-        let s = self.attn_shape(bt);
+        let s = self.attn_shape(bt, l);
         let scratch = self.buf(s.scratch_len(dt, &*self.gpu, false), Dt::F32)?;
         o.attn_fwd(&s, q.ptr(), k.ptr(), v.ptr(), attn.ptr(), lse.ptr(), lo, bt.hi.ptr(), scratch.ptr())?;
         drop(scratch);
@@ -988,7 +998,7 @@ impl GpuEngine {
         u[UP] = self.lin_fwd(&l.lin[UP], hn.ptr(), n, up.ptr(), false, dropout, row0)?;
         drop(hn);
         let act = self.buf(n * inter, dt)?;
-        o.swiglu(gate.ptr(), up.ptr(), act.ptr(), n * inter, self.gelu())?;
+        o.swiglu(gate.ptr(), up.ptr(), act.ptr(), n * inter, Self::gelu(l))?;
         let next = self.copy(&hid)?;
         let post_norm = l.feedforward_norms.map(|[_, post]| post);
         let post_mlp;
@@ -1019,8 +1029,8 @@ impl GpuEngine {
         let y = self.buf(n * h, self.dt)?;
         let u = self.lin_fwd(l, x, n, y.ptr(), false, dropout, row0)?;
         let (normed, inv) = (self.buf(n * h, self.dt)?, self.buf(n, Dt::F32)?);
-        let eps = c.rms_norm_eps as f32;
-        self.ops().rmsnorm_fwd(y.ptr(), self.w(w), normed.ptr(), inv.ptr(), n, h, eps, c.norm_offset)?;
+        let eps = self.spec.norm.eps as f32;
+        self.ops().rmsnorm_fwd(y.ptr(), self.w(w), normed.ptr(), inv.ptr(), n, h, eps, self.spec.norm.offset)?;
         self.ops().add(acc.ptr(), normed.ptr(), n * h)?;
         Ok((u, Some((y, inv))))
     }
@@ -1034,26 +1044,23 @@ impl GpuEngine {
     /// What embeddings are multiplied by: 1, or Gemma's √hidden rounded to the compute dtype
     /// (as transformers rounds it to the weights').
     fn embed_scale(&self) -> f32 {
-        self.cfg.embed_scale.map_or(1.0, |s| self.dt.decode(&self.dt.encode(&[s as f32]))[0])
+        self.spec.embed_scale.map_or(1.0, |s| self.dt.decode(&self.dt.encode(&[s as f32]))[0])
     }
 
-    /// Whether the MLP's gate is GELU (Gemma) rather than SiLU.
-    fn gelu(&self) -> bool {
-        self.cfg.activation == Activation::GeluTanh
+    /// Whether a layer's MLP gate is GELU (Gemma) rather than SiLU.
+    fn gelu(l: &Layer) -> bool {
+        l.spec.activation == Activation::GeluTanh
     }
 
-    /// A layer's rotary tables and first keys: the local layers' own where the model has them.
+    /// A layer's rotary tables and its queries' first keys (cut to its window where it has one).
     fn layer_attention(&self, l: &Layer, bt: &DevBatch) -> (u64, u64, u64) {
-        let (cos, sin, _) = self.rope.as_ref().expect("rope tables before a pass");
-        let (cos, sin) = match (&self.rope_local, l.local) {
-            (Some((c, s)), true) => (c.ptr(), s.ptr()),
-            _ => (cos.ptr(), sin.ptr()),
+        let a = &l.spec.attention;
+        let (cos, sin) = &self.rope.as_ref().expect("rope tables before a pass").0[a.rope];
+        let lo = match a.window {
+            Some(w) => bt.lo_windows.iter().find(|(x, _)| *x == w).expect("first keys per window").1.ptr(),
+            None => bt.lo.ptr(),
         };
-        let lo = match (&bt.lo_local, l.local) {
-            (Some(lo), true) => lo.ptr(),
-            _ => bt.lo.ptr(),
-        };
-        (cos, sin, lo)
+        (cos.ptr(), sin.ptr(), lo)
     }
 
     /// Backward of one decoder layer: `dx` holds the gradient of its output and becomes that
@@ -1076,7 +1083,7 @@ impl GpuEngine {
         let qd = c.num_heads * c.head_dim;
         let (o, dt, l) = (self.ops(), self.dt, &self.layers[li]);
         let (cos, sin, lo) = self.layer_attention(l, bt);
-        let (off, gelu, mlp_norm) = (c.norm_offset, self.gelu(), Self::mlp_norm(l));
+        let (off, gelu, mlp_norm) = (self.spec.norm.offset, Self::gelu(l), Self::mlp_norm(l));
         // With Gemma's norms on the attention's and the MLP's outputs: the gradients of those
         // outputs, through their norms (the residual's gradient, dx, passes by them).
         let post = match (&s.post, l.feedforward_norms) {
@@ -1142,7 +1149,7 @@ impl GpuEngine {
         drop(post);
         let (mut dq, mut dk, dv) = (self.buf(s.q.len, dt)?, self.buf(s.k.len, dt)?, self.buf(s.v.len, dt)?);
         let delta = self.buf(s.lse.len, Dt::F32)?;
-        let shape = self.attn_shape(bt);
+        let shape = self.attn_shape(bt, l);
         let scratch = self.buf(shape.scratch_len(dt, &*self.gpu, true), Dt::F32)?;
         o.attn_bwd(
             &shape,
@@ -1220,7 +1227,8 @@ impl GpuEngine {
         }
         let hn = self.buf(n * h, dt)?;
         let inv = self.buf(n, Dt::F32)?;
-        o.rmsnorm_fwd(x.ptr(), self.w(self.norm), hn.ptr(), inv.ptr(), n, h, c.rms_norm_eps as f32, c.norm_offset)?;
+        let (eps, off) = (self.spec.norm.eps as f32, self.spec.norm.offset);
+        o.rmsnorm_fwd(x.ptr(), self.w(self.norm), hn.ptr(), inv.ptr(), n, h, eps, off)?;
         // LM head and loss in chunks of selected positions: each chunk's logits gradient goes
         // straight back through the head, so no [positions, vocabulary] matrix exists whole.
         let dhn = if training { Some(Buf::zeros(&self.gpu, n * h, dt)?) } else { None };
@@ -1235,7 +1243,8 @@ impl GpuEngine {
             let logits = self.buf(rows * vocab, dt)?;
             let u =
                 self.lin_fwd(&self.lm_head, hs.ptr(), rows, logits.ptr(), false, dropout, bt.origin.select + first)?;
-            o.cross_entropy(logits.ptr(), bt.tgt.at(first), loss_rows.at(first), rows, vocab, grad_scale)?;
+            let cap = self.spec.final_softcap.map(|c| c as f32);
+            o.cross_entropy(logits.ptr(), bt.tgt.at(first), loss_rows.at(first), rows, vocab, grad_scale, cap)?;
             if let Some(dhn) = &dhn {
                 let dhs = self.buf(rows * h, dt)?;
                 self.lin_bwd(
@@ -1360,11 +1369,17 @@ impl GpuEngine {
             }
             let last = self.buf(h, dt)?;
             let inv = self.buf(1, Dt::F32)?;
-            let (eps, off) = (c.rms_norm_eps as f32, c.norm_offset);
+            let (eps, off) = (self.spec.norm.eps as f32, self.spec.norm.offset);
             o.rmsnorm_fwd(x.at((t - 1) * h), self.w(self.norm), last.ptr(), inv.ptr(), 1, h, eps, off)?;
             let logits = self.buf(c.vocab_size, dt)?;
             self.lin_fwd(&self.lm_head, last.ptr(), 1, logits.ptr(), false, None, 0)?;
-            logits.to_vec()
+            let mut logits = logits.to_vec()?;
+            if let Some(c) = self.spec.final_softcap {
+                // Gemma 2's cap, as the loss applies it (in f32 here, on one row).
+                let c = c as f32;
+                logits.iter_mut().for_each(|z| *z = c * (*z / c).tanh());
+            }
+            Ok(logits)
         };
         run().map_err(ctx)
     }

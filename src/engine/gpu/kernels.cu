@@ -366,32 +366,43 @@ KERNEL_T(dropout_acc, (const T* src, T* dst, uint64_t key, uint64_t offset, uint
 // Cross-entropy of one row of logits per block: loss[r] = logsumexp(z) − z[target]; with a
 // non-zero `grad_scale` the row becomes (softmax − onehot) · grad_scale.
 
+// Gemma 2's tanh cap: `c · tanh(x / c)` (none where `c` is 0), and the factor its derivative
+// puts on a gradient, from the capped value `y`: `1 − (y / c)²`.
+__device__ __forceinline__ float capped(float x, float c) { return c > 0.0f ? c * tanhf(x / c) : x; }
+__device__ __forceinline__ float capped_grad(float y, float c) {
+    if (c <= 0.0f) return 1.0f;
+    const float t = y / c;
+    return 1.0f - t * t;
+}
+
 template <typename T>
-__device__ void cross_entropy(T* logits, const uint32_t* targets, float* loss, int vocab, float grad_scale) {
+__device__ void cross_entropy(T* logits, const uint32_t* targets, float* loss, int vocab, float grad_scale,
+                              float cap) {
     __shared__ float red[33];
     const long long row = blockIdx.x;
     T* z = logits + row * vocab;
     const uint32_t tgt = targets[row];
     float m = -INF_F;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, to_f(z[j]));
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, capped(to_f(z[j]), cap));
     m = block_reduce<true>(m, red);
     float s = 0.0f;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(to_f(z[j]) - m);
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(capped(to_f(z[j]), cap) - m);
     s = block_reduce<false>(s, red);
-    const float zt = to_f(z[tgt]);
+    const float zt = capped(to_f(z[tgt]), cap);
     __syncthreads();  // every thread has read z[tgt] before it is overwritten
     if (threadIdx.x == 0) loss[row] = logf(s) - (zt - m);
     if (grad_scale != 0.0f) {
         const float c = grad_scale / s;
         for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-            float g = expf(to_f(z[j]) - m) * c;
+            const float x = to_f(z[j]), zc = capped(x, cap);
+            float g = expf(zc - m) * c;
             if (j == (int)tgt) g -= grad_scale;
-            z[j] = from_f<T>(g);
+            z[j] = from_f<T>(g * capped_grad(zc, cap));
         }
     }
 }
-KERNEL_T(cross_entropy, (T * logits, const uint32_t* targets, float* loss, int vocab, float grad_scale),
-         (logits, targets, loss, vocab, grad_scale))
+KERNEL_T(cross_entropy, (T * logits, const uint32_t* targets, float* loss, int vocab, float grad_scale, float cap),
+         (logits, targets, loss, vocab, grad_scale, cap))
 
 // ------------------------------------------------------------------------------------------------
 // Gradients of trained base weights (full fine-tuning) that are not matrix products, into the
@@ -524,7 +535,7 @@ __device__ void key_span(const int* lo, const int* hi, int r0, int rows, int t, 
 
 template <typename T>
 __device__ void attn_fwd(const T* q, const T* k, const T* v, T* o, float* lse, const int* lo, const int* hi, int t,
-                         int hq, int hk, int d, float scale) {
+                         int hq, int hk, int d, float scale, float cap) {
     __shared__ float ks[ATT_TILE][ATT_DMAX];
     __shared__ float vs[ATT_TILE][ATT_DMAX];
     __shared__ int span[2];
@@ -561,7 +572,7 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, T* o, float* lse, c
                 int j = lane + 32 * c;
                 if (j < d) s += qv[c] * ks[kk][j];
             }
-            s = warp_sum(s) * scale;
+            s = capped(warp_sum(s) * scale, cap);
             const float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
             l = l * corr + p;
             for (int c = 0; c < ATT_DMAX / 32; c++) {
@@ -582,8 +593,8 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, T* o, float* lse, c
 }
 KERNEL_T(attn_fwd,
          (const T* q, const T* k, const T* v, T* o, float* lse, const int* lo, const int* hi, int t, int hq, int hk,
-          int d, float scale),
-         (q, k, v, o, lse, lo, hi, t, hq, hk, d, scale))
+          int d, float scale, float cap),
+         (q, k, v, o, lse, lo, hi, t, hq, hk, d, scale, cap))
 
 // delta[b, h, i] = Σ_j dO[i, j] · O[i, j], one warp per row; grid (⌈t/4⌉, hq, b).
 template <typename T>
@@ -599,10 +610,12 @@ __device__ void attn_bwd_pre(const T* o, const T* dout, float* delta, int t, int
 }
 KERNEL_T(attn_bwd_pre, (const T* o, const T* dout, float* delta, int t, int hq, int d), (o, dout, delta, t, hq, d))
 
-// dq = scale · Σ_k P ⊙ (dO·v − delta) · k, one warp per query row; grid (⌈t/4⌉, hq, b).
+// dq = scale · Σ_k P ⊙ (dO·v − delta) · k (times the cap's derivative where scores are capped),
+// one warp per query row; grid (⌈t/4⌉, hq, b).
 template <typename T>
 __device__ void attn_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                            T* dq, const int* lo, const int* hi, int t, int hq, int hk, int d, float scale) {
+                            T* dq, const int* lo, const int* hi, int t, int hq, int hk, int d, float scale,
+                            float cap) {
     __shared__ float ks[ATT_TILE][ATT_DMAX];
     __shared__ float vs[ATT_TILE][ATT_DMAX];
     __shared__ int span[2];
@@ -643,9 +656,9 @@ __device__ void attn_bwd_dq(const T* q, const T* k, const T* v, const T* dout, c
                     dp += dov[c] * vs[kk][j];
                 }
             }
-            s = warp_sum(s);
+            s = capped(warp_sum(s) * scale, cap);
             dp = warp_sum(dp);
-            const float p = expf(s * scale - L), ds = p * (dp - D);
+            const float p = expf(s - L), ds = p * (dp - D) * capped_grad(s, cap);
             for (int c = 0; c < ATT_DMAX / 32; c++) {
                 int j = lane + 32 * c;
                 if (j < d) acc[c] += ds * ks[kk][j];
@@ -661,15 +674,16 @@ __device__ void attn_bwd_dq(const T* q, const T* k, const T* v, const T* dout, c
 }
 KERNEL_T(attn_bwd_dq,
          (const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, T* dq, const int* lo,
-          const int* hi, int t, int hq, int hk, int d, float scale),
-         (q, k, v, dout, lse, delta, dq, lo, hi, t, hq, hk, d, scale))
+          const int* hi, int t, int hq, int hk, int d, float scale, float cap),
+         (q, k, v, dout, lse, delta, dq, lo, hi, t, hq, hk, d, scale, cap))
 
 // dk and dv of one kv head, summed over the query heads that share it, one warp per key row;
 // grid (⌈t/4⌉, hk, b). A query i sees key j iff lo[i] ≤ j ≤ hi[i], and hi[i] ≤ i, so only
 // queries from this block's first key on are visited.
 template <typename T>
 __device__ void attn_bwd_dkv(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                             T* dk, T* dv, const int* lo, const int* hi, int t, int hq, int hk, int d, float scale) {
+                             T* dk, T* dv, const int* lo, const int* hi, int t, int hq, int hk, int d, float scale,
+                             float cap) {
     __shared__ float qsh[ATT_TILE][ATT_DMAX];
     __shared__ float dosh[ATT_TILE][ATT_DMAX];
     __shared__ float lsh[ATT_TILE], dsh[ATT_TILE];
@@ -720,9 +734,9 @@ __device__ void attn_bwd_dkv(const T* q, const T* k, const T* v, const T* dout, 
                         dp += dosh[qq][j] * vv[c];
                     }
                 }
-                s = warp_sum(s);
+                s = capped(warp_sum(s) * scale, cap);
                 dp = warp_sum(dp);
-                const float p = expf(s * scale - lsh[qq]), ds = p * (dp - dsh[qq]);
+                const float p = expf(s - lsh[qq]), ds = p * (dp - dsh[qq]) * capped_grad(s, cap);
                 for (int c = 0; c < ATT_DMAX / 32; c++) {
                     int j = lane + 32 * c;
                     if (j < d) {
@@ -745,8 +759,8 @@ __device__ void attn_bwd_dkv(const T* q, const T* k, const T* v, const T* dout, 
 }
 KERNEL_T(attn_bwd_dkv,
          (const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, T* dk, T* dv,
-          const int* lo, const int* hi, int t, int hq, int hk, int d, float scale),
-         (q, k, v, dout, lse, delta, dk, dv, lo, hi, t, hq, hk, d, scale))
+          const int* lo, const int* hi, int t, int hq, int hk, int d, float scale, float cap),
+         (q, k, v, dout, lse, delta, dk, dv, lo, hi, t, hq, hk, d, scale, cap))
 
 // ------------------------------------------------------------------------------------------------
 // Tensor-core attention (FlashAttention-2's structure) for bf16/f16 and d ∈ {64, 128}.
@@ -1180,12 +1194,13 @@ KERNEL_T(attn_reduce_heads, (const float* part_k, const float* part_v, T* dk, T*
 // z = b · hq + h of the batch, S (f32) and P (T) hold its rows × kn scores and probabilities,
 // packed: element (z, r, j) at (z · rows + r) · kn + j.
 
-// P from S = scale · Q Kᵀ, zero outside each row's keys lo ..= hi. Forward (`fwd` ≠ 0): the
-// softmax of each row, and its log-sum-exp into lse (∞ for a row that sees no key); backward:
-// exp(S − lse) with the forward pass's lse. Grid (rows, b · hq); one block per row.
+// P from S = scale · Q Kᵀ (capped where `cap` is not 0), zero outside each row's keys lo ..= hi.
+// Forward (`fwd` ≠ 0): the softmax of each row, and its log-sum-exp into lse (∞ for a row that
+// sees no key); backward: exp(S − lse) with the forward pass's lse. Grid (rows, b · hq); one
+// block per row.
 template <typename T>
 __device__ void attn_probs(const float* s, T* pr, float* lse, const int* lo, const int* hi, int t, int hq, int r0,
-                           int rows, int kn, int fwd) {
+                           int rows, int kn, int fwd, float cap) {
     __shared__ float red[33];
     const int r = blockIdx.x, z = blockIdx.y, qi = r0 + r;
     const long long tok = (long long)(z / hq) * t + qi, row = ((long long)z * rows + r) * kn;
@@ -1194,11 +1209,11 @@ __device__ void attn_probs(const float* s, T* pr, float* lse, const int* lo, con
     float m, scale;
     if (fwd) {
         m = -INF_F;
-        for (int j = l0 + threadIdx.x; j <= h0; j += blockDim.x) m = fmaxf(m, s[row + j]);
+        for (int j = l0 + threadIdx.x; j <= h0; j += blockDim.x) m = fmaxf(m, capped(s[row + j], cap));
         m = block_reduce<true>(m, red);
         float l = 0.0f;
         if (m != -INF_F)
-            for (int j = l0 + threadIdx.x; j <= h0; j += blockDim.x) l += expf(s[row + j] - m);
+            for (int j = l0 + threadIdx.x; j <= h0; j += blockDim.x) l += expf(capped(s[row + j], cap) - m);
         l = block_reduce<false>(l, red);
         if (threadIdx.x == 0) lse[lrow] = l > 0.0f ? m + logf(l) : INF_F;
         scale = l > 0.0f ? 1.0f / l : 0.0f;
@@ -1207,24 +1222,29 @@ __device__ void attn_probs(const float* s, T* pr, float* lse, const int* lo, con
         scale = m == INF_F ? 0.0f : 1.0f;
     }
     for (int j = threadIdx.x; j < kn; j += blockDim.x)
-        pr[row + j] = from_f<T>(j >= l0 && j <= h0 ? expf(s[row + j] - m) * scale : 0.0f);
+        pr[row + j] = from_f<T>(j >= l0 && j <= h0 ? expf(capped(s[row + j], cap) - m) * scale : 0.0f);
 }
 KERNEL_T(attn_probs,
          (const float* s, T* pr, float* lse, const int* lo, const int* hi, int t, int hq, int r0, int rows, int kn,
-          int fwd),
-         (s, pr, lse, lo, hi, t, hq, r0, rows, kn, fwd))
+          int fwd, float cap),
+         (s, pr, lse, lo, hi, t, hq, r0, rows, kn, fwd, cap))
 
-// dS = P ⊙ (dP − delta) in place of P (dP = dO Vᵀ in f32, delta = Σ dO ⊙ O of each row); the
-// scale of S goes into the products that take dS.
+// dS = P ⊙ (dP − delta) in place of P (dP = dO Vᵀ in f32, delta = Σ dO ⊙ O of each row), times
+// the cap's derivative at the scores S (f32, uncapped; read only where `cap` is not 0); the scale
+// of S goes into the products that take dS.
 template <typename T>
-__device__ void attn_dscores(T* pr, const float* dp, const float* delta, int t, int r0, int rows, int kn, int n) {
+__device__ void attn_dscores(T* pr, const float* dp, const float* delta, const float* s, int t, int r0, int rows,
+                             int kn, int n, float cap) {
     FOR_EACH(i, n) {
         const long long zr = i / kn, z = zr / rows, r = zr % rows;
-        pr[i] = from_f<T>(to_f(pr[i]) * (dp[i] - delta[z * t + r0 + r]));
+        const float g = cap > 0.0f ? capped_grad(capped(s[i], cap), cap) : 1.0f;
+        pr[i] = from_f<T>(to_f(pr[i]) * (dp[i] - delta[z * t + r0 + r]) * g);
     }
 }
-KERNEL_T(attn_dscores, (T * pr, const float* dp, const float* delta, int t, int r0, int rows, int kn, int n),
-         (pr, dp, delta, t, r0, rows, kn, n))
+KERNEL_T(attn_dscores,
+         (T * pr, const float* dp, const float* delta, const float* s, int t, int r0, int rows, int kn, int n,
+          float cap),
+         (pr, dp, delta, s, t, r0, rows, kn, n, cap))
 
 #define MMA_KERNELS(T, SUF, D)                                                                                       \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_##SUF##_##D(                                      \

@@ -39,6 +39,7 @@ pub use parallel::Replicas;
 
 use crate::device::{DeviceClass, Resolution};
 use crate::model::ModelConfig;
+use crate::model::arch::{Feature, Spec};
 
 /// Why the GPU engine cannot run this model on `device`, or `None` when it can.
 pub fn unsupported(cfg: &ModelConfig, device: &Resolution) -> Option<String> {
@@ -51,19 +52,30 @@ pub fn unsupported(cfg: &ModelConfig, device: &Resolution) -> Option<String> {
     model_unsupported(cfg)
 }
 
+/// The parts of the architecture spec the GPU engine's kernels compute (CUDA and Vulkan alike).
+pub const FEATURES: &[Feature] = &[
+    Feature::QkNorm,
+    Feature::NormOffset,
+    Feature::SandwichNorms,
+    Feature::GeluGate,
+    Feature::EmbedScale,
+    Feature::LocalWindow,
+    Feature::LayerRope,
+    Feature::AttentionSoftcap,
+    Feature::FinalSoftcap,
+];
+
 /// Why the GPU engine cannot run this model on any device (it trains LoRA adapters and base
 /// weights alike).
 pub fn model_unsupported(cfg: &ModelConfig) -> Option<String> {
-    if cfg.attn_softcap.is_some() || cfg.final_softcap.is_some() {
-        return Some(format!(
-            "{:?}'s tanh caps on attention scores and logits are not in the GPU engine's kernels yet",
-            cfg.arch
-        ));
+    let spec = Spec::of(cfg);
+    if let Some(why) = spec.unsupported("GPU engine", FEATURES) {
+        return Some(why);
     }
-    if !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > 256 {
-        return Some(format!("the GPU engine's attention takes even head sizes up to 256, not {}", cfg.head_dim));
+    if !spec.head_dim.is_multiple_of(2) || spec.head_dim > 256 {
+        return Some(format!("the GPU engine's attention takes even head sizes up to 256, not {}", spec.head_dim));
     }
-    if cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
+    if spec.kv_heads == 0 || !spec.heads.is_multiple_of(spec.kv_heads) {
         return Some("the number of attention heads is not a multiple of the key/value heads".into());
     }
     None

@@ -50,6 +50,8 @@ pub struct AttnShape {
     pub hk: usize,
     pub d: usize,
     pub scale: f32,
+    /// Scores become `c · tanh(scores / c)` before the mask (Gemma 2).
+    pub softcap: Option<f32>,
     pub kernels: AttnKernels,
 }
 
@@ -93,7 +95,10 @@ impl AttnShape {
     }
 
     fn method(&self, dt: Dt, gpu: &dyn Gpu) -> Method {
-        let tensor_cores = || Self::has_tensor_cores(dt, self.d) && gpu.tensor_core_attention(dt);
+        // The tensor-core kernels do not cap scores: capped attention runs through products or on
+        // the scalar kernels.
+        let tensor_cores =
+            || self.softcap.is_none() && Self::has_tensor_cores(dt, self.d) && gpu.tensor_core_attention(dt);
         match self.kernels {
             AttnKernels::Scalar => Method::Scalar,
             AttnKernels::Products { rows } => Method::Products(self.chunk_rows(rows, dt)),
@@ -130,26 +135,35 @@ impl AttnShape {
     /// The most bytes of scores and probabilities a chunk of product attention holds for a batch
     /// of `tokens` tokens (any shape) with `heads` query heads in `dt`: at most
     /// [`PRODUCT_ROWS`] query rows, and at most [`PRODUCT_SCORES_BYTES`] unless
-    /// [`PRODUCT_MIN_ROWS`] need more ([`Self::chunk_rows`]).
-    pub fn most_scores_bytes(tokens: usize, heads: usize, dt: Dt) -> usize {
+    /// [`PRODUCT_MIN_ROWS`] need more ([`Self::chunk_rows`]); with `capped` scores, twice the
+    /// scores (the backward pass's dP beside them).
+    pub fn most_scores_bytes(tokens: usize, heads: usize, dt: Dt, capped: bool) -> usize {
         let per_row = tokens * heads * (4 + dt.size());
-        (PRODUCT_ROWS * per_row).min(PRODUCT_SCORES_BYTES.max(PRODUCT_MIN_ROWS * per_row))
+        let most = (PRODUCT_ROWS * per_row).min(PRODUCT_SCORES_BYTES.max(PRODUCT_MIN_ROWS * per_row));
+        if capped { most + most * 4 / (4 + dt.size()) } else { most }
     }
 
     /// f32 elements of the scratch memory [`Ops::attn_fwd`] (`backward` false) or
     /// [`Ops::attn_bwd`] takes on `gpu` in `dt`: the backward pass's per-query-head dK and dV
     /// before they are summed per kv head (tensor cores, products), a chunk's scores and
-    /// probabilities (products).
+    /// probabilities (products), and with capped scores the backward pass's dP beside the scores
+    /// the cap's derivative reads.
     pub fn scratch_len(&self, dt: Dt, gpu: &dyn Gpu, backward: bool) -> usize {
         let partial = if backward { 2 * self.b * self.t * self.hq * self.d } else { 0 };
         match self.method(dt, gpu) {
             Method::TensorCores => partial,
             Method::Products(rows) => {
                 let (scores, probs) = self.chunk_layout(rows, dt);
-                scores + probs + partial
+                let dp = if backward && self.softcap.is_some() { scores } else { 0 };
+                scores + probs + dp + partial
             }
             Method::Scalar => 0,
         }
+    }
+
+    /// The cap as the kernels take it (0: none).
+    fn cap(&self) -> Arg {
+        Arg::F32(self.softcap.unwrap_or(0.0))
     }
 
     /// [row pitch, batch stride, head stride] of `[b, t, heads, d]` tensors: query heads, kv heads.
@@ -426,11 +440,24 @@ impl Ops<'_> {
         self.run(kernel, n, &args)
     }
 
-    pub fn cross_entropy(&self, logits: u64, targets: u64, loss: u64, rows: usize, vocab: usize, grad_scale: f32) -> R {
+    /// Each row's loss `logsumexp(z) − z[target]` of the logits `z`, capped as `c · tanh(z / c)`
+    /// first where `cap` is given; with a non-zero `grad_scale` the logits become their gradient.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy(
+        &self,
+        logits: u64,
+        targets: u64,
+        loss: u64,
+        rows: usize,
+        vocab: usize,
+        grad_scale: f32,
+        cap: Option<f32>,
+    ) -> R {
         let row = (vocab * self.dt.size()) as u64;
         self.per_row("cross_entropy", rows, self.row_block(512), |r| {
             let rows = [logits + r * row, targets + r * 4, loss + r * 4];
-            rows.map(Arg::Ptr).into_iter().chain([i(vocab), Arg::F32(grad_scale)]).collect()
+            let tail = [i(vocab), Arg::F32(grad_scale), Arg::F32(cap.unwrap_or(0.0))];
+            rows.map(Arg::Ptr).into_iter().chain(tail).collect()
         })
     }
 
@@ -496,7 +523,7 @@ impl Ops<'_> {
             let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([Arg::F32(s.scale)]).collect();
             return self.gpu.launch(&name, grid, ATT_BLOCK, &args);
         }
-        let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([i(s.d), Arg::F32(s.scale)]).collect();
+        let args: Vec<Arg> = ptrs.into_iter().chain(dims).chain([i(s.d), Arg::F32(s.scale), s.cap()]).collect();
         if let Some(lanes) = self.attn_lanes(s.d) {
             let grid = [s.t.div_ceil(lanes as usize) as u32, s.hq as u32, s.b as u32];
             return self.gpu.launch(&self.k_sg("attn_fwd", s.d), grid, lanes, &args);
@@ -547,7 +574,7 @@ impl Ops<'_> {
             self.gpu.launch(&format!("attn_bwd_dkv_mma_{suffix}"), grid, ATT_BLOCK, &a)?;
             return self.reduce_heads(s, part_k, part_v, dk, dv);
         }
-        let tail = [i(s.d), Arg::F32(s.scale)];
+        let tail = [i(s.d), Arg::F32(s.scale), s.cap()];
         let dq_args: Vec<Arg> = dq_args.into_iter().chain(dims).chain(tail).collect();
         let dkv_args = [q, k, v, dout, lse, delta, dk, dv, lo, hi].map(Arg::Ptr);
         let dkv_args: Vec<Arg> = dkv_args.into_iter().chain(dims).chain(tail).collect();
@@ -613,7 +640,8 @@ impl Ops<'_> {
         let qk = ((q + c.row, false, qs, 1), (k, true, kvs, s.hq / s.hk));
         self.attn_product(s, [c.r, c.kn, s.d], qk.0, qk.1, (scores, Dt::F32, c.scores), s.scale, 0.0)?;
         let args = [scores, probs, lse, lo, hi].map(Arg::Ptr).into_iter();
-        let args: Vec<Arg> = args.chain([i(s.t), i(s.hq), i(c.r0), i(c.r), i(c.kn), Arg::I32(fwd as i32)]).collect();
+        let tail = [i(s.t), i(s.hq), i(c.r0), i(c.r), i(c.kn), Arg::I32(fwd as i32), s.cap()];
+        let args: Vec<Arg> = args.chain(tail).collect();
         let grid = [c.r as u32, (s.b * s.hq) as u32, 1];
         self.gpu.launch(&self.k("attn_probs"), grid, self.row_block(ROW_BLOCK), &args)
     }
@@ -634,8 +662,9 @@ impl Ops<'_> {
 
     /// Attention backward through matrix products, a chunk of `rows` query rows at a time from the
     /// last: P recomputed from S and the forward pass's log-sum-exp, dV += Pᵀ dO, dP = dO Vᵀ,
-    /// dS = P ⊙ (dP − delta), dQ = scale · dS K, dK += scale · dSᵀ Q — dK and dV per query head in
-    /// f32 (the last chunk, which sees every key, writes them first), summed per kv head at the end.
+    /// dS = P ⊙ (dP − delta) (times the cap's derivative at S, which dP is then kept beside),
+    /// dQ = scale · dS K, dK += scale · dSᵀ Q — dK and dV per query head in f32 (the last chunk,
+    /// which sees every key, writes them first), summed per kv head at the end.
     fn attn_bwd_products(
         &self,
         s: &AttnShape,
@@ -646,7 +675,12 @@ impl Ops<'_> {
         let (dt, rep) = (self.dt, s.hq / s.hk);
         let (scores_len, probs_len) = s.chunk_layout(rows, dt);
         let (scores, probs) = (scratch, scratch + (scores_len * 4) as u64);
-        let part_k = scratch + ((scores_len + probs_len) * 4) as u64;
+        // dP overwrites the scores unless the cap's derivative reads them.
+        let (dp, dp_len) = match s.softcap {
+            Some(_) => (scratch + ((scores_len + probs_len) * 4) as u64, scores_len),
+            None => (scores, 0),
+        };
+        let part_k = scratch + ((scores_len + probs_len + dp_len) * 4) as u64;
         let part_v = part_k + (s.b * s.t * s.hq * s.d * 4) as u64;
         let (qs, kvs) = s.pitches();
         for (n, c) in self.chunks(s, rows).iter().rev().enumerate() {
@@ -656,9 +690,10 @@ impl Ops<'_> {
             let (p, p_t) = ((probs, false, c.scores, 1), (probs, true, c.scores, 1));
             let do_rows = (dout + row, false, qs, 1);
             self.attn_product(s, [kn, d, r], p_t, do_rows, (part_v, Dt::F32, qs), 1.0, beta)?;
-            self.attn_product(s, [r, kn, d], do_rows, (v, true, kvs, rep), (scores, Dt::F32, c.scores), 1.0, 0.0)?;
+            self.attn_product(s, [r, kn, d], do_rows, (v, true, kvs, rep), (dp, Dt::F32, c.scores), 1.0, 0.0)?;
             let total = s.b * s.hq * r * kn;
-            let args = [Arg::Ptr(probs), Arg::Ptr(scores), Arg::Ptr(delta), i(s.t), i(c.r0), i(r), i(kn), i(total)];
+            let ptrs = [probs, dp, delta, scores].map(Arg::Ptr);
+            let args: Vec<Arg> = ptrs.into_iter().chain([i(s.t), i(c.r0), i(r), i(kn), i(total), s.cap()]).collect();
             self.run("attn_dscores", total, &args)?;
             self.attn_product(s, [r, d, kn], p, (k, false, kvs, rep), (dq + row, dt, qs), s.scale, 0.0)?;
             self.attn_product(s, [kn, d, r], p_t, (q + row, false, qs, 1), (part_k, Dt::F32, qs), s.scale, beta)?;
@@ -685,7 +720,7 @@ mod tests {
     use super::*;
 
     fn shape(b: usize, t: usize, hq: usize) -> AttnShape {
-        AttnShape { b, t, hq, hk: 1, d: 64, scale: 0.125, kernels: AttnKernels::Auto }
+        AttnShape { b, t, hq, hk: 1, d: 64, scale: 0.125, softcap: None, kernels: AttnKernels::Auto }
     }
 
     #[test]
@@ -707,7 +742,13 @@ mod tests {
                 assert!(rows == 16 || (scores + probs) * 4 <= PRODUCT_SCORES_BYTES + 32, "{b}×{t}×{hq}: {rows} rows");
                 assert!(scores % 4 == 0 && probs % 4 == 0 && scores * 4 >= b * hq * rows * t * 4);
                 // What the engine's memory model counts holds it.
-                assert!((scores + probs) * 4 <= AttnShape::most_scores_bytes(b * t, hq, dt) + 32, "{b}×{t}×{hq}");
+                assert!(
+                    (scores + probs) * 4 <= AttnShape::most_scores_bytes(b * t, hq, dt, false) + 32,
+                    "{b}×{t}×{hq}"
+                );
+                // Capped scores keep the backward pass's dP beside them.
+                let capped = AttnShape::most_scores_bytes(b * t, hq, dt, true);
+                assert!((2 * scores + probs) * 4 <= capped + 64, "{b}×{t}×{hq} capped");
                 // Equal chunks: the last is no more than one row shorter per chunk.
                 assert!(t.div_ceil(rows) * rows - t < t.div_ceil(rows), "{b}×{t}×{hq}: {rows} rows");
             }

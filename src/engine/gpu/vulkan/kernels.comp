@@ -74,6 +74,11 @@ float rnd(float x) { return float(float16_t(x)); }
 
 const float INF = 1.0 / 0.0;
 
+// Gemma 2's tanh cap: `c · tanh(x / c)` (none where `c` is 0), and the factor its derivative puts
+// on a gradient, from the capped value `y`: `1 − (y / c)²`.
+float capped(float x, float c) { return c > 0.0 ? c * tanh(x / c) : x; }
+float capped_grad(float y, float c) { return c > 0.0 ? 1.0 - (y / c) * (y / c) : 1.0; }
+
 #define TID int(gl_LocalInvocationID.x)
 #define BLOCK int(gl_WorkGroupSize.x)
 // Grid-stride loop over `n` elements.
@@ -380,29 +385,31 @@ void main() {
 #endif
 
 // ------------------------------------------------------------------------------------------------
-// Cross-entropy of one row of logits per workgroup: loss[r] = logsumexp(z) − z[target]; with a
-// non-zero `grad_scale` the row becomes (softmax − onehot) · grad_scale.
+// Cross-entropy of one row of logits per workgroup: loss[r] = logsumexp(z) − z[target], z the
+// logits capped where `cap` is not 0; with a non-zero `grad_scale` the row becomes
+// (softmax − onehot) · grad_scale (times the cap's derivative).
 
 #ifdef K_cross_entropy
-layout(push_constant) uniform P { TB logits; U32 targets; F32 loss; int vocab; float grad_scale; } p;
+layout(push_constant) uniform P { TB logits; U32 targets; F32 loss; int vocab; float grad_scale; float cap; } p;
 void main() {
     int row = int(gl_WorkGroupID.x), base = row * p.vocab;
     int tgt = int(p.targets.v[row]);
     float m = -INF;
-    for (int j = TID; j < p.vocab; j += BLOCK) m = max(m, ld(p.logits, base + j));
+    for (int j = TID; j < p.vocab; j += BLOCK) m = max(m, capped(ld(p.logits, base + j), p.cap));
     m = block_reduce(m, true);
     float s = 0.0;
-    for (int j = TID; j < p.vocab; j += BLOCK) s += exp(ld(p.logits, base + j) - m);
+    for (int j = TID; j < p.vocab; j += BLOCK) s += exp(capped(ld(p.logits, base + j), p.cap) - m);
     s = block_reduce(s, false);
-    float zt = ld(p.logits, base + tgt);
+    float zt = capped(ld(p.logits, base + tgt), p.cap);
     barrier();  // every invocation has read z[tgt] before it is overwritten
     if (TID == 0) p.loss.v[row] = log(s) - (zt - m);
     if (p.grad_scale != 0.0) {
         float c = p.grad_scale / s;
         for (int j = TID; j < p.vocab; j += BLOCK) {
-            float g = exp(ld(p.logits, base + j) - m) * c;
+            float zc = capped(ld(p.logits, base + j), p.cap);
+            float g = exp(zc - m) * c;
             if (j == tgt) g -= p.grad_scale;
-            st(p.logits, base + j, g);
+            st(p.logits, base + j, g * capped_grad(zc, p.cap));
         }
     }
 }
@@ -719,7 +726,7 @@ void key_span(I32 lo, I32 hi, int base, int r0, int t) {
 
 #ifdef K_attn_fwd
 layout(push_constant) uniform P {
-    TB q; TB k; TB v; TB o; F32 lse; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale;
+    TB q; TB k; TB v; TB o; F32 lse; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale; float cap;
 } p;
 shared float q_sh[ROWS * DMAX];
 shared float m_sh[ROWS], l_sh[ROWS], corr_sh[ROWS];
@@ -752,7 +759,7 @@ void main() {
             int r = TID / TILE, kk = TID % TILE;
             float s = 0.0;
             for (int j = 0; j < d; j++) s += q_sh[r * DMAX + j] * tile_a[kk * DMAX + j];
-            pair_p[TID] = s * p.scale;
+            pair_p[TID] = capped(s * p.scale, p.cap);
         }
         memoryBarrierShared();
         barrier();
@@ -836,6 +843,7 @@ void main() {
 #ifdef K_attn_bwd_dq
 layout(push_constant) uniform P {
     TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dq; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale;
+    float cap;
 } p;
 shared float q_sh[ROWS * DMAX];
 shared float do_sh[ROWS * DMAX];
@@ -872,7 +880,8 @@ void main() {
                     dp += do_sh[r * DMAX + j] * tile_b[kk * DMAX + j];
                 }
                 int row = (bi * p.hq + h) * t + qi;
-                ds = exp(s * p.scale - p.lse.v[row]) * (dp - p.delta.v[row]);
+                float sc = capped(s * p.scale, p.cap);
+                ds = exp(sc - p.lse.v[row]) * (dp - p.delta.v[row]) * capped_grad(sc, p.cap);
             }
             pair_p[TID] = ds;
         }
@@ -904,7 +913,7 @@ void main() {
 #ifdef K_attn_bwd_dkv
 layout(push_constant) uniform P {
     TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dk; TB dv; I32 lo; I32 hi; int t; int hq; int hk; int d;
-    float scale;
+    float scale; float cap;
 } p;
 shared float k_sh[ROWS * DMAX];
 shared float v_sh[ROWS * DMAX];
@@ -956,8 +965,9 @@ void main() {
                         s += tile_a[qq * DMAX + j] * k_sh[r * DMAX + j];
                         dp += tile_b[qq * DMAX + j] * v_sh[r * DMAX + j];
                     }
-                    pr = exp(s * p.scale - q_l[qq]);
-                    ds = pr * (dp - q_d[qq]);
+                    float sc = capped(s * p.scale, p.cap);
+                    pr = exp(sc - q_l[qq]);
+                    ds = pr * (dp - q_d[qq]) * capped_grad(sc, p.cap);
                 }
                 pair_p[TID] = pr;
                 ds_p[TID] = ds;
@@ -1161,7 +1171,7 @@ void st4(TB b, int i, vec4 x) {
 
 #ifdef K_attn_fwd_sg
 layout(push_constant) uniform P {
-    TB q; TB k; TB v; TB o; F32 lse; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale;
+    TB q; TB k; TB v; TB o; F32 lse; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale; float cap;
 } p;
 void main() {
     int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), qi = int(gl_WorkGroupID.x) * BLOCK + TID;
@@ -1192,7 +1202,7 @@ void main() {
             float s = 0.0;
             [[dont_unroll]] for (int j = 0; j < D4; j++) s += dot(q[j], BC(kv[j], kk));
             int key = k0 + kk;
-            sc[kk] = key >= lo && key <= hi ? s * p.scale : -INF;
+            sc[kk] = key >= lo && key <= hi ? capped(s * p.scale, p.cap) : -INF;
             mt = max(mt, sc[kk]);
             pk[kk] = 0.0;
         }
@@ -1220,6 +1230,7 @@ void main() {
 #ifdef K_attn_bwd_dq_sg
 layout(push_constant) uniform P {
     TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dq; I32 lo; I32 hi; int t; int hq; int hk; int d; float scale;
+    float cap;
 } p;
 void main() {
     int bi = int(gl_WorkGroupID.z), h = int(gl_WorkGroupID.y), qi = int(gl_WorkGroupID.x) * BLOCK + TID;
@@ -1253,7 +1264,8 @@ void main() {
                 dp += dot(dout[j], BC(vv[j], kk));
             }
             int key = k0 + kk;
-            ds[kk] = key >= lo && key <= hi ? exp(s * p.scale - lse) * (dp - delta) : 0.0;
+            float sc = capped(s * p.scale, p.cap);
+            ds[kk] = key >= lo && key <= hi ? exp(sc - lse) * (dp - delta) * capped_grad(sc, p.cap) : 0.0;
         }
         [[unroll]] for (int kk = 0; kk < BLOCK; kk++)
             [[dont_unroll]] for (int j = 0; j < D4; j++) acc[j] += ds[kk] * BC(kv[j], kk);
@@ -1269,7 +1281,7 @@ void main() {
 #ifdef K_attn_bwd_dkv_sg
 layout(push_constant) uniform P {
     TB q; TB k; TB v; TB dout; F32 lse; F32 delta; TB dk; TB dv; I32 lo; I32 hi; int t; int hq; int hk; int d;
-    float scale;
+    float scale; float cap;
 } p;
 void main() {
     int bi = int(gl_WorkGroupID.z), g = int(gl_WorkGroupID.y), r0 = int(gl_WorkGroupID.x) * BLOCK, kj = r0 + TID;
@@ -1305,8 +1317,9 @@ void main() {
                     dp += dot(BC(dov[j], qq), v[j]);
                 }
                 bool in_ = kj < t && kj >= BC(lo, qq) && kj <= BC(hi, qq);
-                float pr = in_ ? exp(s * p.scale - BC(lse, qq)) : 0.0;
-                float ds = pr * (dp - BC(delta, qq));
+                float sc = capped(s * p.scale, p.cap);
+                float pr = in_ ? exp(sc - BC(lse, qq)) : 0.0;
+                float ds = pr * (dp - BC(delta, qq)) * capped_grad(sc, p.cap);
                 [[dont_unroll]] for (int j = 0; j < D4; j++) {
                     gv[j] += pr * BC(dov[j], qq);
                     gk[j] += ds * BC(qv[j], qq);
@@ -2039,12 +2052,13 @@ void main() {
 // z = b · hq + h of the batch, S (f32) and P (T) hold its rows × kn scores and probabilities,
 // packed: element (z, r, j) at (z · rows + r) · kn + j.
 
-// P from S = scale · Q Kᵀ, zero outside each row's keys lo ..= hi. Forward (`fwd` ≠ 0): the
-// softmax of each row, and its log-sum-exp into lse (∞ for a row that sees no key); backward:
-// exp(S − lse) with the forward pass's lse. Grid (rows, b · hq); one workgroup per row.
+// P from S = scale · Q Kᵀ (capped where `cap` is not 0), zero outside each row's keys lo ..= hi.
+// Forward (`fwd` ≠ 0): the softmax of each row, and its log-sum-exp into lse (∞ for a row that
+// sees no key); backward: exp(S − lse) with the forward pass's lse. Grid (rows, b · hq); one
+// workgroup per row.
 #ifdef K_attn_probs
 layout(push_constant) uniform P {
-    F32 s; TB pr; F32 lse; I32 lo; I32 hi; int t; int hq; int r0; int rows; int kn; int fwd;
+    F32 s; TB pr; F32 lse; I32 lo; I32 hi; int t; int hq; int r0; int rows; int kn; int fwd; float cap;
 } p;
 void main() {
     int r = int(gl_WorkGroupID.x), z = int(gl_WorkGroupID.y), qi = p.r0 + r;
@@ -2053,11 +2067,11 @@ void main() {
     float m, scale;
     if (p.fwd != 0) {
         m = -INF;
-        for (int j = lo + TID; j <= hi; j += BLOCK) m = max(m, p.s.v[row + j]);
+        for (int j = lo + TID; j <= hi; j += BLOCK) m = max(m, capped(p.s.v[row + j], p.cap));
         m = block_reduce(m, true);
         float l = 0.0;
         if (m != -INF)
-            for (int j = lo + TID; j <= hi; j += BLOCK) l += exp(p.s.v[row + j] - m);
+            for (int j = lo + TID; j <= hi; j += BLOCK) l += exp(capped(p.s.v[row + j], p.cap) - m);
         l = block_reduce(l, false);
         if (TID == 0) p.lse.v[lrow] = l > 0.0 ? m + log(l) : INF;
         scale = l > 0.0 ? 1.0 / l : 0.0;
@@ -2066,20 +2080,24 @@ void main() {
         scale = m == INF ? 0.0 : 1.0;
     }
     for (int j = TID; j < p.kn; j += BLOCK) {
-        float x = j >= lo && j <= hi ? exp(p.s.v[row + j] - m) * scale : 0.0;
+        float x = j >= lo && j <= hi ? exp(capped(p.s.v[row + j], p.cap) - m) * scale : 0.0;
         st(p.pr, row + j, x);
     }
 }
 #endif
 
-// dS = P ⊙ (dP − delta) in place of P (dP = dO Vᵀ in f32, delta = Σ dO ⊙ O of each row); the
-// scale of S goes into the products that take dS. Grid-stride over the chunk's elements.
+// dS = P ⊙ (dP − delta) in place of P (dP = dO Vᵀ in f32, delta = Σ dO ⊙ O of each row), times
+// the cap's derivative at the scores S (f32, uncapped; read only where `cap` is not 0); the scale
+// of S goes into the products that take dS. Grid-stride over the chunk's elements.
 #ifdef K_attn_dscores
-layout(push_constant) uniform P { TB pr; F32 dp; F32 delta; int t; int r0; int rows; int kn; int n; } p;
+layout(push_constant) uniform P {
+    TB pr; F32 dp; F32 delta; F32 s; int t; int r0; int rows; int kn; int n; float cap;
+} p;
 void main() {
     FOR_EACH(i, p.n) {
         int zr = i / p.kn, z = zr / p.rows, r = zr % p.rows;
-        st(p.pr, i, ld(p.pr, i) * (p.dp.v[i] - p.delta.v[z * p.t + p.r0 + r]));
+        float g = p.cap > 0.0 ? capped_grad(capped(p.s.v[i], p.cap), p.cap) : 1.0;
+        st(p.pr, i, ld(p.pr, i) * (p.dp.v[i] - p.delta.v[z * p.t + p.r0 + r]) * g);
     }
 }
 #endif

@@ -952,7 +952,16 @@ impl VulkanGpu {
             let (q, k, v, dout) = (values(nq, d)?, values(nk, 7919)?, values(nk, 2 * 7919)?, values(nq, 3 * 7919)?);
             let mut results = Vec::new();
             for kernels in [ops::AttnKernels::TensorCores, ops::AttnKernels::Scalar] {
-                let s = super::ops::AttnShape { b: 1, t, hq, hk, d, scale: 1.0 / (d as f32).sqrt(), kernels };
+                let s = super::ops::AttnShape {
+                    b: 1,
+                    t,
+                    hq,
+                    hk,
+                    d,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    softcap: None,
+                    kernels,
+                };
                 let (o, lse, delta) =
                     (scratch.alloc(nq * dt.size())?, scratch.alloc(t * hq * 4)?, scratch.alloc(t * hq * 4)?);
                 let (dq, dk, dv) =
