@@ -25,6 +25,7 @@ pub mod recipe;
 pub mod rng;
 pub mod stage;
 pub mod store;
+pub mod switches;
 pub mod train;
 pub mod ui;
 

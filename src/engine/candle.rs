@@ -12,6 +12,10 @@ use crate::engine::optim::AdamW;
 use crate::model::{Batch, KvCache, Transformer, nf4};
 use crate::rng::Rng;
 
+/// The parts of the architecture spec candle's model computes: all of them (it is the reference
+/// the other engines are checked against).
+pub const FEATURES: &[crate::model::arch::Feature] = &crate::model::arch::Feature::ALL;
+
 pub struct CandleEngine {
     model: Transformer,
     fused: bool,

@@ -349,10 +349,11 @@ pub struct Setup<'a> {
     pub base_quant: Option<crate::recipe::BaseQuant>,
 }
 
-/// The engine `RTUNE_ENGINE` asks for, if any. It changes the last bits of results, so the plan
-/// reads it once into the keys of the stages it affects, and engines are built from those.
+/// The engine `RTUNE_ENGINE` asks for, if any ([`crate::switches`]). It changes the last bits of
+/// results, so the plan reads it into the keys of the stages it affects, and engines are built
+/// from those.
 pub fn requested() -> Option<String> {
-    std::env::var("RTUNE_ENGINE").ok().filter(|e| !e.is_empty() && e != "auto")
+    crate::switches::Switches::get().engine.clone()
 }
 
 /// Why the engine `requested` cannot run on a Vulkan device: candle has no Vulkan backend, so
@@ -369,7 +370,10 @@ pub fn vulkan_engine_refused(requested: Option<&str>) -> Option<String> {
 /// (`RTUNE_ENGINE=candle|fused|gpu`) asks for one (to compare engines); asking for one that
 /// cannot run the model is an error.
 pub fn choose(cfg: &ModelConfig, device: &Resolution, requested: Option<&str>) -> Result<EngineKind, EngineError> {
-    let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32;
+    let spec = crate::model::Spec::of(cfg);
+    let fused_why = spec.unsupported("fused CPU engine", fused::FEATURES);
+    let fused_ok = device.class == DeviceClass::Cpu && device.dtype == crate::recipe::Dtype::F32 && fused_why.is_none();
+    let candle_why = spec.unsupported("candle engine", candle::FEATURES);
     let gpu_why = gpu::unsupported(cfg, device);
     // candle has no Vulkan backend: on a Vulkan device the GPU engine is the only engine.
     if device.class == DeviceClass::Vulkan {
@@ -384,12 +388,18 @@ pub fn choose(cfg: &ModelConfig, device: &Resolution, requested: Option<&str>) -
     }
     match requested {
         None => {}
-        Some("candle") => return Ok(EngineKind::Candle),
+        Some("candle") => {
+            return match candle_why {
+                None => Ok(EngineKind::Candle),
+                Some(why) => Err(EngineError::Unsupported(format!("RTUNE_ENGINE=candle: {why}"))),
+            };
+        }
         Some("fused") if fused_ok => return Ok(EngineKind::Fused),
         Some("fused") => {
-            return Err(EngineError::Unsupported(
-                "RTUNE_ENGINE=fused: the fused CPU engine computes in f32 on the CPU".into(),
-            ));
+            return Err(EngineError::Unsupported(format!(
+                "RTUNE_ENGINE=fused: {}",
+                fused_why.unwrap_or_else(|| "the fused CPU engine computes in f32 on the CPU".into())
+            )));
         }
         Some("gpu") => {
             return match gpu_why {
@@ -407,6 +417,8 @@ pub fn choose(cfg: &ModelConfig, device: &Resolution, requested: Option<&str>) -
         EngineKind::Gpu
     } else if fused_ok {
         EngineKind::Fused
+    } else if let Some(why) = candle_why {
+        return Err(EngineError::Unsupported(why));
     } else {
         EngineKind::Candle
     })

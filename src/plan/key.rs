@@ -251,6 +251,10 @@ pub struct DeviceKey {
     /// The engine `RTUNE_ENGINE` asks for (engines sum in different orders).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<String>,
+    /// The switches that change which kernels compute on this device (`RTUNE_GPU_ATTENTION=scalar`,
+    /// [`crate::switches::Switches::kernels`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kernels: Vec<String>,
     /// Which device of the class (`cuda:1`): not hashed, identical devices compute the same.
     #[serde(skip)]
     pub ordinal: usize,
@@ -430,6 +434,7 @@ mod tests {
             dtype: Dtype::Bf16,
             tf32: false,
             engine: None,
+            kernels: Vec::new(),
             ordinal: 1,
             peers: vec![2],
         }
@@ -507,10 +512,15 @@ mod tests {
                         adapter: Adapter::default(),
                         seed: 7,
                     },
-                    device: DeviceKey { tf32: true, engine: Some("gpu".into()), ..device() },
+                    device: DeviceKey {
+                        tf32: true,
+                        engine: Some("gpu".into()),
+                        kernels: vec!["RTUNE_GPU_ATTENTION=scalar".into()],
+                        ..device()
+                    },
                 }),
                 inputs(&["model", "tokens"]),
-                r#"{"device":{"class":"cuda","dtype":"bf16","engine":"gpu","tf32":true},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens"},"kind":"train","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"seed":7,"train":{"adam_eps":1e-8,"batch_size":4,"betas":[0.9,0.999],"checkpoint_every":100,"epochs":1,"eval_batches":0,"eval_every":0,"grad_accum":1,"keep_checkpoints":2,"learning_rate":0.0001,"loss_guard":{"lr_backoff":0.5,"max_bad_steps":5,"spike_factor":5.0},"max_steps":3,"schedule":{"kind":"cosine","min_lr":0.0,"warmup_steps":0},"weight_decay":0.0}},"stage_version":5}"#,
+                r#"{"device":{"class":"cuda","dtype":"bf16","engine":"gpu","kernels":["RTUNE_GPU_ATTENTION=scalar"],"tf32":true},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens"},"kind":"train","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"seed":7,"train":{"adam_eps":1e-8,"batch_size":4,"betas":[0.9,0.999],"checkpoint_every":100,"epochs":1,"eval_batches":0,"eval_every":0,"grad_accum":1,"keep_checkpoints":2,"learning_rate":0.0001,"loss_guard":{"lr_backoff":0.5,"max_bad_steps":5,"spike_factor":5.0},"max_steps":3,"schedule":{"kind":"cosine","min_lr":0.0,"warmup_steps":0},"weight_decay":0.0}},"stage_version":5}"#,
             ),
             (
                 StageKey::Evaluate(EvaluateKey {

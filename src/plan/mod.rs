@@ -337,6 +337,9 @@ fn device_label(v: &Value) -> String {
     if let Some(e) = v["engine"].as_str() {
         s.push_str(&format!(" (RTUNE_ENGINE={e})"));
     }
+    for k in v["kernels"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+        s.push_str(&format!(" ({k})"));
+    }
     s
 }
 
@@ -759,5 +762,7 @@ mod tests {
         assert_eq!(super::device_label(&json!({"class": "cuda", "dtype": "f32", "tf32": true})), "cuda/f32+tf32");
         let engine = json!({"class": "vulkan", "dtype": "f32", "engine": "gpu"});
         assert_eq!(super::device_label(&engine), "vulkan/f32 (RTUNE_ENGINE=gpu)");
+        let kernels = json!({"class": "cuda", "dtype": "bf16", "kernels": ["RTUNE_GPU_ATTENTION=scalar"]});
+        assert_eq!(super::device_label(&kernels), "cuda/bf16 (RTUNE_GPU_ATTENTION=scalar)");
     }
 }

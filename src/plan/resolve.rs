@@ -10,6 +10,7 @@ use crate::hub::HubEnv;
 use crate::recipe::{
     EvaluateSettings, ExportFormat, LoadedRecipe, Problem, QuantizeSettings, StageKind, StageSpec, UploadSettings,
 };
+use crate::switches::Switches;
 
 /// A stage's key: its settings with defaults applied and `[device.<name>]` overrides merged,
 /// the device where its numbers depend on it, and its sources resolved to digests and commits.
@@ -56,7 +57,8 @@ pub(super) fn resolve_key(
         class: device.class,
         dtype: device.dtype,
         tf32: recipe.device.tf32 && device.class == crate::device::DeviceClass::Cuda,
-        engine: if engine_matters { crate::engine::requested() } else { None },
+        engine: if engine_matters { Switches::get().engine.clone() } else { None },
+        kernels: if engine_matters { Switches::get().kernels(device.class) } else { Vec::new() },
         ordinal: device.ordinal,
         peers: Vec::new(),
     };

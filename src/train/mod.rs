@@ -749,7 +749,7 @@ impl Trainer<'_> {
         if let Some(p) = peak_gpu {
             speed.push_str(&format!(", peak GPU {}", crate::ui::human_bytes(p)));
         }
-        if std::env::var_os("RTUNE_PROFILE").is_some() && self.timed.0 > 0.0 {
+        if crate::switches::Switches::get().profile.is_some() && self.timed.0 > 0.0 {
             let steps = self.timed_steps.max(1) as f64;
             self.job.ui.status(
                 "profile",

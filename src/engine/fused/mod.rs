@@ -34,13 +34,16 @@ mod linear;
 mod matmul;
 mod rows;
 
-use crate::model::arch::LayerSpec;
+use crate::model::arch::{Feature, LayerSpec};
 use crate::model::config::Activation;
 use crate::model::{Batch, Transformer};
 use attention::*;
 use linear::*;
 use matmul::*;
 use rows::*;
+
+/// The parts of the architecture spec the fused engine's row loops compute: all of them.
+pub const FEATURES: &[Feature] = &Feature::ALL;
 
 /// Why `model` cannot run on the fused engine, or `None` when it can.
 pub fn unsupported(model: &Transformer) -> Option<String> {

@@ -195,9 +195,9 @@ struct Chunk {
 /// through matrix products, instead of the tensor-core ones (to compare them).
 pub fn attention_kernels() -> AttnKernels {
     static KERNELS: std::sync::OnceLock<AttnKernels> = std::sync::OnceLock::new();
-    *KERNELS.get_or_init(|| match std::env::var("RTUNE_GPU_ATTENTION").as_deref() {
-        Ok("scalar") => AttnKernels::Scalar,
-        Ok("products") => AttnKernels::Products { rows: 0 },
+    *KERNELS.get_or_init(|| match crate::switches::Switches::get().gpu_attention.as_deref() {
+        Some("scalar") => AttnKernels::Scalar,
+        Some("products") => AttnKernels::Products { rows: 0 },
         _ => AttnKernels::Auto,
     })
 }

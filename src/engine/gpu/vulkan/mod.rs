@@ -261,7 +261,7 @@ fn roll_loops(code: &mut [u32]) {
 /// The tile `RTUNE_VULKAN_GEMM_TILE` forces on device `name` (matrix shapes `matrix`), if any;
 /// one that is not a tile, or that the device cannot run, is ignored with a word why.
 fn forced_tile(name: &str, matrix: &[Option<[u32; 3]>], subgroup: u32, max_shared: u32) -> Option<[u32; 2]> {
-    let v = std::env::var("RTUNE_VULKAN_GEMM_TILE").ok()?;
+    let v = crate::switches::Switches::get().vulkan_gemm_tile.clone()?;
     let Some(t) = parse_tile(&v) else {
         eprintln!("rtune: RTUNE_VULKAN_GEMM_TILE={v} is not one of 64x64, 64x32, 32x64, 32x32; ignored");
         return None;
@@ -488,7 +488,7 @@ impl VulkanGpu {
         // The instance is destroyed in `drop` (or below on failure).
         let crate::device::vulkan::Opened { entry, instance, .. } =
             crate::device::vulkan::instance().map_err(GpuError::Device)?;
-        let gpu_kernels = std::env::var_os("RTUNE_VULKAN_GPU_KERNELS").is_some_and(|v| v == "1");
+        let gpu_kernels = crate::switches::Switches::get().vulkan_gpu_kernels;
         // SAFETY: `instance` is live; on failure it is destroyed before returning.
         match unsafe { Self::open(entry, instance.clone(), ordinal) } {
             Ok(gpu) if gpu_kernels => Ok(gpu.with_gpu_kernels()),
@@ -654,7 +654,7 @@ impl VulkanGpu {
                 storage16: support.storage16,
                 cpu_subgroup,
                 software: props.device_type == vk::PhysicalDeviceType::CPU,
-                roll_loops: std::env::var_os("RTUNE_VULKAN_ROLL_LOOPS").is_some_and(|v| v == "1"),
+                roll_loops: crate::switches::Switches::get().vulkan_roll_loops,
                 reject_direct_attention: false,
                 reject_current_products: false,
                 gemm_tile,
@@ -672,7 +672,8 @@ impl VulkanGpu {
                 require_subgroup,
                 name,
                 state: RefCell::new(State {
-                    profile: std::env::var("RTUNE_PROFILE").is_ok_and(|v| v == "kernels").then(BTreeMap::new),
+                    profile: (crate::switches::Switches::get().profile.as_deref() == Some("kernels"))
+                        .then(BTreeMap::new),
                     ..State::default()
                 }),
             })
