@@ -6,14 +6,9 @@
 #                 machine has the NVIDIA driver's Vulkan ICD but neither
 #   .gpu/         rtune and the GPU engine's tests built with CUDA (scripts/build-cuda.sh:
 #                 ~20 minutes cold on 2 cores), and bitsandbytes for PyTorch's QLoRA reference
-#   .gpu-spike/   with SPIKE=1 only (the spike ran on an H200 on 2026-11-27; `first` runs it
-#                 again only with SPIKE=1): the GEMM spike's candidates
-#                 (spikes/vulkan-gemm/build.sh): ash and wgsl, and burn with SPIKE_BURN=1 (a
-#                 23-minute build, ~58 MB before compression)
 #
-# All three are git-ignored, so a `run` call takes only what it names in `carry` (64 MiB a call,
-# working tree included). The spike's binaries are kept once built; rtune is rebuilt as the tree
-# changes (.gpu/commit says from what). Prints what each session part carries and fails if one
+# Both are git-ignored, so a `run` call takes only what it names in `carry` (64 MiB a call,
+# working tree included). rtune is rebuilt as the tree changes (.gpu/commit says from what). Prints what each session part carries and fails if one
 # is over the limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,25 +40,15 @@ if [ ! -f .gpu/bitsandbytes.tgz ]; then
   tar -czf .gpu/bitsandbytes.tgz -C "$dl/py" .
   rm -rf "$dl"
 fi
-spike=
-if [ "${SPIKE:-0}" = 1 ]; then
-  spike=.gpu-spike
-  cands=(ash wgsl)
-  [ -z "${SPIKE_BURN:-}" ] || cands+=(burn)
-  for c in "${cands[@]}"; do
-    [ -f ".gpu-spike/vulkan-gemm-$c.gz" ] || spikes/vulkan-gemm/build.sh "$c"
-  done
-fi
-
-# Only the gzipped binaries travel: copies unpacked by a dry run here (gpu-env.sh and the spike's
-# gpu.sh unpack them on the GPU machine) would count against the limit.
-find .gpu $spike -maxdepth 1 -type f ! -name '*.gz' ! -name '*.tgz' ! -name commit ! -name manifest-dir -delete
+# Only the gzipped binaries travel: copies unpacked by a dry run here (gpu-env.sh unpacks them on
+# the GPU machine) would count against the limit.
+find .gpu -maxdepth 1 -type f ! -name '*.gz' ! -name '*.tgz' ! -name commit ! -name manifest-dir -delete
 rm -rf .gpu/py
 # What each part of scripts/gpu-session.sh carries, with the tracked files that travel anyway.
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 limit=$((64 * 1024 * 1024))
 status=0
-for part in "first:.gpu $spike .gl" "second:.gpu .gl"; do
+for part in "first:.gpu .gl" "second:.gpu .gl"; do
   name=${part%%:*} dirs=${part#*:}
   # shellcheck disable=SC2086
   bytes=$(($(du -cb $dirs | tail -1 | cut -f1) + tree))

@@ -16,9 +16,6 @@
 #                                   # SmolLM2-135M as the 360M; the engine's tests on CUDA; a
 #                                   # calibrated q4_k_m on CUDA against the CPU's; a scratch
 #                                   # Gemma 3's q8_0 GGUF self-checked on CUDA
-#   SPIKE=1 scripts/gpu-session.sh first   # carry .gpu-spike too: also the GEMM spike (cuBLAS
-#                                   # bf16 beside each candidate: issue 18's go/no-go, decided
-#                                   # on an H200 on 2026-11-27 — NO-GO — so off by default)
 #   BUDGET=120 scripts/gpu-session.sh second   # carry .gpu .gl: what `first` leaves, most
 #                                   # wanted first: `rtune doctor --check` (which kernels each
 #                                   # GPU runs per dtype, the products' rate); the 360M through
@@ -107,11 +104,6 @@ first)
     step vulkan-probe 20 5 bash -c 'echo "VK_DRIVER_FILES=${VK_DRIVER_FILES:-}"; ls -l /usr/local/nvidia/share/vulkan/icd.d /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1; find / -xdev -name "*nvidia*icd*.json" 2>/dev/null | head; ldconfig -p | grep -E "libvulkan|GLX_nvidia|GLdispatch"; VK_LOADER_DEBUG=error,warn,driver .gpu/rtune doctor 2>&1 | grep -v "^  cpu" | head -60'
     show vulkan-probe "." 80
   fi
-  # Issue 18's go/no-go: a quarter of cuBLAS's bf16 rate on the train-step shapes.
-  if [ "${SPIKE:-0}" = 1 ]; then
-    CUBLAS_DTYPES=bf16 CANDIDATE_TIMEOUT=40 step spike 110 30 spikes/vulkan-gemm/gpu.sh
-    show spike "^==|GFLOP|TFLOP|rror|skipped|not carried|failed"
-  fi
   step timings 120 30 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings
   show timings "^\||did not run|panicked|failed a check|matrix loads"
   # The products on the matrix units with each of gemm_cm's tiles beside the one the engine picks.
@@ -141,10 +133,6 @@ first)
   # (model::gguf::read) on the device, beside the CPU's.
   OUT="$work/verify-gemma3" CHECKS="gemma3" TESTS=0 step verify-gemma3 60 20 scripts/gpu-verify.sh
   show verify-gemma3 "GGUF|rror|FAIL|passed"
-  if [ "${SPIKE:-0}" = 1 ]; then
-    say "== go/no-go (a quarter of cuBLAS bf16 on the train-step shapes)"
-    python3 spikes/vulkan-gemm/verdict.py "$work/spike.txt" "$work/timings.txt" 2>&1 | tee -a "$summary"
-  fi
   ;;
 second)
   # Which kernels each GPU runs in each dtype after the first-use checks, and the products' rate.

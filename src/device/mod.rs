@@ -593,6 +593,15 @@ fn vulkan_device(ordinal: usize, d: vulkan::VulkanInfo) -> DeviceInfo {
     }
 }
 
+/// Why the engine `requested` (`RTUNE_ENGINE`) cannot run on a Vulkan device: candle has no
+/// Vulkan backend, so the GPU engine is the only engine there (`engine::choose` and the plan
+/// both ask).
+pub fn vulkan_engine_refused(requested: Option<&str>) -> Option<String> {
+    requested
+        .filter(|e| *e != "gpu")
+        .map(|e| format!("RTUNE_ENGINE={e}: on Vulkan devices rtune trains with its GPU engine only (`gpu`)"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

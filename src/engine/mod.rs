@@ -356,13 +356,7 @@ pub fn requested() -> Option<String> {
     crate::switches::Switches::get().engine.clone()
 }
 
-/// Why the engine `requested` cannot run on a Vulkan device: candle has no Vulkan backend, so
-/// the GPU engine is the only engine there (`choose` and `plan` both ask).
-pub fn vulkan_engine_refused(requested: Option<&str>) -> Option<String> {
-    requested
-        .filter(|e| *e != "gpu")
-        .map(|e| format!("RTUNE_ENGINE={e}: on Vulkan devices rtune trains with its GPU engine only (`gpu`)"))
-}
+pub use crate::device::vulkan_engine_refused;
 
 /// The engine for a model on `device`, whatever trains: the GPU engine on CUDA and Vulkan and the
 /// fused engine on the CPU in f32 where they support the model, else candle's autograd (which

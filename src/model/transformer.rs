@@ -22,18 +22,7 @@ use super::lora::{Linear, LoraSpec, Param};
 use super::ops::{apply_rope, cross_entropy, repeat_kv, rms_norm, rms_norm_offset, rope_tables, softmax_last};
 use crate::rng::Rng;
 
-/// A decoder layer's linears, as their names continue `model.layers.<i>.`, in the order the
-/// engines keep them (attention q, k, v, o, then the MLP's gate, up and down:
-/// [`crate::engine::Q`] … [`crate::engine::DOWN`]).
-pub const LAYER_LINEARS: [&str; 7] = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-];
+pub use crate::recipe::LAYER_LINEARS;
 
 /// Sees what a decoder layer's linears read while a forward runs: `(layer, linears, x)`, where
 /// `linears` index [`LAYER_LINEARS`] (the linears that all read `x`, `[b, t, in]`: q, k and v

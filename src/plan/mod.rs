@@ -445,7 +445,7 @@ pub(crate) fn trained_from(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &
     let kind = loaded.recipe.adapter.kind;
     Some(TrainedFrom {
         train: train.name.clone(),
-        adapter: crate::train::trains_adapter(patterns.as_deref(), kind),
+        adapter: crate::recipe::trains_adapter(patterns.as_deref(), kind),
         by_patterns: patterns.is_some(),
     })
 }
@@ -482,7 +482,7 @@ mod support {
             return Ok(());
         }
         let on = dev.resolution().device_name();
-        if let Some(why) = crate::engine::vulkan_engine_refused(dev.engine.as_deref()) {
+        if let Some(why) = crate::device::vulkan_engine_refused(dev.engine.as_deref()) {
             return Err(Problem::new("rtune::plan::engine_unavailable", format!("{why} (the recipe runs on {on})"))
                 .at(loaded.origin(&["device", "prefer"]), "resolves to a Vulkan device")
                 .help("unset RTUNE_ENGINE (or set it to `gpu`), or put \"cpu\" or a CUDA device first"));
@@ -504,7 +504,7 @@ mod support {
             return Ok(());
         };
         let patterns: Vec<&str> = patterns.iter().filter_map(|p| p.as_str()).collect();
-        if !patterns.contains(&crate::train::ADAPTER) {
+        if !patterns.contains(&crate::recipe::ADAPTER) {
             return Ok(());
         }
         let adapter = &loaded.recipe.adapter;
@@ -519,7 +519,7 @@ mod support {
         for target in &adapter.targets {
             // The target's weight in the first layer (or the LM head's).
             let m = target.as_str();
-            let weight = match crate::model::LAYER_LINEARS.iter().find(|l| l.rsplit('.').next() == Some(m)) {
+            let weight = match crate::recipe::LAYER_LINEARS.iter().find(|l| l.rsplit('.').next() == Some(m)) {
                 Some(linear) => format!("model.layers.0.{linear}.weight"),
                 None => format!("{m}.weight"),
             };
@@ -557,7 +557,7 @@ mod support {
         let Some(quant) = adapter.quantize_base else { return Ok(()) };
         let quant = serde_json::to_value(quant).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
         let patterns: Option<Vec<String>> = table.get("trainable").and_then(|v| serde_json::from_value(v.clone()).ok());
-        if !crate::train::trains_adapter(patterns.as_deref(), adapter.kind) {
+        if !crate::recipe::trains_adapter(patterns.as_deref(), adapter.kind) {
             return Err(Problem::new(
                 "rtune::plan::quantized_base",
                 format!(
@@ -569,9 +569,9 @@ mod support {
             .at(at, "no adapter")
             .help("a 4-bit weight cannot train: drop `quantize_base` for a full fine-tune, or add \"adapter\""));
         }
-        for p in patterns.iter().flatten().filter(|p| *p != crate::train::ADAPTER) {
+        for p in patterns.iter().flatten().filter(|p| *p != crate::recipe::ADAPTER) {
             let p = if p == "all" { "*" } else { p.as_str() };
-            let weight = crate::model::LAYER_LINEARS
+            let weight = crate::recipe::LAYER_LINEARS
                 .iter()
                 .map(|l| format!("model.layers.0.{l}.weight"))
                 .find(|w| crate::glob::fnmatch(p, w));

@@ -355,6 +355,29 @@ fn default_targets() -> Vec<LoraTarget> {
     vec![QProj, KProj, VProj, OProj]
 }
 
+/// A decoder layer's linears, as their names continue `model.layers.<i>.` (the last part is
+/// what `adapter.targets` names), in the order the engines keep them (attention q, k, v, o, then
+/// the MLP's gate, up and down: `engine::Q` … `engine::DOWN`).
+pub const LAYER_LINEARS: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+/// `"adapter"` in `stages.<train>.trainable`: the LoRA adapter, not a weight pattern.
+pub const ADAPTER: &str = "adapter";
+
+/// Whether a train stage with `stages.<train>.trainable = patterns` and `adapter.kind = kind`
+/// trains a LoRA adapter (saved as a PEFT folder, with any base weights that train beside it),
+/// else base weights only (`weights.safetensors`).
+pub fn trains_adapter(patterns: Option<&[String]>, kind: AdapterKind) -> bool {
+    kind == AdapterKind::Lora && patterns.is_none_or(|p| p.iter().any(|p| p == ADAPTER))
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum AdapterKind {

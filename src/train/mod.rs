@@ -27,7 +27,7 @@ use crate::device::Resolution;
 use crate::engine::optim::AdamWConfig;
 use crate::engine::{Checkpointing, Engine, EngineError, EngineKind, HostBatch, Setup};
 use crate::model::{LoraSpec, ModelFolder, Trainable};
-use crate::recipe::{Adapter, AdapterKind, GradientCheckpointing, TrainSettings};
+use crate::recipe::{Adapter, GradientCheckpointing, TrainSettings};
 use crate::rng::Rng;
 use crate::ui::Ui;
 
@@ -156,15 +156,7 @@ pub fn trainable(settings: &TrainSettings, adapter: &Adapter) -> Trainable {
     Trainable { lora, weights }
 }
 
-/// `"adapter"` in `stages.<train>.trainable`: the LoRA adapter, not a weight pattern.
-pub const ADAPTER: &str = "adapter";
-
-/// Whether a train stage with `stages.<train>.trainable = patterns` and `adapter.kind = kind`
-/// trains a LoRA adapter (saved as a PEFT folder, with any base weights that train beside it),
-/// else base weights only (`weights.safetensors`).
-pub fn trains_adapter(patterns: Option<&[String]>, kind: AdapterKind) -> bool {
-    kind == AdapterKind::Lora && patterns.is_none_or(|p| p.iter().any(|p| p == ADAPTER))
-}
+pub use crate::recipe::{ADAPTER, trains_adapter};
 
 /// The first loss scale of f16 training and the good steps after which it doubles
 /// (`torch.amp.GradScaler`'s defaults).
