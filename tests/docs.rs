@@ -6,7 +6,7 @@ mod common;
 
 /// The binary's own command-line definition (clap only, no library types), compiled here.
 #[allow(dead_code)]
-#[path = "../src/cli.rs"]
+#[path = "../src/cli/args.rs"]
 mod cli;
 
 use clap::Parser;

@@ -1,4 +1,5 @@
-//! Command-line interface (clap only; the work happens in the library).
+//! The command line's definition: clap only, no library types (tests/docs.rs compiles this file
+//! on its own to parse every command the docs show).
 
 use std::path::PathBuf;
 
@@ -125,49 +126,9 @@ pub enum Command {
     /// Files land in the layout huggingface_hub uses ($HF_HUB_CACHE, or $HF_HOME/hub, or
     /// ~/.cache/huggingface/hub), so Python tools and rtune share one copy. Partial downloads
     /// resume; every file is checked against its digest. Prints the snapshot folder.
-    Download {
-        /// Repository id, e.g. HuggingFaceTB/SmolLM2-135M
-        repo_id: String,
-        /// Branch, tag or commit [default: main]
-        #[arg(long)]
-        revision: Option<String>,
-        /// Only files matching this pattern (repeatable; `*` crosses folders)
-        #[arg(long, value_name = "GLOB")]
-        include: Vec<String>,
-        /// Skip files matching this pattern (repeatable)
-        #[arg(long, value_name = "GLOB")]
-        exclude: Vec<String>,
-        #[arg(long, value_enum, default_value_t = RepoType::Model)]
-        repo_type: RepoType,
-        /// Access token [default: $HF_TOKEN, then the token file]; never printed
-        #[arg(long, value_name = "TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        /// Resolve from the HF cache only (also HF_HUB_OFFLINE=1)
-        #[arg(long)]
-        offline: bool,
-    },
+    Download(DownloadArgs),
     /// Upload files or folders to a Hub repo in one commit
-    Upload {
-        /// Destination: owner/name[@revision]
-        repo_id: String,
-        /// Files or folders to upload (folders keep their layout)
-        #[arg(required = true)]
-        paths: Vec<PathBuf>,
-        #[arg(long, value_enum, default_value_t = RepoType::Model)]
-        repo_type: RepoType,
-        /// Create the repo if it does not exist
-        #[arg(long)]
-        create: bool,
-        /// With --create: make the new repo public (default private)
-        #[arg(long)]
-        public: bool,
-        /// Commit message
-        #[arg(long, short = 'm', default_value = "Upload with rtune")]
-        message: String,
-        /// Access token [default: $HF_TOKEN, then the token file]; never printed
-        #[arg(long, value_name = "TOKEN")]
-        token: Option<String>,
-    },
+    Upload(UploadArgs),
     /// Inspect and maintain the artifact cache
     Cache {
         #[command(subcommand)]
@@ -226,4 +187,50 @@ pub enum PlanFormat {
 pub enum RepoType {
     Model,
     Dataset,
+}
+
+#[derive(Debug, Args)]
+pub struct DownloadArgs {
+    /// Repository id, e.g. HuggingFaceTB/SmolLM2-135M
+    pub repo_id: String,
+    /// Branch, tag or commit [default: main]
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Only files matching this pattern (repeatable; `*` crosses folders)
+    #[arg(long, value_name = "GLOB")]
+    pub include: Vec<String>,
+    /// Skip files matching this pattern (repeatable)
+    #[arg(long, value_name = "GLOB")]
+    pub exclude: Vec<String>,
+    #[arg(long, value_enum, default_value_t = RepoType::Model)]
+    pub repo_type: RepoType,
+    /// Access token [default: $HF_TOKEN, then the token file]; never printed
+    #[arg(long, value_name = "TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Resolve from the HF cache only (also HF_HUB_OFFLINE=1)
+    #[arg(long)]
+    pub offline: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct UploadArgs {
+    /// Destination: owner/name[@revision]
+    pub repo_id: String,
+    /// Files or folders to upload (folders keep their layout)
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
+    #[arg(long, value_enum, default_value_t = RepoType::Model)]
+    pub repo_type: RepoType,
+    /// Create the repo if it does not exist
+    #[arg(long)]
+    pub create: bool,
+    /// With --create: make the new repo public (default private)
+    #[arg(long)]
+    pub public: bool,
+    /// Commit message
+    #[arg(long, short = 'm', default_value = "Upload with rtune")]
+    pub message: String,
+    /// Access token [default: $HF_TOKEN, then the token file]; never printed
+    #[arg(long, value_name = "TOKEN")]
+    pub token: Option<String>,
 }
