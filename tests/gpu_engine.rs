@@ -1598,9 +1598,16 @@ fn engine_matches_autograd_training_base_weights() {
 /// and f16 within their rounding.
 #[test]
 fn gemma3_engine_matches_autograd() {
-    let folder = ModelFolder::open(&fixture("tiny-gemma3").join("model")).unwrap();
-    let adapter = fixture("tiny-gemma3").join("adapter");
-    let batch = golden_batch("tiny-gemma3");
+    assert_gemma_matches("tiny-gemma3");
+}
+
+/// The Gemma checks of [`gemma3_engine_matches_autograd`] on the golden fixture `name`: PEFT's
+/// adapter, a full fine-tune on the golden and on packed rows, an adapter on every linear with
+/// dropout on packed rows, and bf16 and f16.
+fn assert_gemma_matches(name: &str) {
+    let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
+    let adapter = fixture(name).join("adapter");
+    let batch = golden_batch(name);
     let all = || Trainable::weights(vec!["*".into()]);
     for gpu in devices() {
         assert_engine_matches(&gpu, &folder, &adapter, &batch, None, Dtype::F32, 2e-5);
@@ -1617,27 +1624,16 @@ fn gemma3_engine_matches_autograd() {
 /// Gemma 2 on the GPU engine (the golden tiny-gemma2: every other layer local, its tanh caps on
 /// attention scores and logits, GELU gate and `1 + w` norms around attention and the MLP):
 /// loss and every gradient against candle's autograd (itself checked against transformers and
-/// PEFT in tests/model.rs) with PEFT's adapter, in a full fine-tune, on packed rows with an
-/// adapter on every linear and dropout, and in bf16 and f16 within their rounding — the caps on
-/// the scalar kernels and, where the device prefers them, through products.
+/// PEFT in tests/model.rs) with PEFT's adapter, in a full fine-tune, on packed rows (with an
+/// adapter on every linear and dropout too), and in bf16 and f16 within their rounding — the caps
+/// on the scalar kernels and, where the device prefers them, through products.
 #[test]
 fn gemma2_engine_matches_autograd() {
     let folder = ModelFolder::open(&fixture("tiny-gemma2").join("model")).unwrap();
     assert_eq!(rtune::engine::gpu::model_unsupported(&folder.config), None);
     let spec = rtune::model::Spec::of(&folder.config);
     assert!(spec.final_softcap.is_some() && spec.layers.iter().all(|l| l.attention.softcap.is_some()));
-    let adapter = fixture("tiny-gemma2").join("adapter");
-    let batch = golden_batch("tiny-gemma2");
-    let all = || Trainable::weights(vec!["*".into()]);
-    for gpu in devices() {
-        assert_engine_matches(&gpu, &folder, &adapter, &batch, None, Dtype::F32, 2e-5);
-        assert_trainable_matches(&gpu, &folder, all(), None, &batch, None, Dtype::F32, 2e-5);
-        let every = all_targets_adapter(&folder, 0.1, false);
-        assert_engine_matches(&gpu, &folder, every.path(), &packed_batch(), Some(42), Dtype::F32, 2e-5);
-        for (dtype, tol) in [(Dtype::Bf16, 2e-2), (Dtype::F16, 5e-3)] {
-            assert_engine_matches(&gpu, &folder, &adapter, &batch, None, dtype, tol);
-        }
-    }
+    assert_gemma_matches("tiny-gemma2");
 }
 
 /// A LoRA adapter and base weights together (PEFT's `modules_to_save`): the adapter of the
