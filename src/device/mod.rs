@@ -400,8 +400,7 @@ pub fn resolve_with(
                             dtype: *d,
                             skipped,
                             dtype_notes: notes,
-                            via: (dev.class.as_str() != want.split(':').next().unwrap_or_default())
-                                .then(|| want.clone()),
+                            via: (dev.class.as_str() != crate::recipe::device_name_parts(want).0).then(|| want.clone()),
                             peers: Vec::new(),
                             peers_notes: Vec::new(),
                         });
@@ -421,10 +420,8 @@ pub fn resolve_with(
 }
 
 fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
-    let (base, ordinal) = match want.split_once(':') {
-        Some((b, n)) => (b, n.parse::<usize>().ok()),
-        None => (want, None),
-    };
+    let (base, index) = crate::recipe::device_name_parts(want);
+    let ordinal = index.and_then(|n| n.parse::<usize>().ok());
     match base {
         "cpu" => inv.devices.iter().find(|d| d.class == DeviceClass::Cpu).ok_or_else(|| "no CPU device".into()),
         "cuda" => {
@@ -508,7 +505,7 @@ fn find<'a>(want: &str, inv: &'a Inventory) -> Result<&'a DeviceInfo, String> {
 pub fn served_through_vulkan(prefer: &[String]) -> bool {
     let through =
         |base: &str| ["vulkan", "rocm", "directml"].contains(&base) || (base == "metal" && cfg!(target_os = "macos"));
-    prefer.iter().any(|p| through(p.split(':').next().unwrap_or_default()))
+    prefer.iter().any(|p| through(crate::recipe::device_name_parts(p).0))
 }
 
 /// Device `ordinal` (default 0) of a numbered class (`cuda:N`, `vulkan:N`), or why not: `none`

@@ -337,7 +337,7 @@ fn check_tree(tree: &Node, problems: &mut Vec<Problem>) -> Option<Stages> {
 /// What rtune calls the device PyTorch calls `name` (`torch.device`'s names for GPUs rtune
 /// names otherwise), as a hint.
 fn torch_device(name: &str) -> Option<&'static str> {
-    Some(match name.split(':').next().unwrap_or_default() {
+    Some(match device_name_parts(name).0 {
         "mps" => "`mps` is PyTorch's name for Apple GPUs; rtune's is `metal`",
         "xpu" => "`xpu` is PyTorch's name for Intel GPUs; rtune reaches them through Vulkan: `vulkan` or `directml`",
         "hip" => "PyTorch's ROCm build calls AMD GPUs `cuda`; rtune's name is `rocm` (reached through Vulkan)",
@@ -346,12 +346,21 @@ fn torch_device(name: &str) -> Option<&'static str> {
     })
 }
 
+/// A device name's class and index, the one place that splits them: `cuda:1` is (`cuda`,
+/// `Some("1")`), `cpu` is (`cpu`, `None`).
+pub fn device_name_parts(s: &str) -> (&str, Option<&str>) {
+    match s.split_once(':') {
+        Some((class, index)) => (class, Some(index)),
+        None => (s, None),
+    }
+}
+
 /// `cpu`, `cuda`, `cuda:N`, `vulkan:N`, `metal`, … (names rtune knows, available or not).
 pub fn is_device_name(s: &str) -> bool {
-    let base = s.split(':').next().unwrap_or_default();
-    let index_ok = match s.split_once(':') {
+    let (base, index) = device_name_parts(s);
+    let index_ok = match index {
         None => true,
-        Some((_, n)) => matches!(base, "cuda" | "vulkan") && n.parse::<u32>().is_ok(),
+        Some(n) => matches!(base, "cuda" | "vulkan") && n.parse::<u32>().is_ok(),
     };
     DEVICE_NAMES.contains(&base) && index_ok
 }
@@ -552,5 +561,8 @@ mod tests {
         for bad in ["vulkan:x", "vulkan:", "cpu:1", "rocm:0", "cdua", "cuda:-1"] {
             assert!(!super::is_device_name(bad), "{bad}");
         }
+        assert_eq!(super::device_name_parts("cuda:1"), ("cuda", Some("1")));
+        assert_eq!(super::device_name_parts("vulkan:"), ("vulkan", Some("")));
+        assert_eq!(super::device_name_parts("metal"), ("metal", None));
     }
 }

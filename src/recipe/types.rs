@@ -457,7 +457,7 @@ impl DevicePolicy {
     /// The dtypes to try on `device` (`cuda:1`, `rocm`): its own `[device.<name>] dtype` list
     /// (the exact name first, then the class), else `dtype`.
     pub fn dtypes_for(&self, device: &str) -> Vec<Dtype> {
-        let class = device.split(':').next().unwrap_or(device);
+        let class = super::device_name_parts(device).0;
         [device, class]
             .iter()
             .find_map(|name| {
