@@ -1388,7 +1388,7 @@ fn assert_base_matches(
 ) {
     let cpu = Resolution::cpu();
     let reference_setup = Setup { base_quant, ..setup(folder, trainable.clone(), &cpu, trained) };
-    let mut reference = CandleEngine::build(&reference_setup, false).unwrap();
+    let mut reference = CandleEngine::build(&reference_setup).unwrap();
     let dev = resolution(dt, DeviceClass::Cuda);
     let engine_setup = Setup { base_quant, ..setup(folder, trainable.clone(), &dev, trained) };
     let mut engine = GpuEngine::new(gpu.clone(), &engine_setup).unwrap();
@@ -1484,7 +1484,7 @@ fn all_targets_adapter(folder: &ModelFolder, p: f64, rslora: bool) -> tempfile::
         .to_vec();
     let spec = LoraSpec { rank: 4, alpha: 8.0, rslora, dropout: p, targets };
     let cpu = Resolution::cpu();
-    let engine = CandleEngine::build(&setup(folder, Trainable::lora(spec.clone()), &cpu, None), false).unwrap();
+    let engine = CandleEngine::build(&setup(folder, Trainable::lora(spec.clone()), &cpu, None)).unwrap();
     let mut rng = Rng::new(9);
     let values: BTreeMap<String, Tensor> = engine
         .model()
@@ -1691,7 +1691,7 @@ fn an_adapter_on_a_weight_that_trains_in_full_is_an_error() {
         let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();
         let trainable = Trainable { lora: Some(lora), weights: vec![pattern.to_string()] };
         let err = GpuEngine::new(gpu.clone(), &setup(&folder, trainable.clone(), &dev, None)).err().expect("an error");
-        let candle = CandleEngine::build(&setup(&folder, trainable, &cpu, None), false).err().expect("an error");
+        let candle = CandleEngine::build(&setup(&folder, trainable, &cpu, None)).err().expect("an error");
         for msg in [err.to_string(), candle.to_string()] {
             assert!(
                 msg.contains(weight) && msg.contains(target) && msg.contains("trains in full"),
@@ -1718,7 +1718,7 @@ fn an_adapter_saved_with_base_weights_loads_as_it_trained() {
     spec_no_k.targets.retain(|t| t != "k_proj");
     let trainable = Trainable { lora: Some(spec_no_k.clone()), weights };
     let cpu = Resolution::cpu();
-    let mut engine = CandleEngine::build(&setup(&folder, trainable, &cpu, None), false).unwrap();
+    let mut engine = CandleEngine::build(&setup(&folder, trainable, &cpu, None)).unwrap();
     train_steps(&mut engine, &batches, 3);
     let dir = tempfile::tempdir().unwrap();
     peft::write(dir.path(), &spec_no_k, &engine.trained().unwrap(), "base", &folder).unwrap();
@@ -1740,10 +1740,10 @@ fn an_adapter_saved_with_base_weights_loads_as_it_trained() {
     assert!(saved.contains_key(&key("model.layers.1.self_attn.k_proj.bias")));
     let want = engine.loss(&batches[1]).unwrap();
     let evaluation = Trainable::lora(peft::read_config(dir.path()).unwrap());
-    let mut candle = CandleEngine::build(&setup(&folder, evaluation.clone(), &cpu, Some(dir.path())), false).unwrap();
+    let mut candle = CandleEngine::build(&setup(&folder, evaluation.clone(), &cpu, Some(dir.path()))).unwrap();
     let dev = resolution(Dtype::F32, DeviceClass::Cuda);
     let mut on_gpu = GpuEngine::new(gpu, &setup(&folder, evaluation, &dev, Some(dir.path()))).unwrap();
-    let base = CandleEngine::build(&setup(&folder, Trainable::nothing(), &cpu, None), false).unwrap().loss(&batches[1]);
+    let base = CandleEngine::build(&setup(&folder, Trainable::nothing(), &cpu, None)).unwrap().loss(&batches[1]);
     assert!((base.unwrap() - want).abs() > 1e-3, "training changed the loss");
     for (what, got) in
         [("candle", candle.loss(&batches[1]).unwrap()), ("GPU engine", on_gpu.loss(&batches[1]).unwrap())]
@@ -1762,7 +1762,7 @@ fn training_no_weight_is_an_error() {
     let trainable = Trainable::weights(vec!["layers.0.*".into()]);
     let err = GpuEngine::new(gpu, &setup(&folder, trainable.clone(), &dev, None)).err().expect("an error");
     let cpu = Resolution::cpu();
-    let candle = CandleEngine::build(&setup(&folder, trainable, &cpu, None), false).err().expect("an error");
+    let candle = CandleEngine::build(&setup(&folder, trainable, &cpu, None)).err().expect("an error");
     for msg in [err.to_string(), candle.to_string()] {
         assert!(msg.contains("matches none of the model's weights") && msg.contains("\"layers.0.*\""), "{msg}");
     }
@@ -1862,8 +1862,13 @@ fn engine_trains_like_the_fused_cpu_engine_and_resumes_from_its_state() {
     let golden = golden_batch("tiny-qwen2");
     let batches = vec![packed_batch(), golden.clone()];
     let cpu = Resolution::cpu();
-    let mut fused =
-        CandleEngine::build(&setup(&folder, Trainable::lora(spec.clone()), &cpu, Some(adapter.path())), true).unwrap();
+    let mut fused = rtune::engine::fused::FusedEngine::build(&setup(
+        &folder,
+        Trainable::lora(spec.clone()),
+        &cpu,
+        Some(adapter.path()),
+    ))
+    .unwrap();
     let (want_losses, want) = train_steps(&mut fused, &batches, 6);
     for gpu in devices() {
         let dev = resolution(Dtype::F32, DeviceClass::Cuda);
@@ -1999,7 +2004,7 @@ fn full_fine_tuning_trains_like_autograd() {
     let all = Trainable::weights(vec!["*".into()]);
     let batches = vec![packed_batch(), golden_batch("tiny-qwen2")];
     let cpu = Resolution::cpu();
-    let mut reference = CandleEngine::build(&setup(&folder, all.clone(), &cpu, None), false).unwrap();
+    let mut reference = CandleEngine::build(&setup(&folder, all.clone(), &cpu, None)).unwrap();
     let (want_losses, want) = train_steps(&mut reference, &batches, 4);
     for gpu in devices() {
         let dev = resolution(Dtype::F32, DeviceClass::Cuda);
@@ -2034,7 +2039,7 @@ fn generation_logits_match_candle_and_checkpointing_changes_nothing() {
         let spec = peft::read_config(&adapter).unwrap();
         let cpu = Resolution::cpu();
         let mut reference =
-            CandleEngine::build(&setup(&folder, Trainable::lora(spec.clone()), &cpu, Some(&adapter)), false).unwrap();
+            CandleEngine::build(&setup(&folder, Trainable::lora(spec.clone()), &cpu, Some(&adapter))).unwrap();
         let ids = [1u32, 17, 33, 90, 4, 5];
         let want = reference.next_logits(&ids).unwrap();
         let batch = golden_batch(name);

@@ -96,6 +96,30 @@ fn check_within(model: &Transformer, g: &Golden, key: &str, slack: f32) {
     assert!(((loss - want) / want).abs() < 1e-5 * slack as f64, "{key}: loss {loss} vs transformers {want}");
 }
 
+/// candle's engine or (`fused`) the fused CPU engine, built from `setup`.
+fn build_engine(setup: &rtune::engine::Setup<'_>, fused: bool) -> Box<dyn rtune::engine::Engine> {
+    match fused {
+        true => Box::new(rtune::engine::fused::FusedEngine::build(setup).unwrap()),
+        false => Box::new(rtune::engine::candle::CandleEngine::build(setup).unwrap()),
+    }
+}
+
+/// [`check_within`] through the engine interface: the loss of the golden batch, and each row's
+/// last logits as generation computes them (`next_logits`), against transformers'.
+fn check_engine(engine: &mut dyn rtune::engine::Engine, g: &Golden, key: &str, slack: f32) {
+    let batch = rtune::engine::HostBatch::from_parts(&g.rows, &g.lens, None, g.select.clone(), g.targets.clone());
+    let loss = engine.loss(&batch).unwrap();
+    let want = g.expected[key]["loss"].as_f64().unwrap();
+    assert!(((loss - want) / want).abs() < 1e-5 * slack as f64, "{key}: loss {loss} vs transformers {want}");
+    let logits: Vec<Vec<Vec<f32>>> = serde_json::from_value(g.expected[key]["logits"].clone()).unwrap();
+    for (r, row) in g.rows.iter().enumerate() {
+        let got = engine.next_logits(&row[..g.lens[r]]).unwrap();
+        let want = &logits[r][g.lens[r] - 1];
+        let max = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(max < 1e-4 * slack, "{key}: row {r}'s last logits differ by {max}");
+    }
+}
+
 #[test]
 fn llama_matches_transformers() {
     let g = golden("tiny-llama");
@@ -147,8 +171,7 @@ fn gemma_matches_transformers_forward_and_backward() {
         for ((key, trainable, trained), fused) in cases.iter().flat_map(|c| [(c, false), (c, true)]) {
             let setup = cpu_setup(&folder, &cpu, trainable.clone(), *trained, None);
             assert_eq!(rtune::engine::build(&setup).unwrap().describe(), "fused CPU engine", "{name}");
-            use rtune::engine::Engine as _;
-            let mut engine = rtune::engine::candle::CandleEngine::build(&setup, fused).unwrap();
+            let mut engine = build_engine(&setup, fused);
             let key = *key;
             engine.accumulate(&batch, 1.0, 1.0, None).unwrap();
             let (loss, _) = engine.gradients().unwrap();
@@ -279,7 +302,6 @@ fn nf4_double_quantization_matches_bitsandbytes() {
 /// engine.
 #[test]
 fn qlora_matches_peft_over_a_bitsandbytes_base() {
-    use rtune::engine::Engine;
     let g = golden("tiny-qlora");
     let dir = fixture("tiny-qlora").join("adapter");
     let folder = ModelFolder::open(&fixture("tiny-qlora").join("model")).unwrap();
@@ -298,13 +320,16 @@ fn qlora_matches_peft_over_a_bitsandbytes_base() {
         // choice, `nf4_double_quantization_matches_bitsandbytes`) move the logits by up to 3e-4.
         let slack = if quant == rtune::recipe::BaseQuant::Nf4Dq { 10.0 } else { 1.0 };
         let want: BTreeMap<String, Vec<f32>> = serde_json::from_value(g.expected["lora"]["grads"].clone()).unwrap();
+        let lora = || Trainable::lora(peft::read_config(&dir).unwrap());
+        let candle = |trainable, trained, quant| {
+            rtune::engine::candle::CandleEngine::build(&setup(trainable, trained, quant)).unwrap()
+        };
+        check_within(candle(Trainable::nothing(), None, nf4).model(), &g, "base", slack);
+        check_within(candle(lora(), Some(&dir), nf4).model(), &g, "lora", slack);
         for fused in [false, true] {
-            let base =
-                rtune::engine::candle::CandleEngine::build(&setup(Trainable::nothing(), None, nf4), fused).unwrap();
-            check_within(base.model(), &g, "base", slack);
-            let lora = || Trainable::lora(peft::read_config(&dir).unwrap());
-            let mut tuned = rtune::engine::candle::CandleEngine::build(&setup(lora(), Some(&dir), nf4), fused).unwrap();
-            check_within(tuned.model(), &g, "lora", slack);
+            check_engine(&mut *build_engine(&setup(Trainable::nothing(), None, nf4), fused), &g, "base", slack);
+            let mut tuned = build_engine(&setup(lora(), Some(&dir), nf4), fused);
+            check_engine(&mut *tuned, &g, "lora", slack);
             tuned.accumulate(&batch, 1.0, 1.0, None).unwrap();
             let got = tuned.gradient_values().unwrap();
             assert_eq!(got.len(), want.len());
@@ -315,13 +340,7 @@ fn qlora_matches_peft_over_a_bitsandbytes_base() {
                 assert!(diff <= 1e-4 * slack * scale, "fused {fused}: {name}: max |diff| {diff} of {scale}");
             }
             // The same adapter on the original weights is another model.
-            let dense = rtune::engine::candle::CandleEngine::build(&setup(lora(), Some(&dir), None), fused).unwrap();
-            let (b, sel, tgt) = (
-                Batch::new(&g.rows, &g.lens, None, &Device::Cpu).unwrap(),
-                Tensor::new(g.select.as_slice(), &Device::Cpu).unwrap(),
-                Tensor::new(g.targets.as_slice(), &Device::Cpu).unwrap(),
-            );
-            let loss = dense.model().loss(&b, &sel, &tgt, None).unwrap().to_scalar::<f32>().unwrap() as f64;
+            let loss = build_engine(&setup(lora(), Some(&dir), None), fused).loss(&batch).unwrap();
             let qlora = g.expected["lora"]["loss"].as_f64().unwrap();
             assert!((loss - qlora).abs() > 1e-3, "the dense base's loss {loss} is QLoRA's {qlora}");
         }
@@ -347,9 +366,9 @@ fn peft_adapters_with_modules_to_save_match_peft() {
         let cpu = rtune::device::Resolution::cpu();
         let setup =
             |trained| cpu_setup(&folder, &cpu, Trainable::lora(peft::read_config(&dir).unwrap()), trained, None);
+        check(rtune::engine::candle::CandleEngine::build(&setup(Some(&dir))).unwrap().model(), &g, "modules");
         for fused in [false, true] {
-            let engine = rtune::engine::candle::CandleEngine::build(&setup(Some(&dir)), fused).unwrap();
-            check(engine.model(), &g, "modules");
+            check_engine(&mut *build_engine(&setup(Some(&dir)), fused), &g, "modules", 1.0);
         }
         // The adapter matrices alone on the base (the saved modules ignored) are another model.
         let bare = load(name, &Trainable::lora(peft::read_config(&dir).unwrap()));

@@ -1,11 +1,12 @@
-//! Training engines behind one interface. The model definition (config, weights and their
-//! names, LoRA, attention layout, rotary tables) lives in [`crate::model`]; an engine computes
+//! Training engines behind one interface. The model definition (config, the architecture spec,
+//! weights and their names, LoRA, attention layout) lives in [`crate::model`]; an engine computes
 //! losses and gradients of that model on one kind of device and owns the trained parameters and
 //! their optimizer state while a stage runs:
 //!
 //! - [`candle::CandleEngine`]: candle's ops and autograd — any candle device, dtype and
-//!   trainable set (the reference the others are checked against); on the CPU in f32 it runs
-//!   [`crate::engine::fused`], rtune's fused CPU engine, instead;
+//!   trainable set (the reference the others are checked against);
+//! - [`fused::FusedEngine`]: rtune's fused CPU engine, f32 on the CPU, built from the folder and
+//!   the spec; its trained parameters step as candle's engine steps its own ([`params`]);
 //! - [`gpu::GpuEngine`]: an explicit forward and backward pass of training (LoRA adapters, base
 //!   weights, or both) over device buffers — fused kernels, matrix-unit attention that never
 //!   stores probabilities, activation checkpointing, the LM head and loss in chunks, AdamW on
@@ -21,6 +22,7 @@ pub mod candle;
 pub mod fused;
 pub mod gpu;
 pub mod optim;
+pub mod params;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -428,8 +430,35 @@ pub fn build(setup: &Setup<'_>) -> Result<Box<dyn Engine>, EngineError> {
             gpu::unsupported(&setup.folder.config, setup.device)
                 .unwrap_or_else(|| "RTUNE_ENGINE asks for another".into())
         ))),
-        kind => Ok(Box::new(candle::CandleEngine::build(setup, kind == EngineKind::Fused)?)),
+        EngineKind::Fused => Ok(Box::new(fused::FusedEngine::build(setup)?)),
+        EngineKind::Candle => Ok(Box::new(candle::CandleEngine::build(setup)?)),
     }
+}
+
+/// The f32 base weights an engine on the host's side of `device` starts from, by Hugging Face
+/// name: the folder's, a 4-bit base as the values it stands for (the math of the GPU engine's
+/// packed weights, without their memory saving), and what the train stage's output
+/// (`setup.trained`) replaces; with that output as read.
+pub(crate) fn start_weights(
+    setup: &Setup<'_>,
+    device: &candle_core::Device,
+) -> Result<(BTreeMap<String, Tensor>, crate::model::TrainedOutput), EngineError> {
+    use crate::model::nf4;
+    let trained = match setup.trained {
+        Some(dir) => crate::model::read_trained(dir, device)?,
+        None => Default::default(),
+    };
+    let mut weights = setup.folder.load_weights(device, candle_core::DType::F32)?;
+    for (name, w) in weights.iter_mut() {
+        if let Some(quant) = nf4::stored(setup.base_quant, &setup.trainable, name)? {
+            let v: Vec<f32> =
+                w.flatten_all().and_then(|t| t.to_vec1()).map_err(EngineError::candle("read a weight"))?;
+            let v = nf4::round_trip(&v, quant);
+            *w = Tensor::from_vec(v, w.dims(), device).map_err(EngineError::candle("dequantize a weight"))?;
+        }
+    }
+    weights.extend(trained.base.clone());
+    Ok((weights, trained))
 }
 
 /// Token-weighted mean loss over (at most `max_batches` batches of) a split, and the number of

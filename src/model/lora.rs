@@ -1,6 +1,8 @@
 //! Linear layers with optional LoRA adapters (Hu et al. 2021, as PEFT implements them):
 //! `y = x Wᵀ + b + (alpha / r) · dropout(x) Aᵀ Bᵀ`, A `[r, in]` Kaiming-uniform, B `[out, r]` zero.
 
+use std::collections::BTreeMap;
+
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::rng::Rng;
@@ -76,6 +78,31 @@ pub fn param_name(prefix: &str, which: &str) -> String {
 /// weight's.
 pub fn is_adapter_param(name: &str) -> bool {
     name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
+/// Overwrite the `params` that `which` accepts with the values in `tensors`, each of which must
+/// be there with its shape.
+pub fn load_params(
+    params: &[Param],
+    tensors: &BTreeMap<String, Tensor>,
+    which: impl Fn(&str) -> bool,
+) -> std::result::Result<(), crate::model::ModelError> {
+    for p in params.iter().filter(|p| which(&p.name)) {
+        let t = tensors.get(&p.name).ok_or_else(|| crate::model::ModelError::MissingTensor { name: p.name.clone() })?;
+        if t.dims() != p.var.dims() {
+            return Err(crate::model::ModelError::ShapeMismatch {
+                name: p.name.clone(),
+                expected: p.var.dims().to_vec(),
+                found: t.dims().to_vec(),
+            });
+        }
+        let t = t
+            .to_dtype(p.var.dtype())
+            .and_then(|t| t.to_device(p.var.device()))
+            .map_err(crate::model::ModelError::candle(format!("load `{}`", p.name)))?;
+        p.var.set(&t).map_err(crate::model::ModelError::candle(format!("load `{}`", p.name)))?;
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone)]

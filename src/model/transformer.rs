@@ -273,7 +273,7 @@ impl Transformer {
         let mut rng = Rng::new(0);
         let mut b = Builder { weights, trainable, rng: &mut rng, params: Vec::new(), dtype: self.dtype, next_id: 0 };
         let layer = b.layer(&self.cfg, &self.spec, i)?;
-        load_params(&b.params, adapters, super::lora::is_adapter_param)?;
+        super::lora::load_params(&b.params, adapters, super::lora::is_adapter_param)?;
         Ok(DecoderLayer(layer))
     }
 
@@ -725,36 +725,11 @@ impl Transformer {
         tensors: &BTreeMap<String, Tensor>,
         which: impl Fn(&str) -> bool,
     ) -> std::result::Result<(), super::ModelError> {
-        load_params(&self.params, tensors, which)
+        super::lora::load_params(&self.params, tensors, which)
     }
 
     /// Current values of the trained parameters, by name.
     pub fn param_values(&self) -> BTreeMap<String, Tensor> {
         self.params.iter().map(|p| (p.name.clone(), p.var.as_tensor().detach())).collect()
     }
-}
-
-/// Overwrite the `params` that `which` accepts with the values in `tensors`, each of which must
-/// be there with its shape.
-fn load_params(
-    params: &[Param],
-    tensors: &BTreeMap<String, Tensor>,
-    which: impl Fn(&str) -> bool,
-) -> std::result::Result<(), super::ModelError> {
-    for p in params.iter().filter(|p| which(&p.name)) {
-        let t = tensors.get(&p.name).ok_or_else(|| super::ModelError::MissingTensor { name: p.name.clone() })?;
-        if t.dims() != p.var.dims() {
-            return Err(super::ModelError::ShapeMismatch {
-                name: p.name.clone(),
-                expected: p.var.dims().to_vec(),
-                found: t.dims().to_vec(),
-            });
-        }
-        let t = t
-            .to_dtype(p.var.dtype())
-            .and_then(|t| t.to_device(p.var.device()))
-            .map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
-        p.var.set(&t).map_err(super::ModelError::candle(format!("load `{}`", p.name)))?;
-    }
-    Ok(())
 }

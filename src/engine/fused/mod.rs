@@ -1,5 +1,8 @@
-//! The fused CPU engine: training (LoRA adapters, base weights, or both) and evaluation of
-//! [`Transformer`] models over plain f32 buffers, with a hand-written backward pass.
+//! The fused CPU engine: training (LoRA adapters, base weights, or both) and evaluation over
+//! plain f32 buffers, with a hand-written backward pass. [`FusedEngine`] is the engine, built from
+//! the model folder and the architecture spec; the passes read any model through a `View` of
+//! named tensors, so [`loss`] and [`loss_and_grads`] also run them over candle's [`Transformer`],
+//! which is how the tests and benchmarks compare the two on the same weights.
 //!
 //! candle's autograd runs a LoRA step as a few thousand small ops, each allocating its output
 //! and dispatching to the thread pool, and keeps every intermediate alive until the backward
@@ -14,14 +17,14 @@
 //!   the gated MLP product are recomputed), and computes the LM head and loss in chunks of
 //!   selected positions, so a 49k-vocabulary logits matrix never exists whole.
 //!
-//! It is used when the model computes in f32 on the CPU (see [`unsupported`]); anything else
-//! runs through candle. Base weights that train get `dW = dyᵀ·x` from the products (a tied LM
+//! It is used when the model computes in f32 on the CPU ([`crate::engine::choose`]); anything
+//! else runs through candle or the GPU engine. Base weights that train get `dW = dyᵀ·x` from the products (a tied LM
 //! head's adds to the embedding's), RMSNorm weights and biases column sums, and the embedding
 //! each token's row of the first layer's input gradient, in a fixed order. Both give the same
 //! loss and gradients to float rounding (`cargo test --test model fused_`), and draw the same
 //! LoRA dropout masks (keyed per element, [`crate::model::lora::dropout_keep`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use candle_core::{CpuStorage, Device, Layout, Result, Storage, Tensor, bail};
 use gemm::Parallelism;
@@ -30,14 +33,17 @@ use rayon::prelude::*;
 use super::{DOWN, GATE, K, O, Q, UP, V};
 
 mod attention;
+mod engine;
 mod linear;
 mod matmul;
 mod rows;
 
-use crate::model::arch::{Feature, LayerSpec};
+use crate::model::arch::{Feature, LayerSpec, Spec};
 use crate::model::config::Activation;
+use crate::model::lora::param_name;
 use crate::model::{Batch, Transformer};
 use attention::*;
+pub use engine::FusedEngine;
 use linear::*;
 use matmul::*;
 use rows::*;
@@ -56,9 +62,13 @@ pub fn unsupported(model: &Transformer) -> Option<String> {
     None
 }
 
-/// Mean cross-entropy at the selected positions (as [`Transformer::loss`]), without gradients.
+/// Mean cross-entropy at the selected positions (as [`Transformer::loss`]), without gradients,
+/// of candle's model `model` computed by the fused passes (to compare them with autograd).
 pub fn loss(model: &Transformer, batch: &Batch, select: &[u32], targets: &[u32]) -> Result<f64> {
-    Ok(run(model, batch, select, targets, None)?.0)
+    if let Some(why) = unsupported(model) {
+        bail!("fused engine: {why}")
+    }
+    Ok(run(&View::of_transformer(model), batch, select, targets, None)?.0)
 }
 
 /// Mean cross-entropy at the selected positions and the gradient of `weight × loss` for every
@@ -71,15 +81,31 @@ pub fn loss_and_grads(
     weight: f32,
     dropout: Option<u64>,
 ) -> Result<(f64, BTreeMap<String, Tensor>)> {
-    let (loss, mut grads) = run(model, batch, select, targets, Some((weight, dropout)))?;
+    if let Some(why) = unsupported(model) {
+        bail!("fused engine: {why}")
+    }
+    loss_and_grads_of(&View::of_transformer(model), batch, select, targets, weight, dropout)
+}
+
+/// [`loss_and_grads`] of the model `view` shows: a gradient for every trained tensor.
+fn loss_and_grads_of(
+    view: &View<'_>,
+    batch: &Batch,
+    select: &[u32],
+    targets: &[u32],
+    weight: f32,
+    dropout: Option<u64>,
+) -> Result<(f64, BTreeMap<String, Tensor>)> {
+    let (loss, mut grads) = run(view, batch, select, targets, Some((weight, dropout)))?;
     let mut out = BTreeMap::new();
-    for p in &model.params {
-        let g = match grads.remove(&p.name) {
-            Some(g) => Tensor::from_vec(g, p.var.shape(), &Device::Cpu)?,
+    for name in &view.trained {
+        let shape = view.tensors[name.as_str()].shape();
+        let g = match grads.remove(name) {
+            Some(g) => Tensor::from_vec(g, shape, &Device::Cpu)?,
             // No selected position reached it (an empty batch).
-            None => Tensor::zeros(p.var.shape(), candle_core::DType::F32, &Device::Cpu)?,
+            None => Tensor::zeros(shape, candle_core::DType::F32, &Device::Cpu)?,
         };
-        out.insert(p.name.clone(), g);
+        out.insert(name.clone(), g);
     }
     Ok((loss, out))
 }
@@ -152,31 +178,100 @@ struct Weights<'a> {
     final_softcap: Option<f32>,
 }
 
-/// The model's tensors in the order [`Weights::new`] consumes them, each with whether it is an
-/// RMSNorm weight (Gemma's are offsets from one, which [`run`] adds).
-fn tensors(model: &Transformer) -> Vec<(&Tensor, bool)> {
-    let mut out = vec![(model.embed_weight(), false), (model.norm_weight(), true)];
-    for (cos, sin) in model.rope_tables() {
-        out.extend([(cos, false), (sin, false)]);
-    }
-    for i in 0..model.cfg.num_layers {
-        let (a, b) = model.layer_norms(i);
-        out.extend([(a, true), (b, true)]);
-        if let Some((q, k)) = model.qk_norms(i) {
-            out.extend([(q, true), (k, true)]);
+/// A linear layer as the passes find it: its tensors' names (adapter matrices under
+/// [`param_name`]`(name, "lora_A" | "lora_B")`), its shape and its index.
+#[derive(Debug, Clone)]
+pub(crate) struct LinearInfo {
+    /// The Hugging Face prefix (`model.layers.3.self_attn.q_proj`, `lm_head`).
+    pub name: String,
+    /// Its weight's name (a tied LM head's is the embedding's).
+    pub weight: String,
+    pub bias: Option<String>,
+    /// Its index among the model's linears, layer by layer then the LM head (keys its dropout).
+    pub id: usize,
+    pub inp: usize,
+    pub out: usize,
+    /// An adapter: its rank, scale and dropout.
+    pub lora: Option<(usize, f64, f64)>,
+}
+
+/// What the fused passes read, borrowed from whoever owns it: the spec, every tensor by name
+/// (weights by their Hugging Face names, adapter matrices by PEFT's), the linears in order, the
+/// rotary tables, and the names that train.
+pub(crate) struct View<'m> {
+    pub spec: &'m Spec,
+    pub tensors: BTreeMap<String, &'m Tensor>,
+    pub linears: std::borrow::Cow<'m, [LinearInfo]>,
+    pub ropes: &'m [(Tensor, Tensor)],
+    pub trained: BTreeSet<String>,
+}
+
+/// The RMSNorm weights of a model with `spec`, by name: the final norm and each layer's.
+fn norm_names(spec: &Spec) -> Vec<String> {
+    let mut out = vec!["model.norm.weight".to_string()];
+    for (i, l) in spec.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        out.extend(["input_layernorm", "post_attention_layernorm"].map(|n| format!("{p}.{n}.weight")));
+        if l.attention.qk_norm {
+            out.extend(crate::model::QK_NORMS.map(|n| format!("{p}.{n}.weight")));
         }
-        if let Some((pre, post)) = model.feedforward_norms(i) {
-            out.extend([(pre, true), (post, true)]);
-        }
-    }
-    for (_, l) in model.linears() {
-        out.push((l.weight(), false));
-        out.extend(l.bias().map(|b| (b, false)));
-        if let Some(lo) = &l.lora {
-            out.extend([(&lo.a, false), (&lo.b, false)]);
+        if l.sandwich_norms {
+            out.extend(crate::model::FEEDFORWARD_NORMS.map(|n| format!("{p}.{n}.weight")));
         }
     }
     out
+}
+
+impl<'m> View<'m> {
+    /// candle's model as the fused passes read it (the same tensors, not copies).
+    fn of_transformer(model: &'m Transformer) -> View<'m> {
+        let embed = "model.embed_tokens.weight";
+        let mut tensors = BTreeMap::from([
+            (embed.to_string(), model.embed_weight()),
+            ("model.norm.weight".to_string(), model.norm_weight()),
+        ]);
+        for i in 0..model.cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let (input, post) = model.layer_norms(i);
+            tensors.insert(format!("{p}.input_layernorm.weight"), input);
+            tensors.insert(format!("{p}.post_attention_layernorm.weight"), post);
+            for (names, pair) in [
+                (crate::model::QK_NORMS, model.qk_norms(i)),
+                (crate::model::FEEDFORWARD_NORMS, model.feedforward_norms(i)),
+            ] {
+                if let Some((a, b)) = pair {
+                    tensors.insert(format!("{p}.{}.weight", names[0]), a);
+                    tensors.insert(format!("{p}.{}.weight", names[1]), b);
+                }
+            }
+        }
+        let mut linears = Vec::new();
+        for (name, l) in model.linears() {
+            let (out, inp) = l.weight().dims2().expect("a linear's weight is a matrix");
+            let weight = match l.weight().id() == model.embed_weight().id() {
+                true => embed.to_string(),
+                false => format!("{name}.weight"),
+            };
+            tensors.insert(weight.clone(), l.weight());
+            let bias = l.bias().map(|b| {
+                tensors.insert(format!("{name}.bias"), b);
+                format!("{name}.bias")
+            });
+            let lora = l.lora.as_ref().map(|lo| {
+                tensors.insert(param_name(&name, "lora_A"), &lo.a);
+                tensors.insert(param_name(&name, "lora_B"), &lo.b);
+                (lo.a.dims()[0], lo.scale, lo.dropout)
+            });
+            linears.push(LinearInfo { name, weight, bias, id: l.id, inp, out, lora });
+        }
+        View {
+            spec: &model.spec,
+            tensors,
+            linears: std::borrow::Cow::Owned(linears),
+            ropes: model.rope_tables(),
+            trained: model.params.iter().map(|p| p.name.clone()).collect(),
+        }
+    }
 }
 
 fn f32_data<'g>(s: &'g Storage, l: &Layout) -> Result<&'g [f32]> {
@@ -187,74 +282,74 @@ fn f32_data<'g>(s: &'g Storage, l: &Layout) -> Result<&'g [f32]> {
     }
 }
 
-/// The names of the model's parameters that train.
-fn trained_names(model: &Transformer) -> std::collections::BTreeSet<&str> {
-    model.params.iter().map(|p| p.name.as_str()).collect()
-}
-
 impl<'a> Weights<'a> {
-    fn new(model: &'a Transformer, data: &[&'a [f32]]) -> Result<Weights<'a>> {
-        let trained = trained_names(model);
-        let trains = |name: String| trained.contains(name.as_str()).then_some(name);
-        let mut it = data.iter().copied();
-        let mut next = || it.next().expect("one slice per tensor");
-        let (embed, norm) = (next(), next());
-        let ropes = model.rope_tables().iter().map(|_| (next(), next())).collect();
-        type Norms<'a> = (W<'a>, W<'a>, Option<[W<'a>; 2]>, Option<[W<'a>; 2]>);
-        let norms: Vec<Norms<'a>> = (0..model.cfg.num_layers)
-            .map(|i| {
-                let (a, b) = (next(), next());
-                let qk = model.qk_norms(i).map(|_| [next(), next()]);
-                (a, b, qk, model.feedforward_norms(i).map(|_| [next(), next()]))
-            })
-            .collect();
+    /// The weights of `view`, their data in `data` by name (Gemma's norms already `1 + w`) and the
+    /// rotary tables' in `ropes`.
+    fn new(view: &View<'a>, data: &BTreeMap<&str, &'a [f32]>, ropes: Vec<(W<'a>, W<'a>)>) -> Result<Weights<'a>> {
+        let get = |name: &str| -> Result<W<'a>> {
+            match data.get(name) {
+                Some(d) => Ok(*d),
+                None => bail!("fused engine: the model has no `{name}`"),
+            }
+        };
+        let trains = |name: String| view.trained.contains(&name).then_some(name);
         let mut lins = Vec::new();
-        for (name, l) in model.linears() {
-            let (out, inp) = l.weight().dims2()?;
-            let w = next();
-            let bias = l.bias().map(|_| next());
-            let lora = l.lora.as_ref().map(|lo| LoraW {
-                a: next(),
-                b: next(),
-                rank: lo.a.dims()[0],
-                scale: lo.scale as f32,
-                dropout: lo.dropout,
-            });
-            // A tied LM head's weight is the embedding (the same tensor).
-            let w_name = match l.weight().id() == model.embed_weight().id() {
-                true => "model.embed_tokens.weight".to_string(),
-                false => format!("{name}.weight"),
+        for l in view.linears.iter() {
+            let lora = match l.lora {
+                Some((rank, scale, dropout)) => Some(LoraW {
+                    a: get(&param_name(&l.name, "lora_A"))?,
+                    b: get(&param_name(&l.name, "lora_B"))?,
+                    rank,
+                    scale: scale as f32,
+                    dropout,
+                }),
+                None => None,
             };
-            let (train_w, train_b) = (trains(w_name), trains(format!("{name}.bias")));
-            lins.push(LinW { name, train_w, train_b, w, bias, lora, inp, out, id: l.id });
+            lins.push(LinW {
+                name: l.name.clone(),
+                train_w: trains(l.weight.clone()),
+                train_b: l.bias.clone().and_then(trains),
+                w: get(&l.weight)?,
+                bias: l.bias.as_deref().map(get).transpose()?,
+                lora,
+                inp: l.inp,
+                out: l.out,
+                id: l.id,
+            });
         }
         let lm_head = lins.pop().expect("lm_head is the last linear");
         let mut lins = lins.into_iter();
-        let layers = norms
-            .into_iter()
-            .enumerate()
-            .map(|(i, (input_norm, post_norm, qk, ff))| {
-                let norm = |w, name: &str| NormW { w, train: trains(format!("model.layers.{i}.{name}.weight")) };
-                LayerW {
-                    input_norm,
-                    post_norm,
-                    train_input_norm: trains(format!("model.layers.{i}.input_layernorm.weight")),
-                    train_post_norm: trains(format!("model.layers.{i}.post_attention_layernorm.weight")),
-                    qk_norm: qk.map(|[q, k]| [norm(q, crate::model::QK_NORMS[0]), norm(k, crate::model::QK_NORMS[1])]),
-                    feedforward_norms: ff.map(|[pre, post]| {
-                        let [a, b] = crate::model::FEEDFORWARD_NORMS;
-                        [norm(pre, a), norm(post, b)]
-                    }),
-                    spec: &model.spec.layers[i],
-                    lin: std::array::from_fn(|_| lins.next().expect("seven linears per layer")),
-                }
-            })
-            .collect();
-        let train_embed = trained.contains("model.embed_tokens.weight");
-        let train_norm = trained.contains("model.norm.weight");
-        let embed_scale = model.spec.embed_scale.map(|s| s as f32);
-        let final_softcap = model.spec.final_softcap.map(|c| c as f32);
-        Ok(Weights { embed, layers, norm, train_embed, train_norm, lm_head, ropes, embed_scale, final_softcap })
+        let mut layers = Vec::with_capacity(view.spec.layers.len());
+        for (i, spec) in view.spec.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let norm = |name: &str| -> Result<NormW<'a>> {
+                let full = format!("{p}.{name}.weight");
+                Ok(NormW { w: get(&full)?, train: trains(full) })
+            };
+            let pair = |names: [&str; 2]| -> Result<[NormW<'a>; 2]> { Ok([norm(names[0])?, norm(names[1])?]) };
+            let (input, post) = (norm("input_layernorm")?, norm("post_attention_layernorm")?);
+            layers.push(LayerW {
+                input_norm: input.w,
+                post_norm: post.w,
+                train_input_norm: input.train,
+                train_post_norm: post.train,
+                qk_norm: spec.attention.qk_norm.then(|| pair(crate::model::QK_NORMS)).transpose()?,
+                feedforward_norms: spec.sandwich_norms.then(|| pair(crate::model::FEEDFORWARD_NORMS)).transpose()?,
+                spec,
+                lin: std::array::from_fn(|_| lins.next().expect("seven linears per layer")),
+            });
+        }
+        Ok(Weights {
+            embed: get("model.embed_tokens.weight")?,
+            layers,
+            norm: get("model.norm.weight")?,
+            train_embed: view.trained.contains("model.embed_tokens.weight"),
+            train_norm: view.trained.contains("model.norm.weight"),
+            lm_head,
+            ropes,
+            embed_scale: view.spec.embed_scale.map(|s| s as f32),
+            final_softcap: view.spec.final_softcap.map(|c| c as f32),
+        })
     }
 }
 
@@ -350,21 +445,31 @@ struct LayerSave {
 type Grads = BTreeMap<String, Vec<f32>>;
 
 fn run(
-    model: &Transformer,
+    view: &View<'_>,
     batch: &Batch,
     select: &[u32],
     targets: &[u32],
     train: Option<(f32, Option<u64>)>,
 ) -> Result<(f64, Grads)> {
-    if let Some(why) = unsupported(model) {
-        bail!("fused engine: {why}")
-    }
+    run_with(view, batch, select, targets, train, None)
+}
+
+/// [`run`], and with `logits` the (capped) logits of the selected positions, `[select, vocab]`
+/// (the batch is then one pass, not row shards).
+fn run_with(
+    view: &View<'_>,
+    batch: &Batch,
+    select: &[u32],
+    targets: &[u32],
+    train: Option<(f32, Option<u64>)>,
+    logits: Option<&mut Vec<f32>>,
+) -> Result<(f64, Grads)> {
     // Read-lock each storage once: a tied LM head shares the embedding's.
-    let all = tensors(model);
+    let all: Vec<&Tensor> = view.tensors.values().copied().chain(view.ropes.iter().flat_map(|(c, s)| [c, s])).collect();
     let mut unique: Vec<&Tensor> = Vec::new();
     let slot: Vec<usize> = all
         .iter()
-        .map(|(t, _)| match unique.iter().position(|u| u.id() == t.id()) {
+        .map(|t| match unique.iter().position(|u| u.id() == t.id()) {
             Some(i) => i,
             None => {
                 unique.push(t);
@@ -376,26 +481,37 @@ fn run(
     let views: Vec<&[f32]> = held.iter().map(|(s, l)| f32_data(s, l)).collect::<Result<_>>()?;
     // Gemma's RMSNorms multiply by `1 + w`: in f32 throughout, so the sum is taken once here and
     // every norm (and its input gradient) uses it; the weight's own gradient is the same.
-    let shifted: Vec<Option<Vec<f32>>> = all
-        .iter()
+    let norms: BTreeSet<String> =
+        if view.spec.norm.offset { norm_names(view.spec).into_iter().collect() } else { BTreeSet::new() };
+    let shifted: BTreeMap<&str, Vec<f32>> = view
+        .tensors
+        .keys()
         .zip(&slot)
-        .map(|((_, norm), &i)| (*norm && model.spec.norm.offset).then(|| views[i].iter().map(|w| 1.0 + w).collect()))
+        .filter(|(name, _)| norms.contains(name.as_str()))
+        .map(|(name, &i)| (name.as_str(), views[i].iter().map(|w| 1.0 + w).collect()))
         .collect();
-    let data: Vec<&[f32]> = slot.iter().zip(&shifted).map(|(&i, s)| s.as_deref().unwrap_or(views[i])).collect();
-    let w = Weights::new(model, &data)?;
+    let data: BTreeMap<&str, &[f32]> = view
+        .tensors
+        .keys()
+        .zip(&slot)
+        .map(|(name, &i)| (name.as_str(), shifted.get(name.as_str()).map_or(views[i], Vec::as_slice)))
+        .collect();
+    let tables = &slot[view.tensors.len()..];
+    let ropes: Vec<(W<'_>, W<'_>)> = tables.chunks(2).map(|c| (views[c[0]], views[c[1]])).collect();
+    let w = Weights::new(view, &data, ropes)?;
     let (b, t) = batch.ids.dims2()?;
-    let cfg = &model.cfg;
+    let spec = view.spec;
     let dims = Dims {
         b,
         t,
         n: b * t,
-        hidden: cfg.hidden_size,
-        heads: cfg.num_heads,
-        kv_heads: cfg.num_kv_heads,
-        d: cfg.head_dim,
-        inter: cfg.intermediate_size,
-        vocab: cfg.vocab_size,
-        eps: model.spec.norm.eps as f32,
+        hidden: spec.hidden,
+        heads: spec.heads,
+        kv_heads: spec.kv_heads,
+        d: spec.head_dim,
+        inter: spec.intermediate,
+        vocab: spec.vocab,
+        eps: spec.norm.eps as f32,
         scale: 1.0,
         softcap: None,
         row0: 0,
@@ -432,7 +548,7 @@ fn run(
     };
     // Shards index LM-head dropout by their selected positions' place in `select`, which is
     // contiguous per shard when `select` ascends (as batches build it).
-    let shards = if select.is_sorted() { shard_count(&dims) } else { 1 };
+    let shards = if select.is_sorted() && logits.is_none() { shard_count(&dims) } else { 1 };
     let (loss_sum, grads) = if shards > 1 {
         let rows = b.div_ceil(shards);
         let ranges: Vec<(usize, usize)> = (0..b).step_by(rows).map(|r0| (r0, (r0 + rows).min(b))).collect();
@@ -467,7 +583,7 @@ fn run(
                 .enumerate()
                 .map(|(i, (d, part))| {
                     let w = &w;
-                    scope.spawn(move || single_thread_pool(i).install(|| pass(w, d, part, grad_scale, dropout)))
+                    scope.spawn(move || single_thread_pool(i).install(|| pass(w, d, part, grad_scale, dropout, None)))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("a shard of the fused engine panicked")).collect()
@@ -488,7 +604,7 @@ fn run(
         (total_loss, grads)
     } else {
         let whole = Shard { ids: &ids, positions: &positions, mask: &mask, select, targets };
-        pass(&w, &dims, &whole, grad_scale, dropout)
+        pass(&w, &dims, &whole, grad_scale, dropout, logits)
     };
     let loss = if total == 0 { f64::NAN } else { loss_sum / total as f64 };
     Ok((loss, grads))
@@ -528,7 +644,15 @@ fn single_thread_pool(i: usize) -> &'static rayon::ThreadPool {
 
 /// Forward (and with `grad_scale`, backward) over one batch or shard: the sum of the selected
 /// positions' losses, and gradients of `grad_scale ×` that sum.
-fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, dropout: Option<u64>) -> (f64, Grads) {
+/// With `logits_out`, the selected positions' (capped) logits are appended to it.
+fn pass(
+    w: &Weights<'_>,
+    dims: &Dims,
+    inp: &Shard<'_>,
+    grad_scale: Option<f32>,
+    dropout: Option<u64>,
+    mut logits_out: Option<&mut Vec<f32>>,
+) -> (f64, Grads) {
     let dims = *dims;
     let Shard { ids, positions, mask, select, targets } = *inp;
     let training = grad_scale.is_some();
@@ -592,6 +716,9 @@ fn pass(w: &Weights<'_>, dims: &Dims, inp: &Shard<'_>, grad_scale: Option<f32>, 
             softcap(&mut logits, cap);
             logits.iter().map(|z| z / cap).collect::<Vec<f32>>()
         });
+        if let Some(out) = logits_out.as_deref_mut() {
+            out.extend_from_slice(&logits);
+        }
         loss_sum += cross_entropy(&mut logits, tgt, dims.vocab, grad_scale);
         if let (Some(th), true) = (&capped, grad_scale.is_some()) {
             for (g, t) in logits.iter_mut().zip(th) {
