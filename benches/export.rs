@@ -16,8 +16,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
+use rtune::engine::candle::Transformer;
 use rtune::engine::fused;
-use rtune::model::{Batch, LoraSpec, Trainable, Transformer};
+use rtune::model::{Batch, LoraSpec, Trainable};
 use rtune::recipe::ExportFormat;
 use rtune::rng::Rng;
 
@@ -98,7 +99,7 @@ fn main() {
     let adapter = root.join("adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     rtune::model::peft::write(&adapter, &lora, &values, "bench", &folder).unwrap();
-    let merged = rtune::model::merged::Merged::open(&folder, Some(&adapter)).unwrap();
+    let merged = rtune::export::merged::Merged::open(&folder, Some(&adapter)).unwrap();
     let start = Instant::now();
     let files = merged.save_safetensors(&out, None, 5_000_000_000).unwrap().files;
     let size: u64 = files.iter().map(|f| std::fs::metadata(out.join(f)).unwrap().len()).sum();
@@ -106,7 +107,7 @@ fn main() {
     for format in [ExportFormat::GgufF16, ExportFormat::GgufQ8_0, ExportFormat::GgufQ4KM] {
         let path = out.join(format!("{format:?}.gguf"));
         let start = Instant::now();
-        rtune::model::gguf::write(&path, &merged, &model_dir, "bench", format, None, None).unwrap();
+        rtune::export::gguf::write(&path, &merged, &model_dir, "bench", format, None, None).unwrap();
         let size = std::fs::metadata(&path).unwrap().len();
         println!(
             "  export {:<18} {:>6.2} s  {}",

@@ -16,14 +16,16 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
+use rtune::engine::candle::Transformer;
+use rtune::engine::candle::linear::FROZEN_MATMUL;
 use rtune::engine::fused;
-use rtune::engine::optim::{AdamW, AdamWConfig};
-use rtune::model::{LoraSpec, Trainable, Transformer, lora::FROZEN_MATMUL};
+use rtune::engine::params::{AdamW, AdamWConfig};
+use rtune::model::{LoraSpec, Trainable};
 use rtune::rng::Rng;
 
 fn main() {
     if std::env::var_os("RTUNE_COMPOSED_CE").is_some() {
-        rtune::model::ops::FUSED_CROSS_ENTROPY.store(false, std::sync::atomic::Ordering::Relaxed);
+        rtune::engine::candle::ops::FUSED_CROSS_ENTROPY.store(false, std::sync::atomic::Ordering::Relaxed);
     }
     if std::env::var_os("RTUNE_NO_PROCESS_TUNING").is_none() {
         rtune::init_process();

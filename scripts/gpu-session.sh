@@ -130,7 +130,7 @@ first)
   OUT="$work/verify-q4km" CHECKS="cpu q4km" TESTS=0 step verify-q4km 90 40 scripts/gpu-verify.sh
   show verify-q4km "perplexity|vs CPU|rror|FAIL|passed"
   # A scratch Gemma 3 to its q8_0 GGUF on CUDA and the CPU: the GGUF read back as llama.cpp does
-  # (model::gguf::read) on the device, beside the CPU's.
+  # (export::gguf::read) on the device, beside the CPU's.
   OUT="$work/verify-gemma3" CHECKS="gemma3" TESTS=0 step verify-gemma3 60 20 scripts/gpu-verify.sh
   show verify-gemma3 "GGUF|rror|FAIL|passed"
   ;;

@@ -16,7 +16,7 @@
 # 6. QLoRA (`adapter.quantize_base = "nf4-dq"`), 50 steps on CUDA and on the CPU, compared;
 # 7. a scratch Gemma 3 end to end on CUDA and the CPU: training, evaluation and its q8_0 GGUF
 #    self-checked on the device (the quantize stage reads the GGUF back as llama.cpp does,
-#    model::gguf::read, on the run's device);
+#    export::gguf::read, on the run's device);
 # 8. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
 #    the GPU through Vulkan, and the default recipe (and the full fine-tune and QLoRA) through
 #    Vulkan against the CPU (issue 18).

@@ -1,9 +1,11 @@
 //! rtune: declarative, reproducible LLM fine-tuning.
 //!
 //! A TOML [`recipe`] compiles to a [`plan`] of stages whose outputs are content-addressed
-//! artifacts in a [`store`]; [`exec`] runs the stages that are not cached. The model code
-//! ([`model`]), data pipeline ([`data`]) and training loop ([`train`]) are candle-based;
-//! planning, fingerprints and the store never touch candle.
+//! artifacts in a [`store`]; [`exec`] runs the stages that are not cached. What a model is
+//! ([`model`]: its config, the architecture spec, folders and adapters), the engines that compute
+//! it ([`engine`]: candle's autograd, the fused CPU engine, the GPU engine), the data pipeline
+//! ([`data`]), the training loop ([`train`]) and the exports ([`export`]) sit below the stages
+//! ([`stage`]); planning, fingerprints and the store never touch them (docs/architecture.md).
 
 // Diagnostics carry their source text and spans; they are built only on the failure path,
 // so their size does not matter and boxing every one would only add noise.
@@ -15,6 +17,7 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod exec;
+pub mod export;
 pub mod fingerprint;
 pub mod glob;
 pub mod hub;

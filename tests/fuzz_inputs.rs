@@ -125,8 +125,8 @@ fn damaged_gguf_files_are_errors() {
         .unwrap();
     let path = dir.path().join("m.gguf");
     let copy = ModelFolder::open(dir.path()).unwrap();
-    let merged = rtune::model::merged::Merged::open(&copy, None).unwrap();
-    rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufQ8_0, None, None)
+    let merged = rtune::export::merged::Merged::open(&copy, None).unwrap();
+    rtune::export::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufQ8_0, None, None)
         .unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let mut refused = 0;

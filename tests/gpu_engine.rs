@@ -17,7 +17,7 @@ use rtune::device::{DeviceClass, Resolution};
 use rtune::engine::candle::CandleEngine;
 use rtune::engine::gpu::ops::{AttnKernels, AttnShape, Ops};
 use rtune::engine::gpu::{Arg, Buf, Dt, Gemm, GemmBatch, Gpu, GpuEngine, GpuError, Memory, Replicas};
-use rtune::engine::optim::AdamWConfig;
+use rtune::engine::params::AdamWConfig;
 use rtune::engine::{Checkpointing, Engine, HostBatch, Setup};
 use rtune::model::{LoraSpec, ModelFolder, Trainable, peft};
 use rtune::recipe::{BaseQuant, Dtype};
@@ -725,9 +725,9 @@ fn adamw_and_reductions_match_the_cpu_optimizer() {
         let (w, g) = (rand_vec(&mut rng, n, 1.0), rand_vec(&mut rng, n, 0.1));
         // The CPU optimizer, two steps.
         let var = candle_core::Var::from_slice(&w, n, &Device::Cpu).unwrap();
-        let params = vec![rtune::model::Param { name: "w".into(), var: var.clone() }];
+        let params = vec![rtune::engine::params::Param { name: "w".into(), var: var.clone() }];
         let cfg = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
-        let mut opt = rtune::engine::optim::AdamW::new(cfg, &params).unwrap();
+        let mut opt = rtune::engine::params::AdamW::new(cfg, &params).unwrap();
         let (wb, gb) = (Buf::from_f32(&gpu, &w, Dt::F32).unwrap(), Buf::from_f32(&gpu, &g, Dt::F32).unwrap());
         let (mb, vb) = (Buf::zeros(&gpu, n, Dt::F32).unwrap(), Buf::zeros(&gpu, n, Dt::F32).unwrap());
         for step in 1..=2 {

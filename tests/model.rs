@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use rtune::model::{Batch, ModelFolder, Trainable, Transformer, peft};
+use rtune::engine::candle::Transformer;
+use rtune::model::{Batch, ModelFolder, Trainable, peft};
 use rtune::rng::Rng;
 
 fn fixture(name: &str) -> PathBuf {
@@ -60,7 +61,7 @@ fn cpu_setup<'a>(
         trainable,
         seed: 0,
         device: cpu,
-        optimizer: Some(rtune::engine::optim::AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }),
+        optimizer: Some(rtune::engine::params::AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }),
         ema_decay: None,
         checkpointing: rtune::engine::Checkpointing::Off,
         trained,
@@ -492,7 +493,7 @@ fn saved_folder_round_trips_bit_exactly() {
 /// it (the adapter model and the merged one, each against PEFT's logits).
 #[test]
 fn merged_weights_equal_base_plus_scaled_delta() {
-    use rtune::model::merged::{Form, Merged};
+    use rtune::export::merged::{Form, Merged};
     let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
     let tuned = Merged::open(&folder, Some(&fixture("tiny-llama").join("adapter"))).unwrap();
     let merged: BTreeMap<String, Tensor> =
@@ -562,7 +563,7 @@ fn bits(t: &Tensor) -> Vec<u32> {
 /// and its config.json says so.
 #[test]
 fn merged_exports_keep_the_base_dtype_unless_told_otherwise() {
-    use rtune::model::merged::Merged;
+    use rtune::export::merged::Merged;
     let src = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let bf16 = src.load_weights(&Device::Cpu, DType::BF16).unwrap();
@@ -601,7 +602,7 @@ fn merged_exports_keep_the_base_dtype_unless_told_otherwise() {
 /// time, the adapter model and the merged one compute what the adapter model built whole does.
 #[test]
 fn an_adapter_on_a_tied_head_unties_it_in_the_merge() {
-    use rtune::model::merged::{Form, Merged};
+    use rtune::export::merged::{Form, Merged};
     let folder = ModelFolder::open(&fixture("tiny-qwen2").join("model")).unwrap();
     assert!(folder.config.tie_word_embeddings);
     let targets = ["q_proj", "lm_head"].map(String::from).to_vec();
@@ -631,7 +632,7 @@ fn an_adapter_on_a_tied_head_unties_it_in_the_merge() {
 /// added by a merge: that is an error naming one, never a silent difference.
 #[test]
 fn an_adapter_tensor_no_target_covers_is_an_error() {
-    use rtune::model::merged::Merged;
+    use rtune::export::merged::Merged;
     let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     for f in ["adapter_model.safetensors", "adapter_config.json"] {
@@ -659,7 +660,7 @@ fn kv_cache_steps_match_full_forward() {
         let model = load(name, &Trainable::nothing());
         let ids = [1u32, 17, 45, 99, 3, 64];
         let full = full_forward(&model, &ids);
-        let mut cache = rtune::model::KvCache::default();
+        let mut cache = rtune::engine::candle::KvCache::default();
         let mut got = vec![model.step(&ids[..3], &mut cache).unwrap().to_vec1::<f32>().unwrap()];
         for id in &ids[3..] {
             got.push(model.step(&[*id], &mut cache).unwrap().to_vec1::<f32>().unwrap());
@@ -808,9 +809,9 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
     let model = load("tiny-qwen2", &Trainable::nothing());
     let path = dir.path().join("m.gguf");
     let folder = ModelFolder::open(dir.path()).unwrap();
-    let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
+    let merged = rtune::export::merged::Merged::open(&folder, None).unwrap();
     let report =
-        rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufF32, None, None)
+        rtune::export::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufF32, None, None)
             .unwrap();
     let mut f = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
@@ -833,7 +834,7 @@ fn gguf_export_runs_in_candles_llama_cpp_reader() {
 #[test]
 fn merged_weights_stream_into_shards_with_an_index_that_loads_back() {
     let folder = ModelFolder::open(&fixture("tiny-llama").join("model")).unwrap();
-    let tuned = rtune::model::merged::Merged::open(&folder, Some(&fixture("tiny-llama").join("adapter"))).unwrap();
+    let tuned = rtune::export::merged::Merged::open(&folder, Some(&fixture("tiny-llama").join("adapter"))).unwrap();
     let merged: BTreeMap<String, Tensor> =
         tuned.layout().iter().map(|e| (e.name.clone(), tuned.tensor(&e.name).unwrap())).collect();
     let dir = tempfile::tempdir().unwrap();
@@ -868,10 +869,10 @@ fn streamed_gguf_is_byte_identical_to_candles_writer() {
     use candle_core::quantized::gguf_file;
     let dir = qwen2_folder_for_gguf();
     let folder = ModelFolder::open(dir.path()).unwrap();
-    let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
+    let merged = rtune::export::merged::Merged::open(&folder, None).unwrap();
     for format in [rtune::recipe::ExportFormat::GgufQ8_0, rtune::recipe::ExportFormat::GgufQ4KM] {
         let path = dir.path().join("m.gguf");
-        rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None, None).unwrap();
+        rtune::export::gguf::write(&path, &merged, dir.path(), "t", format, None, None).unwrap();
         let ours = std::fs::read(&path).unwrap();
         let mut f = std::io::Cursor::new(ours.clone());
         let content = gguf_file::Content::read(&mut f).unwrap();
@@ -911,7 +912,7 @@ fn every_gguf_type_round_trips() {
     let folder = ModelFolder::open(dir.path()).unwrap();
     let weights = folder.load_weights(&Device::Cpu, DType::F32).unwrap();
     let model = Transformer::new(&folder.config, &weights, &Trainable::nothing(), &mut Rng::new(0)).unwrap();
-    let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
+    let merged = rtune::export::merged::Merged::open(&folder, None).unwrap();
     let ids = [1u32, 17, 45, 99, 3, 64];
     let full = full_forward(&model, &ids);
     // (format, ggml type of the last layer's down projection — Q6_K in the `_M` mixes —,
@@ -931,7 +932,7 @@ fn every_gguf_type_round_trips() {
         (F::GgufQ2K, GgmlDType::Q3K, 10, 0.8),
     ] {
         let path = dir.path().join(format!("{format:?}.gguf"));
-        let report = rtune::model::gguf::write(&path, &merged, dir.path(), "t", format, None, None).unwrap();
+        let report = rtune::export::gguf::write(&path, &merged, dir.path(), "t", format, None, None).unwrap();
         let mut f = std::fs::File::open(&path).unwrap();
         let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
         assert_eq!(content.metadata["general.file_type"].to_u32().unwrap(), file_type, "{format:?}");
@@ -965,7 +966,7 @@ fn quant_fixture(name: &str) -> PathBuf {
 #[test]
 fn quantizers_write_llama_cpps_bytes() {
     use candle_core::quantized::{GgmlDType, gguf_file};
-    use rtune::model::gguf::quants;
+    use rtune::export::gguf::quants;
     let path = quant_fixture("blocks.gguf");
     let mut f = std::fs::File::open(&path).unwrap();
     let content = gguf_file::Content::read(&mut f).unwrap();
@@ -1043,7 +1044,7 @@ fn quantizers_write_llama_cpps_bytes() {
 /// "70B" value projections, and the fallbacks of rows that are not whole blocks.
 #[test]
 fn gguf_types_follow_llama_quantize() {
-    use rtune::model::gguf::{target, tensor_types};
+    use rtune::export::gguf::{target, tensor_types};
     use rtune::recipe::ExportFormat as F;
     let mixes: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(quant_fixture("mixes.json")).unwrap()).unwrap();
@@ -1100,8 +1101,8 @@ fn gguf_types_follow_llama_quantize() {
 /// and Qwen3 (q/k norms, wide heads), each row run alone over its real tokens.
 #[test]
 fn imatrix_counts_what_each_linear_reads() {
-    use rtune::model::gguf::{Imatrix, tensor_name};
-    use rtune::model::merged::{Form, Merged};
+    use rtune::export::gguf::{Imatrix, tensor_name};
+    use rtune::export::merged::{Form, Merged};
     for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
         let dir = fixture(name);
         let expected: serde_json::Value =
@@ -1136,7 +1137,7 @@ fn imatrix_counts_what_each_linear_reads() {
 /// matrix's sums and count.
 #[test]
 fn imatrix_file_reads_back() {
-    use rtune::model::gguf::Imatrix;
+    use rtune::export::gguf::Imatrix;
     let dev = Device::Cpu;
     let mut im = Imatrix::new("some text");
     let a = Tensor::new(&[[[1f32, -2., 3.], [0.5, 0., -1.]]], &dev).unwrap();
@@ -1174,7 +1175,7 @@ fn imatrix_file_reads_back() {
 /// chunks), the same within f32 rounding, with their dataset's name.
 #[test]
 fn llama_imatrix_files_read_alike() {
-    use rtune::model::gguf::Imatrix;
+    use rtune::export::gguf::Imatrix;
     let gguf = Imatrix::read(&quant_fixture("llama-imatrix.gguf")).unwrap();
     let dat = Imatrix::read(&quant_fixture("llama-imatrix.dat")).unwrap();
     assert_eq!(gguf.len(), 14, "two layers of seven linears");
@@ -1207,7 +1208,7 @@ fn llama_imatrix_files_read_alike() {
 /// The fused CPU cross-entropy gives the composed version's loss and logits gradient.
 #[test]
 fn fused_cross_entropy_matches_the_composed_one() {
-    use rtune::model::ops::{composed_cross_entropy, cross_entropy};
+    use rtune::engine::candle::ops::{composed_cross_entropy, cross_entropy};
     let logits = Tensor::randn(0f32, 3.0, (37, 101), &Device::Cpu).unwrap();
     let targets = Tensor::new((0..37u32).map(|i| (i * 13) % 101).collect::<Vec<_>>().as_slice(), &Device::Cpu).unwrap();
     let (a, b) = (candle_core::Var::from_tensor(&logits).unwrap(), candle_core::Var::from_tensor(&logits).unwrap());
@@ -1387,8 +1388,8 @@ fn spm_gguf(name: &str) -> (tempfile::TempDir, PathBuf, ModelFolder) {
     let folder = ModelFolder::open(dir.path()).unwrap();
     let path = dir.path().join("m.gguf");
     {
-        let merged = rtune::model::merged::Merged::open(&folder, None).unwrap();
-        rtune::model::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufF32, None, None)
+        let merged = rtune::export::merged::Merged::open(&folder, None).unwrap();
+        rtune::export::gguf::write(&path, &merged, dir.path(), "t", rtune::recipe::ExportFormat::GgufF32, None, None)
             .unwrap();
     }
     (dir, path, folder)
@@ -1483,7 +1484,7 @@ fn gemma_ggufs_read_as_llama_cpp_computes_and_tokenizes() {
 fn gemma_reads_as_llama_cpp(fixture: &str) {
     let (_dir, path, folder) = spm_gguf(fixture);
     let expected = gguf_fixture(fixture, "llama_cpp.json");
-    let model = rtune::model::gguf::read::GgufModel::open(&path, &folder.config, &Device::Cpu).unwrap();
+    let model = rtune::export::gguf::read::GgufModel::open(&path, &folder.config, &Device::Cpu).unwrap();
     // The metadata holds the epsilon in f32, as llama.cpp computes with it.
     assert_eq!(model.config.rms_norm_eps, f64::from(folder.config.rms_norm_eps as f32));
     let read = rtune::model::ModelConfig { rms_norm_eps: folder.config.rms_norm_eps, ..model.config.clone() };
@@ -1560,7 +1561,7 @@ fn llama_sentencepiece_gguf_tokenizes_and_computes_as_llama_cpp() {
 /// (the pieces' scores are not in tokenizer.json).
 #[test]
 fn ggufs_llama_cpp_would_misread_are_refused() {
-    let why = |cfg: &rtune::model::ModelConfig, dir: &Path| match rtune::model::gguf::check(cfg, dir) {
+    let why = |cfg: &rtune::model::ModelConfig, dir: &Path| match rtune::export::gguf::check(cfg, dir) {
         Err(e @ rtune::model::ModelError::NoGguf { .. }) => e.to_string(),
         other => panic!("not refused: {other:?}"),
     };
@@ -1569,7 +1570,7 @@ fn ggufs_llama_cpp_would_misread_are_refused() {
     assert!(e.contains("1/√16") && e.contains("query_pre_attn_scalar") && e.contains("1/√12"), "{e}");
     let spm = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-gemma3");
     let gemma = ModelFolder::open(&spm).unwrap();
-    rtune::model::gguf::check(&gemma.config, &spm).unwrap();
+    rtune::export::gguf::check(&gemma.config, &spm).unwrap();
     let capped = rtune::model::ModelConfig { attn_softcap: Some(50.0), ..gemma.config.clone() };
     assert!(why(&capped, &spm).contains("no cap on attention scores"));
     let dir = tempfile::tempdir().unwrap();

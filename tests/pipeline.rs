@@ -2056,7 +2056,7 @@ fn calibrated_gguf_exports_carry_their_importance_matrix() {
     let same = |t: &str| f[t]["top_token_agreement"].as_f64().unwrap();
     assert_eq!(same("gguf-f32"), 1.0, "{f}");
     assert!(same("gguf-q8_0") > 0.9 && same("gguf-q4_k_m") > 0.5, "{f}");
-    let im = rtune::model::gguf::Imatrix::read(&on.join("gguf/imatrix.gguf")).unwrap();
+    let im = rtune::export::gguf::Imatrix::read(&on.join("gguf/imatrix.gguf")).unwrap();
     assert_eq!((im.tokens(), im.len()), (500, 14));
     assert!(im.importance("blk.1.ffn_down.weight").unwrap().iter().all(|v| v.is_finite() && *v >= 0.0));
     let md = metadata(&on.join("gguf/model-q4_k_m.gguf"));
@@ -2115,8 +2115,8 @@ fn a_named_importance_matrix_calibrates() {
     let fixture = root().join("tests/fixtures/quant/llama-imatrix.dat");
     std::fs::copy(&fixture, p.path().join("calib.dat")).unwrap();
     let from_dat = run(&["--set", "stages.quantize.imatrix_file=\"calib.dat\""]);
-    let back = rtune::model::gguf::Imatrix::read(&from_dat.join("gguf/imatrix.gguf")).unwrap();
-    let theirs = rtune::model::gguf::Imatrix::read(&fixture).unwrap();
+    let back = rtune::export::gguf::Imatrix::read(&from_dat.join("gguf/imatrix.gguf")).unwrap();
+    let theirs = rtune::export::gguf::Imatrix::read(&fixture).unwrap();
     assert_eq!(back.importance("blk.1.ffn_down.weight"), theirs.importance("blk.1.ffn_down.weight"));
 
     // Its content, not its name, is what counts.
@@ -2131,7 +2131,7 @@ fn a_named_importance_matrix_calibrates() {
     assert!(again.lines().any(|l| l.starts_with("quantize ") && l.contains("source changed: imatrix")), "{again}");
 
     // A matrix made for another shape is refused before any file is written.
-    let mut other = rtune::model::gguf::Imatrix::new("another model");
+    let mut other = rtune::export::gguf::Imatrix::new("another model");
     let x = candle_core::Tensor::ones((4, 32), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
     other.add(0, &[0, 1, 2], &x).unwrap();
     other.write(&p.path().join("other.gguf")).unwrap();

@@ -21,7 +21,6 @@
 pub mod candle;
 pub mod fused;
 pub mod gpu;
-pub mod optim;
 pub mod params;
 
 use std::collections::BTreeMap;
@@ -30,7 +29,7 @@ use std::path::Path;
 use candle_core::Tensor;
 
 use crate::device::{DeviceClass, Resolution};
-use crate::engine::optim::AdamWConfig;
+use crate::engine::params::AdamWConfig;
 use crate::model::batch::{AttentionLayout, attention_layout};
 use crate::model::{ModelConfig, ModelFolder, Trainable};
 

@@ -237,6 +237,55 @@ impl Spec {
     }
 }
 
+/// Rows of the rotary tables: positions past this are never trained or evaluated (sequences
+/// are bounded by `dataset.max_seq_len`), and a config claiming millions of positions must not
+/// size a multi-gigabyte table.
+pub const ROPE_TABLE_MAX: usize = 1 << 17;
+
+impl RopeSpec {
+    /// The rotary table's values for positions `0 .. n`, row-major `[n, d]` each, in f32:
+    /// transformers' `rope_init_fn` (default, llama3 or linear scaling) with `emb = cat(freqs, freqs)`.
+    pub fn values(&self, d: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (self.theta as f32).powf((2 * i) as f32 / d as f32)).collect();
+        if let Some(rs) = self.scaling.as_ref().filter(|rs| rs.rope_type.as_deref() == Some("linear")) {
+            // transformers' `_compute_linear_scaling_rope_parameters`: every frequency divided.
+            let factor = rs.factor.unwrap_or(1.0) as f32;
+            inv.iter_mut().for_each(|f| *f /= factor);
+        } else if let Some(rs) = &self.scaling {
+            let factor = rs.factor.unwrap_or(8.0) as f32;
+            let low = rs.low_freq_factor.unwrap_or(1.0) as f32;
+            let high = rs.high_freq_factor.unwrap_or(4.0) as f32;
+            let old = rs.original_max_position_embeddings.unwrap_or(8192) as f32;
+            let (low_wavelen, high_wavelen) = (old / low, old / high);
+            for f in inv.iter_mut() {
+                let wavelen = 2.0 * std::f32::consts::PI / *f;
+                let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
+                // wavelengths are finite here, so `>=`/`<=` are the negations transformers writes
+                let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+                *f = if medium {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 - smooth) * scaled / factor + smooth * scaled
+                } else {
+                    scaled
+                };
+            }
+        }
+        let mut cos = Vec::with_capacity(n * d);
+        let mut sin = Vec::with_capacity(n * d);
+        for p in 0..n {
+            // emb = cat(freqs, freqs): the table repeats each frequency in both halves.
+            for _ in 0..2 {
+                for f in &inv {
+                    let a = p as f32 * f;
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                }
+            }
+        }
+        (cos, sin)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

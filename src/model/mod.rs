@@ -1,5 +1,11 @@
-//! The model engine: Hugging Face model folders in and out, the transformer with LoRA, scratch
-//! models and tokenizers made in code.
+//! What a model is, whichever engine computes it: `config.json` read as transformers reads it
+//! ([`config`]) and the architecture spec every engine builds its passes from ([`arch`]);
+//! Hugging Face model folders, their checkpoint naming and weights ([`folder`], [`weights`]);
+//! LoRA's adapter spec, names, merge and dropout masks ([`lora`]); PEFT adapter folders as the
+//! train stage writes them and everything reads them back ([`peft`]); NF4, the codec the engines
+//! compute QLoRA's frozen base with ([`nf4`]); batches ([`batch`]); and scratch models and
+//! tokenizers made in code ([`scratch`]). The math itself is each engine's ([`crate::engine`]);
+//! the export formats and their checks are [`crate::export`]'s.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -10,21 +16,18 @@ pub mod arch;
 pub mod batch;
 pub mod config;
 pub mod folder;
-pub mod gguf;
 pub mod lora;
-pub mod merged;
 pub mod nf4;
-pub mod ops;
 pub mod peft;
 pub mod scratch;
-pub mod transformer;
+pub mod weights;
 
 pub use arch::Spec;
 pub use batch::Batch;
 pub use config::{ModelConfig, RawConfig};
 pub use folder::{Layout, ModelFolder};
-pub use lora::{Linear, LoraSpec, Param};
-pub use transformer::{FEEDFORWARD_NORMS, KvCache, LAYER_LINEARS, Observer, QK_NORMS, Trainable, Transformer};
+pub use lora::LoraSpec;
+pub use weights::{FEEDFORWARD_NORMS, LAYER_LINEARS, QK_NORMS, Trainable};
 
 /// Why a model could not be loaded, built or saved.
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]

@@ -118,6 +118,9 @@ pub enum StageError {
     Engine(#[from] crate::engine::EngineError),
     #[error(transparent)]
     #[diagnostic(transparent)]
+    Export(#[from] crate::export::ExportError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
     Hub(#[from] crate::hub::HubError),
     #[error(transparent)]
     #[diagnostic(transparent)]

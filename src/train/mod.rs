@@ -24,7 +24,7 @@ use serde_json::json;
 
 use crate::data::{TokenStore, tokens::TokenRow};
 use crate::device::Resolution;
-use crate::engine::optim::AdamWConfig;
+use crate::engine::params::AdamWConfig;
 use crate::engine::{Checkpointing, Engine, EngineError, EngineKind, HostBatch, Setup};
 use crate::model::{LoraSpec, ModelFolder, Trainable};
 use crate::recipe::{Adapter, GradientCheckpointing, TrainSettings};

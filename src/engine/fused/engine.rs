@@ -8,11 +8,10 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::{FEATURES, LinearInfo, View, loss_and_grads_of, run, run_with};
-use crate::engine::params::Params;
+use crate::engine::params::{Param, Params, load_params, new_adapter};
 use crate::engine::{Engine, EngineError, EngineState, HostBatch, Setup};
-use crate::model::lora::param_name;
-use crate::model::ops::{ROPE_TABLE_MAX, rope_values};
-use crate::model::{Batch, LAYER_LINEARS, ModelError, Param, Spec};
+use crate::model::arch::ROPE_TABLE_MAX;
+use crate::model::{Batch, LAYER_LINEARS, ModelError, Spec};
 use crate::rng::Rng;
 
 pub struct FusedEngine {
@@ -77,11 +76,11 @@ impl FusedEngine {
             };
             let lora = match trainable.adapter_for(&name, &weight, bias)? {
                 Some(lora) => {
-                    let (adapter, params) = lora
-                        .create(&name, inp, out, DType::F32, &Device::Cpu, &mut rng)
+                    let params = new_adapter(lora, &name, (inp, out), DType::F32, &Device::Cpu, &mut rng)
                         .map_err(cerr(&format!("create LoRA adapter for `{name}`")))?;
-                    tensors.insert(param_name(&name, "lora_A"), adapter.a);
-                    tensors.insert(param_name(&name, "lora_B"), adapter.b);
+                    for p in &params {
+                        tensors.insert(p.name.clone(), p.var.as_tensor().clone());
+                    }
                     list.extend(params);
                     Some((lora.rank, lora.scale(), lora.dropout))
                 }
@@ -91,14 +90,14 @@ impl FusedEngine {
             linears.push(LinearInfo { name, weight, bias, id, inp, out, lora });
         }
         if let (Some(_), Some(saved)) = (&trainable.lora, &trained.adapters) {
-            crate::model::lora::load_params(&list, saved, crate::model::lora::is_adapter_param)?;
+            load_params(&list, saved, crate::model::lora::is_adapter_param)?;
         }
         let positions = cfg.max_position_embeddings.min(ROPE_TABLE_MAX);
         let ropes = spec
             .ropes
             .iter()
             .map(|r| {
-                let (cos, sin) = rope_values(r, cfg.head_dim, positions);
+                let (cos, sin) = r.values(cfg.head_dim, positions);
                 let table = |v| Tensor::from_vec(v, (positions, cfg.head_dim), &Device::Cpu);
                 Ok((table(cos)?, table(sin)?))
             })

@@ -38,10 +38,11 @@ mod linear;
 mod matmul;
 mod rows;
 
+use crate::engine::candle::Transformer;
+use crate::model::Batch;
 use crate::model::arch::{Feature, LayerSpec, Spec};
 use crate::model::config::Activation;
 use crate::model::lora::param_name;
-use crate::model::{Batch, Transformer};
 use attention::*;
 pub use engine::FusedEngine;
 use linear::*;

@@ -11,13 +11,12 @@ use candle_core::Tensor;
 
 use super::device::{Buf, Dt, Gpu, GpuError};
 use super::ops::{AdamWCoefficients, AttnShape, Ops};
-use crate::engine::optim::AdamWConfig;
+use crate::engine::params::AdamWConfig;
 use crate::engine::{Checkpointing, Engine, EngineError, EngineState, HostBatch, Origin, Setup};
 use crate::engine::{DOWN, GATE, K, O, Q, UP, V};
 use crate::model::arch::{LayerSpec, Spec};
 use crate::model::config::Activation;
 use crate::model::lora::{dropout_key, param_name};
-use crate::model::ops::rope_values;
 use crate::model::{FEEDFORWARD_NORMS, LAYER_LINEARS, ModelConfig, ModelError, QK_NORMS, nf4};
 use crate::recipe::{BaseQuant, Dtype};
 use crate::rng::Rng;
@@ -58,7 +57,7 @@ enum Scales {
 }
 
 struct Lin {
-    /// Index in [`crate::model::Transformer::linears`] (keys the dropout mask).
+    /// Index in [`crate::engine::candle::Transformer::linears`] (keys the dropout mask).
     id: usize,
     /// `[out, inp]`.
     w: W,
@@ -730,8 +729,8 @@ impl GpuEngine {
             return Ok(());
         }
         let n = need.next_power_of_two().min(self.cfg.max_position_embeddings).max(need);
-        let tables = |rope| -> Result<(Buf, Buf), GpuError> {
-            let (mut cos, mut sin) = rope_values(rope, self.spec.head_dim, n);
+        let tables = |rope: &crate::model::arch::RopeSpec| -> Result<(Buf, Buf), GpuError> {
+            let (mut cos, mut sin) = rope.values(self.spec.head_dim, n);
             if self.dt != Dt::F32 {
                 for v in cos.iter_mut().chain(sin.iter_mut()) {
                     *v = self.dt.decode(&self.dt.encode(&[*v]))[0];

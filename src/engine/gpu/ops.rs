@@ -702,7 +702,7 @@ impl Ops<'_> {
     }
 }
 
-/// One AdamW step's coefficients, computed in f64 and rounded once, as src/train/optim.rs does.
+/// One AdamW step's coefficients, computed in f64 and rounded once, as src/engine/params.rs does.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWCoefficients {
     pub decay: f32,

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use super::ModelError;
+use crate::model::ModelError;
 
 /// A piece's kind (`ModelProto.SentencePiece.Type`; llama.cpp's token types use the same numbers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

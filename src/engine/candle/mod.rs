@@ -1,4 +1,4 @@
-//! The candle engine: the [`Transformer`] built from candle ops, trained with candle's autograd,
+//! The candle engine: the [`Transformer`] built from candle ops ([`model`], [`ops`], [`linear`]), trained with candle's autograd,
 //! and rtune's AdamW over candle tensors ([`super::params`]). The reference every other engine is
 //! checked against.
 
@@ -6,9 +6,15 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor};
 
+pub mod linear;
+pub mod model;
+pub mod ops;
+
+pub use model::{DecoderLayer, KvCache, Observer, Transformer};
+
 use super::params::Params;
 use super::{Engine, EngineError, EngineState, HostBatch, Setup};
-use crate::model::{Batch, KvCache, Transformer};
+use crate::model::Batch;
 use crate::rng::Rng;
 
 /// The parts of the architecture spec candle's model computes: all of them (it is the reference
@@ -52,7 +58,7 @@ impl CandleEngine {
     /// Wrap a built model.
     pub fn new(
         model: Transformer,
-        optimizer: Option<crate::engine::optim::AdamWConfig>,
+        optimizer: Option<crate::engine::params::AdamWConfig>,
         ema: Option<f64>,
     ) -> CandleEngine {
         let params = Params::new(model.params.clone(), optimizer, ema);

@@ -3,10 +3,10 @@
 
 use candle_core::{D, DType, Device, Result, Tensor};
 
-use super::arch::RopeSpec;
+use crate::model::arch::{ROPE_TABLE_MAX, RopeSpec};
 
 /// Keys/values for grouped-query attention: each kv head serves `n` query heads.
-pub(super) fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
+pub(crate) fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
     if n == 1 {
         return Ok(x.clone());
     }
@@ -35,7 +35,7 @@ pub fn rms_norm_offset(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> 
 }
 
 /// Softmax over the last dimension from differentiable ops (in f32 as transformers does).
-pub(super) fn softmax_last(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = x.to_dtype(DType::F32)?;
     let max = x.max_keepdim(D::Minus1)?.detach();
@@ -44,7 +44,7 @@ pub(super) fn softmax_last(x: &Tensor) -> Result<Tensor> {
 }
 
 /// `x * cos + rotate_half(x) * sin`, where rotate_half(x) = cat(-x2, x1).
-pub(super) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     let x1 = x.narrow(D::Minus1, 0, d / 2)?;
     let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
@@ -80,13 +80,8 @@ pub fn composed_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tenso
     (lse - picked)?.mean_all()
 }
 
-/// Rows of the rotary tables: positions past this are never trained or evaluated (sequences
-/// are bounded by `dataset.max_seq_len`), and a config claiming millions of positions must not
-/// size a multi-gigabyte table.
-pub const ROPE_TABLE_MAX: usize = 1 << 17;
-
 /// cos/sin tables `[positions, d]` of `rope` over `positions` (at most [`ROPE_TABLE_MAX`]).
-pub(super) fn rope_tables(
+pub(crate) fn rope_tables(
     rope: &RopeSpec,
     d: usize,
     positions: usize,
@@ -94,52 +89,10 @@ pub(super) fn rope_tables(
     dtype: DType,
 ) -> Result<(Tensor, Tensor)> {
     let n = positions.min(ROPE_TABLE_MAX);
-    let (cos, sin) = rope_values(rope, d, n);
+    let (cos, sin) = rope.values(d, n);
     let cos = Tensor::from_vec(cos, (n, d), device)?.to_dtype(dtype)?;
     let sin = Tensor::from_vec(sin, (n, d), device)?.to_dtype(dtype)?;
     Ok((cos, sin))
-}
-
-/// The rotary table `rope`'s values for positions `0 .. n`, row-major `[n, d]` each, in f32:
-/// transformers' `rope_init_fn` (default, llama3 or linear scaling) with `emb = cat(freqs, freqs)`.
-pub fn rope_values(rope: &RopeSpec, d: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (rope.theta as f32).powf((2 * i) as f32 / d as f32)).collect();
-    if let Some(rs) = rope.scaling.as_ref().filter(|rs| rs.rope_type.as_deref() == Some("linear")) {
-        // transformers' `_compute_linear_scaling_rope_parameters`: every frequency divided.
-        let factor = rs.factor.unwrap_or(1.0) as f32;
-        inv.iter_mut().for_each(|f| *f /= factor);
-    } else if let Some(rs) = &rope.scaling {
-        let factor = rs.factor.unwrap_or(8.0) as f32;
-        let low = rs.low_freq_factor.unwrap_or(1.0) as f32;
-        let high = rs.high_freq_factor.unwrap_or(4.0) as f32;
-        let old = rs.original_max_position_embeddings.unwrap_or(8192) as f32;
-        let (low_wavelen, high_wavelen) = (old / low, old / high);
-        for f in inv.iter_mut() {
-            let wavelen = 2.0 * std::f32::consts::PI / *f;
-            let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
-            // wavelengths are finite here, so `>=`/`<=` are the negations transformers writes
-            let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
-            *f = if medium {
-                let smooth = (old / wavelen - low) / (high - low);
-                (1.0 - smooth) * scaled / factor + smooth * scaled
-            } else {
-                scaled
-            };
-        }
-    }
-    let mut cos = Vec::with_capacity(n * d);
-    let mut sin = Vec::with_capacity(n * d);
-    for p in 0..n {
-        // emb = cat(freqs, freqs): the table repeats each frequency in both halves.
-        for _ in 0..2 {
-            for f in &inv {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
-    }
-    (cos, sin)
 }
 
 /// Mean cross-entropy of `[N, V]` f32 logits against `[N]` u32 targets in one pass per row, and

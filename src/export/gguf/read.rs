@@ -16,9 +16,9 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
 
 use super::tensor_name;
+use crate::engine::candle::{DecoderLayer, Transformer};
 use crate::model::config::{Activation, LocalAttention, RopeParameters};
-use crate::model::transformer::DecoderLayer;
-use crate::model::{Batch, ModelConfig, ModelError, Trainable, Transformer};
+use crate::model::{Batch, ModelConfig, ModelError, Trainable};
 use crate::recipe::Arch;
 
 /// A Gemma GGUF as llama.cpp computes it.

@@ -11,7 +11,7 @@ use std::path::Path;
 use candle_core::Tensor;
 use candle_core::quantized::{GgmlDType, gguf_file::Value};
 
-use super::{ModelConfig, ModelError};
+use crate::model::{ModelConfig, ModelError};
 use crate::recipe::{Arch, ExportFormat};
 
 pub mod imatrix;
@@ -339,7 +339,7 @@ pub struct ChatMetadata<'a> {
 /// `imatrix.gguf`, which the metadata names).
 pub fn write(
     path: &Path,
-    merged: &crate::model::merged::Merged<'_>,
+    merged: &super::merged::Merged<'_>,
     model_dir: &Path,
     name: &str,
     format: ExportFormat,

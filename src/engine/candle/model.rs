@@ -15,97 +15,24 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, Var};
 
-use super::arch::{AttentionSpec, LayerSpec, NormSpec, Spec};
-use super::batch::{Batch, MASKED};
-use super::config::{Activation, ModelConfig};
-use super::lora::{Linear, LoraSpec, Param};
+use super::linear::{Linear, Lora};
 use super::ops::{apply_rope, cross_entropy, repeat_kv, rms_norm, rms_norm_offset, rope_tables, softmax_last};
+use crate::engine::params::{Param, load_params, new_adapter};
+use crate::model::arch::{AttentionSpec, LayerSpec, NormSpec, Spec};
+use crate::model::batch::{Batch, MASKED};
+use crate::model::config::{Activation, ModelConfig};
+use crate::model::lora::is_adapter_param;
+use crate::model::{FEEDFORWARD_NORMS, LAYER_LINEARS, ModelError, QK_NORMS, Trainable};
 use crate::rng::Rng;
-
-pub use crate::recipe::LAYER_LINEARS;
 
 /// Sees what a decoder layer's linears read while a forward runs: `(layer, linears, x)`, where
 /// `linears` index [`LAYER_LINEARS`] (the linears that all read `x`, `[b, t, in]`: q, k and v
 /// share theirs, as gate and up do). An importance matrix is made of these
-/// ([`super::gguf::imatrix`]).
+/// ([`crate::export::gguf::imatrix`]).
 pub type Observer<'o> = &'o mut dyn FnMut(usize, &[usize], &Tensor) -> Result<()>;
 
 /// An [`Observer`] inside one decoder layer: `(linears, x)`.
 type LayerObserver<'a, 'o> = &'a mut (dyn FnMut(&[usize], &Tensor) -> Result<()> + 'o);
-
-/// The per-head query and key RMSNorms of a layer with `qk_norm` (Qwen3, Gemma 3), as their
-/// names continue `model.layers.<i>.` (each with a `.weight` of `head_dim` values).
-pub const QK_NORMS: [&str; 2] = ["self_attn.q_norm", "self_attn.k_norm"];
-
-/// Gemma's norms around the MLP in a layer with `sandwich_norms`, as their names continue
-/// `model.layers.<i>.`: before it, and on its output (its `post_attention_layernorm` is then the
-/// attention output's norm).
-pub const FEEDFORWARD_NORMS: [&str; 2] = ["pre_feedforward_layernorm", "post_feedforward_layernorm"];
-
-/// Which weights train: a LoRA adapter, base weights whose Hugging Face names match patterns,
-/// both (the base weights are then what PEFT calls `modules_to_save`), or nothing.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Trainable {
-    /// LoRA adapters on the linears the spec targets.
-    pub lora: Option<LoraSpec>,
-    /// fnmatch patterns of base weights that train in full (`*` is a wildcard; `["*"]` is a
-    /// full fine-tune).
-    pub weights: Vec<String>,
-}
-
-impl Trainable {
-    /// Nothing trains (evaluation, generation).
-    pub fn nothing() -> Trainable {
-        Trainable::default()
-    }
-
-    /// A LoRA adapter trains; the base is frozen.
-    pub fn lora(spec: LoraSpec) -> Trainable {
-        Trainable { lora: Some(spec), weights: Vec::new() }
-    }
-
-    /// Base weights whose names match `patterns` train.
-    pub fn weights(patterns: Vec<String>) -> Trainable {
-        Trainable { lora: None, weights: patterns }
-    }
-
-    /// Nothing trains.
-    pub fn is_nothing(&self) -> bool {
-        self.lora.is_none() && self.weights.is_empty()
-    }
-
-    /// Whether the base weight `name` trains in full.
-    pub fn trains_weight(&self, name: &str) -> bool {
-        self.weights.iter().any(|p| crate::glob::fnmatch(p, name))
-    }
-
-    /// The adapter the linear `prefix` (`model.layers.0.self_attn.q_proj`, `lm_head`) gets,
-    /// whose weight is named `weight` (`{prefix}.weight`; a tied LM head's is the embedding's)
-    /// and which has a bias (`{prefix}.bias`) or not. A linear whose own parameters train in full
-    /// cannot also carry an adapter (PEFT has no such module): that is an error naming both
-    /// settings.
-    pub fn adapter_for(
-        &self,
-        prefix: &str,
-        weight: &str,
-        bias: bool,
-    ) -> std::result::Result<Option<&LoraSpec>, super::ModelError> {
-        let Some(spec) = &self.lora else { return Ok(None) };
-        let module = prefix.rsplit('.').next().unwrap_or(prefix);
-        if !spec.targets.iter().any(|t| t == module) {
-            return Ok(None);
-        }
-        let bias = bias.then(|| format!("{prefix}.bias"));
-        match std::iter::once(weight).chain(bias.as_deref()).find(|p| self.trains_weight(p)) {
-            Some(p) => Err(super::ModelError::AdapterOnTrainedWeight {
-                weight: p.to_string(),
-                linear: prefix.to_string(),
-                module: module.to_string(),
-            }),
-            None => Ok(Some(spec)),
-        }
-    }
-}
 
 struct Attention {
     q: Linear,
@@ -192,7 +119,7 @@ impl Transformer {
         weights: &BTreeMap<String, Tensor>,
         trainable: &Trainable,
         rng: &mut Rng,
-    ) -> std::result::Result<Transformer, super::ModelError> {
+    ) -> std::result::Result<Transformer, ModelError> {
         let dtype = weights.get("model.embed_tokens.weight").map(|t| t.dtype()).unwrap_or(DType::F32);
         Self::with_dtype(cfg, weights, trainable, rng, dtype)
     }
@@ -206,7 +133,7 @@ impl Transformer {
         trainable: &Trainable,
         rng: &mut Rng,
         dtype: DType,
-    ) -> std::result::Result<Transformer, super::ModelError> {
+    ) -> std::result::Result<Transformer, ModelError> {
         Self::build(cfg, weights, trainable, rng, dtype, true)
     }
 
@@ -218,7 +145,7 @@ impl Transformer {
         weights: &BTreeMap<String, Tensor>,
         trainable: &Trainable,
         dtype: DType,
-    ) -> std::result::Result<Transformer, super::ModelError> {
+    ) -> std::result::Result<Transformer, ModelError> {
         Self::build(cfg, weights, trainable, &mut Rng::new(0), dtype, false)
     }
 
@@ -229,7 +156,7 @@ impl Transformer {
         rng: &mut Rng,
         dtype: DType,
         with_layers: bool,
-    ) -> std::result::Result<Transformer, super::ModelError> {
+    ) -> std::result::Result<Transformer, ModelError> {
         let mut b = Builder { weights, trainable, rng, params: Vec::new(), dtype, next_id: 0 };
         let spec = Spec::of(cfg);
         let h = cfg.hidden_size;
@@ -244,7 +171,7 @@ impl Transformer {
         let norm = b.weight("model.norm.weight", &[h])?;
         let lm_head = if cfg.tie_word_embeddings || !weights.contains_key("lm_head.weight") {
             if !cfg.tie_word_embeddings {
-                return Err(super::ModelError::MissingTensor { name: "lm_head.weight".into() });
+                return Err(ModelError::MissingTensor { name: "lm_head.weight".into() });
             }
             b.linear_with("lm_head", "model.embed_tokens.weight", embed.clone(), None, h, cfg.vocab_size)?
         } else {
@@ -256,7 +183,7 @@ impl Transformer {
             .iter()
             .map(|r| rope_tables(r, cfg.head_dim, cfg.max_position_embeddings, embed.device(), dtype))
             .collect::<Result<_>>()
-            .map_err(super::ModelError::candle("rotary tables"))?;
+            .map_err(ModelError::candle("rotary tables"))?;
         Ok(Transformer { cfg: cfg.clone(), spec, embed, layers, norm, lm_head, ropes, params, dtype })
     }
 
@@ -269,11 +196,11 @@ impl Transformer {
         weights: &BTreeMap<String, Tensor>,
         trainable: &Trainable,
         adapters: &BTreeMap<String, Tensor>,
-    ) -> std::result::Result<DecoderLayer, super::ModelError> {
+    ) -> std::result::Result<DecoderLayer, ModelError> {
         let mut rng = Rng::new(0);
         let mut b = Builder { weights, trainable, rng: &mut rng, params: Vec::new(), dtype: self.dtype, next_id: 0 };
         let layer = b.layer(&self.cfg, &self.spec, i)?;
-        super::lora::load_params(&b.params, adapters, super::lora::is_adapter_param)?;
+        load_params(&b.params, adapters, is_adapter_param)?;
         Ok(DecoderLayer(layer))
     }
 
@@ -339,10 +266,10 @@ impl Transformer {
     pub fn hidden_streamed(
         &self,
         batches: &[Batch],
-        mut layer: impl FnMut(usize) -> std::result::Result<DecoderLayer, super::ModelError>,
+        mut layer: impl FnMut(usize) -> std::result::Result<DecoderLayer, ModelError>,
         mut observe: Option<Observer<'_>>,
-    ) -> std::result::Result<Vec<Tensor>, super::ModelError> {
-        use super::ModelError as E;
+    ) -> std::result::Result<Vec<Tensor>, ModelError> {
+        use ModelError as E;
         let mut states = Vec::with_capacity(batches.len());
         for batch in batches {
             states.push(self.inputs(batch).map_err(E::candle("embed a batch"))?);
@@ -469,7 +396,7 @@ impl LayerInputs {
 }
 
 /// `mask` (`[b, 1, t, keys]`, the last `t` keys being the queries') with every key outside a
-/// local layer's window masked too ([`super::batch::outside_window`]).
+/// local layer's window masked too ([`crate::model::batch::outside_window`]).
 fn window_mask(mask: &Tensor, window: usize) -> Result<Tensor> {
     let (_, _, t, keys) = mask.dims4()?;
     if window >= keys {
@@ -477,7 +404,7 @@ fn window_mask(mask: &Tensor, window: usize) -> Result<Tensor> {
     }
     let first = keys - t;
     let far: Vec<u8> = (0..t)
-        .flat_map(|q| (0..keys).map(move |k| u8::from(super::batch::outside_window(first + q, k, window))))
+        .flat_map(|q| (0..keys).map(move |k| u8::from(crate::model::batch::outside_window(first + q, k, window))))
         .collect();
     let far = Tensor::from_vec(far, (1, 1, t, keys), mask.device())?.broadcast_as(mask.shape())?;
     // The masked value itself, not added again: a query whose keys are all hidden (padding)
@@ -597,7 +524,7 @@ struct Builder<'a> {
 
 impl Builder<'_> {
     /// Decoder layer `i` (its linears numbered from `i · 7`, as in [`Transformer::linears`]).
-    fn layer(&mut self, cfg: &ModelConfig, spec: &Spec, i: usize) -> std::result::Result<Layer, super::ModelError> {
+    fn layer(&mut self, cfg: &ModelConfig, spec: &Spec, i: usize) -> std::result::Result<Layer, ModelError> {
         let LayerSpec { attention, sandwich_norms, activation } = spec.layers[i].clone();
         self.next_id = i * LAYER_LINEARS.len();
         let p = format!("model.layers.{i}");
@@ -642,33 +569,26 @@ impl Builder<'_> {
         Ok(Layer { input_norm, attn, post_norm, feedforward_norms, norm, mlp: Mlp { gate, up, down, activation } })
     }
 
-    fn weight(&mut self, name: &str, shape: &[usize]) -> std::result::Result<Tensor, super::ModelError> {
-        let t = self.weights.get(name).ok_or_else(|| super::ModelError::MissingTensor { name: name.into() })?;
+    fn weight(&mut self, name: &str, shape: &[usize]) -> std::result::Result<Tensor, ModelError> {
+        let t = self.weights.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
         if t.dims() != shape {
-            return Err(super::ModelError::ShapeMismatch {
+            return Err(ModelError::ShapeMismatch {
                 name: name.into(),
                 expected: shape.to_vec(),
                 found: t.dims().to_vec(),
             });
         }
         if self.trainable.trains_weight(name) {
-            let master = t.to_dtype(DType::F32).map_err(super::ModelError::candle(format!("convert `{name}`")))?;
-            let var =
-                Var::from_tensor(&master).map_err(super::ModelError::candle(format!("make `{name}` trainable")))?;
+            let master = t.to_dtype(DType::F32).map_err(ModelError::candle(format!("convert `{name}`")))?;
+            let var = Var::from_tensor(&master).map_err(ModelError::candle(format!("make `{name}` trainable")))?;
             let out = var.as_tensor().clone();
             self.params.push(Param { name: name.to_string(), var });
             return Ok(out);
         }
-        t.to_dtype(self.dtype).map_err(super::ModelError::candle(format!("convert `{name}`")))
+        t.to_dtype(self.dtype).map_err(ModelError::candle(format!("convert `{name}`")))
     }
 
-    fn linear(
-        &mut self,
-        prefix: &str,
-        inp: usize,
-        out: usize,
-        bias: bool,
-    ) -> std::result::Result<Linear, super::ModelError> {
+    fn linear(&mut self, prefix: &str, inp: usize, out: usize, bias: bool) -> std::result::Result<Linear, ModelError> {
         let w_name = format!("{prefix}.weight");
         let w = self.weight(&w_name, &[out, inp])?;
         let b = if bias { Some(self.weight(&format!("{prefix}.bias"), &[out])?) } else { None };
@@ -684,15 +604,15 @@ impl Builder<'_> {
         b: Option<Tensor>,
         inp: usize,
         out: usize,
-    ) -> std::result::Result<Linear, super::ModelError> {
+    ) -> std::result::Result<Linear, ModelError> {
         let mut lin = Linear::new(w, b, self.next_id);
         self.next_id += 1;
         if let Some(spec) = self.trainable.adapter_for(prefix, w_name, lin.bias().is_some())? {
-            let (lora, params) = spec
-                .create(prefix, inp, out, DType::F32, lin.weight().device(), self.rng)
-                .map_err(super::ModelError::candle(format!("create LoRA adapter for `{prefix}`")))?;
-            lin.lora = Some(lora);
-            self.params.extend(params);
+            let [a, b] = new_adapter(spec, prefix, (inp, out), DType::F32, lin.weight().device(), self.rng)
+                .map_err(ModelError::candle(format!("create LoRA adapter for `{prefix}`")))?;
+            let (ta, tb) = (a.var.as_tensor().clone(), b.var.as_tensor().clone());
+            lin.lora = Some(Lora { a: ta, b: tb, scale: spec.scale(), dropout: spec.dropout });
+            self.params.extend([a, b]);
         }
         Ok(lin)
     }
@@ -710,22 +630,22 @@ impl Module for Transformer {
 impl Transformer {
     /// Overwrite trained parameters with saved values (a PEFT adapter, a checkpoint). Every
     /// parameter must be present with its shape.
-    pub fn load_params(&self, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<(), super::ModelError> {
+    pub fn load_params(&self, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<(), ModelError> {
         self.load_where(tensors, |_| true)
     }
 
     /// Overwrite the LoRA adapter matrices with saved values (a PEFT folder); base weights that
     /// train keep the values the model was built from.
-    pub fn load_adapters(&self, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<(), super::ModelError> {
-        self.load_where(tensors, super::lora::is_adapter_param)
+    pub fn load_adapters(&self, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<(), ModelError> {
+        self.load_where(tensors, is_adapter_param)
     }
 
     fn load_where(
         &self,
         tensors: &BTreeMap<String, Tensor>,
         which: impl Fn(&str) -> bool,
-    ) -> std::result::Result<(), super::ModelError> {
-        super::lora::load_params(&self.params, tensors, which)
+    ) -> std::result::Result<(), ModelError> {
+        load_params(&self.params, tensors, which)
     }
 
     /// Current values of the trained parameters, by name.

@@ -13,10 +13,10 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::folder::{StoredWeights, file_element_size, tensor_bytes, write_safetensors};
-use super::lora::{self, LoraSpec};
-use super::transformer::DecoderLayer;
-use super::{Batch, ModelConfig, ModelError, ModelFolder, Trainable, TrainedForm, Transformer, peft};
+use crate::engine::candle::{DecoderLayer, Observer, Transformer};
+use crate::model::folder::{StoredWeights, file_element_size, tensor_bytes, write_safetensors};
+use crate::model::lora::{self, LoraSpec};
+use crate::model::{Batch, ModelConfig, ModelError, ModelFolder, Trainable, TrainedForm, peft};
 
 /// One tensor of the merged model: its Hugging Face name, shape, and the dtype the base folder
 /// stores it in (an export writes it so, unless told otherwise).
@@ -96,7 +96,7 @@ impl<'a> Merged<'a> {
                 (Trained::Full(StoredWeights::open(vec![file])?), None, BTreeMap::new())
             }
             Some((dir, TrainedForm::Peft)) => {
-                let (adapters, base) = super::read_peft_parts(dir, &Device::Cpu)?;
+                let (adapters, base) = crate::model::read_peft_parts(dir, &Device::Cpu)?;
                 (Trained::Modules(base), Some(peft::read_config(dir)?), adapters)
             }
             _ => (Trained::None, None, BTreeMap::new()),
@@ -387,8 +387,8 @@ impl Streamed<'_, '_> {
     }
 
     /// Runs `batches` through the decoder layers for what their linears read: `observe` sees
-    /// each linear's input ([`super::Observer`]).
-    pub fn observe(&self, batches: &[Batch], observe: super::Observer<'_>) -> Result<(), ModelError> {
+    /// each linear's input ([`Observer`]).
+    pub fn observe(&self, batches: &[Batch], observe: Observer<'_>) -> Result<(), ModelError> {
         let (_, trainable) = self.merged.form(self.form);
         self.head.hidden_streamed(batches, |i| self.layer(i, &trainable), Some(observe)).map(drop)
     }
