@@ -9,7 +9,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::rc::Rc;
 
 use candle_core::{Device, Tensor};
@@ -22,6 +22,10 @@ use rtune::engine::{Checkpointing, Engine, HostBatch, Setup};
 use rtune::model::{LoraSpec, ModelFolder, Trainable, peft};
 use rtune::recipe::{BaseQuant, Dtype};
 use rtune::rng::Rng;
+
+mod common;
+
+use common::golden::{fixture, golden};
 
 // ---------------------------------------------------------------------------------------------
 // The emulator as a `Gpu`: host memory, kernels through rtune-gpu-emu, products in plain loops.
@@ -1293,10 +1297,6 @@ fn matrix_unit_kernels_match_references_with_nvidia_16x16x16_tiles_in_the_produc
 // ---------------------------------------------------------------------------------------------
 // The engine against candle's autograd.
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden").join(name)
-}
-
 fn resolution(dtype: Dtype, class: DeviceClass) -> Resolution {
     Resolution { class, ordinal: 0, dtype, ..Resolution::cpu() }
 }
@@ -1324,23 +1324,7 @@ fn setup<'a>(
 }
 
 fn golden_batch(name: &str) -> HostBatch {
-    let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected.json")).unwrap()).unwrap();
-    let rows: Vec<Vec<u32>> = serde_json::from_value(expected["ids"].clone()).unwrap();
-    let mask: Vec<Vec<u32>> = serde_json::from_value(expected["mask"].clone()).unwrap();
-    let labels: Vec<Vec<i64>> = serde_json::from_value(expected["labels"].clone()).unwrap();
-    let t = rows[0].len();
-    let lens: Vec<usize> = mask.iter().map(|m| m.iter().sum::<u32>() as usize).collect();
-    let (mut select, mut targets) = (Vec::new(), Vec::new());
-    for (r, l) in labels.iter().enumerate() {
-        for i in 0..t - 1 {
-            if l[i + 1] >= 0 {
-                select.push((r * t + i) as u32);
-                targets.push(l[i + 1] as u32);
-            }
-        }
-    }
-    HostBatch::from_parts(&rows, &lens, None, select, targets)
+    golden(name).host_batch()
 }
 
 /// Loss and every gradient of the GPU engine against candle autograd's, for the same batch,

@@ -9,38 +9,9 @@ use rtune::engine::candle::Transformer;
 use rtune::model::{Batch, ModelFolder, Trainable, peft};
 use rtune::rng::Rng;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden").join(name)
-}
+mod common;
 
-struct Golden {
-    rows: Vec<Vec<u32>>,
-    lens: Vec<usize>,
-    select: Vec<u32>,
-    targets: Vec<u32>,
-    expected: serde_json::Value,
-}
-
-fn golden(name: &str) -> Golden {
-    let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected.json")).unwrap()).unwrap();
-    let rows: Vec<Vec<u32>> = serde_json::from_value(expected["ids"].clone()).unwrap();
-    let mask: Vec<Vec<u32>> = serde_json::from_value(expected["mask"].clone()).unwrap();
-    let labels: Vec<Vec<i64>> = serde_json::from_value(expected["labels"].clone()).unwrap();
-    let t = rows[0].len();
-    let lens = mask.iter().map(|m| m.iter().sum::<u32>() as usize).collect();
-    // transformers shifts: position i predicts labels[i + 1]; -100 is ignored.
-    let (mut select, mut targets) = (Vec::new(), Vec::new());
-    for (r, l) in labels.iter().enumerate() {
-        for i in 0..t - 1 {
-            if l[i + 1] >= 0 {
-                select.push((r * t + i) as u32);
-                targets.push(l[i + 1] as u32);
-            }
-        }
-    }
-    Golden { rows, lens, select, targets, expected }
-}
+use common::golden::{Golden, fixture, golden};
 
 fn load(name: &str, trainable: &Trainable) -> Transformer {
     let folder = ModelFolder::open(&fixture(name).join("model")).unwrap();

@@ -11,6 +11,7 @@ use crate::data::TokenStore;
 use crate::data::tokens::Packer;
 use crate::engine::HostBatch;
 use crate::model::Batch;
+use crate::model::ModelError;
 use crate::rng::Rng;
 use crate::ui::Ui;
 
@@ -79,7 +80,7 @@ pub fn importance_matrix(
     device: &Device,
     recipe: &str,
 ) -> Result<gguf::Imatrix, ExportError> {
-    let err = |what: &str| ExportError::candle(format!("importance matrix: {what}"));
+    let err = |what: &str| ModelError::candle(format!("importance matrix: {what}"));
     let mut order: Vec<usize> = (0..train.len()).collect();
     Rng::new(IMATRIX_SEED).shuffle(&mut order);
     let group_tokens = (IMATRIX_GROUP_BYTES / (4 * merged.config().hidden_size)).max(1);

@@ -13,6 +13,7 @@ use super::merged::{Form, Merged};
 use crate::data::TokenStore;
 use crate::engine::HostBatch;
 use crate::engine::candle::ops::cross_entropy;
+use crate::model::ModelError;
 use crate::model::{Batch, ModelFolder};
 use crate::rng::Rng;
 
@@ -67,7 +68,7 @@ fn rows_reference(
     rows: usize,
     device: &Device,
 ) -> Result<Reference, ExportError> {
-    let err = |what: &str| ExportError::candle(format!("GGUF self-check reference: {what}"));
+    let err = |what: &str| ModelError::candle(format!("GGUF self-check reference: {what}"));
     let mut batches = Vec::new();
     let mut picks = Vec::new();
     for r in 0..rows {
@@ -134,9 +135,9 @@ pub fn gguf_eval_loss(
     top: &[u32],
     device: &Device,
 ) -> Result<(f64, usize, usize), ExportError> {
-    let mut f = std::fs::File::open(path).map_err(ExportError::io(format!("cannot open `{}`", path.display())))?;
+    let mut f = std::fs::File::open(path).map_err(ModelError::io(format!("cannot open `{}`", path.display())))?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut f)
-        .map_err(ExportError::candle("GGUF self-check: read"))?;
+        .map_err(ModelError::candle("GGUF self-check: read"))?;
     let (loss, n, same) = match cfg.arch {
         crate::recipe::Arch::Gemma2 | crate::recipe::Arch::Gemma3 => {
             let model = super::gguf::read::GgufModel::with_content(path, content, cfg, device)?;
@@ -171,7 +172,7 @@ fn candle_decoded_loss(
         Qwen2(quantized_qwen2::ModelWeights),
         Qwen3(quantized_qwen3::ModelWeights),
     }
-    let ctx = |what: &str| ExportError::candle(format!("GGUF self-check: {what}"));
+    let ctx = |what: &str| ModelError::candle(format!("GGUF self-check: {what}"));
     let mut model = match arch {
         crate::recipe::Arch::Llama => {
             Q::Llama(quantized_llama::ModelWeights::from_gguf(content, f, device).map_err(ctx("load"))?)
@@ -279,7 +280,7 @@ pub fn check_merged(
     let vocab = merged.config().vocab_size as u64;
     let mut rng = Rng::new(7);
     let rows: Vec<Vec<u32>> = (0..2).map(|_| (0..16).map(|_| (rng.next_u64() % vocab) as u32).collect()).collect();
-    let batch = Batch::new(&rows, &[16, 16], None, device).map_err(ExportError::candle("self-check batch"))?;
+    let batch = Batch::new(&rows, &[16, 16], None, device).map_err(ModelError::candle("self-check batch"))?;
     // One model at a time: each is dropped before the next is built.
     let logits = |m: &Merged<'_>, form: Form| -> Result<Tensor, ExportError> {
         let model = m.streamed(form, device)?;
@@ -289,7 +290,7 @@ pub fn check_merged(
     let adapter = logits(merged, Form::Adapter)?;
     let max_diff = |other: Tensor| -> Result<f64, ExportError> {
         let d = (&adapter - other).and_then(|d| d.abs()).and_then(|d| d.max_all()).and_then(|d| d.to_scalar::<f32>());
-        Ok(d.map_err(ExportError::candle("self-check"))? as f64)
+        Ok(d.map_err(ModelError::candle("self-check"))? as f64)
     };
     let diff = max_diff(logits(merged, Form::Merged)?)?;
     // The written folder is a plain model: its weights are what its "adapter model" holds.

@@ -24,26 +24,13 @@ pub mod tokenizer;
 
 use crate::recipe::Problem;
 
-/// Why an export could not be written or did not pass its checks.
+/// Why an export could not be written or did not pass its checks (what failed to compute or to
+/// be read or written is a [`crate::model::ModelError`]).
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum ExportError {
     #[error(transparent)]
     #[diagnostic(transparent)]
     Problem(#[from] Problem),
-    #[error("{context}")]
-    #[diagnostic(code(rtune::stage::compute))]
-    Candle {
-        context: String,
-        #[source]
-        source: candle_core::Error,
-    },
-    #[error("{context}")]
-    #[diagnostic(code(rtune::stage::io))]
-    Io {
-        context: String,
-        #[source]
-        source: std::io::Error,
-    },
     #[error(transparent)]
     #[diagnostic(transparent)]
     Model(#[from] crate::model::ModelError),
@@ -52,16 +39,4 @@ pub enum ExportError {
     #[error("internal error: {0}")]
     #[diagnostic(code(rtune::internal), help("this is a bug in rtune; please report it"))]
     Internal(String),
-}
-
-impl ExportError {
-    pub fn candle(context: impl Into<String>) -> impl FnOnce(candle_core::Error) -> ExportError {
-        let context = context.into();
-        move |source| ExportError::Candle { context, source }
-    }
-
-    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ExportError {
-        let context = context.into();
-        move |source| ExportError::Io { context, source }
-    }
 }

@@ -6,6 +6,7 @@ use std::path::Path;
 use serde_json::json;
 
 use super::ExportError;
+use crate::model::ModelError;
 
 /// Tokenizer files of the base folder that travel with every exported folder, as they are
 /// (tokenizer_config.json gains the shipped chat template, nothing else changes).
@@ -42,12 +43,12 @@ pub fn write_tokenizer_files(
     for f in names {
         let src = model_dir.join(f);
         if src.is_file() {
-            std::fs::copy(&src, dir.join(f)).map_err(ExportError::io(format!("cannot copy `{f}`")))?;
+            std::fs::copy(&src, dir.join(f)).map_err(ModelError::io(format!("cannot copy `{f}`")))?;
         }
     }
     let Some(chat) = chat else { return Ok(()) };
     std::fs::write(dir.join("chat_template.jinja"), &chat.source)
-        .map_err(ExportError::io("cannot write chat_template.jinja"))?;
+        .map_err(ModelError::io("cannot write chat_template.jinja"))?;
     let read = |name: &str| -> Option<serde_json::Value> {
         serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
     };
@@ -88,5 +89,5 @@ pub fn write_tokenizer_files(
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ExportError> {
     let mut s = crate::json::pretty_sorted(v);
     s.push('\n');
-    std::fs::write(path, s).map_err(ExportError::io(format!("cannot write `{}`", path.display())))
+    Ok(std::fs::write(path, s).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?)
 }

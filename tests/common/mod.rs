@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: run the real binary, compare snapshots.
 #![allow(dead_code)]
 
+pub mod golden;
 pub mod hub;
 
 use std::path::{Path, PathBuf};
