@@ -10,8 +10,7 @@ use super::merged::{Form, Merged};
 use crate::data::TokenStore;
 use crate::data::tokens::Packer;
 use crate::engine::HostBatch;
-use crate::model::Batch;
-use crate::model::ModelError;
+use crate::model::{Batch, ModelError};
 use crate::rng::Rng;
 use crate::ui::Ui;
 

@@ -13,8 +13,7 @@ use super::merged::{Form, Merged};
 use crate::data::TokenStore;
 use crate::engine::HostBatch;
 use crate::engine::candle::ops::cross_entropy;
-use crate::model::ModelError;
-use crate::model::{Batch, ModelFolder};
+use crate::model::{Batch, ModelError, ModelFolder};
 use crate::rng::Rng;
 
 /// What a GGUF is compared with: the adapter model's mean next-token loss over the self-check's
@@ -28,24 +27,24 @@ pub struct Reference {
 /// A model that computes whole rows, one decoder layer at a time: the adapter model, or a Gemma
 /// GGUF as llama.cpp reads it.
 trait Rows {
-    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, crate::model::ModelError>;
-    fn logits(&self, h: &Tensor) -> Result<Tensor, crate::model::ModelError>;
+    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, ModelError>;
+    fn logits(&self, h: &Tensor) -> Result<Tensor, ModelError>;
 }
 
 impl Rows for super::merged::Streamed<'_, '_> {
-    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, crate::model::ModelError> {
+    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, ModelError> {
         self.hidden(batches)
     }
-    fn logits(&self, h: &Tensor) -> Result<Tensor, crate::model::ModelError> {
+    fn logits(&self, h: &Tensor) -> Result<Tensor, ModelError> {
         self.logits(h)
     }
 }
 
 impl Rows for super::gguf::read::GgufModel {
-    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, crate::model::ModelError> {
+    fn hidden(&self, batches: &[Batch]) -> Result<Vec<Tensor>, ModelError> {
         self.hidden(batches)
     }
-    fn logits(&self, h: &Tensor) -> Result<Tensor, crate::model::ModelError> {
+    fn logits(&self, h: &Tensor) -> Result<Tensor, ModelError> {
         self.logits(h)
     }
 }

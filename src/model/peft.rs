@@ -4,7 +4,7 @@
 //! Base weights that trained in full beside the adapter are PEFT's `modules_to_save`: whole
 //! modules (`lm_head`, `model.norm`, …) saved as `base_model.model.<module>.<param>`. In memory,
 //! rtune names adapter matrices as PEFT does and such base weights by their Hugging Face names,
-//! as the engines do ([`read_weights`] and [`write`] translate).
+//! as the engines do ([`read_weights`] and [`write()`] translate).
 
 use std::collections::BTreeMap;
 use std::path::Path;
