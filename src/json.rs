@@ -28,3 +28,10 @@ pub fn pretty_sorted<T: serde::Serialize + ?Sized>(v: &T) -> String {
     let v = serde_json::to_value(v).expect("json values serialise");
     serde_json::to_string_pretty(&sorted(v)).expect("json values serialise")
 }
+
+/// Write `v` to `path` as rtune writes its JSON files: [`pretty_sorted`], with a final newline.
+pub fn write_file<T: serde::Serialize + ?Sized>(path: &std::path::Path, v: &T) -> std::io::Result<()> {
+    let mut text = pretty_sorted(v);
+    text.push('\n');
+    std::fs::write(path, text)
+}

@@ -434,14 +434,17 @@ pub fn build(setup: &Setup<'_>) -> Result<Box<dyn Engine>, EngineError> {
     }
 }
 
+/// Tensors by name.
+type Named = BTreeMap<String, Tensor>;
+
 /// The f32 base weights an engine on the host's side of `device` starts from, by Hugging Face
 /// name: the folder's, a 4-bit base as the values it stands for (the math of the GPU engine's
 /// packed weights, without their memory saving), and what the train stage's output
-/// (`setup.trained`) replaces; with that output as read.
+/// (`setup.trained`) replaces; with that output's adapter matrices, where it has them.
 pub(crate) fn start_weights(
     setup: &Setup<'_>,
     device: &candle_core::Device,
-) -> Result<(BTreeMap<String, Tensor>, crate::model::TrainedOutput), EngineError> {
+) -> Result<(Named, Option<Named>), EngineError> {
     use crate::model::nf4;
     let trained = match setup.trained {
         Some(dir) => crate::model::read_trained(dir, device)?,
@@ -456,8 +459,8 @@ pub(crate) fn start_weights(
             *w = Tensor::from_vec(v, w.dims(), device).map_err(EngineError::candle("dequantize a weight"))?;
         }
     }
-    weights.extend(trained.base.clone());
-    Ok((weights, trained))
+    weights.extend(trained.base);
+    Ok((weights, trained.adapters))
 }
 
 /// Token-weighted mean loss over (at most `max_batches` batches of) a split, and the number of

@@ -361,9 +361,8 @@ impl Merged<'_> {
         if count > 1 {
             let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
             let path = dir.join("model.safetensors.index.json");
-            let mut text = crate::json::pretty_sorted(&index);
-            text.push('\n');
-            std::fs::write(&path, text).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?;
+            crate::json::write_file(&path, &index)
+                .map_err(ModelError::io(format!("cannot write `{}`", path.display())))?;
             files.push("model.safetensors.index.json".into());
         }
         Ok(Written { files, digests })

@@ -87,7 +87,5 @@ pub fn write_tokenizer_files(
 }
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ExportError> {
-    let mut s = crate::json::pretty_sorted(v);
-    s.push('\n');
-    Ok(std::fs::write(path, s).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?)
+    Ok(crate::json::write_file(path, v).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?)
 }

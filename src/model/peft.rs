@@ -158,8 +158,6 @@ pub fn write(
         config["ensure_weight_tying"] = json!(true);
     }
     let path = dir.join("adapter_config.json");
-    let mut text = crate::json::pretty_sorted(&config);
-    text.push('\n');
-    std::fs::write(&path, text).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?;
+    crate::json::write_file(&path, &config).map_err(ModelError::io(format!("cannot write `{}`", path.display())))?;
     super::folder::save_safetensors(&dir.join("adapter_model.safetensors"), &saved)
 }

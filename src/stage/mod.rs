@@ -176,7 +176,5 @@ pub fn check_source(ctx: &StageCtx<'_>, hashed: &Path, source: &Source) -> Resul
 
 /// Write JSON to a file in a stage's output, pretty and newline-terminated.
 pub fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), StageError> {
-    let mut s = crate::json::pretty_sorted(v);
-    s.push('\n');
-    std::fs::write(path, s).map_err(StageError::io(format!("cannot write `{}`", path.display())))
+    crate::json::write_file(path, v).map_err(StageError::io(format!("cannot write `{}`", path.display())))
 }

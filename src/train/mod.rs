@@ -728,12 +728,10 @@ impl Trainer<'_> {
             "peak_gpu_bytes": peak_gpu,
         });
         let settings = json!({ "train": self.job.settings, "adapter": self.job.adapter, "seed": self.job.seed, "dtype": self.job.device.dtype.as_str() });
-        let mut text = crate::json::pretty_sorted(&settings);
-        text.push('\n');
-        std::fs::write(out.join("settings.json"), text).map_err(ioerr("cannot write settings.json".into()))?;
-        let mut s = crate::json::pretty_sorted(&summary);
-        s.push('\n');
-        std::fs::write(out.join("metrics.json"), s).map_err(ioerr("cannot write metrics.json".into()))?;
+        crate::json::write_file(&out.join("settings.json"), &settings)
+            .map_err(ioerr("cannot write settings.json".into()))?;
+        crate::json::write_file(&out.join("metrics.json"), &summary)
+            .map_err(ioerr("cannot write metrics.json".into()))?;
         let mut speed = format!("{seconds:.1}s");
         if let Some(r) = rate {
             speed.push_str(&format!(", {r:.0} tok/s"));

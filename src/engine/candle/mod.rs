@@ -35,7 +35,7 @@ fn cerr(context: &str) -> impl FnOnce(candle_core::Error) -> EngineError + '_ {
 impl CandleEngine {
     pub fn build(setup: &Setup<'_>) -> Result<CandleEngine, EngineError> {
         let device = setup.device.candle_device().map_err(cerr("cannot open the device"))?;
-        let (weights, trained) = super::start_weights(setup, &device)?;
+        let (weights, adapters) = super::start_weights(setup, &device)?;
         let mut rng = Rng::derive(setup.seed, "lora-init");
         let model = Transformer::with_dtype(
             &setup.folder.config,
@@ -48,7 +48,7 @@ impl CandleEngine {
         if !trainable.weights.is_empty() && !model.params.iter().any(|p| trainable.trains_weight(&p.name)) {
             return Err(super::no_weight_matches(&trainable.weights));
         }
-        if let (Some(_), Some(saved)) = (&trainable.lora, &trained.adapters) {
+        if let (Some(_), Some(saved)) = (&trainable.lora, &adapters) {
             // (Base weights that train start from `weights`: the folder's where it saved them.)
             model.load_adapters(saved)?;
         }

@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::{FEATURES, LinearInfo, View, loss_and_grads_of, run, run_with};
+use crate::engine::candle::ops::rope_tables;
 use crate::engine::params::{Param, Params, load_params, new_adapter};
 use crate::engine::{Engine, EngineError, EngineState, HostBatch, Setup};
-use crate::model::arch::ROPE_TABLE_MAX;
 use crate::model::{Batch, LAYER_LINEARS, ModelError, Spec};
 use crate::rng::Rng;
 
@@ -39,7 +39,7 @@ impl FusedEngine {
         if let Some(why) = spec.unsupported("fused CPU engine", FEATURES) {
             return Err(EngineError::Unsupported(why));
         }
-        let (mut weights, trained) = crate::engine::start_weights(setup, &Device::Cpu)?;
+        let (mut weights, adapters) = crate::engine::start_weights(setup, &Device::Cpu)?;
         let trainable = &setup.trainable;
         let (mut tensors, mut list) = (BTreeMap::new(), Vec::new());
         for (name, shape) in cfg.tensors() {
@@ -89,18 +89,13 @@ impl FusedEngine {
             let bias = bias.then(|| format!("{name}.bias"));
             linears.push(LinearInfo { name, weight, bias, id, inp, out, lora });
         }
-        if let (Some(_), Some(saved)) = (&trainable.lora, &trained.adapters) {
+        if let (Some(_), Some(saved)) = (&trainable.lora, &adapters) {
             load_params(&list, saved, crate::model::lora::is_adapter_param)?;
         }
-        let positions = cfg.max_position_embeddings.min(ROPE_TABLE_MAX);
         let ropes = spec
             .ropes
             .iter()
-            .map(|r| {
-                let (cos, sin) = r.values(cfg.head_dim, positions);
-                let table = |v| Tensor::from_vec(v, (positions, cfg.head_dim), &Device::Cpu);
-                Ok((table(cos)?, table(sin)?))
-            })
+            .map(|r| rope_tables(r, cfg.head_dim, cfg.max_position_embeddings, &Device::Cpu, DType::F32))
             .collect::<candle_core::Result<_>>()
             .map_err(cerr("rotary tables"))?;
         let params = Params::new(list, setup.optimizer, setup.ema_decay);
