@@ -73,6 +73,31 @@ fn cp_copies_a_builtin_recipe_with_its_data_and_it_validates() {
     assert!(stderr(&typo).contains("did you mean `tiny-offline`?"), "{}", stderr(&typo));
     let cat = rtune(dir.path(), &cache, &["cat", "tiny-offline", "--set", "stages.train.epochs=3"]);
     assert!(stdout(&cat).contains("epochs = 3"), "{}", stdout(&cat));
+    // Resolved, the recipe loads back as the same stages: every fingerprint but the card's,
+    // which carries the recipe's text.
+    std::fs::write(dir.path().join("resolved.toml"), stdout(&cat)).unwrap();
+    let plan = |args: &[&str]| {
+        let o = rtune(dir.path(), &cache, args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let rows: Vec<(String, String)> = stdout(&o)
+            .lines()
+            .skip_while(|l| !l.starts_with("STAGE"))
+            .skip(1)
+            .take_while(|l| !l.is_empty())
+            .map(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                (cols[0].trim_end_matches('*').to_string(), cols[4].to_string())
+            })
+            .collect();
+        rows
+    };
+    let resolved = plan(&["plan", "resolved.toml"]);
+    let layered = plan(&["plan", "mine.toml", "--set", "stages.train.epochs=3"]);
+    assert_eq!(resolved.len(), 7, "{resolved:?}");
+    for (a, b) in resolved.iter().zip(&layered) {
+        assert_eq!(a.0, b.0);
+        assert!(a.1 == b.1 || a.0 == "upload", "{a:?} vs {b:?}");
+    }
 }
 
 #[test]

@@ -81,7 +81,7 @@ pub enum Command {
         /// Destination file (or folder)
         dest: PathBuf,
     },
-    /// Print a recipe; with --set, the layered result
+    /// Print a recipe; with --set, the layered result with every default filled in
     Cat {
         #[command(flatten)]
         recipe: RecipeArgs,

@@ -13,8 +13,7 @@ pub fn run(args: RecipeArgs, ui: &Ui) -> Result<u8, Error> {
         ui.out(text);
     } else {
         let loaded = load(&args)?;
-        let value = serde_json::to_value(&loaded.recipe).expect("recipe serialises");
-        ui.out(toml::to_string_pretty(&value).unwrap_or_default());
+        ui.out(toml::to_string_pretty(&loaded.resolved()).unwrap_or_default());
     }
     Ok(0)
 }

@@ -27,7 +27,7 @@ use crate::device::{self, Inventory, Resolution};
 use crate::fingerprint;
 use crate::hub::HubEnv;
 use crate::recipe::stages::Port;
-use crate::recipe::{LoadedRecipe, Problem, StageKind, StageSpec};
+use crate::recipe::{ExportFormat, LoadedRecipe, Problem, Settled, StageKind, StageSettings, StageSpec, TrainSettings};
 use crate::store::Store;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -435,13 +435,14 @@ pub(crate) struct TrainedFrom {
 }
 
 /// What the train stage feeding `spec`'s trained weights trains with the `overrides` of
-/// [`resolve::stage_settings`]; None when no train stage feeds it.
+/// [`StageSpec::on`]; None when no train stage feeds it.
 pub(crate) fn trained_from(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Option<TrainedFrom> {
     let inputs = spec.inputs(&loaded.stages);
     let train = inputs.get(&Port::Weights).filter(|t| t.kind == StageKind::Train)?;
-    let patterns: Option<Vec<String>> = resolve::stage_settings(train, loaded, overrides)
-        .get("trainable")
-        .and_then(|v| serde_json::from_value(v.clone()).ok());
+    let patterns = match train.on(overrides).ok()?.settings {
+        crate::recipe::StageSettings::Train(t) => t.trainable,
+        _ => None,
+    };
     let kind = loaded.recipe.adapter.kind;
     Some(TrainedFrom {
         train: train.name.clone(),
@@ -496,14 +497,14 @@ mod support {
     /// model is loaded, this catches `"all"` and patterns such as `"*proj*"` before anything
     /// runs). (An empty list is the recipe's own error.)
     fn check_trainable(
-        table: &Value,
+        train: &TrainSettings,
         at: Option<&crate::recipe::Origin>,
         loaded: &LoadedRecipe,
     ) -> Result<(), Problem> {
-        let Some(patterns) = table.get("trainable").and_then(|v| v.as_array()) else {
+        let Some(patterns) = &train.trainable else {
             return Ok(());
         };
-        let patterns: Vec<&str> = patterns.iter().filter_map(|p| p.as_str()).collect();
+        let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
         if !patterns.contains(&crate::recipe::ADAPTER) {
             return Ok(());
         }
@@ -549,14 +550,14 @@ mod support {
     /// trains one, and no weight pattern beside it names a 4-bit weight (a decoder linear's).
     /// The problem points at `trainable` where the stage sets it, else at `quantize_base`.
     fn check_quantized_base(
-        table: &Value,
+        train: &TrainSettings,
         at: Option<&crate::recipe::Origin>,
         loaded: &LoadedRecipe,
     ) -> Result<(), Problem> {
         let adapter = &loaded.recipe.adapter;
         let Some(quant) = adapter.quantize_base else { return Ok(()) };
         let quant = serde_json::to_value(quant).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
-        let patterns: Option<Vec<String>> = table.get("trainable").and_then(|v| serde_json::from_value(v.clone()).ok());
+        let patterns = &train.trainable;
         if !crate::recipe::trains_adapter(patterns.as_deref(), adapter.kind) {
             return Err(Problem::new(
                 "rtune::plan::quantized_base",
@@ -610,27 +611,26 @@ mod support {
     /// `overrides`: the `[device.<name>]` tables whose settings apply, broadest first (the
     /// chosen device's `override_names`; none: the stages' own settings).
     pub fn check(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Result<(), Problem> {
-        let table = resolve::stage_settings(spec, loaded, overrides);
+        let Settled { settings, written } = resolve::settled(spec, loaded, overrides)?;
         let at = |key: &str| resolve::setting_origin(spec, loaded, overrides, key);
-        match spec.kind {
-            StageKind::Download => {}
-            StageKind::Tokenize => sources::check_dataset_splits(loaded)?,
-            StageKind::Train => {
-                check_trainable(&table, at("trainable"), loaded)?;
-                check_quantized_base(&table, at("trainable"), loaded)?;
-                if table.get("early_stopping").is_some() {
+        match &settings {
+            StageSettings::Download(_) => {}
+            StageSettings::Tokenize(_) => sources::check_dataset_splits(loaded)?,
+            StageSettings::Train(train) => {
+                check_trainable(train, at("trainable"), loaded)?;
+                check_quantized_base(train, at("trainable"), loaded)?;
+                if train.early_stopping.is_some() {
                     check_eval_split(loaded, "`early_stopping` watches the eval loss", at("early_stopping"))?;
                 }
             }
-            StageKind::Evaluate => {
-                let prompts = table.get("prompts").and_then(|p| p.as_array()).is_some_and(|p| !p.is_empty());
-                if table.get("dataset").is_none() && !prompts {
+            StageSettings::Evaluate(evaluate) => {
+                if evaluate.dataset.is_none() && evaluate.prompts.is_empty() {
                     let what = format!("stage `{}` measures the eval split and has no `prompts`", spec.name);
                     check_eval_split(loaded, &what, at("model"))?;
                 }
             }
-            StageKind::Quantize => {
-                if let Some(size) = table.get("max_shard_size").and_then(|v| v.as_str())
+            StageSettings::Quantize(quantize) => {
+                if let Some(size) = &quantize.max_shard_size
                     && let Err(e) = crate::recipe::parse_size(size)
                 {
                     return Err(Problem::new("rtune::plan::bad_size", e)
@@ -638,10 +638,11 @@ mod support {
                         .help("e.g. \"5GB\", \"500MB\" or \"2GiB\""));
                 }
                 // Settings of the merged folder beside a list of formats without it do nothing.
-                let listed = table.get("formats").and_then(|f| f.as_array());
+                let listed = written.contains("formats").then_some(&quantize.formats);
+                let set = |key: &&str| written.contains(*key);
                 if let Some(formats) = listed
-                    && !formats.iter().any(|f| f.as_str() == Some("safetensors-merged"))
-                    && let Some(key) = ["merged_dtype", "max_shard_size"].into_iter().find(|k| table.get(*k).is_some())
+                    && !formats.iter().any(|f| f.canonical() == ExportFormat::SafetensorsMerged)
+                    && let Some(key) = ["merged_dtype", "max_shard_size"].into_iter().find(set)
                 {
                     return Err(Problem::new(
                         "rtune::plan::unused_setting",
@@ -651,12 +652,8 @@ mod support {
                     .help("add \"safetensors-merged\" to `formats`, or drop the key"));
                 }
                 // Likewise the importance matrix beside formats that quantize without one.
-                let calibrated = |f: &serde_json::Value| {
-                    serde_json::from_value::<crate::recipe::ExportFormat>(f.clone()).is_ok_and(|f| f.calibrated())
-                };
-                if !listed.is_some_and(|f| f.iter().any(calibrated))
-                    && let Some(key) =
-                        ["imatrix", "imatrix_tokens", "imatrix_file"].into_iter().find(|k| table.get(*k).is_some())
+                if !listed.is_some_and(|f| f.iter().any(|f| f.calibrated()))
+                    && let Some(key) = ["imatrix", "imatrix_tokens", "imatrix_file"].into_iter().find(set)
                 {
                     return Err(Problem::new(
                         "rtune::plan::unused_setting",
@@ -669,8 +666,8 @@ mod support {
                     ));
                 }
                 // A file to calibrate with is the importance matrix: none is computed.
-                if table.get("imatrix_file").is_some() {
-                    if table.get("imatrix").and_then(|v| v.as_bool()) == Some(false) {
+                if quantize.imatrix_file.is_some() {
+                    if quantize.imatrix == Some(false) {
                         return Err(Problem::new(
                             "rtune::plan::conflicting_settings",
                             "`imatrix = false` quantizes without an importance matrix, and `imatrix_file` names one",
@@ -678,7 +675,7 @@ mod support {
                         .at(at("imatrix_file"), "an importance matrix")
                         .help("drop `imatrix = false` to calibrate with the file, or the file to quantize without"));
                     }
-                    if table.get("imatrix_tokens").is_some() {
+                    if quantize.imatrix_tokens.is_some() {
                         return Err(Problem::new(
                             "rtune::plan::unused_setting",
                             "`imatrix_tokens` counts the tokens of a computed importance matrix; `imatrix_file` names one \
@@ -690,8 +687,7 @@ mod support {
                 }
                 // With the default list (no `formats`), base weights that train get no PEFT
                 // export (resolve drops it); asked for explicitly, it is an error.
-                let formats = listed.cloned().unwrap_or_default();
-                let peft = formats.iter().any(|f| f.as_str() == Some("peft-adapter"));
+                let peft = listed.is_some_and(|f| f.iter().any(|f| f.canonical() == ExportFormat::PeftAdapter));
                 if let (true, Some(TrainedFrom { adapter: false, by_patterns, train })) =
                     (peft, trained_from(spec, loaded, overrides))
                 {
@@ -707,8 +703,8 @@ mod support {
                     .help("export `safetensors-merged` or a GGUF format when base weights train"));
                 }
             }
-            StageKind::Upload => {
-                let to = table.get("to").and_then(|t| t.as_str()).unwrap_or_default();
+            StageSettings::Upload(upload) => {
+                let to = upload.to.as_str();
                 let at = at("to");
                 if let Some(rest) = to.strip_prefix("hf://") {
                     return crate::hub::parse_hf_url(rest)

@@ -7,9 +7,7 @@ use super::key::{self, StageKey};
 use super::sources::{dataset_source, hub_sources, loader_settings, local_source, local_split, resolve_hub};
 use crate::device::Resolution;
 use crate::hub::HubEnv;
-use crate::recipe::{
-    EvaluateSettings, ExportFormat, LoadedRecipe, Problem, QuantizeSettings, StageKind, StageSpec, UploadSettings,
-};
+use crate::recipe::{ExportFormat, LoadedRecipe, Problem, Settled, StageSettings, StageSpec};
 use crate::switches::Switches;
 
 /// A stage's key: its settings with defaults applied and `[device.<name>]` overrides merged,
@@ -24,17 +22,7 @@ pub(super) fn resolve_key(
     use key::*;
     let recipe = &loaded.recipe;
     let overrides = device.override_names();
-    let table = stage_settings(spec, loaded, &overrides);
-    fn typed<T: serde::de::DeserializeOwned>(
-        table: Value,
-        spec: &StageSpec,
-        loaded: &LoadedRecipe,
-    ) -> Result<T, Problem> {
-        serde_json::from_value(table).map_err(|e| {
-            Problem::new("rtune::plan::settings", format!("stage `{}`: {e}", spec.name))
-                .at(loaded.origin(&["stages", &spec.name]), "in this stage")
-        })
-    }
+    let settled = settled(spec, loaded, &overrides)?;
     let seed = recipe.recipe.seed;
     let m = &recipe.model;
     let d = &recipe.dataset;
@@ -62,8 +50,8 @@ pub(super) fn resolve_key(
         ordinal: device.ordinal,
         peers: Vec::new(),
     };
-    Ok(match spec.kind {
-        StageKind::Download => {
+    Ok(match settled.settings {
+        StageSettings::Download(_) => {
             let model = match (&m.scratch, &m.path, &m.repo) {
                 // The tokenizer is trained on the dataset's rows rendered with its format and
                 // column map, so those shape this artifact too.
@@ -104,7 +92,7 @@ pub(super) fn resolve_key(
             }
             StageKey::Download(DownloadKey { settings: DownloadSettings { model, dataset }, sources })
         }
-        StageKind::Tokenize => StageKey::Tokenize(TokenizeKey {
+        StageSettings::Tokenize(_) => StageKey::Tokenize(TokenizeKey {
             settings: TokenizeSettings {
                 rendering: rendering(),
                 eval_fraction: d.eval_fraction,
@@ -116,13 +104,12 @@ pub(super) fn resolve_key(
                 seed,
             },
         }),
-        StageKind::Train => StageKey::Train(TrainKey {
-            settings: TrainKeySettings { train: typed(table, spec, loaded)?, adapter: recipe.adapter.clone(), seed },
+        StageSettings::Train(train) => StageKey::Train(TrainKey {
+            settings: TrainKeySettings { train, adapter: recipe.adapter.clone(), seed },
             // Training and evaluation share their batches between GPUs (`device.gpus`).
             device: DeviceKey { peers: device.peers.clone(), ..on_device(true) },
         }),
-        StageKind::Evaluate => {
-            let mut evaluate: EvaluateSettings = typed(table, spec, loaded)?;
+        StageSettings::Evaluate(mut evaluate) => {
             // With its own dataset, the stage tokenizes it: how rows become tokens is part of
             // its output, and so is the file's content (and for a folder, the split it reads).
             let (data, sources) = match &evaluate.dataset {
@@ -160,9 +147,8 @@ pub(super) fn resolve_key(
                 sources,
             })
         }
-        StageKind::Quantize => {
-            let explicit = table.get("formats").is_some();
-            let mut quantize: QuantizeSettings = typed(table, spec, loaded)?;
+        StageSettings::Quantize(mut quantize) => {
+            let explicit = settled.written.contains("formats");
             // The default formats export a PEFT folder only where an adapter trains (`plan`
             // refuses `peft-adapter` asked for without one).
             if !explicit && super::trained_from(spec, loaded, &overrides).is_some_and(|t| !t.adapter) {
@@ -207,8 +193,7 @@ pub(super) fn resolve_key(
                 sources,
             })
         }
-        StageKind::Upload => {
-            let upload: UploadSettings = typed(table, spec, loaded)?;
+        StageSettings::Upload(upload) => {
             let recipe_file = match &loaded.source {
                 crate::recipe::RecipeSource::File(p) => {
                     p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| loaded.name())
@@ -248,8 +233,6 @@ pub(super) fn resolve_key(
     })
 }
 
-/// A stage's settings with the `[device.<name>.<stage>]` tables of `overrides` merged over its
-/// own, in order (a device's `override_names`: the broadest name first; none: as written).
 /// The split that trains: `dataset.split` (default `train`) for a Hub or folder dataset; None for
 /// a single file, which is one split.
 pub(super) fn train_split(loaded: &LoadedRecipe) -> Option<String> {
@@ -258,14 +241,19 @@ pub(super) fn train_split(loaded: &LoadedRecipe) -> Option<String> {
     (!file).then(|| d.split.clone().unwrap_or_else(|| "train".into()))
 }
 
-pub(super) fn stage_settings(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Value {
-    let mut table = Value::Object(spec.settings.clone());
-    for dev in overrides {
-        if let Some(over) = loaded.recipe.device.overrides.get(dev).and_then(|o| o.get(&spec.name)) {
-            merge(&mut table, over);
-        }
-    }
-    table
+/// A stage's settings with the `[device.<name>.<stage>]` tables of `overrides` merged over its
+/// own, in order (a device's `override_names`: the broadest name first; none: as written).
+pub(super) fn settled(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Result<Settled, Problem> {
+    // Each table was typed alone when the recipe loaded; only a device matching several of
+    // them can meet a combination that does not fit.
+    spec.on(overrides).map_err(|e| {
+        let tables: Vec<String> = overrides.iter().map(|d| format!("`[device.{d}]`")).collect();
+        Problem::new(
+            "rtune::plan::settings",
+            format!("stage `{}` with the overrides of {}: {e}", spec.name, tables.join(" and ")),
+        )
+        .at(loaded.origin(&["stages", &spec.name]), "in this stage")
+    })
 }
 
 /// Where a stage's setting `key` is written: the last of `overrides` that sets it, else the
@@ -281,15 +269,4 @@ pub(super) fn setting_origin<'a>(
         .rev()
         .find_map(|dev| loaded.origin(&["device", dev, &spec.name, key]))
         .or_else(|| loaded.origin(&["stages", &spec.name, key]))
-}
-
-fn merge(base: &mut Value, over: &Value) {
-    match (base, over) {
-        (Value::Object(b), Value::Object(o)) => {
-            for (k, v) in o {
-                merge(b.entry(k.clone()).or_insert(Value::Null), v);
-            }
-        }
-        (b, o) => *b = o.clone(),
-    }
 }

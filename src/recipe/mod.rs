@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use diag::{Origin, Problem, Problems, SourceText};
-pub use stages::{StageSpec, Stages};
+pub use stages::{Settled, StageSpec, Stages};
 pub use types::*;
 
 use tree::Node;
@@ -134,6 +134,17 @@ impl LoadedRecipe {
         self.tree.get(path).and_then(|n| n.origin.as_ref())
     }
 
+    /// The recipe as rtune reads it: every section and every stage (those added because others
+    /// need them too) with its defaults filled in and its `needs` resolved (`rtune cat --set`).
+    /// It loads back as the same recipe.
+    pub fn resolved(&self) -> serde_json::Value {
+        let mut value = serde_json::to_value(&self.recipe).expect("a recipe serialises");
+        let stages: serde_json::Map<String, serde_json::Value> =
+            self.stages.list.iter().map(|s| (s.name.clone(), s.resolved())).collect();
+        value["stages"] = serde_json::Value::Object(stages);
+        value
+    }
+
     /// Where the recipe's values are written, without the values.
     pub fn spans(&self) -> Spans<'_> {
         Spans(self)
@@ -214,9 +225,14 @@ pub fn load_text(source: RecipeSource, text: String, overrides: &Overrides) -> R
         }
     }
 
-    let stages = check_tree(&tree, &mut problems);
+    // The tree as JSON once: the stages' tables are typed from it, then the rest of the recipe.
+    let mut json = tree.to_json();
+    let stages = check_tree(&tree, &json, &mut problems);
+    if let Some(o) = json.as_object_mut() {
+        o.remove("stages");
+    }
     let recipe = if problems.is_empty() {
-        match serde_json::from_value::<Recipe>(tree.to_json()) {
+        match serde_json::from_value::<Recipe>(json) {
             Ok(r) => Some(r),
             Err(e) => {
                 problems.push(Problem::new("rtune::recipe::invalid", format!("recipe does not fit its schema: {e}")));
@@ -296,7 +312,7 @@ fn toml_string(s: &str) -> String {
 
 /// Structural and semantic checks of the layered tree. Returns the stage list when it could be
 /// built (even if other problems were found).
-fn check_tree(tree: &Node, problems: &mut Vec<Problem>) -> Option<Stages> {
+fn check_tree(tree: &Node, json: &serde_json::Value, problems: &mut Vec<Problem>) -> Option<Stages> {
     let schema = Recipe::json_schema();
     let mut checker = check::Checker::new(&schema);
     let mut root_schema = schema.clone();
@@ -331,7 +347,7 @@ fn check_tree(tree: &Node, problems: &mut Vec<Problem>) -> Option<Stages> {
     }
     problems.append(&mut checker.problems);
     semantic_checks(tree, problems);
-    stages::build(tree, &schema, problems)
+    stages::build(tree, json, &schema, problems)
 }
 
 /// What rtune calls the device PyTorch calls `name` (`torch.device`'s names for GPUs rtune

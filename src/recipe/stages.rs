@@ -12,7 +12,7 @@ use serde_json::Value as J;
 use super::check::{Checker, unknown_key};
 use super::diag::{Problem, did_you_mean};
 use super::tree::{Node, Value};
-use super::types::{DEVICE_DTYPE_KEY, StageKind};
+use super::types::{DEVICE_DTYPE_KEY, EvalModel, StageKind, StageSettings};
 
 /// A kind of artifact that flows between stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -48,24 +48,24 @@ pub fn produces(kind: StageKind) -> &'static [Port] {
 }
 
 /// What a stage reads; `evaluate` with `model = "base"` needs no trained weights.
-pub fn reads(kind: StageKind, settings: &serde_json::Map<String, J>) -> Vec<Port> {
-    match kind {
-        StageKind::Download => vec![],
-        StageKind::Tokenize => vec![Port::Model, Port::Dataset],
-        StageKind::Train => vec![Port::Model, Port::Tokens],
-        StageKind::Evaluate => {
+pub fn reads(settings: &StageSettings) -> Vec<Port> {
+    match settings {
+        StageSettings::Download(_) => vec![],
+        StageSettings::Tokenize(_) => vec![Port::Model, Port::Dataset],
+        StageSettings::Train(_) => vec![Port::Model, Port::Tokens],
+        StageSettings::Evaluate(e) => {
             // With its own `dataset`, an evaluate stage tokenizes that itself.
             let mut ports = vec![Port::Model];
-            if settings.get("dataset").is_none() {
+            if e.dataset.is_none() {
                 ports.push(Port::Tokens);
             }
-            if settings.get("model").and_then(J::as_str) != Some("base") {
+            if e.model != EvalModel::Base {
                 ports.push(Port::Weights);
             }
             ports
         }
-        StageKind::Quantize => vec![Port::Model, Port::Tokens, Port::Weights],
-        StageKind::Upload => vec![Port::Exports],
+        StageSettings::Quantize(_) => vec![Port::Model, Port::Tokens, Port::Weights],
+        StageSettings::Upload(_) => vec![Port::Exports],
     }
 }
 
@@ -82,13 +82,71 @@ pub struct StageSpec {
     pub name: String,
     pub kind: StageKind,
     pub needs: Vec<String>,
-    /// The stage table without `kind` and `needs` (defaults are applied when planning).
-    pub settings: serde_json::Map<String, J>,
+    /// The settings as written (no device's overrides), typed when the recipe loads.
+    pub settings: StageSettings,
     /// Added by rtune because another stage needs it.
     pub implicit: bool,
+    /// The table as written, without `kind` and `needs`: device overrides merge over it.
+    table: serde_json::Map<String, J>,
+    /// This stage's `[device.<name>.<stage>]` tables, by device name.
+    device_tables: BTreeMap<String, serde_json::Map<String, J>>,
+}
+
+/// A stage's settings on one device: that device's override tables merged over the stage's
+/// table as trees, then typed.
+#[derive(Debug, Clone)]
+pub struct Settled {
+    pub settings: StageSettings,
+    /// The keys the recipe writes (in the stage's table or an override), not left to defaults.
+    pub written: BTreeSet<String>,
 }
 
 impl StageSpec {
+    /// A stage added because another needs it: `download` and `tokenize` have no settings.
+    fn implicit(kind: StageKind) -> Option<StageSpec> {
+        let settings = match kind {
+            StageKind::Download => StageSettings::Download(Default::default()),
+            StageKind::Tokenize => StageSettings::Tokenize(Default::default()),
+            _ => return None,
+        };
+        Some(StageSpec {
+            name: kind.as_str().to_string(),
+            kind,
+            needs: vec![],
+            settings,
+            implicit: true,
+            table: serde_json::Map::new(),
+            device_tables: BTreeMap::new(),
+        })
+    }
+
+    /// The stage's table with its defaults filled in: its settings, its `kind` where the name
+    /// is not one, and its `needs`.
+    pub fn resolved(&self) -> J {
+        let mut table = serde_json::to_value(&self.settings).expect("settings serialise");
+        if let Some(t) = table.as_object_mut() {
+            if StageKind::parse(&self.name) != Some(self.kind) {
+                t.insert("kind".into(), J::from(self.kind.as_str()));
+            }
+            t.insert("needs".into(), J::from(self.needs.clone()));
+        }
+        table
+    }
+
+    /// The settings on a device whose override tables are `overrides`, merged in order (a
+    /// device's `override_names`: the broadest first; none: the settings as written).
+    pub fn on(&self, overrides: &[String]) -> serde_json::Result<Settled> {
+        let mut applied = overrides.iter().filter_map(|d| self.device_tables.get(d)).peekable();
+        if applied.peek().is_none() {
+            return Ok(Settled { settings: self.settings.clone(), written: self.table.keys().cloned().collect() });
+        }
+        let mut table = self.table.clone();
+        for over in applied {
+            merge(&mut table, over);
+        }
+        Ok(Settled { settings: StageSettings::parse(self.kind, &table)?, written: table.keys().cloned().collect() })
+    }
+
     /// The port → producing stage map for this stage's needs.
     pub fn inputs<'a>(&self, stages: &'a Stages) -> BTreeMap<Port, &'a StageSpec> {
         let mut out = BTreeMap::new();
@@ -138,7 +196,8 @@ impl Stages {
 }
 
 /// Build and check the stage graph. Problems go to `problems`; `None` if no graph could be made.
-pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Stages> {
+/// `json` is `tree` as JSON, converted once for the whole recipe.
+pub fn build(tree: &Node, json: &J, schema: &J, problems: &mut Vec<Problem>) -> Option<Stages> {
     let before = problems.len();
     let mut specs: Vec<StageSpec> = Vec::new();
     let mut needs_origin: BTreeMap<String, Vec<(String, Option<super::Origin>)>> = BTreeMap::new();
@@ -244,14 +303,23 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
                 }
             },
         };
-        problems.append(&mut checker.problems);
-        let settings = match entry.node.to_json() {
-            J::Object(mut m) => {
-                m.remove("kind");
-                m.remove("needs");
-                m
+        // A table that does not fit its kind is reported; its name still counts as a stage.
+        if !checker.problems.is_empty() {
+            problems.append(&mut checker.problems);
+            continue;
+        }
+        let mut table = json["stages"][name].as_object().cloned().unwrap_or_default();
+        table.remove("kind");
+        table.remove("needs");
+        let settings = match StageSettings::parse(kind, &table) {
+            Ok(s) => s,
+            Err(e) => {
+                problems.push(
+                    Problem::new("rtune::recipe::invalid", format!("`{path}` does not fit a {kind} stage: {e}"))
+                        .at(entry.node.origin.as_ref(), "in this stage"),
+                );
+                continue;
             }
-            _ => serde_json::Map::new(),
         };
         if let Some(n) = &needs {
             needs_origin.insert(name.clone(), n.clone());
@@ -262,6 +330,8 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
             needs: needs.map(|n| n.into_iter().map(|(s, _)| s).collect()).unwrap_or_default(),
             settings,
             implicit: false,
+            table,
+            device_tables: BTreeMap::new(),
         });
     }
     // Stages whose kind is unknown were reported above; keep checking the rest, treating
@@ -271,25 +341,21 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
     // Implicit upstream stages, then default needs.
     for port in [Port::Tokens, Port::Model] {
         let needed = specs.iter().any(|s| {
-            !needs_origin.contains_key(&s.name) && reads(s.kind, &s.settings).contains(&port)
+            !needs_origin.contains_key(&s.name) && reads(&s.settings).contains(&port)
                 || (port == Port::Model && s.kind == StageKind::Tokenize)
         });
         let producer = default_producer(port).expect("has a default producer");
-        if needed && !specs.iter().any(|s| s.kind == producer) {
-            let name = producer.as_str().to_string();
-            specs.push(StageSpec {
-                name,
-                kind: producer,
-                needs: vec![],
-                settings: serde_json::Map::new(),
-                implicit: true,
-            });
+        if needed
+            && !specs.iter().any(|s| s.kind == producer)
+            && let Some(spec) = StageSpec::implicit(producer)
+        {
+            specs.push(spec);
         }
     }
     let names: BTreeSet<String> = specs.iter().map(|s| s.name.clone()).chain(broken.iter().cloned()).collect();
     let snapshot = specs.clone();
     for spec in &mut specs {
-        let wanted = reads(spec.kind, &spec.settings);
+        let wanted = reads(&spec.settings);
         if let Some(explicit) = needs_origin.get(&spec.name) {
             let mut ok = true;
             for (n, origin) in explicit {
@@ -375,6 +441,10 @@ pub fn build(tree: &Node, schema: &J, problems: &mut Vec<Problem>) -> Option<Sta
         return None;
     }
     check_device_overrides(tree, schema, &specs, problems);
+    if problems.len() > before {
+        return None;
+    }
+    type_device_overrides(tree, json, &mut specs, problems);
 
     // Cycles: report each strongly connected component once, with its path.
     let mut graph = DiGraph::<&str, ()>::new();
@@ -510,9 +580,95 @@ fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems
     }
 }
 
+/// Each stage's `[device.<name>.<stage>]` tables, kept beside it and typed merged over its own
+/// table one device at a time (a device that resolves to several names merges them in order
+/// when planning).
+fn type_device_overrides(tree: &Node, json: &J, specs: &mut [StageSpec], problems: &mut Vec<Problem>) {
+    let Some(device) = json.get("device").and_then(J::as_object) else { return };
+    for spec in specs.iter_mut() {
+        for (dev, tables) in device.iter().filter(|(k, _)| super::is_device_name(k)) {
+            if let Some(table) = tables.get(&spec.name).and_then(J::as_object) {
+                spec.device_tables.insert(dev.clone(), table.clone());
+            }
+        }
+        for dev in spec.device_tables.keys() {
+            if let Err(e) = spec.on(std::slice::from_ref(dev)) {
+                let at = tree.get(&["device", dev, &spec.name]).and_then(|n| n.origin.clone());
+                problems.push(
+                    Problem::new(
+                        "rtune::recipe::invalid",
+                        format!("stage `{}` with `[device.{dev}]`'s overrides: {e}", spec.name),
+                    )
+                    .at(at.as_ref(), "these overrides"),
+                );
+            }
+        }
+    }
+}
+
+/// `over` merged into `base` as trees: tables key by key, anything else replaced.
+fn merge(base: &mut serde_json::Map<String, J>, over: &serde_json::Map<String, J>) {
+    for (k, v) in over {
+        match (base.get_mut(k), v) {
+            (Some(J::Object(b)), J::Object(o)) => merge(b, o),
+            _ => {
+                base.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
 impl Problem {
     fn with_message(mut self, m: String) -> Problem {
         self.message = m;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Overrides, RecipeSource, load_text};
+    use super::*;
+
+    #[test]
+    fn device_overrides_merge_as_trees_in_order_then_type() {
+        let text = r#"
+            [recipe]
+            name = "r"
+            [model]
+            repo = "o/m"
+            [dataset]
+            path = "d.jsonl"
+            format = "alpaca"
+            [stages.train]
+            batch_size = 8
+            schedule = { kind = "cosine", warmup_steps = 5 }
+            [device.cuda.train]
+            batch_size = 4
+            schedule = { warmup_steps = 2 }
+            [device."cuda:1".train]
+            batch_size = 2
+        "#;
+        let loaded = load_text(RecipeSource::File("r.toml".into()), text.into(), &Overrides::default()).unwrap();
+        let train = loaded.stages.get("train").unwrap();
+        let on = |names: &[&str]| {
+            let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+            match train.on(&names).unwrap() {
+                Settled { settings: StageSettings::Train(t), written } => (t, written),
+                other => panic!("{other:?}"),
+            }
+        };
+        // As written, typed at load; a device without tables of its own sees the same.
+        let (t, written) = on(&["cpu"]);
+        assert_eq!((t.batch_size, t.schedule.warmup_steps), (8, 5));
+        assert_eq!(t.learning_rate, 1e-4, "defaults filled in");
+        assert_eq!(written, BTreeSet::from(["batch_size".to_string(), "schedule".to_string()]));
+        assert_eq!(StageSettings::Train(t), train.settings);
+        // The class, then the exact device: the later wins, a table merges key by key.
+        let (t, _) = on(&["cuda"]);
+        assert_eq!((t.batch_size, t.schedule.warmup_steps), (4, 2));
+        assert_eq!(t.schedule.kind, crate::recipe::ScheduleKind::Cosine, "kept from the stage's table");
+        let (t, _) = on(&["cuda", "cuda:1"]);
+        assert_eq!((t.batch_size, t.schedule.warmup_steps), (2, 2));
     }
 }

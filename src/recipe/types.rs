@@ -25,10 +25,6 @@ pub struct Recipe {
     /// Ordered device and dtype preferences, with per-device stage overrides.
     #[serde(default)]
     pub device: DevicePolicy,
-    /// The stages to run, by name. A stage's kind is its name unless `kind` says otherwise.
-    #[serde(default)]
-    #[schemars(skip)]
-    pub stages: BTreeMap<String, StageTable>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -515,20 +511,6 @@ impl Dtype {
     }
 }
 
-/// One `[stages.<name>]` table: the common keys, then the settings of its kind.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct StageTable {
-    /// The stage kind; defaults to the stage's name.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<StageKind>,
-    /// Stages whose artifacts this one reads; defaults by kind.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub needs: Option<Vec<String>>,
-    /// The kind's settings, checked against that kind's schema.
-    #[serde(flatten)]
-    pub settings: serde_json::Map<String, serde_json::Value>,
-}
-
 /// Keys every stage table may hold besides its kind's settings.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -593,6 +575,49 @@ impl StageKind {
 impl std::fmt::Display for StageKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// One stage's settings, typed by its kind with the defaults applied: what a `[stages.<name>]`
+/// table means (without `kind` and `needs`), or that table with a device's overrides merged.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum StageSettings {
+    Download(DownloadSettings),
+    Tokenize(TokenizeSettings),
+    Train(TrainSettings),
+    Evaluate(EvaluateSettings),
+    Quantize(QuantizeSettings),
+    Upload(UploadSettings),
+}
+
+impl StageSettings {
+    /// A stage table of `kind` (without `kind` and `needs`), typed.
+    pub fn parse(kind: StageKind, table: &serde_json::Map<String, serde_json::Value>) -> serde_json::Result<Self> {
+        fn typed<T: serde::de::DeserializeOwned>(
+            table: &serde_json::Map<String, serde_json::Value>,
+        ) -> serde_json::Result<T> {
+            serde_json::from_value(serde_json::Value::Object(table.clone()))
+        }
+        Ok(match kind {
+            StageKind::Download => StageSettings::Download(typed(table)?),
+            StageKind::Tokenize => StageSettings::Tokenize(typed(table)?),
+            StageKind::Train => StageSettings::Train(typed(table)?),
+            StageKind::Evaluate => StageSettings::Evaluate(typed(table)?),
+            StageKind::Quantize => StageSettings::Quantize(typed(table)?),
+            StageKind::Upload => StageSettings::Upload(typed(table)?),
+        })
+    }
+
+    pub fn kind(&self) -> StageKind {
+        match self {
+            StageSettings::Download(_) => StageKind::Download,
+            StageSettings::Tokenize(_) => StageKind::Tokenize,
+            StageSettings::Train(_) => StageKind::Train,
+            StageSettings::Evaluate(_) => StageKind::Evaluate,
+            StageSettings::Quantize(_) => StageKind::Quantize,
+            StageSettings::Upload(_) => StageKind::Upload,
+        }
     }
 }
 
