@@ -1677,6 +1677,14 @@ fn built_trained_and_evaluated(report: &serde_json::Value) -> (PathBuf, serde_js
     (trained, metrics)
 }
 
+/// The default recipe with its model replaced by `model` (a `model.scratch=…` setting) and
+/// `trainable` weights beside the adapter, for 30 steps (two new tokens per prompt), then `extra`.
+fn run_scratch_arch(p: &Project, model: &str, trainable: &str, extra: &[&str]) -> serde_json::Value {
+    let trainable = format!("stages.train.trainable={trainable}");
+    let base = ["tiny.toml", "--set", model, "--set", &trainable, "--set", "stages.train.max_steps=30"];
+    p.run_json(&[&base[..], &["--set", "stages.evaluate.max_new_tokens=2"], extra].concat())
+}
+
 /// The default recipe's model as a Qwen3 (heads wider than hidden / heads, a query and key
 /// RMSNorm in each layer).
 const QWEN3: &str = "model.scratch={arch=\"qwen3\", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, \
@@ -1688,17 +1696,7 @@ const QWEN3: &str = "model.scratch={arch=\"qwen3\", hidden_size=64, num_layers=2
 #[test]
 fn a_qwen3_model_trains_and_exports_end_to_end() {
     let p = Project::tiny_offline();
-    let report = p.run_json(&[
-        "tiny.toml",
-        "--set",
-        QWEN3,
-        "--set",
-        r#"stages.train.trainable=["adapter", "*.q_norm.weight"]"#,
-        "--set",
-        "stages.train.max_steps=30",
-        "--set",
-        "stages.evaluate.max_new_tokens=2",
-    ]);
+    let report = run_scratch_arch(&p, QWEN3, r#"["adapter", "*.q_norm.weight"]"#, &[]);
     let (trained, _) = built_trained_and_evaluated(&report);
     let c = read_json(&trained.join("adapter_config.json"));
     assert_eq!(
@@ -1734,19 +1732,9 @@ const GEMMA3: &str = "model.scratch={arch=\"gemma3\", hidden_size=64, num_layers
 #[test]
 fn a_gemma3_model_trains_and_exports_end_to_end() {
     let p = Project::tiny_offline();
-    let report = p.run_json(&[
-        "tiny.toml",
-        "--set",
-        GEMMA3,
-        "--set",
-        r#"stages.train.trainable=["adapter", "*feedforward_layernorm.weight"]"#,
-        "--set",
-        "stages.train.max_steps=30",
-        "--set",
-        "stages.evaluate.max_new_tokens=2",
-        "--set",
-        r#"stages.quantize.formats=["peft-adapter", "safetensors-merged"]"#,
-    ]);
+    let norms = r#"["adapter", "*feedforward_layernorm.weight"]"#;
+    let formats = r#"stages.quantize.formats=["peft-adapter", "safetensors-merged"]"#;
+    let report = run_scratch_arch(&p, GEMMA3, norms, &["--set", formats]);
     let (trained, metrics) = built_trained_and_evaluated(&report);
     let c = read_json(&trained.join("adapter_config.json"));
     assert_eq!(c["modules_to_save"].as_array().map(Vec::len), Some(6), "{c}");
@@ -1765,17 +1753,7 @@ fn a_gemma3_model_trains_and_exports_end_to_end() {
     }
     // GGUF (the default recipe's q8_0): llama.cpp's Gemma 3 with rtune's byte-level BPE
     // vocabulary, checked as llama.cpp reads it; only the quantize and upload stages run again.
-    let report = p.run_json(&[
-        "tiny.toml",
-        "--set",
-        GEMMA3,
-        "--set",
-        r#"stages.train.trainable=["adapter", "*feedforward_layernorm.weight"]"#,
-        "--set",
-        "stages.train.max_steps=30",
-        "--set",
-        "stages.evaluate.max_new_tokens=2",
-    ]);
+    let report = run_scratch_arch(&p, GEMMA3, norms, &[]);
     let outcome = |name: &str| {
         report["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap()["outcome"].clone()
     };
