@@ -206,7 +206,7 @@ pub fn make(
                 inputs.insert(port_name(port).into(), p.fingerprint.clone());
             }
         }
-        if spec.kind == StageKind::Upload {
+        if spec.kind() == StageKind::Upload {
             // The card's evaluation table reads the evaluations planned before the upload, and
             // its training section (metrics, loss curve) the train stage the exports came from.
             for p in planned.iter().filter(|p| p.kind == StageKind::Evaluate && p.action != Action::Skip) {
@@ -231,7 +231,7 @@ pub fn make(
                     "forced (--force)".to_string()
                 },
             ),
-            (Some(Ok(())), false) if spec.kind == StageKind::Upload => {
+            (Some(Ok(())), false) if spec.kind() == StageKind::Upload => {
                 // One attempt: `plan` must not stall on an unreachable Hub (`run` asks again).
                 match crate::destination::check(loaded, store, &fp, &HubEnv { attempts: 1, ..hub.clone() }) {
                     Verdict::Intact => (Action::Cached, String::new()),
@@ -282,7 +282,7 @@ pub fn make(
         }
         planned.push(PlannedStage {
             name: spec.name.clone(),
-            kind: spec.kind,
+            kind: spec.kind(),
             needs: spec.needs.clone(),
             implicit: spec.implicit,
             uses_device,
@@ -349,8 +349,8 @@ fn why_run(old: Option<&LockedStage>, doc: &Value, fp: &str, spec: &StageSpec, p
     if old.fingerprint == fp {
         return "not in the cache".into();
     }
-    if old.kind != spec.kind.as_str() {
-        return format!("kind changed: {} → {}", old.kind, spec.kind);
+    if old.kind != spec.kind().as_str() {
+        return format!("kind changed: {} → {}", old.kind, spec.kind());
     }
     let mut parts = Vec::new();
     if old.inputs["fingerprint_version"] != doc["fingerprint_version"]
@@ -438,9 +438,9 @@ pub(crate) struct TrainedFrom {
 /// [`StageSpec::on`]; None when no train stage feeds it.
 pub(crate) fn trained_from(spec: &StageSpec, loaded: &LoadedRecipe, overrides: &[String]) -> Option<TrainedFrom> {
     let inputs = spec.inputs(&loaded.stages);
-    let train = inputs.get(&Port::Weights).filter(|t| t.kind == StageKind::Train)?;
+    let train = inputs.get(&Port::Weights).filter(|t| t.kind() == StageKind::Train)?;
     let patterns = match train.on(overrides).ok()?.settings {
-        crate::recipe::StageSettings::Train(t) => t.trainable,
+        StageSettings::Train(t) => t.trainable,
         _ => None,
     };
     let kind = loaded.recipe.adapter.kind;

@@ -80,9 +80,9 @@ fn default_producer(port: Port) -> Option<StageKind> {
 #[derive(Debug, Clone)]
 pub struct StageSpec {
     pub name: String,
-    pub kind: StageKind,
     pub needs: Vec<String>,
-    /// The settings as written (no device's overrides), typed when the recipe loads.
+    /// The settings as written (no device's overrides), typed when the recipe loads; their
+    /// variant is the stage's kind.
     pub settings: StageSettings,
     /// Added by rtune because another stage needs it.
     pub implicit: bool,
@@ -111,7 +111,6 @@ impl StageSpec {
         };
         Some(StageSpec {
             name: kind.as_str().to_string(),
-            kind,
             needs: vec![],
             settings,
             implicit: true,
@@ -120,13 +119,17 @@ impl StageSpec {
         })
     }
 
+    pub fn kind(&self) -> StageKind {
+        self.settings.kind()
+    }
+
     /// The stage's table with its defaults filled in: its settings, its `kind` where the name
     /// is not one, and its `needs`.
     pub fn resolved(&self) -> J {
         let mut table = serde_json::to_value(&self.settings).expect("settings serialise");
         if let Some(t) = table.as_object_mut() {
-            if StageKind::parse(&self.name) != Some(self.kind) {
-                t.insert("kind".into(), J::from(self.kind.as_str()));
+            if StageKind::parse(&self.name) != Some(self.kind()) {
+                t.insert("kind".into(), J::from(self.kind().as_str()));
             }
             t.insert("needs".into(), J::from(self.needs.clone()));
         }
@@ -144,7 +147,7 @@ impl StageSpec {
         for over in applied {
             merge(&mut table, over);
         }
-        Ok(Settled { settings: StageSettings::parse(self.kind, &table)?, written: table.keys().cloned().collect() })
+        Ok(Settled { settings: StageSettings::parse(self.kind(), &table)?, written: table.keys().cloned().collect() })
     }
 
     /// The port → producing stage map for this stage's needs.
@@ -152,7 +155,7 @@ impl StageSpec {
         let mut out = BTreeMap::new();
         for n in &self.needs {
             if let Some(s) = stages.get(n) {
-                for p in produces(s.kind) {
+                for p in produces(s.kind()) {
                     out.insert(*p, s);
                 }
             }
@@ -326,7 +329,6 @@ pub fn build(tree: &Node, json: &J, schema: &J, problems: &mut Vec<Problem>) -> 
         }
         specs.push(StageSpec {
             name: name.clone(),
-            kind,
             needs: needs.map(|n| n.into_iter().map(|(s, _)| s).collect()).unwrap_or_default(),
             settings,
             implicit: false,
@@ -342,11 +344,11 @@ pub fn build(tree: &Node, json: &J, schema: &J, problems: &mut Vec<Problem>) -> 
     for port in [Port::Tokens, Port::Model] {
         let needed = specs.iter().any(|s| {
             !needs_origin.contains_key(&s.name) && reads(&s.settings).contains(&port)
-                || (port == Port::Model && s.kind == StageKind::Tokenize)
+                || (port == Port::Model && s.kind() == StageKind::Tokenize)
         });
         let producer = default_producer(port).expect("has a default producer");
         if needed
-            && !specs.iter().any(|s| s.kind == producer)
+            && !specs.iter().any(|s| s.kind() == producer)
             && let Some(spec) = StageSpec::implicit(producer)
         {
             specs.push(spec);
@@ -377,7 +379,7 @@ pub fn build(tree: &Node, json: &J, schema: &J, problems: &mut Vec<Problem>) -> 
                 let have: BTreeSet<Port> = explicit
                     .iter()
                     .filter_map(|(n, _)| snapshot.iter().find(|s| &s.name == n))
-                    .flat_map(|s| produces(s.kind).iter().copied())
+                    .flat_map(|s| produces(s.kind()).iter().copied())
                     .collect();
                 for port in wanted.iter().filter(|p| !have.contains(p)) {
                     let at = tree.get(&["stages", &spec.name, "needs"]).and_then(|n| n.origin.clone());
@@ -398,7 +400,7 @@ pub fn build(tree: &Node, json: &J, schema: &J, problems: &mut Vec<Problem>) -> 
         }
         let mut needs = Vec::new();
         for port in wanted {
-            let producers: Vec<&StageSpec> = snapshot.iter().filter(|s| produces(s.kind).contains(&port)).collect();
+            let producers: Vec<&StageSpec> = snapshot.iter().filter(|s| produces(s.kind()).contains(&port)).collect();
             match producers.as_slice() {
                 [one] => {
                     if !needs.contains(&one.name) {
@@ -440,11 +442,11 @@ pub fn build(tree: &Node, json: &J, schema: &J, problems: &mut Vec<Problem>) -> 
     if problems.len() > before {
         return None;
     }
+    let checked = problems.len();
     check_device_overrides(tree, schema, &specs, problems);
-    if problems.len() > before {
-        return None;
+    if problems.len() == checked {
+        type_device_overrides(tree, json, &mut specs, problems);
     }
-    type_device_overrides(tree, json, &mut specs, problems);
 
     // Cycles: report each strongly connected component once, with its path.
     let mut graph = DiGraph::<&str, ()>::new();
@@ -516,7 +518,7 @@ fn topo_order(specs: Vec<StageSpec>) -> Vec<StageSpec> {
             .iter()
             .enumerate()
             .filter(|(_, s)| s.needs.iter().all(|n| done.contains(n)))
-            .min_by_key(|(_, s)| (s.kind, s.name.clone()))
+            .min_by_key(|(_, s)| (s.kind(), s.name.clone()))
             .map(|(i, _)| i)
             .expect("no cycles remain");
         let s = remaining.remove(pos);
@@ -569,7 +571,7 @@ fn check_device_overrides(tree: &Node, schema: &J, specs: &[StageSpec], problems
                     .with_message(format!("`device.{dev}` overrides `{stage}`, but there is no such stage")),
                 ),
                 Some(spec) => {
-                    let mut s = stage_schema(spec.kind);
+                    let mut s = stage_schema(spec.kind());
                     s.as_object_mut().map(|o| o.remove("required"));
                     let mut checker = Checker::new(schema);
                     checker.check_table(&st.node, &s, &path, &[]);
@@ -670,5 +672,34 @@ mod tests {
         assert_eq!(t.schedule.kind, crate::recipe::ScheduleKind::Cosine, "kept from the stage's table");
         let (t, _) = on(&["cuda", "cuda:1"]);
         assert_eq!((t.batch_size, t.schedule.warmup_steps), (2, 2));
+    }
+
+    #[test]
+    fn a_bad_device_override_and_a_cycle_are_reported_together() {
+        let text = r#"
+            [recipe]
+            name = "r"
+            [model]
+            repo = "o/m"
+            [dataset]
+            path = "d.jsonl"
+            format = "alpaca"
+            [stages.download]
+            [stages.tokenize]
+            [stages.train]
+            needs = ["tokenize", "download", "evaluate"]
+            [stages.evaluate]
+            needs = ["tokenize", "download", "train"]
+            [device.cpu.train]
+            batch_sise = 4
+        "#;
+        let Err(super::super::LoadError::Invalid(found)) =
+            load_text(RecipeSource::File("r.toml".into()), text.into(), &Overrides::default())
+        else {
+            panic!("the recipe is invalid")
+        };
+        let codes: Vec<&str> = found.problems.iter().map(|p| p.code).collect();
+        assert!(codes.contains(&"rtune::recipe::cycle"), "{codes:?}");
+        assert!(codes.len() >= 2, "the override's unknown key too: {codes:?}");
     }
 }
