@@ -39,6 +39,8 @@ fn main() {
         .arg(&out)
         .arg("src/engine/gpu/kernels.cu")
         .status()
-        .unwrap_or_else(|e| panic!("cannot run `{}` ({e}); scripts/cuda-toolkit.sh installs one", nvcc.display()));
+        .unwrap_or_else(|e| {
+            panic!("cannot run `{}` ({e}); scripts/toolchain/cuda-toolkit.sh installs one", nvcc.display())
+        });
     assert!(status.success(), "nvcc failed to compile src/engine/gpu/kernels.cu");
 }

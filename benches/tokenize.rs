@@ -3,7 +3,7 @@
 //! tokenizer to target/bench-tokenize/ so the Python `tokenizers` library can do the same work:
 //!
 //!     cargo bench --bench tokenize
-//!     python3 scripts/bench_tokenize.py target/bench-tokenize
+//!     python3 scripts/bench/tokenize-speed.py target/bench-tokenize
 
 use std::collections::BTreeMap;
 use std::io::Write;

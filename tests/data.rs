@@ -1,5 +1,5 @@
 //! Tokenization of each format against ids and masks computed independently with the Python
-//! `tokenizers` library and jinja2 (scripts/make_token_fixtures.py, fixtures in
+//! `tokenizers` library and jinja2 (tests/fixtures/tokens/make_tokens.py, fixtures in
 //! tests/fixtures/tokens).
 
 mod common;

@@ -94,18 +94,47 @@ fn documented_scripts_exist() {
     for f in files.iter().filter(|p| p.extension().is_some_and(|x| x == "md")) {
         let text = std::fs::read_to_string(f).unwrap();
         for (i, line) in text.lines().enumerate() {
-            for part in line.split(|c: char| c.is_whitespace() || "`()[],;:".contains(c)) {
-                if let Some(rest) = part.strip_prefix("scripts/")
-                    && !rest.is_empty()
-                    && rest.contains('.')
-                    && !root().join("scripts").join(rest).exists()
-                {
+            for part in line.split(|c: char| c.is_whitespace() || "`()[],;:\"'".contains(c)) {
+                let named = ["scripts/", "tests/fixtures/", "recipes/data/", "benches/reference/"].iter().any(|dir| {
+                    part.strip_prefix(dir).is_some_and(|rest| rest.ends_with(".py") || rest.ends_with(".sh"))
+                });
+                if named && !root().join(part).exists() {
                     missing.push(format!("{}:{}: {part}", f.display(), i + 1));
                 }
             }
         }
     }
     assert!(missing.is_empty(), "docs name scripts that do not exist:\n{}", missing.join("\n"));
+}
+
+/// `scripts/` is grouped by job, one naming style: `<group>/<kebab-case>.{sh,py}`, nothing loose.
+/// (Fixture makers live beside their fixtures, not here: docs/architecture.md.)
+#[test]
+fn scripts_are_grouped_by_job_in_kebab_case() {
+    let groups = ["bench", "gpu", "interop", "toolchain"];
+    let mut bad = Vec::new();
+    for e in std::fs::read_dir(root().join("scripts")).unwrap() {
+        let e = e.unwrap();
+        let group = e.file_name().to_string_lossy().into_owned();
+        if !e.path().is_dir() || !groups.contains(&group.as_str()) {
+            bad.push(format!("scripts/{group}: not one of the groups {groups:?}"));
+            continue;
+        }
+        for s in std::fs::read_dir(e.path()).unwrap() {
+            let name = s.unwrap().file_name().to_string_lossy().into_owned();
+            if name == "__pycache__" {
+                continue; // Python's own, ignored by git
+            }
+            let stem = name.strip_suffix(".sh").or_else(|| name.strip_suffix(".py"));
+            let kebab = stem.is_some_and(|s| {
+                !s.is_empty() && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            });
+            if !kebab {
+                bad.push(format!("scripts/{group}/{name}: not <kebab-case>.sh or .py"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
 #[test]

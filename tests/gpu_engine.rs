@@ -2281,7 +2281,7 @@ fn gpu_product_tiles() {
 /// forward `x·Wᵀ` and backward `dy·W`), and attention at 135M's and 3B's head shapes.
 /// `gpu_engine --ignored --nocapture gpu_timings`; a table of TFLOP/s per device comes last,
 /// with each Vulkan rate as a fraction of CUDA's (issue 18's go/no-go: ¼ of cuBLAS bf16). Not a
-/// benchmark of rtune (scripts/gpu_bench.sh is), a breakdown of where a step's time goes.
+/// benchmark of rtune (scripts/gpu/bench.sh is), a breakdown of where a step's time goes.
 /// `RTUNE_TIMING_TOKENS=32` shrinks the shapes (and attention to 1 × 64) to dry-run it on lavapipe.
 #[test]
 #[ignore]

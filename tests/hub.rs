@@ -1,5 +1,5 @@
 //! The Hub layer against a local Hub (tests/common/hub.rs): downloads land in the exact layout
-//! huggingface_hub produces (fixture made by scripts/make_hub_layout_fixture.py), offline mode,
+//! huggingface_hub produces (fixture made by tests/fixtures/hub/make_python_layout.py), offline mode,
 //! resume, digest checks, hostile answers, auth, retries, uploads, and recipes with Hub sources.
 
 mod common;
@@ -149,7 +149,7 @@ fn python_layout_fixture() {
     let env = Env::new();
     let cache = env.dir.path().join("py-cache");
     let st = Command::new("python3")
-        .arg(common::root().join("scripts/make_hub_layout_fixture.py"))
+        .arg(common::root().join("tests/fixtures/hub/make_python_layout.py"))
         .args(["--endpoint", &env.server.url, "--cache", cache.to_str().unwrap(), "--repo", "test-org/tiny-model"])
         .status()
         .unwrap();

@@ -1,5 +1,5 @@
 //! The model engine against transformers and PEFT (golden values from
-//! tests/fixtures/make_golden.py), gradients against finite differences, and folder round trips.
+//! tests/fixtures/golden/make_golden.py), gradients against finite differences, and folder round trips.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -115,7 +115,7 @@ fn qwen3_matches_transformers() {
     check(&model, &g, "base");
 }
 
-/// Gemma 2 and Gemma 3 (text): their layer in full (tests/fixtures/make_golden.py `--gemma`: GELU
+/// Gemma 2 and Gemma 3 (text): their layer in full (tests/fixtures/golden/make_golden.py `--gemma`: GELU
 /// gate, random `1 + w` norms around attention and the MLP, scaled embeddings, scores scaled by
 /// `query_pre_attn_scalar`, local layers whose window of 3 is shorter than the rows; Gemma 2's
 /// tanh caps, Gemma 3's query/key norms and two rotary tables, the global one scaled linearly):
@@ -190,7 +190,7 @@ fn qwen3_lora_matches_peft() {
 
 /// bitsandbytes' 4-bit NF4 quantization of every linear of the tiny QLoRA model, as transformers
 /// loads it with `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`
-/// (tests/fixtures/make_golden.py `--qlora`): the same packed bytes and block scales, bit for bit,
+/// (tests/fixtures/golden/make_golden.py `--qlora`): the same packed bytes and block scales, bit for bit,
 /// and no other weight quantized.
 #[test]
 fn nf4_quantization_matches_bitsandbytes() {
@@ -320,7 +320,7 @@ fn qlora_matches_peft_over_a_bitsandbytes_base() {
 }
 
 /// Central finite differences (in f64 on the loss) against autograd for a few LoRA entries.
-/// A PEFT adapter with `modules_to_save`, made by PEFT (tests/fixtures/make_golden.py
+/// A PEFT adapter with `modules_to_save`, made by PEFT (tests/fixtures/golden/make_golden.py
 /// `--modules`: modules changed at random — an untied LM head, norms, a whole linear; in Qwen2 a
 /// k_proj with its bias, and the embedding, which PEFT keeps tied to the LM head; in Qwen3 a
 /// query and a key head norm), loads as PEFT
@@ -933,7 +933,7 @@ fn quant_fixture(name: &str) -> PathBuf {
 /// quantizers (all zero, constant, one-signed, below ggml's zero threshold, rounding ties,
 /// outliers, huge ranges, bf16-rounded and Gaussian weights), quantized to every type rtune
 /// writes, equal what llama.cpp's `ggml_quantize_chunk` wrote for them
-/// (scripts/make_quant_fixtures.py), byte for byte.
+/// (tests/fixtures/quant/make_quant.py), byte for byte.
 #[test]
 fn quantizers_write_llama_cpps_bytes() {
     use candle_core::quantized::{GgmlDType, gguf_file};
@@ -1010,7 +1010,7 @@ fn quantizers_write_llama_cpps_bytes() {
 }
 
 /// Each GGUF file type gives every matrix the type llama.cpp's `llama-quantize` gives it, on
-/// model shapes that reach its rules (scripts/make_quant_fixtures.py): Q6_K output layers and
+/// model shapes that reach its rules (tests/fixtures/quant/make_quant.py): Q6_K output layers and
 /// tied embeddings, the `_M` mixes' value and down projections, `q4_k_s`'s first layers, the
 /// "70B" value projections, and the fallbacks of rows that are not whole blocks.
 #[test]
@@ -1067,7 +1067,7 @@ fn gguf_types_follow_llama_quantize() {
 
 /// An importance matrix counts what every decoder linear reads, as transformers' forward of
 /// the same LoRA model gives it (forward pre-hooks on the base layers,
-/// `tests/fixtures/make_golden.py --imatrix`): q, k and v the normed input, o the attention's
+/// `tests/fixtures/golden/make_golden.py --imatrix`): q, k and v the normed input, o the attention's
 /// output, gate and up the normed residual, down the gated product — on Llama, Qwen2 (biases)
 /// and Qwen3 (q/k norms, wide heads), each row run alone over its real tokens.
 #[test]
@@ -1104,7 +1104,7 @@ fn imatrix_counts_what_each_linear_reads() {
 }
 
 /// An importance matrix file is llama.cpp's (read back by rtune here; by llama.cpp's
-/// llama-quantize in `scripts/gguf_quant_check.py`): the metadata llama-imatrix writes, and each
+/// llama-quantize in `scripts/interop/gguf-quant-check.py`): the metadata llama-imatrix writes, and each
 /// matrix's sums and count.
 #[test]
 fn imatrix_file_reads_back() {
@@ -1141,7 +1141,7 @@ fn imatrix_file_reads_back() {
 }
 
 /// llama.cpp's two imatrix formats, as its own llama-imatrix wrote the same matrix in each
-/// (`scripts/make_imatrix_fixtures.sh`): rtune reads both to the importance llama-quantize
+/// (`tests/fixtures/quant/make_llama_imatrix.sh`): rtune reads both to the importance llama-quantize
 /// computes from them (the GGUF's sums over its counts; the `.dat`'s means times chunks over its
 /// chunks), the same within f32 rounding, with their dataset's name.
 #[test]

@@ -38,7 +38,7 @@ SHAPES = {
                                    query_pre_attn_scalar=256, sliding_window=512, rms_norm_eps=1e-6,
                                    max_position_embeddings=32768)),
     # Not a real model: a small shape to dry-run the benchmark's scripts without a GPU
-    # (TORCH_DEVICE=cpu DEVICE=vulkan scripts/gpu_bench.sh smoke:2x128, on lavapipe).
+    # (TORCH_DEVICE=cpu DEVICE=vulkan scripts/gpu/bench.sh smoke:2x128, on lavapipe).
     "smoke": ("qwen2", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=256, vocab_size=4096, tie_word_embeddings=False,
                             rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=1024)),

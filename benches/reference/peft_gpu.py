@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The PyTorch + PEFT side of the GPU benchmark (scripts/gpu_bench.sh), run on the GPU machine,
+"""The PyTorch + PEFT side of the GPU benchmark (scripts/gpu/bench.sh), run on the GPU machine,
 never in CI. The model folder from gpu_shapes.py loaded in bf16, PEFT LoRA r16 alpha32 dropout
 0.05 on q/k/v/o_proj (adapters in fp32, PEFT's default), torch.autocast(bf16), SDPA attention,
 fused AdamW (lr 1e-4), random token ids of the benchmarked shape, labels = ids. Gradient
@@ -14,7 +14,7 @@ and the same LoRA adapter over it (needs bitsandbytes).
 
     python3 benches/reference/peft_gpu.py MODEL_DIR BATCH SEQ STEPS [--checkpointing] [--full|--qlora] [--device cpu]
 
-`--device cpu` only dry-runs the script (and gpu_bench.sh) on a machine without a GPU: no peak
+`--device cpu` only dry-runs the script (and scripts/gpu/bench.sh) on a machine without a GPU: no peak
 memory is reported there.
 """
 import json

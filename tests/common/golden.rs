@@ -1,4 +1,4 @@
-//! The golden fixtures (tests/fixtures/golden, made by tests/fixtures/make_golden.py with
+//! The golden fixtures (tests/fixtures/golden, made by tests/fixtures/golden/make_golden.py with
 //! transformers and PEFT): each one's folder, and its batch with the positions that count.
 
 use std::path::{Path, PathBuf};

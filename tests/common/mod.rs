@@ -17,7 +17,7 @@ pub fn root() -> PathBuf {
 ///
 /// `RTUNE_TEST_RUNNER` (a program and its arguments, split at spaces) runs each `rtune` through
 /// it, as cargo's runner variable does for test binaries: .ci/run runs the Vulkan recipe's
-/// processes on Mesa 26's lavapipe under the validation layer (`scripts/newer-mesa.sh validate`).
+/// processes on Mesa 26's lavapipe under the validation layer (`scripts/toolchain/newer-mesa.sh validate`).
 pub fn rtune_cmd() -> Command {
     let bin = env!("CARGO_BIN_EXE_rtune");
     let runner = std::env::var("RTUNE_TEST_RUNNER").unwrap_or_default();

@@ -7,7 +7,7 @@
 //! the quantizers are ggml's weighted ones (`quantize_row_q4_K_impl` and siblings, what
 //! `llama-quantize --imatrix` runs): the search weights each value by its column's importance.
 //! `tests/model.rs::quantizers_write_llama_cpps_bytes` compares both with llama.cpp's on rows
-//! that reach every branch (fixture made by `scripts/make_quant_fixtures.py`).
+//! that reach every branch (fixture made by `tests/fixtures/quant/make_quant.py`).
 //!
 //! candle's quantizers are not used for writing: its Q4_K and Q5_K search scales with the
 //! older `make_qkx1_quants` (unweighted, five rounds), which llama.cpp replaced with the

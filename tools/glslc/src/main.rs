@@ -1,6 +1,6 @@
 //! `rtune-glslc -D<NAME>... -o <out.spv> <in.comp>`: compiles one compute shader for Vulkan 1.2
 //! (SPIR-V 1.5) with the glslang this crate pins, so that the checked-in SPIR-V of the Vulkan
-//! engine comes out byte for byte the same wherever scripts/build-spirv.sh runs. It builds every
+//! engine comes out byte for byte the same wherever scripts/toolchain/build-spirv.sh runs. It builds every
 //! kernel, including those that need newer GLSL extensions than Debian 12's glslangValidator
 //! knows (`GL_KHR_cooperative_matrix`, `GL_EXT_bfloat16`).
 

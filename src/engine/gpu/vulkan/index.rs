@@ -1,4 +1,4 @@
-// Written by scripts/build-spirv.sh from kernels.comp; do not edit.
+// Written by scripts/toolchain/build-spirv.sh from kernels.comp; do not edit.
 pub const KERNELS: &[(&str, &[u8])] = &[
     ("adamw", include_bytes!("spirv/adamw.spv")),
     ("add_bf16", include_bytes!("spirv/add_bf16.spv")),

@@ -1,6 +1,6 @@
 #version 460
 // The GPU engine's kernels for Vulkan: the kernels of ../kernels.cu that a LoRA step needs,
-// written once in GLSL and compiled to SPIR-V ahead of time (scripts/build-spirv.sh), one
+// written once in GLSL and compiled to SPIR-V ahead of time (scripts/toolchain/build-spirv.sh), one
 // module per kernel and compute dtype: `-DK_<kernel>` picks the kernel, `-DT_F32`, `-DT_BF16` or
 // `-DT_F16` the dtype (the `_f32`/`_bf16`/`_f16` suffix of its name, as in kernels.cu).
 //

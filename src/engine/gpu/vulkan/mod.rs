@@ -1,5 +1,5 @@
 //! [`Gpu`] on a Vulkan device: the GPU engine's kernels as SPIR-V compute shaders
-//! (`kernels.comp`, compiled ahead of time by scripts/build-spirv.sh into `spirv/`), reached
+//! (`kernels.comp`, compiled ahead of time by scripts/toolchain/build-spirv.sh into `spirv/`), reached
 //! through the loader with `ash` (opened at run time; nothing is linked at build time).
 //!
 //! The engine's raw-pointer model maps onto Vulkan 1.2's buffer device addresses: every

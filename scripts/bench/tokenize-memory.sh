@@ -2,14 +2,14 @@
 # Peak RSS and throughput of the tokenize stage on a large generated JSONL, through the path
 # users run (`rtune run … --only tokenize`), for one or two rtune binaries side by side.
 #
-#   scripts/bench_tokenize_memory.sh SIZE_MB RTUNE [OLD_RTUNE]
+#   scripts/bench/tokenize-memory.sh SIZE_MB RTUNE [OLD_RTUNE]
 #
 # The dataset is the bundled synthetic Alpaca file repeated (each copy's instructions numbered,
 # so rows differ) up to SIZE_MB; the model is the tiny-offline scratch model (its tokenizer is
 # trained once on the small file). Prints one line per binary: seconds, MB/s, peak RSS.
 set -euo pipefail
 size_mb=$1; shift
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 work="${BENCH_DIR:-$(mktemp -d)}"
 mkdir -p "$work"
 grep "model name" /proc/cpuinfo | head -1 || true

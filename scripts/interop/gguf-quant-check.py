@@ -3,7 +3,7 @@
 
     pip install llama-cpp-python gguf numpy
     rtune run recipe.toml          # with quantize.formats including "gguf-f32" and quantized ones
-    python3 scripts/gguf_quant_check.py OUT_DIR/gguf
+    python3 scripts/interop/gguf-quant-check.py OUT_DIR/gguf
 
 For every `model-<type>.gguf` beside `model-f32.gguf`, llama.cpp quantizes the f32 file to the
 same file type (with rtune's `imatrix.gguf` where rtune's file names it, as
@@ -19,7 +19,10 @@ import tempfile
 import gguf
 import llama_cpp
 import numpy as np
-from make_quant_fixtures import quantize  # llama_model_quantize, with an importance matrix
+
+# llama_model_quantize, with an importance matrix: the fixture maker beside its fixtures
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures", "quant"))
+from make_quant import quantize  # noqa: E402
 
 FTYPES = {
     "f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q5_k_s": 16, "q4_k_m": 15, "q4_k_s": 14, "q4_0": 2,

@@ -5,9 +5,9 @@
 # installed, into target/newer-mesa with the Debian 13 libraries they need (glibc included), and
 # a program runs under that root's dynamic loader, beside nothing of the system's.
 #
-#   scripts/newer-mesa.sh install                      # download and unpack (~90 MB; once)
-#   scripts/newer-mesa.sh run <program> [args…]        # run a program on that lavapipe
-#   scripts/newer-mesa.sh validate <program> [args…]   # the same under Khronos' validation layer:
+#   scripts/toolchain/newer-mesa.sh install                      # download and unpack (~90 MB; once)
+#   scripts/toolchain/newer-mesa.sh run <program> [args…]        # run a program on that lavapipe
+#   scripts/toolchain/newer-mesa.sh validate <program> [args…]   # the same under Khronos' validation layer:
 #                                                      # fails if the layer reports an error
 #
 # As cargo's runner, so that tests run on it:
@@ -16,7 +16,7 @@
 # Versions are resolved from the archive's indexes when installing (backports first), so the
 # script follows Debian's updates; it fails if a library lavapipe needs is not found.
 set -euo pipefail
-root=${NEWER_MESA_ROOT:-$(cd "$(dirname "$0")/.." && pwd)/target/newer-mesa}
+root=${NEWER_MESA_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)/target/newer-mesa}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 lib=$root/usr/lib/x86_64-linux-gnu
 
@@ -68,7 +68,7 @@ install() {
 
 # A program on this root's lavapipe: its driver only, under its own dynamic loader.
 on_root() {
-  [ -e "$root/lvp_icd.json" ] || { echo "newer-mesa: run \`scripts/newer-mesa.sh install\` first" >&2; exit 1; }
+  [ -e "$root/lvp_icd.json" ] || { echo "newer-mesa: run \`scripts/toolchain/newer-mesa.sh install\` first" >&2; exit 1; }
   exec env VK_ICD_FILENAMES="$root/lvp_icd.json" VK_DRIVER_FILES="$root/lvp_icd.json" \
     "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$@"
 }

@@ -4,15 +4,15 @@
 # engine embeds (index.rs). The modules are checked in, so building rtune needs no shader
 # compiler; after editing kernels.comp, run this and commit the result.
 #
-#   scripts/build-spirv.sh           # rebuild the modules
-#   scripts/build-spirv.sh --check   # fail if the checked-in modules differ from a fresh build (CI)
+#   scripts/toolchain/build-spirv.sh           # rebuild the modules
+#   scripts/toolchain/build-spirv.sh --check   # fail if the checked-in modules differ from a fresh build (CI)
 #
 # Needs cargo only: the modules are compiled by tools/glslc, which builds a pinned glslang from
 # crates.io (about 1.5 minutes the first time), so the bytes are the same wherever this runs and
 # the kernels on the matrix units can use GLSL extensions newer than a distribution's glslang
 # (GL_KHR_cooperative_matrix, GL_EXT_bfloat16).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 src=src/engine/gpu/vulkan/kernels.comp
 dest=src/engine/gpu/vulkan/spirv
 cargo build --quiet --release --locked --manifest-path tools/glslc/Cargo.toml --target-dir tools/glslc/target
@@ -52,7 +52,7 @@ for t in bf16 f16; do
   compile "cm_probe_$t" -DK_cm_probe "-DT_${t^^}"
 done
 {
-  echo "// Written by scripts/build-spirv.sh from kernels.comp; do not edit."
+  echo "// Written by scripts/toolchain/build-spirv.sh from kernels.comp; do not edit."
   echo "pub const KERNELS: &[(&str, &[u8])] = &["
   for f in $(cd "$out" && ls *.spv | sort); do
     echo "    (\"${f%.spv}\", include_bytes!(\"spirv/$f\")),"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """rtune's merged export of a bf16 (or f16) base against PEFT's own merge of the same adapter.
 
-    python3 scripts/merge_dtype_check.py BASE_MODEL_DIR EXPORTS_DIR
+    python3 scripts/interop/merge-dtype-check.py BASE_MODEL_DIR EXPORTS_DIR
 
 EXPORTS_DIR holds rtune's `peft-adapter/` and `merged/` of a run over BASE_MODEL_DIR. PEFT loads
 the base in its stored dtype, applies the adapter and `merge_and_unload()`s it, as users merge;

@@ -8,12 +8,12 @@
 # Mac): this finds code that does not build for macOS — a Linux-only call, a missing `cfg` — not
 # how it behaves there.
 #
-#   scripts/macos-check.sh
+#   scripts/toolchain/macos-check.sh
 #
 # Installs what is missing: rustup's aarch64-apple-darwin target, and zig from PyPI's `ziglang`
 # wheel (pinned by sha256, unpacked with unzip: no Python) under $CARGO_TARGET_DIR/zig.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 target=aarch64-apple-darwin
 rustup target list --installed | grep -qx "$target" || rustup target add "$target"
 

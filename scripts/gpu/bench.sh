@@ -6,24 +6,24 @@
 # peak GPU memory come from the train stage's own report. PyTorch uses SDPA attention,
 # autocast bf16 and fused AdamW (benches/reference/peft_gpu.py). Prints a markdown table.
 #
-#   . scripts/gpu-env.sh && scripts/gpu_bench.sh [SHAPE:BATCHxSEQ ...]
+#   . scripts/gpu/env.sh && scripts/gpu/bench.sh [SHAPE:BATCHxSEQ ...]
 #
 # Default shapes: smollm2-135m:4x1024 qwen2.5-0.5b:4x1024 qwen2.5-3b:4x1024 qwen2.5-3b:1x512
 # (also: smollm2-360m, qwen3-0.6b, gemma3-270m; benches/reference/gpu_shapes.py).
 # STEPS (default 20) timed steps each; RTUNE (default .gpu/rtune) the binary; SKIP_TORCH=1 runs
 # rtune alone (e.g. with RTUNE_ENGINE=candle, to measure candle's autograd on the GPU); DEVICE
 # (default cuda) and DTYPE (default bf16) are the recipe's device preference and dtype — issue
-# 18's comparison is `DEVICE=vulkan scripts/gpu_bench.sh smollm2-135m:4x512 smollm2-360m:4x512`
-# (the Vulkan engine on the same GPU against PyTorch on CUDA; gpu-env.sh brings the loader).
+# 18's comparison is `DEVICE=vulkan scripts/gpu/bench.sh smollm2-135m:4x512 smollm2-360m:4x512`
+# (the Vulkan engine on the same GPU against PyTorch on CUDA; scripts/gpu/env.sh brings the loader).
 # TRAIN=full benchmarks a full fine-tune instead of LoRA: `adapter.kind = "none"` for rtune, and
 # for PyTorch fp32 weights under autocast bf16 with AdamW over every weight (peft_gpu.py --full).
 # TRAIN=qlora benchmarks QLoRA: `adapter.quantize_base = "nf4-dq"` (QUANT=nf4 without double
 # quantization) for rtune, transformers' `load_in_4bit` NF4 base with double quantization
 # (bitsandbytes) for PyTorch (peft_gpu.py --qlora).
 # To dry-run this script without a GPU (PyTorch, transformers and PEFT on the CPU, rtune through
-# lavapipe): TORCH_DEVICE=cpu DEVICE=vulkan RTUNE=target/release/rtune scripts/gpu_bench.sh smoke:2x128
+# lavapipe): TORCH_DEVICE=cpu DEVICE=vulkan RTUNE=target/release/rtune scripts/gpu/bench.sh smoke:2x128
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 root="${GPU_BENCH_DIR:-/tmp/rtune-gpu-bench}"
 steps="${STEPS:-20}"
 device="${DEVICE:-cuda}"

@@ -6,13 +6,13 @@
 # fine-tune. Prints a markdown table of tokens/s (the train stage's steady-state rate) and peak
 # RSS (the process's, which runs the train stage alone) from each run's report.
 #
-#   scripts/bench_cpu_engines.sh [STEPS]        # default 12 steps (3 more run as warm-up)
+#   scripts/bench/cpu-engines.sh [STEPS]        # default 12 steps (3 more run as warm-up)
 #
 # The model is a scratch Llama (random weights, the dataset's own tokenizer): hidden 512, 8
 # layers, 8 heads (4 KV), MLP 1536, vocabulary 2048; batch 4 × 128 tokens (no packing); the
 # bundled synthetic dataset. RTUNE (default target/release/rtune, built if missing) the binary.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 steps="${1:-12}"
 rtune="${RTUNE:-target/release/rtune}"
 [ -x "$rtune" ] || cargo build --release --quiet

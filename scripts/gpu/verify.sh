@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks (issue 17), on a machine with an NVIDIA GPU, with binaries from
-# scripts/build-cuda.sh:
+# scripts/toolchain/build-cuda.sh:
 #
-#   . scripts/gpu-env.sh && scripts/gpu-verify.sh
+#   . scripts/gpu/env.sh && scripts/gpu/verify.sh
 #
 # 1. `rtune doctor` sees the GPU;
 # 2. the GPU engine's tests (tests/gpu_engine.rs) pass on the GPU as well as on the emulator:
@@ -17,7 +17,7 @@
 # 7. a scratch Gemma 3 end to end on CUDA and the CPU: training, evaluation and its q8_0 GGUF
 #    self-checked on the device (the quantize stage reads the GGUF back as llama.cpp does,
 #    export::gguf::read, on the run's device);
-# 8. where a Vulkan loader is present (gpu-env.sh brings one from .gl/): the GPU engine's tests on
+# 8. where a Vulkan loader is present (scripts/gpu/env.sh brings one from .gl/): the GPU engine's tests on
 #    the GPU through Vulkan, and the default recipe (and the full fine-tune and QLoRA) through
 #    Vulkan against the CPU (issue 18).
 # Logs go to $OUT (or /tmp/rtune-gpu-verify). TESTS=0 skips the engine's tests (2 and 7's).
@@ -26,7 +26,7 @@
 # gemma3 (7), vulkan (8; with full and qlora, their Vulkan runs too). Only comparisons whose runs were
 # picked are made, e.g. CHECKS="cpu vulkan" TESTS=0 for the default recipe through Vulkan alone.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp/rtune-gpu-verify}"
 mkdir -p "$out"
 export RTUNE_NO_PROGRESS=1
@@ -112,7 +112,7 @@ elif step "Vulkan: the GPU engine's tests and the default recipe" && .gpu/rtune 
   ! picked full || run_recipe full-vulkan /tmp/rtune-cache-vulkan "${full[@]}" --set 'device.prefer=["vulkan"]'
   ! picked qlora || run_recipe qlora-vulkan /tmp/rtune-cache-vulkan "${qlora[@]}" --set 'device.prefer=["vulkan"]'
 else # asked for (CHECKS names it, as it does by default) and not run: a failure, not a pass
-  echo "no Vulkan device (carry the loader's and glvnd's .debs under .gl/: scripts/gpu-prep.sh); leave vulkan out of CHECKS on a machine without one"
+  echo "no Vulkan device (carry the loader's and glvnd's .debs under .gl/: scripts/gpu/prep.sh); leave vulkan out of CHECKS on a machine without one"
   status=1
 fi
 

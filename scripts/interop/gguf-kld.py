@@ -4,8 +4,8 @@ of each file's next-token distributions from the f32 file's, how often its top t
 file's, and its perplexity — what `llama-perplexity --kl-divergence` reports, over a text file.
 
     pip install llama-cpp-python numpy
-    python3 scripts/gguf_kld.py TEXT_FILE F32.gguf QUANT.gguf [QUANT.gguf ...]
-    python3 scripts/gguf_kld.py TOKENIZE_ARTIFACT/eval F32.gguf QUANT.gguf [...]
+    python3 scripts/interop/gguf-kld.py TEXT_FILE F32.gguf QUANT.gguf [QUANT.gguf ...]
+    python3 scripts/interop/gguf-kld.py TOKENIZE_ARTIFACT/eval F32.gguf QUANT.gguf [...]
 
 The text is cut into chunks of 128 tokens (each evaluated from an empty context); the first half
 of each chunk is context only, the second half is scored, as llama-perplexity does. A split of

@@ -2,7 +2,7 @@
 """Load rtune's exports with the Python tools users would use, and compare.
 
     rtune run recipes/tiny-offline.toml
-    python3 scripts/interop_check.py BASE_MODEL_DIR recipes/out/tiny-offline [TOKENS_DIR]
+    python3 scripts/interop/exports-check.py BASE_MODEL_DIR recipes/out/tiny-offline [TOKENS_DIR]
 
 BASE_MODEL_DIR is the `model/` folder of the download artifact (`rtune run --json` prints its
 path). Without a `peft-adapter` export (a full fine-tune) the PEFT comparison is skipped. With

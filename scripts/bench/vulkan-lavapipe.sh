@@ -4,12 +4,12 @@
 # a fresh cache, then the same recipe on the CPU engine as the reference. Prints each run's
 # train line and eval losses.
 #
-#   scripts/bench_vulkan_lavapipe.sh OLD_RTUNE NEW_RTUNE [STEPS]   # STEPS: all (default) or a number
+#   scripts/bench/vulkan-lavapipe.sh OLD_RTUNE NEW_RTUNE [STEPS]   # STEPS: all (default) or a number
 set -euo pipefail
 old=$(realpath "$1") new=$(realpath "$2") steps=${3:-all}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cp -r "$(dirname "$0")/../recipes/tiny-offline.toml" "$(dirname "$0")/../recipes/data" "$work/"
+cp -r "$(dirname "$0")/../../recipes/tiny-offline.toml" "$(dirname "$0")/../../recipes/data" "$work/"
 cd "$work"
 grep -m1 "model name" /proc/cpuinfo; nproc
 vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverInfo" | head -2 || true

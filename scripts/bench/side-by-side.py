@@ -2,10 +2,10 @@
 """One command for the side-by-side tables of docs/benchmarks.md, rtune and PyTorch + PEFT on
 the same machine, one after the other, then the ratios. Needs torch, transformers and peft.
 
-    python3 scripts/bench_side_by_side.py                 # train step, both shapes
-    python3 scripts/bench_side_by_side.py tiny            # one shape
-    python3 scripts/bench_side_by_side.py --epoch tiny    # also one epoch of variable-length rows
-    python3 scripts/bench_side_by_side.py --eval          # also evaluation (loss, no gradients)
+    python3 scripts/bench/side-by-side.py                 # train step, both shapes
+    python3 scripts/bench/side-by-side.py tiny            # one shape
+    python3 scripts/bench/side-by-side.py --epoch tiny    # also one epoch of variable-length rows
+    python3 scripts/bench/side-by-side.py --eval          # also evaluation (loss, no gradients)
 
 Train step: `cargo bench --bench train_step` (rtune's fused engine, alone in its process so its
 peak RSS is its own) and benches/reference/peft_bench.py. Epoch: `cargo bench --bench epoch`
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = {"tiny": 30, "135m": 5, "qwen3-0.6b": 3, "gemma3-270m": 3}
 args = sys.argv[1:]
 epoch = "--epoch" in args

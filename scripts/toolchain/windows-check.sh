@@ -15,13 +15,13 @@
 # (it found that FlushFileBuffers refuses read-only handles), not that every Windows version,
 # file system or GPU driver behaves so.
 #
-#   scripts/windows-check.sh
+#   scripts/toolchain/windows-check.sh
 #
 # Installs what is missing: rustup's x86_64-pc-windows-gnu target, and from Debian MinGW-w64,
 # wine64 and xvfb (Xvfb). Builds in the dev profile, the dependencies at opt-level 1 but gemm's
 # crates at 3 (see wcargo below).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 target=x86_64-pc-windows-gnu
 rustup target list --installed | grep -qx "$target" || rustup target add "$target"
 need=()

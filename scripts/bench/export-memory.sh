@@ -3,7 +3,7 @@
 # self-checks) through the path users run (`rtune run … --only quantize --force quantize`), for
 # one or two rtune binaries side by side on the same trained adapter.
 #
-#   scripts/bench_export_memory.sh SHAPE RTUNE [OLD_RTUNE]
+#   scripts/bench/export-memory.sh SHAPE RTUNE [OLD_RTUNE]
 #
 # FORMATS='["gguf-q4_k"]' exports those formats instead (a TOML list). DEVICE=cuda runs the
 # recipe on that device (the exports' self-checks then run there, one decoder layer at a time) and
@@ -24,7 +24,7 @@
 # checkpoint files, which the kernel can drop and re-read).
 set -euo pipefail
 shape=$1; shift
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 work="${BENCH_DIR:-$(mktemp -d)}"
 mkdir -p "$work/data"
 grep "model name" /proc/cpuinfo | head -1 || true

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Build rtune with `--features cuda` on a machine without a GPU or a CUDA install (the toolkit
-# comes from scripts/cuda-toolkit.sh), and pack what a GPU machine runs into .gpu/: the stripped
+# comes from scripts/toolchain/cuda-toolkit.sh), and pack what a GPU machine runs into .gpu/: the stripped
 # release binary and the GPU test binaries, gzipped (a GPU machine here takes 64 MiB per call;
 # the binary is ~70 MiB stripped, ~20 MiB compressed). On the GPU machine:
 #
-#   . scripts/gpu-env.sh && .gpu/rtune doctor && scripts/gpu-verify.sh
+#   . scripts/gpu/env.sh && .gpu/rtune doctor && scripts/gpu/verify.sh
 #
 # `--lint` (CI) only lints the CUDA code — clippy with `--features cuda`, warnings denied, which
 # compiles every CUDA path and, through the build scripts, kernels.cu and candle's kernels with
 # nvcc — and builds nothing to run: the release build is ~20 minutes and several GB cold, worth
 # it only where a GPU will run it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-eval "$(scripts/cuda-toolkit.sh)"
+cd "$(dirname "$0")/../.."
+eval "$(scripts/toolchain/cuda-toolkit.sh)"
 # The lint checks in cargo's own target folder, reusing what CI's clippy checked (every crate
 # whose features `cuda` leaves alone); the release build keeps a folder of its own.
 if [ "${1:-}" = "--lint" ]; then

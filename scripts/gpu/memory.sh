@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Memory checks on a GPU machine, after scripts/gpu_bench.sh has written its recipes (same
+# Memory checks on a GPU machine, after scripts/gpu/bench.sh has written its recipes (same
 # GPU_BENCH_DIR): the 3B shape at 4 × 1024 with activation checkpointing (peak and speed
 # against the run without; ONLY_OOM=1 skips it), and a batch far too large with checkpointing
 # off, to show the out-of-memory error and what it suggests.
 #
-#   . scripts/gpu-env.sh && scripts/gpu_bench.sh qwen2.5-3b:4x1024 && scripts/gpu-memory.sh
+#   . scripts/gpu/env.sh && scripts/gpu/bench.sh qwen2.5-3b:4x1024 && scripts/gpu/memory.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 root="${GPU_BENCH_DIR:-/tmp/rtune-gpu-bench}"
 rtune="${RTUNE:-.gpu/rtune}"
 recipe="$root/qwen2.5-3b-4x1024.toml"

@@ -3,7 +3,7 @@
 read JSONL, render the Alpaca prompt, encode prompts and outputs in batches (no special tokens),
 add bos/eos. Run after `cargo bench --bench tokenize`:
 
-    python3 scripts/bench_tokenize.py target/bench-tokenize
+    python3 scripts/bench/tokenize-speed.py target/bench-tokenize
 """
 import json
 import os

@@ -4,12 +4,12 @@
 # rtune only calls through cudarc (libcuda, cuBLAS, cuBLASLt, cuRAND, NVRTC) — the real ones come
 # with the NVIDIA driver and CUDA runtime on the machine that runs the binary.
 #
-#   scripts/cuda-toolkit.sh [DIR]        # default: target/cuda-toolkit; prints the env to export
+#   scripts/toolchain/cuda-toolkit.sh [DIR]        # default: target/cuda-toolkit; prints the env to export
 #
 # Pinned to CUDA 13.0 to match the GPU machines' driver 580: PTX from a newer nvcc does not load
 # on an older driver (docs/devices.md).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dest="${1:-target/cuda-toolkit}"
 mkdir -p "$dest/wheels"
 dest="$(cd "$dest" && pwd)"

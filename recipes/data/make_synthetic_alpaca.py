@@ -5,10 +5,11 @@ templated instruction tasks (arithmetic, antonyms, capitals, word order, countin
 Small enough to commit and learnable by a tiny model in a few minutes, so the offline default
 recipe shows real learning. Deterministic: the same seed always writes the same bytes.
 
-    python3 scripts/make_synthetic_dataset.py [--rows 3000] [--seed 7] [--out PATH]
+    python3 recipes/data/make_synthetic_alpaca.py [--rows 3000] [--seed 7] [--out PATH]
 """
 import argparse
 import json
+import os
 import random
 
 NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
@@ -69,7 +70,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=3000)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--out", default="recipes/data/synthetic-alpaca.jsonl")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "synthetic-alpaca.jsonl"))
     a = p.parse_args()
     r = random.Random(a.seed)
     with open(a.out, "w", encoding="utf-8", newline="\n") as f:

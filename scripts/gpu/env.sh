@@ -1,9 +1,9 @@
 # Source this on a GPU machine before running a CUDA build of rtune that was compiled elsewhere
-# (scripts/build-cuda.sh): it puts the CUDA 13 libraries rtune links against (cuBLAS, cuBLASLt,
+# (scripts/toolchain/build-cuda.sh): it puts the CUDA 13 libraries rtune links against (cuBLAS, cuBLASLt,
 # cuRAND, NVRTC, the runtime) on LD_LIBRARY_PATH — from the CUDA toolkit if installed, else
 # from PyTorch's NVIDIA wheels — and unpacks binaries carried as .gpu/*.gz.
 #
-#   . scripts/gpu-env.sh && .gpu/rtune doctor
+#   . scripts/gpu/env.sh && .gpu/rtune doctor
 dirs=""
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
   $(python3 -c 'import nvidia, os; [print(os.path.join(p, "cu13", "lib")) for p in nvidia.__path__]' 2>/dev/null); do
@@ -37,7 +37,7 @@ fi
 if [ -f .gpu/manifest-dir ] && [ ! -e "$(cat .gpu/manifest-dir)" ]; then
   mkdir -p "$(dirname "$(cat .gpu/manifest-dir)")" && ln -s "$PWD" "$(cat .gpu/manifest-dir)"
 fi
-# bitsandbytes for PyTorch's QLoRA reference, where the machine has none (gpu-prep.sh packs it).
+# bitsandbytes for PyTorch's QLoRA reference, where the machine has none (scripts/gpu/prep.sh packs it).
 if [ -f .gpu/bitsandbytes.tgz ] && ! python3 -c 'import bitsandbytes' 2>/dev/null; then
   [ -d .gpu/py ] || { mkdir -p .gpu/py && tar -xzf .gpu/bitsandbytes.tgz -C .gpu/py; }
   export PYTHONPATH="$PWD/.gpu/py${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GGUF calibration, side by side: the same trained model exported by `rtune run` with and without
 # an importance matrix, each file's distance from the f32 model measured in llama.cpp
-# (scripts/gguf_kld.py: KL divergence, same top token, perplexity) on rtune's eval split and on
+# (scripts/interop/gguf-kld.py: KL divergence, same top token, perplexity) on rtune's eval split and on
 # held-out text of another source. Results: docs/benchmarks.md, "GGUF calibration".
 #
-#   scripts/bench_imatrix.sh RTUNE [WORK_DIR]
+#   scripts/bench/imatrix.sh RTUNE [WORK_DIR]
 #
 # Needs Python 3 with llama-cpp-python, gguf and numpy (pip install llama-cpp-python gguf numpy);
 # never run in CI. The corpus is prose from Python's own documentation: the training text is
@@ -13,7 +13,7 @@
 # whole K-quant blocks), then exported to f32 and seven quantized types.
 set -euo pipefail
 rtune=$(realpath "$1")
-scripts=$(dirname "$(realpath "$0")")
+scripts=$(dirname "$(dirname "$(realpath "$0")")")
 work=${2:-$(mktemp -d)}
 mkdir -p "$work/data"
 cd "$work"
@@ -95,6 +95,6 @@ for text in "$tokens/eval" heldout.txt; do
   echo "== $text"
   files=()
   for t in q6_k q5_k_s q4_k_m q4_k_s q4_0 q3_k_m q2_k; do files+=("$plain/gguf/model-$t.gguf" "$calibrated/gguf/model-$t.gguf"); done
-  python3 "$scripts/gguf_kld.py" "$text" "$plain/gguf/model-f32.gguf" "${files[@]}" 2>/dev/null |
+  python3 "$scripts/interop/gguf-kld.py" "$text" "$plain/gguf/model-f32.gguf" "${files[@]}" 2>/dev/null |
     sed "s#$plain/gguf/#plain      #; s#$calibrated/gguf/#calibrated #"
 done
