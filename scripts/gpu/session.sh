@@ -7,9 +7,9 @@
 #
 #   scripts/gpu/session.sh first    # carry .gpu .gl (timeout_s 600):
 #                                   # rtune doctor through Vulkan; rtune's own products and
-#                                   # attention on CUDA and Vulkan (gpu_timings: the matrix-unit
+#                                   # attention on CUDA and Vulkan (gpu_kernels timings: the matrix-unit
 #                                   # attention's check); the products with each of gemm_cm's
-#                                   # tiles (gpu_product_tiles); SmolLM2-360M at 4×512 through
+#                                   # tiles (gpu_kernels tiles); SmolLM2-360M at 4×512 through
 #                                   # Vulkan against PyTorch + PEFT on CUDA; the GPU engine's
 #                                   # tests through Vulkan; the default recipe through Vulkan
 #                                   # against the CPU;
@@ -104,10 +104,10 @@ first)
     step vulkan-probe 20 5 bash -c 'echo "VK_DRIVER_FILES=${VK_DRIVER_FILES:-}"; ls -l /usr/local/nvidia/share/vulkan/icd.d /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1; find / -xdev -name "*nvidia*icd*.json" 2>/dev/null | head; ldconfig -p | grep -E "libvulkan|GLX_nvidia|GLdispatch"; VK_LOADER_DEBUG=error,warn,driver .gpu/rtune doctor 2>&1 | grep -v "^  cpu" | head -60'
     show vulkan-probe "." 80
   fi
-  step timings 120 30 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_timings
+  step timings 120 30 .gpu/gpu_kernels timings
   show timings "^\||did not run|panicked|failed a check|matrix loads"
   # The products on the matrix units with each of gemm_cm's tiles beside the one the engine picks.
-  step tiles 60 20 .gpu/gpu_engine --ignored --nocapture --test-threads 1 gpu_product_tiles
+  step tiles 60 20 .gpu/gpu_kernels tiles
   show tiles "^\||fastest tile|no Vulkan|panicked|failed"
   # The speed goal: ≥ 0.5× PyTorch + PEFT on CUDA for the 360M shape at 4 × 512.
   OUT="$work/bench-vulkan-bf16" DEVICE=vulkan step bench-vulkan-bf16 170 60 scripts/gpu/bench.sh "${shapes[0]}"

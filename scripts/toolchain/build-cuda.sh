@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build rtune with `--features cuda` on a machine without a GPU or a CUDA install (the toolkit
 # comes from scripts/toolchain/cuda-toolkit.sh), and pack what a GPU machine runs into .gpu/: the stripped
-# release binary and the GPU test binaries, gzipped (a GPU machine here takes 64 MiB per call;
+# release binary, the GPU engine's tests and its kernel timings (benches/gpu_kernels.rs), gzipped (a GPU machine here takes 64 MiB per call;
 # the binary is ~70 MiB stripped, ~20 MiB compressed). On the GPU machine:
 #
 #   . scripts/gpu/env.sh && .gpu/rtune doctor && scripts/gpu/verify.sh
@@ -55,7 +55,7 @@ cargo build --locked --release --features cuda
 mkdir -p .gpu
 strip -o .gpu/rtune "$CARGO_TARGET_DIR/release/rtune"
 gzip -f -6 .gpu/rtune
-tests=$(cargo test --locked --release --features cuda --test gpu_engine --no-run --message-format=json 2>/dev/null |
+tests=$(cargo test --locked --release --features cuda --test gpu_engine --bench gpu_kernels --no-run --message-format=json 2>/dev/null |
   grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//')
 for t in $tests; do
   strip -o ".gpu/$(basename "$t" | sed 's/-[0-9a-f]*$//')" "$t"

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod golden;
+pub mod gpu;
 pub mod hub;
 
 use std::path::{Path, PathBuf};
