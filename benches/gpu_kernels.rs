@@ -47,6 +47,13 @@ fn main() {
     }
 }
 
+/// Tokens per product: `RTUNE_TIMING_TOKENS`, else 32 under `RTUNE_BENCH_SMOKE` (CI: a tiny run
+/// that proves the benchmark still works, on lavapipe), else 2048.
+fn timing_tokens() -> usize {
+    let smoke = std::env::var_os("RTUNE_BENCH_SMOKE").is_some();
+    std::env::var("RTUNE_TIMING_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(if smoke { 32 } else { 2048 })
+}
+
 /// The GPUs this build and machine have: the CUDA GPU, and the Vulkan device (on a CPU
 /// implementation such as lavapipe, both its per-lane kernels and the kernels written for GPUs,
 /// as the engine's tests run them). Why one is missing goes to stderr.
@@ -141,7 +148,7 @@ fn product_rate(gpu: &Rc<dyn Gpu>, dt: Dt, [m, n, k]: [usize; 3], b_trans: bool,
 #[cfg(feature = "vulkan")]
 fn tiles() {
     use rtune::engine::gpu::vulkan::VulkanGpu;
-    let tokens: usize = std::env::var("RTUNE_TIMING_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
+    let tokens = timing_tokens();
     let reps = if tokens < 512 { 1 } else { 10 };
     let tiles: [Option<[u32; 2]>; 5] = [None, Some([64, 64]), Some([64, 32]), Some([32, 64]), Some([32, 32])];
     let mut log_sums = vec![(0.0f64, 0usize); tiles.len()];
@@ -227,7 +234,7 @@ fn timings() {
     // (what, dtype, device) → TFLOP/s, or why it did not run.
     let mut rates: Vec<(String, Dt, String, Result<f64, String>)> = Vec::new();
     for gpu in &gpus {
-        let tokens: usize = std::env::var("RTUNE_TIMING_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
+        let tokens = timing_tokens();
         let small = tokens < 512;
         let reps = if small { 1 } else { 10 };
         for dt in [Dt::Bf16, Dt::F16, Dt::F32] {

@@ -4,7 +4,6 @@
 
 mod cli;
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -27,32 +26,15 @@ fn main() -> ExitCode {
         if rtune::train::INTERRUPTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
             std::process::exit(130);
         }
-        eprintln!("\ninterrupted: saving a checkpoint (press Ctrl-C again to quit at once)");
+        rtune::ui::note("\ninterrupted: saving a checkpoint (press Ctrl-C again to quit at once)");
     });
     match run(cli, &ui) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            report(&e);
+            rtune::ui::report_error(&e);
             ExitCode::from(e.exit_code() as u8)
         }
     }
-}
-
-fn report(e: &dyn miette::Diagnostic) {
-    let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    if color {
-        let width = terminal_width().unwrap_or(100);
-        let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode()).with_width(width);
-        let mut s = String::new();
-        let _ = handler.render_report(&mut s, e);
-        eprint!("{s}");
-    } else {
-        eprint!("{}", rtune::ui::render_plain(e));
-    }
-}
-
-fn terminal_width() -> Option<usize> {
-    std::env::var("COLUMNS").ok()?.parse().ok()
 }
 
 fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {

@@ -251,3 +251,29 @@ fn planning_imports_no_compute_module() {
     }
     assert!(found.is_empty(), "planning imports compute modules:\n{}", found.join("\n"));
 }
+
+/// All terminal output goes through `ui` (issue 58's thin CLI): no other file of the library or
+/// the binary prints, so quiet mode, progress bars and the stdout/stderr split hold everywhere.
+#[test]
+fn only_ui_prints() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = modules(&src);
+    files.insert(vec!["main".into()], std::fs::read_to_string(src.join("main.rs")).unwrap());
+    let mut bad = Vec::new();
+    for (path, text) in &files {
+        if path.first().is_some_and(|m| m == "ui") {
+            continue;
+        }
+        let code = code(text);
+        for mac in ["println!", "eprintln!", "print!", "eprint!", "dbg!"] {
+            let hit = code.match_indices(mac).any(|(i, _)| {
+                // A whole word: not `eprintln!` found inside `println!`'s search, not `xprint!`.
+                code[..i].chars().next_back().is_none_or(|c| !(c.is_alphanumeric() || c == '_'))
+            });
+            if hit {
+                bad.push(format!("src/{}: {mac}", path.join("/")));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "printing outside src/ui (use rtune::ui):\n{}", bad.join("\n"));
+}

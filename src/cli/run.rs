@@ -11,10 +11,7 @@ pub fn run(g: &Global, args: RecipeArgs, select: SelectArgs, locked: bool, ui: &
     if locked {
         exec::check_locked(&loaded, &plan, &lock)?;
     }
-    if !g.quiet {
-        eprint!("{}", plan::render_text(&plan));
-        eprintln!();
-    }
+    ui.message(format!("{}\n", plan::render_text(&plan)));
     // Allocator and thread settings for compute, only for the command that computes.
     rtune::init_process();
     if let Some(n) = loaded.recipe.device.threads {

@@ -39,7 +39,14 @@ impl Ui {
     }
 
     pub fn warn(&self, msg: impl AsRef<str>) {
-        eprintln!("   warning  {}", msg.as_ref());
+        warn(msg);
+    }
+
+    /// Text for people on stderr, as is (a plan before a run), unless quiet.
+    pub fn message(&self, text: impl AsRef<str>) {
+        if !self.quiet {
+            eprint!("{}", text.as_ref());
+        }
     }
 
     /// Data for stdout.
@@ -189,6 +196,33 @@ impl Drop for Bar {
 /// Where the next plain progress line goes: a tenth of the way on, and the end exactly once.
 fn next_tenth(pos: u64, total: u64) -> u64 {
     if pos >= total { u64::MAX } else { (pos + (total / 10).max(1)).min(total) }
+}
+
+/// A warning from code that holds no [`Ui`] (a device's first-use checks, a switch it ignores):
+/// the same line as [`Ui::warn`], printed even when quiet, as warnings are.
+pub fn warn(msg: impl AsRef<str>) {
+    eprintln!("   warning  {}", msg.as_ref());
+}
+
+/// Lines for people on stderr from code that holds no [`Ui`], as they are: a report a switch
+/// asked for (`RTUNE_PROFILE`'s kernel times), the interrupt notice.
+pub fn note(text: impl AsRef<str>) {
+    eprintln!("{}", text.as_ref());
+}
+
+/// A failed command's diagnostic on stderr: in colour on a terminal (unless `NO_COLOR`), at
+/// `COLUMNS` wide; plain (as [`render_plain`]) otherwise.
+pub fn report_error(e: &dyn miette::Diagnostic) {
+    let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    if color {
+        let width = std::env::var("COLUMNS").ok().and_then(|c| c.parse().ok()).unwrap_or(100);
+        let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode()).with_width(width);
+        let mut s = String::new();
+        let _ = handler.render_report(&mut s, e);
+        eprint!("{s}");
+    } else {
+        eprint!("{}", render_plain(e));
+    }
 }
 
 /// `1 file`, `3 files`: a count with its noun (plural by an `s`).

@@ -263,12 +263,12 @@ fn roll_loops(code: &mut [u32]) {
 fn forced_tile(name: &str, matrix: &[Option<[u32; 3]>], subgroup: u32, max_shared: u32) -> Option<[u32; 2]> {
     let v = crate::switches::Switches::get().vulkan_gemm_tile.clone()?;
     let Some(t) = parse_tile(&v) else {
-        eprintln!("rtune: RTUNE_VULKAN_GEMM_TILE={v} is not one of 64x64, 64x32, 32x64, 32x32; ignored");
+        crate::ui::warn(format!("RTUNE_VULKAN_GEMM_TILE={v} is not one of 64x64, 64x32, 32x64, 32x32; ignored"));
         return None;
     };
     let runs = matrix.iter().flatten().any(|&shape| gemm_tiles(shape, subgroup, max_shared).contains(&t));
     if !runs && matrix.iter().any(Option::is_some) {
-        eprintln!("rtune: {name}: cannot run products with tile {v} (RTUNE_VULKAN_GEMM_TILE); ignored");
+        crate::ui::warn(format!("{name}: cannot run products with tile {v} (RTUNE_VULKAN_GEMM_TILE); ignored"));
     }
     Some(t)
 }
@@ -789,10 +789,10 @@ impl VulkanGpu {
         };
         let [m, n, k] = u.shape;
         let t = dt.suffix();
-        eprintln!(
-            "rtune: {}: {t} {what} on the matrix units ({m}×{n}×{k}) failed a check ({failure}); {stand_in}",
+        crate::ui::warn(format!(
+            "{}: {t} {what} on the matrix units ({m}×{n}×{k}) failed a check ({failure}); {stand_in}",
             self.name
-        );
+        ));
         Ok(false)
     }
 
@@ -823,12 +823,12 @@ impl VulkanGpu {
                 self.set_units(dt, |u| u.first_form = true);
                 match self.matrix_check(dt)? {
                     None => {
-                        eprintln!(
-                            "rtune: {}: {} products on the matrix units failed a check ({current}); the kernel's \
+                        crate::ui::warn(format!(
+                            "{}: {} products on the matrix units failed a check ({current}); the kernel's \
                          first form passed and stands in",
                             self.name,
                             dt.suffix()
-                        );
+                        ));
                         Ok(None)
                     }
                     Some(first) => {
@@ -891,12 +891,12 @@ impl VulkanGpu {
             && *col > 0
             && !self.rows_form(dt)
         {
-            eprintln!(
-                "rtune: {}: {} column-major matrix loads give {col} of {n} values wrong; the attention kernels \
+            crate::ui::warn(format!(
+                "{}: {} column-major matrix loads give {col} of {n} values wrong; the attention kernels \
                  stage their tiles transposed and load row-major",
                 self.name,
                 dt.suffix()
-            );
+            ));
             rows_form(true);
         }
         let loads = match &probe {
@@ -917,12 +917,12 @@ impl VulkanGpu {
         rows_form(true);
         match self.attention_compare(dt)? {
             None => {
-                eprintln!(
-                    "rtune: {}: {} attention on the matrix units failed a check ({why}; {loads}); their `_rows` \
+                crate::ui::warn(format!(
+                    "{}: {} attention on the matrix units failed a check ({why}; {loads}); their `_rows` \
                      form passed it and stands in",
                     self.name,
                     dt.suffix()
-                );
+                ));
                 Ok(None)
             }
             Some(again) => {
@@ -1973,10 +1973,11 @@ impl Drop for VulkanGpu {
             let total: f64 = profile.values().map(|v| v.0).sum();
             let mut rows: Vec<_> = profile.into_iter().collect();
             rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
-            eprintln!("{}: {total:.3} s in kernels", self.name);
+            let mut report = format!("{}: {total:.3} s in kernels", self.name);
             for (k, (secs, calls)) in rows {
-                eprintln!("  {k:28} {secs:9.3} s {calls:8} calls {:9.1} µs/call", secs / calls as f64 * 1e6);
+                report += &format!("\n  {k:28} {secs:9.3} s {calls:8} calls {:9.1} µs/call", secs / calls as f64 * 1e6);
             }
+            crate::ui::note(report);
         }
         // SAFETY: after the device is idle nothing uses any handle destroyed below.
         unsafe {
