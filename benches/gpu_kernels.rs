@@ -66,15 +66,8 @@ fn gpus() -> Vec<Rc<dyn Gpu>> {
         Err(e) => eprintln!("no CUDA device: {e}"),
     }
     #[cfg(feature = "vulkan")]
-    match rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()) {
-        Ok(g) => {
-            if g.cpu_lanes().is_some() {
-                v.push(Rc::new(
-                    rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap().with_gpu_kernels(),
-                ));
-            }
-            v.push(Rc::new(g));
-        }
+    match gpu::vulkan_devices() {
+        Ok(gpus) => v.extend(gpus),
         Err(e) => eprintln!("no Vulkan device: {e}"),
     }
     v

@@ -26,9 +26,9 @@ use rtune::rng::Rng;
 mod common;
 
 use common::golden::{fixture, golden};
-#[cfg(feature = "vulkan")]
-use common::gpu::vulkan_ordinal;
 use common::gpu::{AttnBufs, rand_vec};
+#[cfg(feature = "vulkan")]
+use common::gpu::{vulkan_devices, vulkan_ordinal};
 
 // ---------------------------------------------------------------------------------------------
 // The emulator as a `Gpu`: host memory, kernels through rtune-gpu-emu, products in plain loops.
@@ -205,18 +205,9 @@ fn devices() -> Vec<Rc<dyn Gpu>> {
     #[cfg(not(feature = "cuda"))]
     assert!(std::env::var_os("RTUNE_REQUIRE_CUDA").is_none(), "RTUNE_REQUIRE_CUDA is set but this build has no CUDA");
     #[cfg(feature = "vulkan")]
-    match testing("vulkan").then(|| rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal())) {
+    match testing("vulkan").then(vulkan_devices) {
         None => {}
-        Some(Ok(g)) => {
-            // On a CPU implementation (lavapipe) the device runs its per-lane kernels; the
-            // kernels written for GPUs are tested there too, on a second instance.
-            let gpu_kernels = g
-                .cpu_lanes()
-                .is_some()
-                .then(|| rtune::engine::gpu::vulkan::VulkanGpu::new(vulkan_ordinal()).unwrap().with_gpu_kernels());
-            v.extend(gpu_kernels.map(|g| Rc::new(g) as Rc<dyn Gpu>));
-            v.push(Rc::new(g));
-        }
+        Some(Ok(gpus)) => v.extend(gpus),
         // CI sets RTUNE_REQUIRE_VULKAN (it installs lavapipe), so the Vulkan kernels never go
         // untested there by accident.
         Some(Err(e)) if std::env::var_os("RTUNE_REQUIRE_VULKAN").is_some() => panic!("no Vulkan device: {e}"),

@@ -20,6 +20,22 @@ pub fn vulkan_ordinal() -> usize {
     std::env::var("RTUNE_TEST_VULKAN").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
+/// The Vulkan device at [`vulkan_ordinal`], as the tests and timings run it: on a CPU
+/// implementation (lavapipe) the device runs its per-lane kernels, so the kernels written for
+/// GPUs run too, on a second instance listed first; on a GPU, the device alone.
+#[cfg(feature = "vulkan")]
+pub fn vulkan_devices() -> Result<Vec<Rc<dyn Gpu>>, rtune::engine::gpu::GpuError> {
+    use rtune::engine::gpu::vulkan::VulkanGpu;
+    let g = VulkanGpu::new(vulkan_ordinal())?;
+    let mut v: Vec<Rc<dyn Gpu>> = Vec::new();
+    if g.cpu_lanes().is_some() {
+        let again = VulkanGpu::new(vulkan_ordinal()).expect("the Vulkan device opened once opens again");
+        v.push(Rc::new(again.with_gpu_kernels()));
+    }
+    v.push(Rc::new(g));
+    Ok(v)
+}
+
 /// The buffers of one attention call, forward and backward: inputs, output and gradients in
 /// the compute type, per-row statistics in f32, the rows' key ranges.
 pub struct AttnBufs {
