@@ -35,7 +35,8 @@ pub const FINGERPRINT_VERSION: u32 = 3;
 /// quantize 7 — the importance matrix's pass packs rows into 512-token sequences (its sums
 /// move by float rounding, and with them the odd calibrated block); quantize 8 — SentencePiece
 /// vocabularies in GGUFs, Gemma's GGUFs; quantize 9 — no `rope_freqs` in GGUFs of linear
-/// rotary scaling.
+/// rotary scaling; quantize 10 — Ollama Modelfiles beside the GGUFs; upload 5 — the card's
+/// "Try it" section.
 pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
     use crate::recipe::StageKind::*;
     match kind {
@@ -95,7 +96,10 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // llama3-style `rope_freqs` tensor that llama.cpp's Gemma 3 refuses to load ("wrong
         // number of tensors"), so those files must not be reused; image-text Gemma 3 folders
         // export (merged folders carry their vision tower; adapters target the text model).
-        Quantize => 9,
+        // 10: beside each GGUF, an Ollama Modelfile (`gguf/model-<type>.Modelfile`) with the chat
+        // template translated into Ollama's Go template syntax and checked by rendering both;
+        // exports.json says which template, or why there is none.
+        Quantize => 10,
         // 2: uploads carry a generated model card and the loss curve.
         // 3: upload.json records each file's digest, size and the store file it copies, so
         // `plan` can check the destination and `run` restore it.
@@ -104,7 +108,8 @@ pub fn stage_version(kind: crate::recipe::StageKind) -> u32 {
         // fingerprints changed without a version bump.)
         // 4: the model card lists the GGUF files with their measured perplexity, top-token
         // agreement and the importance matrix that calibrated them.
-        Upload => 4,
+        // 5: the model card's "Try it" section (llama-server and Ollama commands for the GGUFs).
+        Upload => 5,
     }
 }
 

@@ -125,6 +125,10 @@ fn default_recipe_end_to_end() {
     let out = p.path().join("out/tiny-offline");
     assert!(out.join("merged/model.safetensors").is_file() && out.join("peft-adapter/adapter_config.json").is_file());
     assert!(out.join("gguf/model-q8_0.gguf").is_file());
+    // The Alpaca prompt it trained with, for Ollama, stopping at EOS.
+    assert_eq!(q["ollama"]["template"], "alpaca", "{q}");
+    let m = std::fs::read_to_string(out.join("gguf/model-q8_0.Modelfile")).unwrap();
+    assert!(m.contains("FROM ./model-q8_0.gguf\n") && m.contains("PARAMETER stop \"</s>\"\n"), "{m}");
     let again = p.run(&["run", "tiny.toml"]);
     assert!(stderr(&again).matches("    cached  ").count() == 7, "{}", stderr(&again));
     readme.check();
@@ -1210,6 +1214,18 @@ to = "dir://out"
         assert_eq!(render(&gguf_template, &out.join("merged")), want);
         // Zephyr ends turns with EOS; the scratch vocabulary has no `<|im_end|>` to stop at.
         assert_eq!(eot, None);
+        // Ollama: ChatML translates (a Modelfile beside the GGUF); Zephyr's template is none of
+        // the families rtune writes, which the report says, and no Modelfile is written.
+        let exports = read_json(&artifact(&report, "quantize").join("exports.json"));
+        let modelfile = out.join("gguf/model-q8_0.Modelfile");
+        if over.is_some() {
+            assert_eq!(exports["ollama"]["template"], "chatml", "{exports}");
+            let m = std::fs::read_to_string(&modelfile).unwrap();
+            assert!(m.contains("FROM ./model-q8_0.gguf\nTEMPLATE \"\"\"{{- range .Messages }}<|im_start|>"), "{m}");
+        } else {
+            assert!(exports["ollama"]["untranslated"].as_str().unwrap().contains("none of the Ollama templates"));
+            assert!(!modelfile.exists() && stderr(&o).contains("warning  no Ollama Modelfile"), "{}", stderr(&o));
+        }
         let card = std::fs::read_to_string(out.join("README.md")).unwrap();
         let origin =
             if over.is_some() { "dataset.chat_template = \"chatml\"" } else { "base model's chat_template.jinja" };

@@ -121,8 +121,8 @@ fn golden_fingerprints() {
         ("train", "5cc9164ab4ff3e786c837fd57aa152ca61d4ce330e4c2ecc854c2db0fcda322d"),
         ("eval_base", "26d058c4e24b4898c38c17a2295d46b8177af30541988a8f523f4697a8003806"),
         ("evaluate", "35a5fc8c449493e72f228276e9b6513d73534504a560612ffef1dffc569c63d9"),
-        ("quantize", "a39729d98f5edef308883b47fc8aff8bac619d83da76d7d28095ce84df70b641"),
-        ("upload", "287d319a15ce5f4727da7743c1c93e5b3e99b8a57845b7abb89028a6053001ba"),
+        ("quantize", "2415127de54a83dea850d56fdd64e15003e12117dd7b98b96fb211dabdc904de"),
+        ("upload", "9b1574c26e5b41a755ee5af85260cf2e2dcd8549f1333c9e9ca1cd1e245d92ec"),
     ];
     let want: Vec<(String, String)> = want.iter().map(|(n, f)| (n.to_string(), f.to_string())).collect();
     assert_eq!(got, want);

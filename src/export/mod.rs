@@ -9,7 +9,10 @@
 //! - [`calibrate`]: the importance matrix the searched GGUF types are calibrated with;
 //! - [`check`]: the read-back and self-checks (the merged folder bit for bit and against the
 //!   adapter model; each GGUF's perplexity and top tokens against the adapter model's);
-//! - [`tokenizer`]: the tokenizer files and chat template an exported folder carries.
+//! - [`tokenizer`]: the tokenizer files and chat template an exported folder carries;
+//! - [`ollama`]: the Modelfile beside each GGUF, its chat template translated into Ollama's Go
+//!   template syntax and checked by rendering both ([`gotemplate`]: Go's `text/template`, the part
+//!   chat templates use).
 //!
 //! The PEFT adapter format is not here: it is what the train stage writes and every engine reads
 //! back, so it lives with the model's other folders ([`crate::model::peft`]); nor is NF4, the
@@ -19,7 +22,9 @@
 pub mod calibrate;
 pub mod check;
 pub mod gguf;
+pub mod gotemplate;
 pub mod merged;
+pub mod ollama;
 pub mod tokenizer;
 
 use crate::recipe::Problem;

@@ -47,6 +47,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     let gguf_chat =
         chat.as_ref().map(|c| gguf::ChatMetadata { template: &c.source, turn_end: c.turn_end.as_ref().map(|t| t.1) });
     let mut report = serde_json::Map::new();
+    let mut gguf_files = Vec::new();
     // The importance matrix, once for every GGUF format that uses one.
     let given = key.sources.as_ref().and_then(|s| s.imatrix.as_ref());
     let imatrix = if s.uses_imatrix() && s.formats.iter().any(|f| f.calibrated()) {
@@ -167,6 +168,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
                 progress(ctx, &merged, tag);
                 let calibration = imatrix.as_ref().filter(|_| other.calibrated());
                 let written = gguf::write(&path, &merged, &model_dir, name, *other, gguf_chat, calibration)?;
+                gguf_files.push(file.clone());
                 merged.on_tensor(None);
                 // The eval rows and the adapter model's loss and top tokens on them, once for all GGUFs.
                 let (eval, rows, reference, split) = match &self_check {
@@ -259,13 +261,76 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
             }
         }
     }
+    let ollama = match gguf_files.is_empty() {
+        true => serde_json::Value::Null,
+        false => ollama_modelfiles(ctx, &folder, chat.as_ref(), &gguf_files)?,
+    };
     let metrics = json!({ "formats": report, "chat_template": chat.as_ref().map(|c| json!({
         "origin": c.origin,
         "turn_end": c.turn_end.as_ref().map(|t| &t.0),
         "source": c.source,
-    })) });
+    })), "ollama": ollama });
     write_json(&ctx.out.join("exports.json"), &metrics)?;
     Ok(metrics)
+}
+
+/// A Modelfile beside each GGUF (`gguf/model-q8_0.Modelfile` for `gguf/model-q8_0.gguf`), with
+/// the chat template translated for Ollama ([`crate::export::ollama`]); a template that cannot
+/// be translated, or none, is said (as a warning, and in exports.json) and no Modelfile written.
+fn ollama_modelfiles(
+    ctx: &StageCtx<'_>,
+    folder: &ModelFolder,
+    chat: Option<&crate::data::chat::Shipped>,
+    gguf_files: &[String],
+) -> Result<serde_json::Value, StageError> {
+    use crate::export::ollama;
+    let Some(chat) = chat else {
+        let why =
+            "the model has no chat template to translate; `ollama create` of the GGUF gives a plain completion model";
+        ctx.ui.warn(format!("no Ollama Modelfile: {why}"));
+        return Ok(json!({ "modelfiles": [], "untranslated": why }));
+    };
+    let (bos, eos) = crate::data::chat::special_tokens(&folder.dir);
+    let template = crate::data::chat::ChatTemplate::new(&chat.source, &bos, &eos)?;
+    let stops: Vec<String> = chat.turn_end.iter().map(|t| t.0.clone()).collect();
+    let made = ollama::translate(&template, &bos, &eos).and_then(|t| {
+        gguf_files
+            .iter()
+            .map(|f| ollama::modelfile(&t, f, &stops).map(|m| (f, m)))
+            .collect::<Result<Vec<_>, _>>()
+            .map(|m| (t, m))
+    });
+    let (t, files) = match made {
+        Ok(x) => x,
+        Err(why) => {
+            ctx.ui.warn(format!("no Ollama Modelfile: {why} (the GGUF files carry the Jinja template for llama.cpp)"));
+            return Ok(json!({ "modelfiles": [], "untranslated": why }));
+        }
+    };
+    let mut names = Vec::new();
+    for (gguf_file, text) in files {
+        let name = format!("{}.Modelfile", gguf_file.strip_suffix(".gguf").unwrap_or(gguf_file));
+        crate::store::write_atomic(&ctx.out.join("gguf").join(&name), text.as_bytes())?;
+        names.push(format!("gguf/{name}"));
+    }
+    ctx.ui.status(
+        "quantize",
+        format!(
+            "{}: Ollama template `{}`, rendering {} conversations as the chat template does{}",
+            names.join(", "),
+            t.family,
+            t.checked,
+            if t.system.is_some() { ", with its default system prompt" } else { "" }
+        ),
+    );
+    Ok(json!({
+        "modelfiles": names,
+        "template": t.family,
+        "default_system": t.system,
+        "stop": stops,
+        "conversations_checked": t.checked,
+        "system_turns_refused": t.refuses_system,
+    }))
 }
 
 /// Show the tensors `merged` computes from now on as progress of `what` — for a model whose

@@ -196,6 +196,9 @@ fn model_card(ctx: &StageCtx<'_>, c: &Card, files: &[(String, PathBuf, String)])
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
     if let Some(formats) = exports.as_ref().and_then(|e| e["formats"].as_object()) {
         gguf_section(&mut s, formats);
+        if let Some(e) = &exports {
+            try_it_section(&mut s, formats, &e["ollama"]);
+        }
     }
     if let Some(chat) = exports.as_ref().map(|e| e["chat_template"].clone()).filter(|c| c.is_object()) {
         s.push_str("\n## Chat template\n\n");
@@ -250,6 +253,39 @@ fn gguf_section(s: &mut String, formats: &serde_json::Map<String, serde_json::Va
             ratio.as_deref().unwrap_or("–"),
             same.as_deref().unwrap_or("–")
         );
+    }
+}
+
+/// How to talk to the GGUF files: llama.cpp's server (which applies the Jinja template the
+/// file carries) and Ollama (through the Modelfile beside each file, or why there is none).
+fn try_it_section(s: &mut String, formats: &serde_json::Map<String, serde_json::Value>, ollama: &serde_json::Value) {
+    let Some(gguf) = formats.iter().filter(|(k, _)| k.starts_with("gguf-")).find_map(|(_, v)| v["file"].as_str())
+    else {
+        return;
+    };
+    s.push_str("\n## Try it\n\n");
+    let _ = writeln!(
+        s,
+        "With llama.cpp's server, which chats with the template the file carries (`--jinja`):\n\n```sh\n\
+         llama-server -m {gguf} --jinja\n```\n\nthen open http://127.0.0.1:8080, or POST OpenAI-style \
+         messages to `http://127.0.0.1:8080/v1/chat/completions`."
+    );
+    let modelfiles: Vec<&str> =
+        ollama["modelfiles"].as_array().into_iter().flatten().filter_map(|m| m.as_str()).collect();
+    match (modelfiles.first(), ollama["untranslated"].as_str()) {
+        (Some(first), _) => {
+            let _ = writeln!(
+                s,
+                "\nWith Ollama, from this folder (each GGUF has its Modelfile, with the chat template in Ollama's \
+                 syntax, rtune's `{}` template, checked against the trained one):\n\n```sh\n\
+                 ollama create my-model -f {first}\nollama run my-model\n```",
+                ollama["template"].as_str().unwrap_or("?")
+            );
+        }
+        (None, Some(why)) => {
+            let _ = writeln!(s, "\nNo Ollama Modelfile was written: {why}.");
+        }
+        (None, None) => {}
     }
 }
 
