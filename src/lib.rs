@@ -11,6 +11,7 @@
 // so their size does not matter and boxing every one would only add noise.
 #![allow(clippy::result_large_err)]
 
+pub mod chat;
 pub mod data;
 pub mod destination;
 pub mod device;
@@ -19,6 +20,7 @@ pub mod error;
 pub mod exec;
 pub mod export;
 pub mod fingerprint;
+pub mod generate;
 pub mod glob;
 pub mod hub;
 pub mod json;

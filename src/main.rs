@@ -47,6 +47,7 @@ fn run(cli: Cli, ui: &Ui) -> Result<u8, Error> {
         Command::Plan { recipe, select, format } => cli::plan::run(g, recipe, select, format, ui),
         Command::Run { recipe, select, locked } => cli::run::run(g, recipe, select, locked, ui),
         Command::Explain { recipe, stage, diff } => cli::explain::run(g, recipe, stage, diff, ui),
+        Command::Chat(a) => cli::chat::run(g, a, ui),
         Command::Download(a) => cli::download::run(g, a, ui),
         Command::Upload(a) => cli::upload::run(g, a, ui),
         Command::Cache { command } => cli::cache::run(g, command, ui),

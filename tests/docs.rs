@@ -96,7 +96,7 @@ fn documented_scripts_exist() {
         for (i, line) in text.lines().enumerate() {
             for part in line.split(|c: char| c.is_whitespace() || "`()[],;:\"'".contains(c)) {
                 let named = ["scripts/", "tests/fixtures/", "recipes/data/", "benches/reference/"].iter().any(|dir| {
-                    part.strip_prefix(dir).is_some_and(|rest| rest.ends_with(".py") || rest.ends_with(".sh"))
+                    part.strip_prefix(dir).is_some_and(|rest| [".py", ".sh", ".go"].iter().any(|e| rest.ends_with(e)))
                 });
                 if named && !root().join(part).exists() {
                     missing.push(format!("{}:{}: {part}", f.display(), i + 1));
@@ -125,12 +125,12 @@ fn scripts_are_grouped_by_job_in_kebab_case() {
             if name == "__pycache__" {
                 continue; // Python's own, ignored by git
             }
-            let stem = name.strip_suffix(".sh").or_else(|| name.strip_suffix(".py"));
+            let stem = [".sh", ".py", ".go"].iter().find_map(|ext| name.strip_suffix(ext));
             let kebab = stem.is_some_and(|s| {
                 !s.is_empty() && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
             });
             if !kebab {
-                bad.push(format!("scripts/{group}/{name}: not <kebab-case>.sh or .py"));
+                bad.push(format!("scripts/{group}/{name}: not <kebab-case>.sh, .py or .go"));
             }
         }
     }

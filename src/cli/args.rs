@@ -121,6 +121,14 @@ pub enum Command {
         #[arg(long)]
         diff: bool,
     },
+    /// Talk to a trained model: a terminal chat, or answers to prompts for scripts
+    ///
+    /// TARGET is a recipe (the result of its train stage, once `rtune run` built it, on the device
+    /// the recipe's policy picks) or a model folder (a merged export or a PEFT adapter folder, on
+    /// the CPU). Turns are rendered with the chat template the model trained with. On a terminal,
+    /// replies stream as they are generated; `/reset` starts over, `/exit` (or Ctrl-D) ends.
+    /// With `--prompt`, or with stdin not a terminal (one turn per line), it answers and exits.
+    Chat(ChatArgs),
     /// Download a repository from the Hugging Face Hub into the shared HF cache
     ///
     /// Files land in the layout huggingface_hub uses ($HF_HUB_CACHE, or $HF_HOME/hub, or
@@ -174,6 +182,54 @@ pub enum CacheCommand {
     },
     /// Print the cache root
     Path,
+}
+
+#[derive(Debug, Args)]
+pub struct ChatArgs {
+    /// A recipe file, a built-in recipe name, or a model folder
+    pub target: String,
+    /// Override a recipe setting with a TOML value, as `rtune run --set`
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// The train stage to talk to [default: the recipe's only one]
+    #[arg(long, value_name = "STAGE")]
+    pub stage: Option<String>,
+    /// Talk to the base model rather than the trained one
+    #[arg(long)]
+    pub base: bool,
+    /// A system prompt: the conversation's first turn
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// Answer this prompt and exit; repeated, the turns of one conversation
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Vec<String>,
+    /// How answers are printed: text, or one JSON object per turn (also `--json`)
+    #[arg(long, value_enum, default_value_t = ChatFormat::Text)]
+    pub format: ChatFormat,
+    /// Most tokens in one reply
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy (transformers' `do_sample=False`)
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    pub temperature: f64,
+    /// Sample only from the K most likely tokens
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Sample only from the most likely tokens whose probabilities reach P
+    #[arg(long, value_name = "P")]
+    pub top_p: Option<f64>,
+    /// Divide the logits of tokens already in the conversation by this (transformers' `repetition_penalty`)
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    pub repetition_penalty: f64,
+    /// Seed of the sampling
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ChatFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

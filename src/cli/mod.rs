@@ -10,6 +10,7 @@ use rtune::{Error, exec, hub};
 mod args;
 pub mod cache;
 pub mod cat;
+pub mod chat;
 pub mod cp;
 pub mod doctor;
 pub mod download;

@@ -269,6 +269,19 @@ fn is_false(b: &bool) -> bool {
 }
 
 impl DeviceKey {
+    /// The CPU in f32, for what runs outside a plan (`rtune chat` of a model folder).
+    pub fn cpu() -> DeviceKey {
+        DeviceKey {
+            class: crate::device::DeviceClass::Cpu,
+            dtype: crate::recipe::Dtype::F32,
+            tf32: false,
+            engine: crate::switches::Switches::get().engine.clone(),
+            kernels: crate::switches::Switches::get().kernels(crate::device::DeviceClass::Cpu),
+            ordinal: 0,
+            peers: Vec::new(),
+        }
+    }
+
     /// The device to build an engine on.
     pub fn resolution(&self) -> Resolution {
         Resolution {
@@ -555,7 +568,7 @@ mod tests {
                     sources: Some(Sources { imatrix: Some(local("i")), ..Sources::default() }),
                 }),
                 inputs(&["model", "tokens", "weights"]),
-                r#"{"device":{"class":"cuda","dtype":"f32"},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens","weights":"fp-weights"},"kind":"quantize","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"base_name":"owner/model","name":"r","quantize":{"formats":["gguf-q4_k_m"],"imatrix_file":"(by content)"},"template":{"chat_template":"chatml","format":"chat"}},"sources":{"imatrix":"i"},"stage_version":9}"#,
+                r#"{"device":{"class":"cuda","dtype":"f32"},"fingerprint_version":3,"inputs":{"model":"fp-model","tokens":"fp-tokens","weights":"fp-weights"},"kind":"quantize","settings":{"adapter":{"alpha":16.0,"dropout":0.0,"kind":"lora","rank":8,"targets":["q_proj","k_proj","v_proj","o_proj"]},"base_name":"owner/model","name":"r","quantize":{"formats":["gguf-q4_k_m"],"imatrix_file":"(by content)"},"template":{"chat_template":"chatml","format":"chat"}},"sources":{"imatrix":"i"},"stage_version":10}"#,
             ),
             (
                 StageKey::Upload(UploadKey {
@@ -577,7 +590,7 @@ mod tests {
                     dir: Some(PathBuf::from("/not/hashed")),
                 }),
                 inputs(&["card:eval:evaluate", "card:train", "exports"]),
-                r#"{"fingerprint_version":3,"inputs":{"card:eval:evaluate":"fp-card:eval:evaluate","card:train":"fp-card:train","exports":"fp-exports"},"kind":"upload","settings":{"card":{"base":"a scratch model","dataset_repo":"owner/data","description":null,"lora":true,"name":"r","recipe_file":"r.toml","recipe_text":"988a6e910b06428699de6ae11ce030a0f4da9c5486c43810270b8fb4f85a1bf3"},"upload":{"create":false,"private":true,"to":"dir://out"}},"stage_version":4}"#,
+                r#"{"fingerprint_version":3,"inputs":{"card:eval:evaluate":"fp-card:eval:evaluate","card:train":"fp-card:train","exports":"fp-exports"},"kind":"upload","settings":{"card":{"base":"a scratch model","dataset_repo":"owner/data","description":null,"lora":true,"name":"r","recipe_file":"r.toml","recipe_text":"988a6e910b06428699de6ae11ce030a0f4da9c5486c43810270b8fb4f85a1bf3"},"upload":{"create":false,"private":true,"to":"dir://out"}},"stage_version":5}"#,
             ),
         ];
         for (key, inputs, want) in cases {

@@ -9,7 +9,7 @@ use crate::data::format::alpaca_prompt;
 use crate::engine::{Checkpointing, Engine, Setup};
 use crate::model::{ModelFolder, Trainable, peft};
 use crate::plan::key::{DeviceKey, EvaluateKey, Rendering, Source};
-use crate::recipe::{DataFormat, EvalModel, EvaluateSettings};
+use crate::recipe::{DataFormat, EvalModel};
 use crate::rng::Rng;
 use crate::train::evaluate;
 
@@ -112,7 +112,14 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
             ids.extend(enc.get_ids());
             let mut rng = Rng::derive(key.settings.seed, &format!("sample:{i}"));
             let limit = folder.config.max_positions();
-            let out = generate(&mut *engine, &ids, s, &stops, limit, &mut rng)?;
+            let sampling = crate::generate::Sampling {
+                max_new_tokens: s.max_new_tokens,
+                temperature: s.temperature,
+                top_k: s.top_k,
+                top_p: s.top_p,
+                repetition_penalty: 1.0,
+            };
+            let (out, _) = crate::generate::generate(&mut *engine, &ids, &sampling, &stops, limit, &mut rng, |_| {})?;
             let completion =
                 tokenizer.decode(&out, true).map_err(|e| StageError::Internal(format!("tokenizer: {e}")))?;
             let mut sample = json!({ "prompt": prompt, "completion": completion, "tokens": out.len() });
@@ -155,7 +162,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &EvaluateKey) -> Result<Value, StageError> {
 /// An engine for evaluating the base model (`trained` None) or the base model with a train
 /// stage's result applied (a PEFT adapter, or trained weights), on the stage's device, its
 /// linears in 4 bits with `base_quant`.
-pub(super) fn eval_engine(
+pub(crate) fn eval_engine(
     device: &DeviceKey,
     folder: &ModelFolder,
     trained: Option<&std::path::Path>,
@@ -183,72 +190,4 @@ pub(super) fn eval_engine(
         base_quant,
     };
     Ok(crate::engine::build(&setup)?)
-}
-
-/// Greedy (temperature 0) or seeded top-k/top-p sampling; stops at eos or at the model's
-/// `limit` of positions.
-pub fn generate(
-    engine: &mut dyn Engine,
-    prompt: &[u32],
-    s: &EvaluateSettings,
-    eos: &[u32],
-    limit: usize,
-    rng: &mut Rng,
-) -> Result<Vec<u32>, StageError> {
-    let mut ids = prompt.to_vec();
-    let mut out = Vec::new();
-    for _ in 0..s.max_new_tokens.min(limit.saturating_sub(prompt.len())) {
-        let logits = engine.next_logits(&ids)?;
-        let next = pick(&logits, s, rng);
-        if eos.contains(&next) {
-            break;
-        }
-        out.push(next);
-        ids.push(next);
-    }
-    Ok(out)
-}
-
-fn pick(v: &[f32], s: &EvaluateSettings, rng: &mut Rng) -> u32 {
-    if s.temperature <= 0.0 {
-        // First maximum, as torch.argmax.
-        let mut best = 0;
-        for (i, x) in v.iter().enumerate() {
-            if *x > v[best] {
-                best = i;
-            }
-        }
-        return best as u32;
-    }
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.sort_by(|a, b| v[*b].total_cmp(&v[*a]));
-    if let Some(k) = s.top_k {
-        idx.truncate(k.max(1));
-    }
-    let max = v[idx[0]] as f64;
-    let mut probs: Vec<f64> = idx.iter().map(|&i| ((v[i] as f64 - max) / s.temperature).exp()).collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= total);
-    if let Some(top_p) = s.top_p {
-        let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (j, p) in probs.iter().enumerate() {
-            acc += p;
-            if acc >= top_p {
-                keep = j + 1;
-                break;
-            }
-        }
-        probs.truncate(keep);
-        let t: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= t);
-    }
-    let mut r = rng.next_f64();
-    for (j, p) in probs.iter().enumerate() {
-        if r < *p {
-            return idx[j] as u32;
-        }
-        r -= p;
-    }
-    idx[probs.len() - 1] as u32
 }

@@ -4,6 +4,7 @@
 mod download;
 mod encode;
 mod evaluate;
+pub(crate) use evaluate::eval_engine;
 mod quantize;
 mod tokenize;
 mod train;
