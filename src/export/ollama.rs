@@ -3,8 +3,8 @@
 //! template puts in by default.
 //!
 //! Ollama does not run Jinja, so the template the model trained with is translated: rtune holds
-//! one Go template per family it ships (ChatML, SmolLM2's and Qwen 2.5's ChatML with a default
-//! system prompt, Llama 3, Llama 3.1/3.2, Gemma 2/3, Alpaca) and picks the first that renders the
+//! one Go template per family it ships (ChatML, also with a default system prompt as SmolLM2's,
+//! Llama 3, Llama 3.1/3.2, Gemma 2/3, Alpaca) and picks the first that renders the
 //! same text as the Jinja template for each of a set of conversations (a system prompt and
 //! several turns; several turns; one turn), rendered with Ollama's rules
 //! ([`super::gotemplate`]). A template none of them reproduces is reported, and no Modelfile is
@@ -28,8 +28,8 @@ pub struct Translation {
     pub family: &'static str,
     /// The Go template.
     pub template: String,
-    /// The system prompt the Jinja template inserts when a conversation has none (SmolLM2's,
-    /// Qwen 2.5's), written as the Modelfile's `SYSTEM`.
+    /// The system prompt the Jinja template inserts when a conversation has none (SmolLM2's),
+    /// written as the Modelfile's `SYSTEM`.
     pub system: Option<String>,
     /// Conversations rendered the same by both templates.
     pub checked: usize,
@@ -299,6 +299,40 @@ mod tests {
         let t = translate_src(ALPACA, "<s>", "</s>").unwrap();
         assert_eq!((t.family, t.checked), ("alpaca", 3));
         assert!(t.template.contains("{{ .Content }}</s>"));
+    }
+
+    /// The upstream templates of the families rtune ships (tests/fixtures/templates) translate,
+    /// each into its family, rendering every conversation the Jinja template renders.
+    #[test]
+    fn upstream_templates_translate_into_their_family() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/templates/");
+        let cases = [
+            (
+                "smollm2",
+                "",
+                "<|endoftext|>",
+                "chatml",
+                Some("You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+                3,
+                false,
+            ),
+            ("llama3", "<|begin_of_text|>", "<|eot_id|>", "llama3", None, 3, false),
+            ("llama3.2", "<|begin_of_text|>", "<|eot_id|>", "llama3.1", None, 3, false),
+            ("gemma2", "<bos>", "<eos>", "gemma", None, 2, true),
+            ("gemma3", "<bos>", "<eos>", "gemma", None, 3, false),
+            // Without `enable_thinking = false` (exports ship the template without kwargs), Qwen 3
+            // renders earlier assistant turns as ChatML does.
+            ("qwen3", "", "<|im_end|>", "chatml", None, 3, false),
+        ];
+        for (file, bos, eos, family, system, checked, refuses) in cases {
+            let src = std::fs::read_to_string(format!("{dir}{file}.jinja")).unwrap();
+            let t = translate_src(&src, bos, eos).unwrap_or_else(|e| panic!("{file}: {e}"));
+            assert_eq!(
+                (t.family, t.system.as_deref(), t.checked, t.refuses_system),
+                (family, system, checked, refuses),
+                "{file}"
+            );
+        }
     }
 
     #[test]
