@@ -129,6 +129,10 @@ fn default_recipe_end_to_end() {
     assert_eq!(q["ollama"]["template"], "alpaca", "{q}");
     let m = std::fs::read_to_string(out.join("gguf/model-q8_0.Modelfile")).unwrap();
     assert!(m.contains("FROM ./model-q8_0.gguf\n") && m.contains("PARAMETER stop \"</s>\"\n"), "{m}");
+    // The model card says how to run it: llama-server with the file's template, and Ollama.
+    let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+    assert!(card.contains("## Try it") && card.contains("llama-server -m gguf/model-q8_0.gguf --jinja"), "{card}");
+    assert!(card.contains("ollama create my-model -f gguf/model-q8_0.Modelfile"), "{card}");
     let again = p.run(&["run", "tiny.toml"]);
     assert!(stderr(&again).matches("    cached  ").count() == 7, "{}", stderr(&again));
     readme.check();
