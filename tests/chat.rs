@@ -97,6 +97,12 @@ fn a_recipe_not_run_yet_and_bad_settings_are_clear_errors() {
     let o = p.run(&["chat", model.to_str().unwrap(), "--top-p", "0", "--prompt", "Hi"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("`--top-p` must be above 0"), "{}", stderr(&o));
+    // A GGUF file is said to be one, with what serves it.
+    let gguf = p.path().join("model.gguf");
+    std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00").unwrap();
+    let o = p.run(&["chat", gguf.to_str().unwrap(), "--prompt", "Hi"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("is a GGUF file") && stderr(&o).contains("Modelfile"), "{}", stderr(&o));
 }
 
 /// A reply reaches the terminal piece by piece as tokens are chosen, not at the end: the pieces

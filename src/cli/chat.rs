@@ -39,6 +39,17 @@ fn sampling(a: &ChatArgs) -> Result<Sampling, Problem> {
 pub fn run(g: &Global, a: ChatArgs, ui: &Ui) -> Result<u8, Error> {
     let s = sampling(&a)?;
     let dir = std::path::Path::new(&a.target);
+    if dir.is_file() && a.target.to_ascii_lowercase().ends_with(".gguf") {
+        return Err(Problem::new(
+            "rtune::chat::gguf",
+            format!("`{}` is a GGUF file, which rtune chat does not read yet", a.target),
+        )
+        .help(
+            "chat with the recipe that made it or its merged folder, or serve the file: llama.cpp's server \
+             with `--jinja`, or Ollama with the .Modelfile beside it (docs/serving.md)",
+        )
+        .into());
+    }
     let model = if dir.is_dir() {
         if a.stage.is_some() || a.base || !a.sets.is_empty() {
             return Err(Problem::new(
