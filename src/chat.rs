@@ -66,13 +66,9 @@ impl Chat {
         let shipped: Option<Shipped> =
             crate::data::chat::shipped(folder, model.format, model.chat_template.as_deref(), &tokenizer)
                 .map_err(|e| problem(format!("{e}")))?;
-        let (template, origin, turn_end) = match &shipped {
+        let (template, origin, turn_end) = match shipped {
             Some(s) => {
-                let (bos, eos) = crate::data::chat::special_tokens(&folder.dir);
-                let t = ChatTemplate::new(&s.source, &bos, &eos)
-                    .map_err(|e| problem(format!("{e}")))?
-                    .with_kwargs(&model.chat_template_kwargs);
-                (Some(t), Some(s.origin.clone()), s.turn_end.as_ref().map(|t| t.1))
+                (Some(s.template.with_kwargs(&model.chat_template_kwargs)), Some(s.origin), s.turn_end.map(|t| t.1))
             }
             None => (None, None, None),
         };
@@ -264,16 +260,13 @@ pub fn from_folder(dir: &Path, device: DeviceKey) -> Result<Model, Problem> {
         (dir.to_path_buf(), None)
     };
     let folder = ModelFolder::open(&base_dir).map_err(|e| problem(format!("{e}")))?;
-    // An exported folder's template is its own (the one it trained with): chat data.
-    let format = if crate::data::chat::model_template(&folder.dir).is_some()
-        || trained.as_ref().is_some_and(|t| crate::data::chat::model_template(t).is_some())
-    {
-        DataFormat::Chat
-    } else {
-        DataFormat::Text
-    };
-    // A PEFT folder carries the trained template; prefer it over the base's.
+    // An exported folder's template is its own (the one it trained with): chat data. A PEFT
+    // folder carries the trained template; it is preferred over the base's.
     let chat_template = trained.as_ref().and_then(|t| crate::data::chat::model_template(t)).map(|(t, _)| t);
+    let format = match chat_template.is_some() || crate::data::chat::model_template(&folder.dir).is_some() {
+        true => DataFormat::Chat,
+        false => DataFormat::Text,
+    };
     Ok(Model {
         folder,
         trained,

@@ -50,6 +50,16 @@ pub struct ChatTemplate {
 }
 
 impl ChatTemplate {
+    /// The BOS token's text the template renders `bos_token` as.
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
+    /// The EOS token's text the template renders `eos_token` as.
+    pub fn eos_token(&self) -> &str {
+        &self.eos_token
+    }
+
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, DataError> {
         let mut env = Environment::new();
         env.set_syntax(
@@ -271,10 +281,11 @@ pub fn alpaca_template(bos: bool) -> &'static str {
 }
 
 /// The chat template a fine-tuned model ships with: the one its data was rendered with.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Shipped {
     /// The Jinja source.
     pub source: String,
+    /// `source` parsed, with the folder's BOS and EOS tokens (no kwargs: what exports ship).
+    pub template: ChatTemplate,
     /// Where it came from, for the model card (`dataset.chat_template`, `chat_template.jinja`, …).
     pub origin: String,
     /// The special token that ends an assistant turn (a stop token for inference), if the
@@ -306,7 +317,7 @@ pub fn shipped(
     let (bos, eos) = special_tokens(&folder.dir);
     let template = ChatTemplate::new(&source, &bos, &eos)?;
     let turn_end = turn_end(&template, tokenizer);
-    Ok(Some(Shipped { source, origin, turn_end }))
+    Ok(Some(Shipped { source, template, origin, turn_end }))
 }
 
 /// The chat template `dataset.chat_template` (`over`) picks for a model — `"chatml"`, a Jinja

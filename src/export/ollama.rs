@@ -127,7 +127,8 @@ pub fn ollama_data(messages: &[(&str, &str)]) -> Value {
     ]))
 }
 
-fn jinja(chat: &ChatTemplate, bos: &str, msgs: &[(&str, &str)]) -> Result<String, String> {
+fn jinja(chat: &ChatTemplate, msgs: &[(&str, &str)]) -> Result<String, String> {
+    let bos = chat.bos_token();
     let values: Vec<serde_json::Value> =
         msgs.iter().map(|(r, c)| serde_json::json!({"role": r, "content": c})).collect();
     let text = chat.render(&values, true)?;
@@ -137,13 +138,12 @@ fn jinja(chat: &ChatTemplate, bos: &str, msgs: &[(&str, &str)]) -> Result<String
     })
 }
 
-/// Translate `chat` (whose BOS and EOS token texts are `bos`, `eos`) for Ollama; the error says
-/// why it cannot be.
-pub fn translate(chat: &ChatTemplate, bos: &str, eos: &str) -> Result<Translation, String> {
+/// Translate `chat` for Ollama; the error says why it cannot be.
+pub fn translate(chat: &ChatTemplate) -> Result<Translation, String> {
     let convs = conversations();
     let one = &convs[2];
-    let j_one = jinja(chat, bos, one).map_err(|e| format!("the chat template cannot render one user turn: {e}"))?;
-    'family: for (family, source) in families(eos) {
+    let j_one = jinja(chat, one).map_err(|e| format!("the chat template cannot render one user turn: {e}"))?;
+    'family: for (family, source) in families(chat.eos_token()) {
         let t = Template::parse(&source).map_err(|e| format!("rtune's `{family}` Go template: {e}"))?;
         let go = |msgs: &[(&str, &str)]| t.render(&ollama_data(msgs));
         // A system prompt the Jinja template adds by itself becomes the Modelfile's SYSTEM.
@@ -157,7 +157,7 @@ pub fn translate(chat: &ChatTemplate, bos: &str, eos: &str) -> Result<Translatio
         let (mut checked, mut refuses_system) = (0, false);
         for conv in &convs {
             let has_system = conv.iter().any(|(r, _)| *r == "system");
-            let expected = match jinja(chat, bos, conv) {
+            let expected = match jinja(chat, conv) {
                 Ok(t) => t,
                 Err(_) if has_system => {
                     refuses_system = true;
@@ -234,7 +234,7 @@ mod tests {
     use crate::data::chat::{ALPACA, CHATML};
 
     fn translate_src(src: &str, bos: &str, eos: &str) -> Result<Translation, String> {
-        translate(&ChatTemplate::new(src, bos, eos).unwrap(), bos, eos)
+        translate(&ChatTemplate::new(src, bos, eos).unwrap())
     }
 
     /// Every family template rendered by Go's own text/template (the fixture

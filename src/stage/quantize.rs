@@ -263,7 +263,7 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
     }
     let ollama = match gguf_files.is_empty() {
         true => serde_json::Value::Null,
-        false => ollama_modelfiles(ctx, &folder, chat.as_ref(), &gguf_files)?,
+        false => ollama_modelfiles(ctx, chat.as_ref(), &gguf_files)?,
     };
     let metrics = json!({ "formats": report, "chat_template": chat.as_ref().map(|c| json!({
         "origin": c.origin,
@@ -279,7 +279,6 @@ pub fn run(ctx: &StageCtx<'_>, key: &QuantizeKey) -> Result<serde_json::Value, S
 /// be translated, or none, is said (as a warning, and in exports.json) and no Modelfile written.
 fn ollama_modelfiles(
     ctx: &StageCtx<'_>,
-    folder: &ModelFolder,
     chat: Option<&crate::data::chat::Shipped>,
     gguf_files: &[String],
 ) -> Result<serde_json::Value, StageError> {
@@ -290,10 +289,8 @@ fn ollama_modelfiles(
         ctx.ui.warn(format!("no Ollama Modelfile: {why}"));
         return Ok(json!({ "modelfiles": [], "untranslated": why }));
     };
-    let (bos, eos) = crate::data::chat::special_tokens(&folder.dir);
-    let template = crate::data::chat::ChatTemplate::new(&chat.source, &bos, &eos)?;
     let stops: Vec<String> = chat.turn_end.iter().map(|t| t.0.clone()).collect();
-    let made = ollama::translate(&template, &bos, &eos).and_then(|t| {
+    let made = ollama::translate(&chat.template).and_then(|t| {
         gguf_files
             .iter()
             .map(|f| ollama::modelfile(&t, f, &stops).map(|m| (f, m)))
